@@ -1,0 +1,151 @@
+"""`AsyncLLM`: the online engine — a background step-loop thread plus per-request queues.
+
+Handlers never touch scheduler state: they post `add` / `abort` commands on a thread-safe queue;
+the loop thread (the single owner) applies them between steps and delivers each `RequestOutput`
+to its request's asyncio queue on the caller's event loop. Torch releases the GIL inside ops, so
+HTTP handling runs while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import EngineDeadError, QueueFullError
+from engine.outputs import RequestOutput, SchedulerStats
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+class AsyncLLM:
+    """Args:
+        config: the engine configuration (model, cache, scheduler).
+    Building it loads the model (blocking) and starts the step loop.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.engine_core = EngineCore(config)
+        self.tokenizer = self.engine_core.tokenizer
+        self.model_name = self.engine_core.model_name
+        self.max_model_len = self.engine_core.max_model_len
+        self._max_in_flight = (config.scheduler.max_num_seqs
+                               + config.scheduler.max_waiting_requests)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stats = SchedulerStats()
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run_loop, name="deepinfer-step-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- caller side ---------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (deltas) until it finishes.
+
+        Raises (before the first output):
+            QueueFullError: too many requests in flight (HTTP 429).
+            PromptTooLongError, ValueError: the prompt does not fit or is invalid (HTTP 400).
+            EngineDeadError: the step loop has died.
+        Closing the iterator early (client gone) aborts the request and frees its blocks.
+        """
+        self.check_health()
+        request = self.engine_core.make_request(prompt_token_ids, sampling_params,
+                                                request_id or uuid.uuid4().hex)
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if len(self._streams) >= self._max_in_flight:
+                raise QueueFullError(
+                    f"{len(self._streams)} requests are in flight (max_num_seqs + "
+                    f"max_waiting_requests = {self._max_in_flight}); retry later.")
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already in use.")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not finished:
+                self._commands.put(("abort", request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def get_stats(self) -> SchedulerStats:
+        return self._stats
+
+    def check_health(self) -> None:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine step loop stopped: {self._error!r}; "
+                                  "restart the server.")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout_s)
+
+    # ---- loop side -----------------------------------------------------------------------
+    def _apply(self, command: str, payload) -> None:
+        core = self.engine_core
+        if command == "add":
+            request: Request = payload
+            try:
+                core.add_request(request)
+            except QueueFullError as error:
+                self._deliver(request.request_id, error)
+        elif command == "abort":
+            core.abort_requests([payload])
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else \
+                self._commands.get_nowait()
+            while True:
+                self._apply(*command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _run_loop(self) -> None:
+        core = self.engine_core
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands(block=not core.has_unfinished_requests())
+                for output in core.step():
+                    self._deliver(output.request_id, output)
+                self._stats = core.get_stats()
+        except BaseException as error:  # noqa: BLE001 - reported to every waiting request
+            logger.exception("engine step loop died")
+            self._error = error
+            dead = EngineDeadError(f"the engine step loop stopped: {error!r}")
+            with self._lock:
+                streams = list(self._streams)
+            for request_id in streams:
+                self._deliver(request_id, dead)
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)

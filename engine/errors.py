@@ -1,0 +1,17 @@
+"""Errors the engine raises to its callers (the server maps them to HTTP statuses)."""
+
+
+class EngineError(Exception):
+    """Base class."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at `max_waiting_requests`; the caller should retry later (HTTP 429)."""
+
+
+class EngineDeadError(EngineError):
+    """The step loop stopped after an internal error; the process must be restarted (HTTP 503)."""
+
+
+class PromptTooLongError(ValueError):
+    """Prompt + max_tokens does not fit the context window (HTTP 400)."""

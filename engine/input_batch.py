@@ -1,0 +1,92 @@
+"""The model runner's per-request state and the builder of one step's input tensors.
+
+`CachedRequestState` is the runner's copy of a request (token ids, block table), updated from
+each `SchedulerOutput` diff; `build_step_inputs` flattens the scheduled requests into one varlen
+batch: `input_ids`, `positions`, and the `AttentionMetadata` (`query_start_loc`, `seq_lens`,
+`block_tables`, `slot_mapping`), plus which rows produce logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.sampling_params import SamplingParams
+from kernels.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]          # prompt + sampled tokens (the runner appends what it samples)
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int      # tokens in the KV cache before this step
+    sampling_params: SamplingParams
+    seed: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor       # [num_tokens] int64
+    positions: torch.Tensor       # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_reqs] int64 — rows whose logits are sampled
+    sampling_states: list[CachedRequestState]  # requests that sample, in logits_indices order
+
+
+def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int],
+                      block_size: int, device: torch.device) -> StepInputs:
+    """Flatten the scheduled requests (in `states` order) into one varlen batch.
+
+    Args:
+        states: the scheduled requests, with `num_computed_tokens` as before this step.
+        num_scheduled: tokens scheduled per request this step.
+        block_size: tokens per KV block.
+    """
+    num_seqs = len(states)
+    query_lens = np.asarray(num_scheduled, dtype=np.int64)
+    starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)
+    seq_lens = starts + query_lens
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    # positions: for each sequence, start .. start + query_len - 1
+    seq_index = np.repeat(np.arange(num_seqs), query_lens)
+    positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - starts, query_lens)
+    max_blocks = max(len(s.block_ids) for s in states)
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    input_ids = np.empty(num_tokens, dtype=np.int64)
+    sampling_rows, sampling_states = [], []
+    for i, state in enumerate(states):
+        block_tables[i, :len(state.block_ids)] = state.block_ids
+        begin, end = int(starts[i]), int(seq_lens[i])
+        input_ids[query_start_loc[i]:query_start_loc[i + 1]] = state.token_ids[begin:end]
+        if end == len(state.token_ids):
+            sampling_rows.append(int(query_start_loc[i + 1]) - 1)
+            sampling_states.append(state)
+    slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+
+    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+
+    metadata = AttentionMetadata(
+        query_start_loc=to_device(query_start_loc, torch.int32),
+        seq_lens=to_device(seq_lens, torch.int32),
+        block_tables=to_device(block_tables, torch.int32),
+        slot_mapping=to_device(slot_mapping, torch.int64),
+        max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist())
+    return StepInputs(
+        input_ids=to_device(input_ids, torch.int64), positions=to_device(positions, torch.int64),
+        attn_metadata=metadata,
+        logits_indices=to_device(np.asarray(sampling_rows, dtype=np.int64), torch.int64),
+        sampling_states=sampling_states)

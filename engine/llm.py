@@ -1,0 +1,84 @@
+"""Offline API: `LLM(model).generate(prompts, sampling_params)`, DeepInfer's interface."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig, ModelConfig, env_overrides
+from engine.engine_core import EngineCore
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Run generation in this process, all prompts batched by the continuous-batching scheduler.
+
+    Args:
+        model: HF directory, `.gguf` file, or None for the embedded default (SmolLM2-135M).
+        config: a full EngineConfig; `model` (if given) overrides its model path.
+        **model_overrides: ModelConfig fields, e.g. `dtype="float32"`, `max_model_len=2048`.
+    The `DEEPINFER_*` environment variables apply underneath explicit arguments.
+    """
+
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None,
+                 **model_overrides):
+        if config is None:
+            config = EngineConfig().replace(**env_overrides())
+        if model is not None:
+            model_overrides["model"] = model
+        if model_overrides:
+            config = config.replace(model=model_overrides)
+        self.engine_core = EngineCore(config)
+        self.tokenizer = self.engine_core.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; returns finished outputs in prompt order.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            sampling_params: one for all prompts, or one per prompt (default: greedy-free
+                `SamplingParams()`).
+        Raises:
+            ValueError / PromptTooLongError: a prompt is empty or does not fit the context.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} "
+                             "prompts; give one, or one per prompt.")
+        core = self.engine_core
+        requests = [core.make_request(self._tokenize(p), sp, request_id=str(i))
+                    for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        for request in requests:
+            core.add_request(request)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
+            while core.has_unfinished_requests():
+                for output in core.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[r.request_id] for r in requests]
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None
+             ) -> RequestOutput:
+        """One chat conversation through the model's chat template."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        return self.generate([list(ids)], sampling_params)[0]
+
+
+__all__ = ["LLM", "ModelConfig"]

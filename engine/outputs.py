@@ -1,0 +1,128 @@
+"""The seams of one engine step, as plain data (no tensors, no torch import).
+
+- `SchedulerOutput` — made by `Scheduler.schedule()`, read by `ModelRunner.execute()`. Ids,
+  counts and integer block ids only; the runner turns them into tensors.
+- `ModelRunnerOutput` — made by `ModelRunner.execute()`, read by
+  `Scheduler.update_from_output()`. Python lists of sampled ids and logprobs.
+- `EngineCoreOutput` — one per request per step with its new tokens, made by the scheduler and
+  turned into text by the `OutputProcessor`.
+- `RequestOutput` — what `LLM.generate` returns and `AsyncLLM.generate` streams: per-step deltas
+  (`new_token_ids`, `new_text`) plus the running totals a client needs.
+
+Ownership: the step loop (EngineCore) owns every object here until it hands a `RequestOutput` to
+the caller; nothing here is mutated after that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption)."""
+
+    request_id: str
+    token_ids: list[int]          # prompt + output tokens so far
+    num_prompt_tokens: int
+    block_ids: list[int]          # the whole block table
+    num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hits)
+    sampling_params: SamplingParams
+    seed: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]      # appended to its block table
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token: its own and the top-k alternatives (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request, in `req_ids` order. A request whose prefill chunk did not reach the
+    end of its tokens samples nothing (empty list)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None       # "stop" | "length" | "abort" | None
+    stop_reason: int | str | None = None   # stop token id or stop string that ended it
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic timestamps in seconds (time.monotonic)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprobs] | None
+    num_output_tokens: int
+    num_cached_tokens: int
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    metrics: RequestMetrics
+    # Filled only when finished (offline API): the whole generation.
+    text: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the step loop's gauges and counters (for /metrics)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0           # fraction of KV blocks in use, 0..1
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    prefix_cache_queries: int = 0         # prompt tokens looked up (counter)
+    prefix_cache_hits: int = 0            # of which served from cache (counter)
+    num_preemptions: int = 0              # counter

@@ -1,0 +1,119 @@
+"""`SamplingParams`: how one request samples and when it stops. DeepInfer-compatible names.
+
+Pure module: no torch import. Validation raises `ValueError` with the value, the consequence and
+the fix, so the server can return it as a 400 as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+_SO_SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping for one request.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_p, top_k, min_p: nucleus, top-k (-1 or 0 = off) and min-p (0 = off) filters.
+    repetition_penalty: >1 discourages tokens already in prompt or output (CTRL, Keskar 2019).
+    presence_penalty, frequency_penalty: OpenAI's additive penalties over output tokens.
+    max_tokens: new tokens to generate at most (None = up to the context window).
+    min_tokens: EOS and stop_token_ids are suppressed until this many tokens exist.
+    stop: strings that end generation; never included in the output text.
+    stop_token_ids: token ids that end generation (in addition to EOS unless ignore_eos).
+    ignore_eos: keep generating past EOS.
+    seed: per-request seed (alias `seq_seed`, DeepInfer's name). The same seed and prompt give the
+        same tokens whatever else is batched with the request. None = a random 64-bit seed.
+    logprobs: return this many top logprobs per output token (None = no logprobs; 0 = only the
+        sampled token's).
+    prompt_logprobs: unsupported for now (must be None).
+    n: kept for the offline API; the server fans out n>1 into n requests.
+    skip_special_tokens: drop special tokens when detokenizing.
+    so_args: structured output, `{"schema_type": "json"|"regex"|"ebnf"|"json_object",
+        "schema": ...}` (enforced by the structured-output backend).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    seq_seed: int | None = None  # DeepInfer's name for `seed`; kept equal to it
+    logprobs: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+    so_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_seed is not None:
+            if self.seed is not None and self.seed != self.seq_seed:
+                raise ValueError(f"seed={self.seed} and seq_seed={self.seq_seed} disagree; "
+                                 "give only one of them.")
+            self.seed = self.seq_seed
+        self.seq_seed = self.seed
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or [])]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def resolved_seed(self) -> int:
+        """The seed to sample with: the given one, or a fresh random 64-bit value."""
+        return self.seed if self.seed is not None else secrets.randbits(63)
+
+    def _validate(self) -> None:
+        checks = [
+            (self.temperature >= 0.0, f"temperature={self.temperature} must be >= 0."),
+            (0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]."),
+            (self.top_k == -1 or self.top_k >= 0, f"top_k={self.top_k} must be -1 (off) or >= 0."),
+            (0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]."),
+            (self.repetition_penalty > 0.0,
+             f"repetition_penalty={self.repetition_penalty} must be > 0."),
+            (-2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty={self.presence_penalty} must be in [-2, 2]."),
+            (-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]."),
+            (self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens={self.max_tokens} must be >= 1."),
+            (self.min_tokens >= 0, f"min_tokens={self.min_tokens} must be >= 0."),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}."),
+            (all(isinstance(s, str) and s for s in self.stop),
+             "stop strings must be non-empty strings."),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers."),
+            (self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
+             f"seed={self.seed} must be an integer that fits in 64 bits."),
+            (self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs={self.logprobs} must be between 0 and 20."),
+            (self.n >= 1, f"n={self.n} must be >= 1."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.so_args is not None:
+            kind = self.so_args.get("schema_type") if isinstance(self.so_args, dict) else None
+            if kind not in _SO_SCHEMA_TYPES:
+                raise ValueError(f"so_args schema_type={kind!r} is not one of {_SO_SCHEMA_TYPES}.")
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,186 @@
+"""Continuous batching scheduler: counts tokens, not phases.
+
+Every step, each request's `num_computed_tokens` catches up with `num_tokens` (prompt + output)
+under a token budget: a decode is a request one token behind, a prefill chunk one many tokens
+behind, a prefix-cache hit starts ahead. When KV blocks run out, the most recently admitted running
+request is preempted by recompute (its blocks freed, it goes back to the front of the queue).
+Policy is first-come first-served, as in vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py).
+
+Only the step loop calls this class. Pure module: no torch import.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.config import SchedulerConfig
+from engine.errors import QueueFullError
+from engine.kv_cache.manager import KVCacheManager
+from engine.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                            NewRequestData, SchedulerOutput, SchedulerStats)
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            QueueFullError: `max_waiting_requests` requests are already waiting.
+        """
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"{len(self.waiting)} requests are waiting (max_waiting_requests="
+                f"{self.config.max_waiting_requests}); retry later or raise --max-waiting-requests.")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """Finish (abort, stop string) requests by id; unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free_request(request, status)
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        """The one place a request ends: status set, blocks freed, runner told."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self.finished_req_ids)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(out, budget)
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        return out
+
+    def _chunk(self, num_remaining_tokens: int, budget: int) -> int:
+        """Tokens to schedule for a request `num_remaining_tokens` behind its target."""
+        num_tokens = min(num_remaining_tokens, budget)
+        if self.config.long_prefill_token_threshold:
+            num_tokens = min(num_tokens, self.config.long_prefill_token_threshold)
+        return num_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
+            if new_block_ids is None:
+                break
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                request.request_id, new_block_ids, request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = num_tokens
+            budget -= num_tokens
+            index += 1
+        return budget, preempted
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.finished_req_ids.add(request.request_id)  # the runner drops its state; resent as new
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_tokens = self._chunk(request.num_tokens - num_hit_tokens, budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens, hit_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled_new_reqs.append(NewRequestData(
+                request_id=request.request_id, token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit_tokens, sampling_params=request.sampling_params,
+                seed=request.seed))
+            out.num_scheduled_tokens[request.request_id] = num_tokens
+            budget -= num_tokens
+
+    # ---- results -------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply token-level stop rules, free finished requests."""
+        outputs = []
+        for index, request_id in enumerate(runner_output.req_ids):
+            sampled = runner_output.sampled_token_ids[index]
+            request = self.requests.get(request_id)
+            if not sampled or request is None:
+                continue
+            new_token_ids: list[int] = []
+            status = None
+            for token_id in sampled:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                status = request.check_stop()
+                if status is not None:
+                    break
+            logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
+            if logprobs is not None:
+                logprobs = logprobs[:len(new_token_ids)]
+            if status is not None:
+                self.running.remove(request)
+                self._free_request(request, status)
+            outputs.append(EngineCoreOutput(request_id, new_token_ids, logprobs,
+                                            status.finish_reason if status else None,
+                                            request.stop_reason))
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=pool.usage, num_kv_blocks=pool.num_blocks,
+            num_free_kv_blocks=pool.num_free_blocks,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            num_preemptions=self.num_preemptions)

@@ -1,0 +1,1 @@
+"""Placeholder package: lands with its own issue (see DESIGN.md)."""
