@@ -75,7 +75,7 @@ class EngineCore:
             (self.model_dir / "config.json").read_bytes() + str(self.dtype).encode()
             + cache.block_size.to_bytes(4, "little"), digest_size=8).digest()
         self.model_runner = ModelRunner(model, num_blocks, cache.block_size, self.device,
-                                        self.dtype)
+                                        self.dtype, self.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint))
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -11,7 +11,8 @@ import torch
 
 from engine.input_batch import CachedRequestState, build_step_inputs
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.sampler import Sampler, build_sampling_metadata
+from engine.sampler import Sampler
+from engine.sampling_metadata import build_sampling_metadata
 
 
 class ModelRunner:
@@ -20,11 +21,13 @@ class ModelRunner:
         num_blocks: KV blocks to allocate.
         block_size: tokens per block.
         device, dtype: where and in which dtype the KV cache lives.
+        eos_token_ids: masked while a request is below its min_tokens.
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, eos_token_ids: frozenset[int]):
         self.model = model
+        self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.device = device
         shape = model.kv_cache_shape(num_blocks, block_size)
@@ -65,7 +68,8 @@ class ModelRunner:
         sampled: dict[str, tuple[list[int], list | None]] = {}
         if inputs.sampling_states:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            metadata = build_sampling_metadata(inputs.sampling_states, self.device)
+            metadata = build_sampling_metadata(inputs.sampling_states, self.device,
+                                               eos_token_ids=self.eos_token_ids)
             result = self.sampler(logits, metadata)
             for row, state in enumerate(inputs.sampling_states):
                 token_id = result.sampled_token_ids[row]

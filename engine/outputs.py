@@ -82,6 +82,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None       # "stop" | "length" | "abort" | None
     stop_reason: int | str | None = None   # stop token id or stop string that ended it
+    num_cached_tokens: int = 0             # prompt tokens served by the prefix cache
 
 
 @dataclass

@@ -172,7 +172,8 @@ class Scheduler:
                 self._free_request(request, status)
             outputs.append(EngineCoreOutput(request_id, new_token_ids, logprobs,
                                             status.finish_reason if status else None,
-                                            request.stop_reason))
+                                            request.stop_reason,
+                                            max(request.num_cached_tokens, 0)))
         return outputs
 
     def get_stats(self) -> SchedulerStats:

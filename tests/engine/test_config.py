@@ -1,0 +1,55 @@
+"""EngineConfig and SamplingParams: ranges, env mapping, DeepInfer aliases."""
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, env_overrides
+from engine.sampling_params import SamplingParams
+
+
+def test_env_overrides_map_deepinfer_variables():
+    sections = env_overrides({"DEEPINFER_HF_MODEL_DIR": "/models/x", "DEEPINFER_BLOCK_SIZE": "32",
+                              "DEEPINFER_ENABLE_PREFIX_CACHING": "false", "UNRELATED": "1"})
+    assert sections == {"model": {"model": "/models/x"},
+                        "cache": {"block_size": 32, "enable_prefix_caching": False}}
+    config = EngineConfig().replace(**sections)
+    assert config.model.model == "/models/x" and config.cache.block_size == 32
+    assert config.scheduler == SchedulerConfig()
+
+
+def test_env_override_with_a_bad_value_names_the_variable():
+    with pytest.raises(ValueError, match="DEEPINFER_MAX_NUM_SEQS='many'"):
+        env_overrides({"DEEPINFER_MAX_NUM_SEQS": "many"})
+
+
+def test_config_range_checks():
+    with pytest.raises(ValueError, match="block_size=12"):
+        CacheConfig(block_size=12)
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        SchedulerConfig(max_num_seqs=0)
+
+
+def test_seq_seed_is_an_alias_of_seed():
+    assert SamplingParams(seq_seed=7).seed == 7
+    assert SamplingParams(seed=7).seq_seed == 7
+    with pytest.raises(ValueError, match="disagree"):
+        SamplingParams(seed=1, seq_seed=2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.5}, "temperature=-0.5"),
+    ({"top_p": 0.0}, "top_p=0.0"),
+    ({"max_tokens": 0}, "max_tokens=0"),
+    ({"logprobs": 21}, "logprobs=21"),
+    ({"stop": [""]}, "stop strings"),
+    ({"so_args": {"schema_type": "xml"}}, "schema_type='xml'"),
+])
+def test_sampling_params_reject_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_stop_string_is_normalised_to_a_list_and_seed_is_random_without_one():
+    params = SamplingParams(stop="###")
+    assert params.stop == ["###"]
+    assert params.resolved_seed() != params.resolved_seed()
+    assert SamplingParams(seed=5).resolved_seed() == 5
