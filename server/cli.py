@@ -1,0 +1,152 @@
+"""`deepinfer serve [MODEL]`: load the model, serve the OpenAI API, shut down gracefully.
+
+The engine config is built as defaults <- `DEEPINFER_*` environment variables <- the flags the
+user gave (a flag left out never overrides the environment). The engine is imported only when
+serving, so `deepinfer --help` starts in a blink without torch.
+
+On SIGTERM or Ctrl-C uvicorn stops accepting connections and lets in-flight requests finish
+(up to --graceful-shutdown-s), then the engine's step loop is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any, Sequence
+
+# flag dest -> (EngineConfig section, field, converter)
+ENGINE_FLAGS: dict[str, tuple[str, str, Any]] = {
+    "model": ("model", "model", str),
+    "dtype": ("model", "dtype", str),
+    "device": ("model", "device", str),
+    "max_model_len": ("model", "max_model_len", int),
+    "served_model_name": ("model", "served_model_name", str),
+    "seed": ("model", "seed", int),
+    "block_size": ("cache", "block_size", int),
+    "num_kv_blocks": ("cache", "num_blocks", int),
+    "kv_cache_memory_gb": ("cache", "kv_cache_memory_bytes", lambda gb: int(gb * (1 << 30))),
+    "max_num_seqs": ("scheduler", "max_num_seqs", int),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens", int),
+    "max_waiting_requests": ("scheduler", "max_waiting_requests", int),
+}
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve a model through the OpenAI API",
+        description="Serve one model through an OpenAI-compatible HTTP API. Engine flags left "
+                    "out take their DEEPINFER_* environment variable, then the default.")
+    keep = argparse.SUPPRESS  # engine flags the user did not give stay out of the namespace
+    serve.add_argument("model", nargs="?", default=keep,
+                       help="HF model directory or .gguf file (default: the embedded "
+                            "SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    serve.add_argument("--max-model-len", type=int, default=keep,
+                       help="context window in tokens (default: the model's, capped by the KV "
+                            "cache)")
+    serve.add_argument("--max-num-seqs", type=int, default=keep,
+                       help="requests running in one step (default 32)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=keep,
+                       help="token budget of one step (default 512)")
+    serve.add_argument("--block-size", type=int, default=keep, help="tokens per KV block (16)")
+    serve.add_argument("--num-kv-blocks", type=int, default=keep,
+                       help="KV cache size in blocks (default: from --kv-cache-memory-gb)")
+    serve.add_argument("--kv-cache-memory-gb", type=float, default=keep,
+                       help="memory for the KV cache in GiB (default 1)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                       default=keep, help="weights and activations dtype (default auto)")
+    serve.add_argument("--device", default=keep, help="auto, cpu, cuda or cuda:N (default auto)")
+    serve.add_argument("--served-model-name", default=keep,
+                       help="the model name clients send (default: derived from MODEL)")
+    serve.add_argument("--seed", type=int, default=keep,
+                       help="base seed for requests that give none (default: random)")
+    serve.add_argument("--max-waiting-requests", type=int, default=keep,
+                       help="queued requests before new ones get HTTP 429 (default 256)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--graceful-shutdown-s", type=int, default=30,
+                       help="on SIGTERM, how long in-flight requests may run (default 30)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer",
+                                     description="deepinfer: an OpenAI-compatible LLM server.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve_parser(commands)
+    return parser
+
+
+def engine_sections(args: argparse.Namespace,
+                    environ: dict[str, str] | None = None) -> dict[str, dict]:
+    """`EngineConfig.replace` sections: environment overrides, then the flags given."""
+    from engine.config import env_overrides
+
+    sections = env_overrides(environ)
+    for dest, (section, field, convert) in ENGINE_FLAGS.items():
+        if dest in args:
+            sections.setdefault(section, {})[field] = convert(getattr(args, dest))
+    return sections
+
+
+def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
+    from engine.config import EngineConfig
+
+    return EngineConfig().replace(**engine_sections(args, environ))
+
+
+async def _serve_http(app: Any, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.graceful_shutdown_s)
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        url = f"http://{args.host}:{args.port}"
+        print(f"deepinfer: serving {app.state.engine.model_name!r} at {url}/v1 "
+              f"(health: {url}/health, metrics: {url}/metrics)", flush=True)
+    await serving
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_engine_config(args)
+    except ValueError as exc:
+        print(f"deepinfer: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    from engine.async_llm import AsyncLLM
+    from server.app import build_app
+
+    engine = AsyncLLM(config)
+    # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, drain), then re-raises the
+    # signal it caught; these no-op handlers receive it so that the engine is shut down below
+    # instead of the process dying mid-cleanup.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        asyncio.run(_serve_http(build_app(engine, api_key=args.api_key), args))
+    finally:
+        engine.shutdown()
+    print("deepinfer: stopped", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    raise AssertionError(f"unhandled command {args.command!r}")  # argparse refuses others
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+`APIError` is what handlers raise; `install_error_handlers` makes FastAPI answer it, request
+validation failures (400, not FastAPI's 422 shape), HTTP errors (404/405) and unexpected
+exceptions (500, logged) with the same body. `from_engine_error` maps the engine's errors to
+their statuses: queue full -> 429, prompt too long / bad sampling values -> 400, dead -> 503.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineDeadError, QueueFullError
+
+logger = logging.getLogger("deepinfer.server")
+
+
+class APIError(Exception):
+    """An error to return to the client as an OpenAI error body."""
+
+    def __init__(self, message: str, *, status_code: int = 400,
+                 type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def from_engine_error(exc: Exception) -> APIError | None:
+    """The API error for an exception `AsyncLLM.generate` raised, or None if it is a bug."""
+    if isinstance(exc, QueueFullError):
+        return APIError(f"The server is at capacity: {exc} Retry after a short wait.",
+                        status_code=429, type="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDeadError):
+        return APIError(f"The inference engine has stopped: {exc} Restart the server.",
+                        status_code=503, type="server_error", code="engine_dead")
+    if isinstance(exc, ValueError):  # PromptTooLongError and SamplingParams checks included
+        return APIError(str(exc))
+    return None
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """Any exception as an API error; one that is not a known request error is logged as a bug
+    and answered as a 500."""
+    if isinstance(exc, APIError):
+        return exc
+    mapped = from_engine_error(exc)
+    if mapped is not None:
+        return mapped
+    logger.error("unexpected error while generating", exc_info=exc)
+    return _internal_error(exc)
+
+
+def _internal_error(exc: Exception) -> APIError:
+    return APIError(f"Internal server error ({type(exc).__name__}); this is a bug in deepinfer. "
+                    "The server log has the traceback; please report it.",
+                    status_code=500, type="server_error", code="internal_error")
+
+
+# ------------------------------------------------------------------ request validation errors
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "constrained-str", "constrained-int"}
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Pydantic adds the union member it tried to `loc` (`str`, `list[int]`, `ContentPart`)."""
+    if not isinstance(part, str):
+        return False
+    return (part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-"))
+            or part[:1].isupper())
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [p for p in loc if p != "body" and not _is_type_tag(p)]
+    return ".".join(str(p) for p in parts) or None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 from pydantic's error list: the first offending parameter, all its failures."""
+    first = errors[0]
+    param = _param(tuple(first.get("loc", ())))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "malformed JSON")
+        return APIError(f"The request body is not valid JSON ({detail}); send a JSON object "
+                        "with Content-Type: application/json.", code="invalid_json")
+    if kind == "missing":
+        if param is None:
+            return APIError("The request has no body; send a JSON object with "
+                            "Content-Type: application/json.", code="invalid_json")
+        return APIError(f"Missing required parameter: '{param}'.", param=param,
+                        code="missing_required_parameter")
+    if kind == "extra_forbidden":
+        return APIError(f"Unrecognized request argument supplied: '{param}'; remove it "
+                        "(see the OpenAI API reference for the accepted fields).",
+                        param=param, code="unknown_parameter")
+    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    reasons = "; or ".join(dict.fromkeys(e.get("msg", "invalid") for e in same))
+    where = param or "the request body"
+    return APIError(f"Invalid value for '{where}': {_short(first.get('input'))}. {reasons}.",
+                    param=param, code="invalid_type")
+
+
+# ---------------------------------------------------------------------------------- handlers
+
+_HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error(list(exc.errors())).response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = str(exc.detail)
+    if exc.status_code == 404:
+        message = f"No route {request.method} {request.url.path}; see GET /v1/models."
+    elif exc.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+    err = APIError(message, status_code=exc.status_code,
+                   type=_HTTP_TYPES.get(exc.status_code, "invalid_request_error"))
+    return JSONResponse(err.body(), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _internal_error(exc).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,208 @@
+"""Running one API request as n engine requests and merging their output streams.
+
+An API request with `n` choices (and, for completions, several prompts) becomes one engine
+request per choice, id `{request_id}-{choice_index}`. Each runs in its own pump task that records
+its metrics and puts its outputs on one queue; `merged_outputs` yields `(choice_index, output)`
+as they come. Closing the merged stream (client disconnect, error, early exit) cancels the pump
+tasks, and a cancelled `AsyncLLM.generate` aborts its engine request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
+
+from fastapi import Request
+
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, as_api_error, from_engine_error
+from server.metrics import ServerMetrics
+from server.protocol import PromptTokensDetails, Usage
+from server.sse import DONE, sse_error
+
+logger = logging.getLogger("deepinfer.server")
+T = TypeVar("T")
+_END = object()
+
+
+@dataclass
+class SubRequest:
+    """One engine request: choice `index` of the API request."""
+
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (the non-stream body and usage read it)."""
+
+    index: int
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        self.num_prompt_tokens = len(out.prompt_token_ids)
+        self.num_cached_tokens = max(out.num_cached_tokens, 0)
+        self.num_output_tokens = out.num_output_tokens
+        if out.new_text:
+            self.text_parts.append(out.new_text)
+        if out.new_logprobs:
+            self.logprobs.extend(out.new_logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def usage(choices: list[ChoiceState], n: int) -> Usage:
+    """Token counts: each prompt once (choices i*n .. i*n+n-1 share prompt i), every output."""
+    firsts = [c for c in choices if c.index % n == 0]
+    prompt = sum(c.num_prompt_tokens for c in firsts)
+    completion = sum(c.num_output_tokens for c in choices)
+    cached = min(sum(c.num_cached_tokens for c in firsts), prompt)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+@contextlib.contextmanager
+def engine_errors() -> Iterator[None]:
+    """Turn the engine's request errors (queue full, too long, bad values) into API errors."""
+    try:
+        yield
+    except APIError:
+        raise
+    except Exception as exc:
+        err = from_engine_error(exc)
+        if err is None:
+            raise
+        raise err from exc
+
+
+async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
+                         subs: list[SubRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield `(choice_index, output)` from all sub-requests until each has finished.
+
+    An error in any sub-request is raised here (and the others are cancelled). Use inside
+    `contextlib.aclosing` so an early exit cancels the pumps at once.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(sub: SubRequest) -> None:
+        tracker = metrics.tracker()
+        try:
+            stream = engine.generate(sub.prompt_token_ids, sub.params,
+                                     f"{request_id}-{sub.index}")
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    tracker.observe(out)
+                    queue.put_nowait((sub.index, out))
+        except Exception as exc:  # handed to the consumer, which maps or logs it
+            queue.put_nowait((sub.index, exc))
+        finally:
+            tracker.close()
+            queue.put_nowait((sub.index, _END))
+
+    tasks = [asyncio.create_task(pump(sub)) for sub in subs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work` (a non-stream generation), cancelling it if the client goes away first.
+
+    Returns None when the client disconnected; cancelling `work` aborts its engine requests.
+    """
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task.done():
+            return work_task.result()
+        logger.info("client disconnected; aborting its request")
+        return None
+    finally:
+        watch_task.cancel()
+        work_task.cancel()
+
+
+async def collect(engine: Any, metrics: ServerMetrics, request_id: str,
+                  subs: list[SubRequest]) -> list[ChoiceState]:
+    """Run all sub-requests to the end; the choices in index order."""
+    states = {sub.index: ChoiceState(sub.index) for sub in subs}
+    with engine_errors():
+        async with contextlib.aclosing(merged_outputs(engine, metrics, request_id,
+                                                      subs)) as outputs:
+            async for index, out in outputs:
+                states[index].update(out)
+    return [states[i] for i in sorted(states)]
+
+
+async def start_stream(engine: Any, metrics: ServerMetrics, request_id: str,
+                       subs: list[SubRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Start the sub-requests and wait for the first output, so that a refused request (queue
+    full, prompt too long) is still an HTTP error status rather than an error event in a 200."""
+    outputs = merged_outputs(engine, metrics, request_id, subs)
+    try:
+        with engine_errors():
+            first = await anext(outputs)
+    except BaseException:
+        await outputs.aclose()
+        raise
+    return _prepend(first, outputs)
+
+
+async def _prepend(first: tuple[int, RequestOutput],
+                   outputs: AsyncIterator[tuple[int, RequestOutput]]
+                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async with contextlib.aclosing(outputs):
+        yield first
+        async for item in outputs:
+            yield item
+
+
+async def sse_body(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The stream's events, an error event if generation fails midway, then `data: [DONE]`.
+
+    A client disconnect cancels this generator (no [DONE]); closing `events` aborts the engine
+    requests.
+    """
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:
+            yield sse_error(as_api_error(exc))
+    yield DONE

@@ -1,0 +1,115 @@
+"""Prompts -> token ids: the chat template for /v1/chat/completions, the four prompt shapes of
+/v1/completions. Bad input (image parts, a template that refuses the conversation, token ids out
+of the vocabulary) is a 400 that says what to send instead.
+
+The chat template is rendered to text, then encoded with `add_special_tokens=False`: the template
+already writes the BOS token where the model wants one, and a second BOS changes the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from server.errors import APIError
+from server.protocol import ChatMessage
+
+_NON_TEXT_PARTS = {"image_url", "input_audio", "audio_url", "video_url", "file", "input_image"}
+
+
+def _flatten_content(message: ChatMessage, index: int) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        where = f"messages.{index}.content.{j}"
+        if part.type in _NON_TEXT_PARTS:
+            raise APIError(f"{where} is an '{part.type}' part, but this model accepts text "
+                           "only; send text parts only.", param=where,
+                           code="unsupported_content")
+        if part.type != "text":
+            raise APIError(f"{where} has unknown type '{part.type}'; use "
+                           "{\"type\": \"text\", \"text\": ...}.", param=where,
+                           code="invalid_value")
+        if part.text is None:
+            raise APIError(f"{where} is a text part without 'text'; add the text.",
+                           param=where, code="invalid_value")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the dicts chat templates expect (content as one string).
+
+    `developer` (OpenAI's newer name for system) is passed as `system`, which templates know.
+    """
+    if not messages:
+        raise APIError("messages is empty; send at least one message, e.g. "
+                       "[{\"role\": \"user\", \"content\": \"Hello\"}].", param="messages",
+                       code="empty_messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        extra = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
+        item = {**extra, "role": "system" if message.role == "developer" else message.role,
+                "content": _flatten_content(message, i)}
+        if message.name is not None:
+            item["name"] = message.name
+        rendered.append(item)
+    return rendered
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+    """Render the chat template with a generation prompt and encode it (no second BOS)."""
+    conversation = chat_template_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                             tokenize=False)
+    except (TemplateError, ValueError, TypeError, KeyError) as exc:
+        raise APIError(f"The model's chat template rejected these messages: {exc}. Adjust the "
+                       "conversation (roles, order) or use /v1/completions with a raw prompt.",
+                       param="messages", code="invalid_messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass
+class Prompt:
+    """One prompt of a completions request: its token ids and its text (for `echo`)."""
+
+    token_ids: list[int]
+    text: str
+
+
+def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(f"{where} holds token id {bad[0]}, outside the vocabulary [0, "
+                       f"{vocab_size}); send ids the model's tokenizer produced.", param="prompt",
+                       code="invalid_value")
+
+
+def completion_prompts(tokenizer: Any, prompt: Any) -> list[Prompt]:
+    """A string, list of strings, list of token ids or list of lists of ids -> prompts.
+
+    Text is encoded with the tokenizer's special tokens (a BOS where the model has one), as
+    vLLM does for completions.
+    """
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError("prompt is an empty list; send a string, a list of strings or token ids.",
+                       param="prompt", code="empty_prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    vocab_size = len(tokenizer)
+    prompts = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            prompts.append(Prompt(list(tokenizer.encode(item, add_special_tokens=True)), item))
+            continue
+        _check_ids(item, vocab_size, f"prompt[{i}]")
+        prompts.append(Prompt(list(item), tokenizer.decode(item)))
+    return prompts

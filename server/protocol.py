@@ -1,0 +1,216 @@
+"""OpenAI API request and response models (pydantic), with vLLM's sampling extras.
+
+Requests check types and shapes only; value ranges and cross-field rules live in
+`server.validation`, which can name the offending parameter and the fix in its message.
+Unknown request fields are refused (`extra="forbid"`), as OpenAI does, so a typo such as
+`max_token` is a 400 instead of being silently ignored. Responses are plain models dumped with
+their `None`s kept, because OpenAI clients expect e.g. `"logprobs": null`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------------------------- requests
+
+
+class ContentPart(_Open):
+    """One part of a message's content; only `{"type": "text", "text": ...}` is served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class SamplingFields(_Request):
+    """Fields /v1/chat/completions and /v1/completions share (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None  # None = the served model (vLLM's convention)
+    n: int | None = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    seq_seed: int | None = None
+    skip_special_tokens: bool | None = True
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # accepted and ignored, as OpenAI clients send them routinely
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# --------------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """A stream delta; unset fields are left out (`{}` on the finishing chunk), as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _without_nones(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content))
+                if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "deepinfer"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

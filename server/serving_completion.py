@@ -1,0 +1,104 @@
+"""POST /v1/completions: prompts as a string, strings, token ids or lists of token ids; `echo`;
+n choices per prompt (choice index = prompt_index * n + i); one JSON body or SSE chunks."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from engine.outputs import RequestOutput
+from server import generation as gen
+from server.logprobs import CompletionLogprobsBuilder, TokenDecoder
+from server.metrics import ServerMetrics
+from server.prompts import Prompt, completion_prompts
+from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from server.sse import HEADERS, MEDIA_TYPE, sse_event
+from server.validation import (build_params, check_model, completion_kwargs, fan_out,
+                               fit_max_tokens)
+
+
+class CompletionServing:
+    def __init__(self, engine: Any, metrics: ServerMetrics, decode: TokenDecoder) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.decode = decode
+
+    def _sub_requests(self, req: CompletionRequest, prompts: list[Prompt],
+                      n: int) -> list[gen.SubRequest]:
+        kwargs, asked_max_tokens = completion_kwargs(req)
+        subs = []
+        for p, prompt in enumerate(prompts):
+            max_tokens = fit_max_tokens(asked_max_tokens, len(prompt.token_ids),
+                                        self.engine.max_model_len, prompt_param="prompt")
+            for i, params in enumerate(fan_out(build_params(kwargs, max_tokens), n)):
+                subs.append(gen.SubRequest(p * n + i, prompt.token_ids, params))
+        return subs
+
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        check_model(req.model, self.engine.model_name)
+        prompts = completion_prompts(self.engine.tokenizer, req.prompt)
+        n = req.n or 1
+        subs = self._sub_requests(req, prompts, n)
+        echoes = [prompts[sub.index // n].text if req.echo else "" for sub in subs]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            outputs = await gen.start_stream(self.engine, self.metrics, request_id, subs)
+            events = self._events(req, request_id, n, echoes, outputs)
+            return StreamingResponse(gen.sse_body(events), media_type=MEDIA_TYPE,
+                                     headers=HEADERS)
+        states = await gen.unless_disconnected(
+            raw, gen.collect(self.engine, self.metrics, request_id, subs))
+        if states is None:
+            return Response(status_code=499)
+        return Response(self._body(req, request_id, n, echoes, states).model_dump_json(),
+                        media_type="application/json")
+
+    def _body(self, req: CompletionRequest, request_id: str, n: int, echoes: list[str],
+              states: list[gen.ChoiceState]) -> CompletionResponse:
+        choices = []
+        for state, echo in zip(states, echoes):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = CompletionLogprobsBuilder(self.decode, len(echo)).add(state.logprobs)
+            choices.append(CompletionChoice(index=state.index, text=echo + state.text,
+                                            logprobs=logprobs,
+                                            finish_reason=state.finish_reason,
+                                            stop_reason=state.stop_reason))
+        return CompletionResponse(id=request_id, model=self.engine.model_name, choices=choices,
+                                  usage=gen.usage(states, n))
+
+    async def _events(self, req: CompletionRequest, request_id: str, n: int, echoes: list[str],
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]
+                      ) -> AsyncIterator[bytes]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        exclude = None if include_usage else {"usage"}
+        created = int(time.time())
+        states = [gen.ChoiceState(i) for i in range(len(echoes))]
+        builders = [CompletionLogprobsBuilder(self.decode, len(echo)) for echo in echoes]
+
+        def chunk(choices: list[CompletionChoice], **extra: Any) -> bytes:
+            return sse_event(CompletionResponse(id=request_id, created=created,
+                                                model=self.engine.model_name, choices=choices,
+                                                **extra), exclude=exclude)
+
+        for index, echo in enumerate(echoes):
+            if echo:
+                yield chunk([CompletionChoice(index=index, text=echo, finish_reason=None)])
+        async with contextlib.aclosing(outputs):
+            async for index, out in outputs:
+                states[index].update(out)
+                if not (out.new_text or out.new_logprobs or out.finished):
+                    continue
+                logprobs = (builders[index].add(out.new_logprobs or [])
+                            if req.logprobs is not None else None)
+                yield chunk([CompletionChoice(
+                    index=index, text=out.new_text, logprobs=logprobs,
+                    finish_reason=out.finish_reason if out.finished else None,
+                    stop_reason=out.stop_reason if out.finished else None)])
+        if include_usage:
+            yield chunk([], usage=gen.usage(states, n))

@@ -1,0 +1,171 @@
+"""Request values -> `SamplingParams`, with OpenAI's ranges and messages a client can act on.
+
+Pure functions of the parsed request and a few numbers (served model name, context window), so
+tests need no engine. Every failure is an `APIError` (400, or 404 for an unknown model) that
+names the parameter, the value it got and what to send instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+def _in_range(name: str, value: float | None, low: float, high: float, *,
+              low_open: bool = False) -> None:
+    if value is None:
+        return
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise APIError(f"{name}={value} is outside {interval}; send a value in {interval}.",
+                       param=name, code="invalid_value")
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 `model_not_found` unless `requested` is the served model (or omitted)."""
+    if requested is not None and requested != served:
+        raise APIError(f"The model `{requested}` does not exist; this server serves "
+                       f"`{served}` (see GET /v1/models).", status_code=404,
+                       param="model", code="model_not_found")
+
+
+def _seed(seed: int | None, seq_seed: int | None) -> int | None:
+    if seed is not None and seq_seed is not None and seed != seq_seed:
+        raise APIError(f"seed={seed} and seq_seed={seq_seed} disagree; send only one of them.",
+                       param="seq_seed")
+    return seed if seed is not None else seq_seed
+
+
+def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
+    _in_range("n", req.n, 1, MAX_N)
+    _in_range("temperature", req.temperature, 0.0, 2.0)
+    _in_range("top_p", req.top_p, 0.0, 1.0, low_open=True)
+    _in_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _in_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported by this server; remove it.",
+                       param="logit_bias", code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed with stream=true; set stream=true or "
+                       "remove stream_options.", param="stream_options")
+    return {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": -1 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "min_tokens": req.min_tokens or 0,
+        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "ignore_eos": bool(req.ignore_eos),
+        "seed": _seed(req.seed, req.seq_seed),
+        "skip_special_tokens": req.skip_special_tokens is not False,
+    }
+
+
+def _check_max_tokens(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise APIError(f"{name}={value} must be >= 1; send a positive number of tokens or omit "
+                       "it to generate up to the context window.", param=name,
+                       code="invalid_value")
+
+
+def _check_structured(req: ChatCompletionRequest) -> None:
+    message = ("{what} needs structured outputs, which are not enabled in this build; remove "
+               "{param} (plain text generation works).")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(message.format(what=f"response_format type '{req.response_format.type}'",
+                                      param="response_format"),
+                       param="response_format", code="unsupported_parameter")
+    if req.tools or req.tool_choice not in (None, "none", "auto"):
+        raise APIError(message.format(what="Tool calling", param="tools and tool_choice"),
+                       param="tools", code="unsupported_parameter")
+
+
+def chat_kwargs(req: ChatCompletionRequest) -> tuple[dict[str, Any], int | None]:
+    """Validated SamplingParams keyword arguments (without max_tokens) and the max_tokens asked.
+
+    `max_completion_tokens` (OpenAI's current name) wins over the deprecated `max_tokens`.
+    """
+    kwargs = _common_kwargs(req)
+    _check_structured(req)
+    _check_max_tokens("max_tokens", req.max_tokens)
+    _check_max_tokens("max_completion_tokens", req.max_completion_tokens)
+    _in_range("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(f"top_logprobs={req.top_logprobs} needs logprobs=true; set logprobs=true "
+                       "or remove top_logprobs.", param="top_logprobs")
+    kwargs["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return kwargs, asked
+
+
+def completion_kwargs(req: CompletionRequest) -> tuple[dict[str, Any], int | None]:
+    """Validated SamplingParams keyword arguments (without max_tokens) and max_tokens asked.
+
+    As for chat, an omitted max_tokens means up to the context window (OpenAI's legacy
+    completions default of 16 tokens surprises more than it helps).
+    """
+    kwargs = _common_kwargs(req)
+    _check_max_tokens("max_tokens", req.max_tokens)
+    _in_range("logprobs", req.logprobs, 0, MAX_LOGPROBS)
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise APIError(f"best_of={req.best_of} differs from n={n}; this server does not rank "
+                       "candidates, so send best_of equal to n or omit it.", param="best_of")
+    if req.suffix:
+        raise APIError("suffix (fill-in-the-middle) is not supported by this model; remove it.",
+                       param="suffix", code="unsupported_parameter")
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo with logprobs needs prompt logprobs, which this server does not "
+                       "compute; drop echo or logprobs.", param="echo")
+    kwargs["logprobs"] = req.logprobs
+    return kwargs, req.max_tokens
+
+
+def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, *,
+                   prompt_param: str = "prompt") -> int:
+    """The max_tokens to run with: as asked if it fits, else up to the context window if not
+    asked; raises a 400 with the numbers when prompt + max_tokens cannot fit."""
+    if num_prompt_tokens == 0:
+        raise APIError("The prompt is empty after tokenization; send some text or token ids.",
+                       param=prompt_param, code="empty_prompt")
+    if max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise APIError(f"The prompt has {num_prompt_tokens} tokens, which fills "
+                           f"max_model_len={max_model_len} and leaves no room to generate; "
+                           "shorten the prompt or serve with a larger --max-model-len.",
+                           param=prompt_param, code="context_length_exceeded")
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(f"max_tokens={max_tokens} plus {num_prompt_tokens} prompt tokens exceeds "
+                       f"max_model_len={max_model_len}; lower max_tokens to at most "
+                       f"{max(max_model_len - num_prompt_tokens, 0)} or shorten the prompt.",
+                       param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def build_params(kwargs: dict[str, Any], max_tokens: int) -> SamplingParams:
+    """SamplingParams from validated kwargs; its own checks (min_p, top_k, ...) become 400s."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, **kwargs)
+    except ValueError as exc:
+        raise APIError(f"{exc} Fix the value and retry.", code="invalid_value") from None
+
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies for the n choices; with a seed, choice i samples with seed + i (vLLM's rule)."""
+    if params.seed is None:
+        return [params.clone() for _ in range(n)]
+    seeds = [params.seed + i - ((1 << 64) if params.seed + i >= (1 << 64) else 0)
+             for i in range(n)]
+    return [params.clone(seed=seed, seq_seed=seed) for seed in seeds]

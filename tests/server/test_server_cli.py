@@ -1,0 +1,60 @@
+"""`deepinfer` CLI: config precedence (defaults <- env <- flags given), help without torch."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from server.cli import build_engine_config, build_parser, main
+
+
+def parse(*argv):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_flags_given_override_env_which_overrides_defaults():
+    env = {"DEEPINFER_MAX_NUM_SEQS": "8", "DEEPINFER_BLOCK_SIZE": "32",
+           "DEEPINFER_MAX_MODEL_LEN": "1024"}
+    config = build_engine_config(parse("--max-num-seqs", "4", "--kv-cache-memory-gb", "0.5",
+                                       "--served-model-name", "smol", "--dtype", "float32"),
+                                 environ=env)
+    assert config.scheduler.max_num_seqs == 4          # flag beats env
+    assert config.cache.block_size == 32               # env beats default
+    assert config.model.max_model_len == 1024
+    assert config.cache.kv_cache_memory_bytes == 512 * 2**20
+    assert config.model.served_model_name == "smol" and config.model.dtype == "float32"
+    assert config.model.model is None                  # embedded default model
+    assert config.scheduler.max_num_batched_tokens == 512  # untouched default
+
+
+def test_all_engine_flags_map_to_config_fields():
+    config = build_engine_config(parse(
+        "/models/x", "--max-model-len", "256", "--max-num-seqs", "2",
+        "--max-num-batched-tokens", "64", "--block-size", "8", "--num-kv-blocks", "100",
+        "--device", "cpu", "--seed", "7", "--max-waiting-requests", "3"), environ={})
+    assert config.model.model == "/models/x" and config.model.max_model_len == 256
+    assert config.model.device == "cpu" and config.model.seed == 7
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_waiting_requests) == (2, 64, 3)
+    assert (config.cache.block_size, config.cache.num_blocks) == (8, 100)
+
+
+def test_server_flags_have_defaults():
+    args = parse()
+    assert (args.host, args.port, args.api_key, args.log_level) == (
+        "127.0.0.1", 8000, None, "info")
+    assert "model" not in args and "max_model_len" not in args
+
+
+def test_invalid_config_exits_2_with_the_reason(capsys):
+    assert main(["serve", "--block-size", "3"]) == 2
+    assert "block_size=3 must be a power of two" in capsys.readouterr().err
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys\nfrom server.cli import main\n"
+            "try:\n    main(['serve', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr
+    assert "--max-num-batched-tokens" in result.stdout and "--api-key" in result.stdout
