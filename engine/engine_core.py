@@ -11,6 +11,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,19 @@ def resolve_device_dtype(config: ModelConfig) -> tuple[torch.device, torch.dtype
     return device, dtype
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(config: ModelConfig) -> str:
+    """The name clients use: --served-model-name, else the model path's name (no .gguf)."""
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(config.model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def _eos_token_ids(model_dir, tokenizer) -> frozenset[int]:
     """EOS ids from generation_config.json (int or list) plus the tokenizer's."""
     ids = set()
@@ -57,7 +71,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_dir = loader.resolve_model_dir(config.model.model, config.model.cache_dir)
-        self.model_name = config.model.served_model_name or self.model_dir.name
+        self.model_name = served_model_name(config.model)
         self.device, self.dtype = resolve_device_dtype(config.model)
         hf_config = loader.load_hf_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(self.model_dir)
