@@ -1,0 +1,28 @@
+"""Gated MLP (SwiGLU): `down(silu(gate(x)) * up(x))` with gate and up fused in one linear."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers.linear import Linear
+
+
+class GatedMLP(nn.Module):
+    """gate_up_proj.weight is [2 * intermediate_size, hidden_size]: rows [0, I) are the gate
+    projection, rows [I, 2I) the up projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, hidden_size] -> [num_tokens, hidden_size], same dtype."""
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        hidden = F.silu(gate_up[:, : self.intermediate_size])  # [T, I], contiguous
+        hidden.mul_(gate_up[:, self.intermediate_size:])
+        return self.down_proj(hidden)

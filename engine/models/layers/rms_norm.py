@@ -1,0 +1,34 @@
+"""RMSNorm, with the residual add of the previous sub-layer fused in."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """`x / sqrt(mean(x^2) + eps) * weight` over the last dimension (weight [hidden_size])."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.normalized_shape = (hidden_size,)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise `x`, or `x + residual` when a residual is given.
+
+        Args:
+            x: [num_tokens, hidden_size]. With a residual, x is overwritten by x + residual
+                (it must be a fresh sub-layer output that nothing else reads).
+            residual: [num_tokens, hidden_size] or None.
+        Returns:
+            normed [num_tokens, hidden_size] without a residual; otherwise
+            (normed, x + residual), the sum being the next layer's residual.
+        """
+        if residual is None:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        x = x.add_(residual)
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps), x

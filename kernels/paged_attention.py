@@ -1,0 +1,82 @@
+"""Public paged-attention ops: `write_kv` and `paged_attention`, dispatched to a backend.
+
+Backends, imported lazily on first use:
+- "reference": `kernels/reference/paged_attention.py`, token by token in float32 (the oracle).
+- "torch": `kernels/paged_attention_torch.py`, batched torch ops; the fast path on CPU.
+
+`backend="auto"` picks per device in `_auto_backend`; an accelerated backend (e.g. Triton on
+CUDA) registers in `_BACKEND_MODULES` and is chosen there.
+
+KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`; index 0 = K,
+1 = V; slot = block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+
+_BACKEND_MODULES = {
+    "reference": "kernels.reference.paged_attention",
+    "torch": "kernels.paged_attention_torch",
+}
+BACKENDS = tuple(_BACKEND_MODULES)
+
+
+def _auto_backend(device: torch.device) -> str:
+    """The backend "auto" means on `device`. The batched torch backend serves every device
+    until an accelerated one exists for it."""
+    return "torch"
+
+
+@functools.cache
+def _load_backend(name: str) -> ModuleType:
+    return importlib.import_module(_BACKEND_MODULES[name])
+
+
+def _backend(backend: str, device: torch.device) -> ModuleType:
+    if backend == "auto":
+        backend = _auto_backend(device)
+    if backend not in _BACKEND_MODULES:
+        raise ValueError(f"paged attention backend={backend!r} is unknown; use 'auto' or one of "
+                         f"{BACKENDS}.")
+    return _load_backend(backend)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, backend: str = "auto") -> None:
+    """Store this step's K and V in the paged cache, in place.
+
+    Args:
+        key, value: [num_tokens, num_kv_heads, head_dim], the cache's dtype (strided views ok).
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+        slot_mapping: [num_tokens] int64, block_id * block_size + offset; -1 = skip the token.
+        backend: "auto", "reference" or "torch".
+    """
+    _backend(backend, kv_cache.device).write_kv(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                    scale: float, backend: str = "auto") -> torch.Tensor:
+    """Causal attention for a varlen batch mixing prefill chunks and decode tokens (GQA ok).
+
+    Query token j of sequence i sits at position seq_lens[i] - query_len_i + j and attends to
+    context positions 0..that position, read through block_tables[i]; call `write_kv` first.
+
+    Args:
+        query: [num_tokens, num_q_heads, head_dim]; num_q_heads a multiple of num_kv_heads.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype.
+        metadata: query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32,
+            block_tables [num_seqs, max_num_blocks_per_seq] int32, and their host-side copies.
+        scale: softmax scale, usually head_dim ** -0.5.
+        backend: "auto", "reference" or "torch".
+
+    Returns:
+        [num_tokens, num_q_heads, head_dim], query's dtype.
+    """
+    return _backend(backend, query.device).paged_attention(query, kv_cache, metadata, scale)

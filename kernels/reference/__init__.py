@@ -1,0 +1,1 @@
+"""Readable torch references for the ops in `kernels/`: slow, obviously correct, the test oracle."""
