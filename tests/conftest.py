@@ -17,6 +17,14 @@ def smollm2_dir() -> Path:
     return resolve_model_dir(None, None)
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    """The SmolLM2 tokenizer (byte-level BPE with a chat template), from the converted dir."""
+    from engine.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
 @pytest.fixture
 def torch_single_thread():
     """Run the test's torch ops on one thread (restored after). The intra-op pool of a 2-core

