@@ -13,16 +13,17 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, as_api_error, from_engine_error
 from server.metrics import ServerMetrics
 from server.protocol import PromptTokensDetails, Usage
-from server.sse import DONE, sse_error
+from server.sse import DONE, HEADERS, MEDIA_TYPE, sse_error
 
 logger = logging.getLogger("deepinfer.server")
 T = TypeVar("T")
@@ -206,3 +207,20 @@ async def sse_body(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         except Exception as exc:
             yield sse_error(as_api_error(exc))
     yield DONE
+
+
+async def respond(raw: Request, engine: Any, metrics: ServerMetrics, request_id: str,
+                  subs: list[SubRequest], stream: bool,
+                  events: Callable[[AsyncIterator[tuple[int, RequestOutput]]],
+                                   AsyncIterator[bytes]],
+                  body: Callable[[list[ChoiceState]], Any]) -> Response:
+    """Run the sub-requests and answer: SSE built by `events`, or the JSON model `body` makes
+    from the finished choices (499 when the client left before the end)."""
+    if stream:
+        outputs = await start_stream(engine, metrics, request_id, subs)
+        return StreamingResponse(sse_body(events(outputs)), media_type=MEDIA_TYPE,
+                                 headers=HEADERS)
+    states = await unless_disconnected(raw, collect(engine, metrics, request_id, subs))
+    if states is None:
+        return Response(status_code=499)
+    return Response(body(states).model_dump_json(), media_type="application/json")

@@ -9,7 +9,6 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 
 from engine.outputs import RequestOutput
 from server import generation as gen
@@ -19,7 +18,7 @@ from server.prompts import chat_prompt_ids
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              DeltaMessage)
-from server.sse import HEADERS, MEDIA_TYPE, sse_event
+from server.sse import sse_event
 from server.validation import build_params, chat_kwargs, check_model, fan_out, fit_max_tokens
 
 
@@ -39,17 +38,10 @@ class ChatServing:
         n = req.n or 1
         subs = [gen.SubRequest(i, prompt_ids, p) for i, p in enumerate(fan_out(params, n))]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            outputs = await gen.start_stream(self.engine, self.metrics, request_id, subs)
-            events = self._events(req, request_id, n, outputs)
-            return StreamingResponse(gen.sse_body(events), media_type=MEDIA_TYPE,
-                                     headers=HEADERS)
-        states = await gen.unless_disconnected(
-            raw, gen.collect(self.engine, self.metrics, request_id, subs))
-        if states is None:
-            return Response(status_code=499)
-        return Response(self._body(req, request_id, n, states).model_dump_json(),
-                        media_type="application/json")
+        return await gen.respond(
+            raw, self.engine, self.metrics, request_id, subs, bool(req.stream),
+            events=lambda outputs: self._events(req, request_id, n, outputs),
+            body=lambda states: self._body(req, request_id, n, states))
 
     def _body(self, req: ChatCompletionRequest, request_id: str, n: int,
               states: list[gen.ChoiceState]) -> ChatCompletionResponse:

@@ -9,7 +9,6 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 
 from engine.outputs import RequestOutput
 from server import generation as gen
@@ -17,7 +16,7 @@ from server.logprobs import CompletionLogprobsBuilder, TokenDecoder
 from server.metrics import ServerMetrics
 from server.prompts import Prompt, completion_prompts
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from server.sse import HEADERS, MEDIA_TYPE, sse_event
+from server.sse import sse_event
 from server.validation import (build_params, check_model, completion_kwargs, fan_out,
                                fit_max_tokens)
 
@@ -46,17 +45,10 @@ class CompletionServing:
         subs = self._sub_requests(req, prompts, n)
         echoes = [prompts[sub.index // n].text if req.echo else "" for sub in subs]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            outputs = await gen.start_stream(self.engine, self.metrics, request_id, subs)
-            events = self._events(req, request_id, n, echoes, outputs)
-            return StreamingResponse(gen.sse_body(events), media_type=MEDIA_TYPE,
-                                     headers=HEADERS)
-        states = await gen.unless_disconnected(
-            raw, gen.collect(self.engine, self.metrics, request_id, subs))
-        if states is None:
-            return Response(status_code=499)
-        return Response(self._body(req, request_id, n, echoes, states).model_dump_json(),
-                        media_type="application/json")
+        return await gen.respond(
+            raw, self.engine, self.metrics, request_id, subs, bool(req.stream),
+            events=lambda outputs: self._events(req, request_id, n, echoes, outputs),
+            body=lambda states: self._body(req, request_id, n, echoes, states))
 
     def _body(self, req: CompletionRequest, request_id: str, n: int, echoes: list[str],
               states: list[gen.ChoiceState]) -> CompletionResponse:
