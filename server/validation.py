@@ -109,11 +109,14 @@ def chat_kwargs(req: ChatCompletionRequest) -> tuple[dict[str, Any], int | None]
     return kwargs, asked
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 def completion_kwargs(req: CompletionRequest) -> tuple[dict[str, Any], int | None]:
     """Validated SamplingParams keyword arguments (without max_tokens) and max_tokens asked.
 
-    As for chat, an omitted max_tokens means up to the context window (OpenAI's legacy
-    completions default of 16 tokens surprises more than it helps).
+    An omitted max_tokens means 16, the default of OpenAI's legacy completions API and of
+    vLLM (chat, by contrast, runs up to the context window).
     """
     kwargs = _common_kwargs(req)
     _check_max_tokens("max_tokens", req.max_tokens)
@@ -129,7 +132,7 @@ def completion_kwargs(req: CompletionRequest) -> tuple[dict[str, Any], int | Non
         raise APIError("echo with logprobs needs prompt logprobs, which this server does not "
                        "compute; drop echo or logprobs.", param="echo")
     kwargs["logprobs"] = req.logprobs
-    return kwargs, req.max_tokens
+    return kwargs, req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
 
 
 def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, *,

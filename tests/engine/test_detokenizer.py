@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from engine.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE_TEXTS = ["héllo wörld, ça va? naïve café", "世界你好，日本語のテキスト",
