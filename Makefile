@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
+# the venv's tools (ninja for the C++ kernel build) come first on PATH
+export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install serve test bench clean
 
