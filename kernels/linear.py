@@ -6,12 +6,25 @@ decode (M = number of sequences) oneDNN on a weight reordered once into its bloc
 time; `linear` uses it when given. The reference is plain `F.linear` (the packed path is tested
 against it). Packing returns None where it does not apply (other devices, other dtypes, torch
 built without oneDNN), and `linear` then falls back to `F.linear`.
+
+Weights that are exactly the dequantized values of ggml Q4_1 / Q8_0 blocks (GGUF checkpoints)
+also get a `QuantizedWeight` (`quantize_linear_weight`): up to `QUANTIZED_MAX_ROWS` input rows,
+`linear` then runs the AVX2 block-quantized kernel (`kernels/quantized_linear.py`), which reads
+4-6x fewer bytes per token and gives the same values up to float32 summation order. Larger
+inputs (prefill chunks) are compute-bound and stay on the float32 GEMM.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.quantized_linear import QuantizedWeight, cpu_kernel_available, quantized_linear
+from kernels.quantized_linear import recover_quantized
+
+# Above this many input rows the float32 GEMM (oneDNN / MKL) beats the quantized kernel here
+# (measured on a 2-core AVX2 machine with SmolLM2-135M shapes; see the module docstring).
+QUANTIZED_MAX_ROWS = 16
 
 
 def _onednn_packing_available() -> bool:
@@ -35,8 +48,22 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+def quantize_linear_weight(weight: torch.Tensor) -> QuantizedWeight | None:
+    """The exact Q4_1 / Q8_0 form of `weight`, or None where it has none or it would not be used.
+
+    Args:
+        weight: [out_features, in_features] float32 on CPU (anything else returns None).
+    Returns:
+        A QuantizedWeight for `linear(..., quantized=...)`; the caller keeps `weight`.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    return recover_quantized(weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None,
+           quantized: QuantizedWeight | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`.
 
     Args:
@@ -44,9 +71,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight: [out_features, in_features].
         bias: [out_features] or None.
         packed: `pack_linear_weight(weight)` or None; used instead of `weight` when given.
+        quantized: `quantize_linear_weight(weight)` or None; used for inputs of at most
+            QUANTIZED_MAX_ROWS rows where the AVX2 kernel is available.
     Returns:
         [..., out_features], x's dtype.
     """
+    if (quantized is not None and x.numel() <= QUANTIZED_MAX_ROWS * x.shape[-1]
+            and cpu_kernel_available()):
+        return quantized_linear(x, quantized, bias, backend="cpu_avx2")
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

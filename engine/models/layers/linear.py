@@ -5,15 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.linear import linear, pack_linear_weight
+from kernels.linear import linear, pack_linear_weight, quantize_linear_weight
 
 
 class Linear(nn.Module):
     """`y = x @ weight.T + bias` with weight [out_features, in_features].
 
     Parameters are allocated uninitialised: a model's `load_weights` fills them, then calls
-    `pack()` so the CPU path can use a pre-packed copy (see `kernels/linear.py`). Call `pack()`
-    again after changing the weight in place.
+    `pack()` so the CPU path can use a pre-packed copy and, for weights that are exactly
+    dequantized Q4_1 / Q8_0 blocks (GGUF models), the block-quantized kernel for decode-sized
+    inputs (see `kernels/linear.py`). Call `pack()` again after changing the weight in place.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool,
@@ -25,15 +26,18 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
         self.packed_weight: torch.Tensor | None = None
+        self.quantized_weight = None  # kernels.quantized_linear.QuantizedWeight | None
 
     def pack(self) -> None:
-        """Refresh the packed copy of the weight (a no-op off CPU float32)."""
+        """Refresh the packed and quantized copies of the weight (a no-op off CPU float32)."""
         self.packed_weight = pack_linear_weight(self.weight)
+        self.quantized_weight = quantize_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features], the weight's dtype."""
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.quantized_weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed={self.packed_weight is not None}")
+                f"bias={self.bias is not None}, packed={self.packed_weight is not None}, "
+                f"quantized={getattr(self.quantized_weight, 'format', None)}")
