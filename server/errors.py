@@ -27,6 +27,8 @@ class APIError(Exception):
     def __init__(self, message: str, *, status_code: int = 400,
                  type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        # a lone UTF-16 surrogate echoed from the request could not be encoded as UTF-8 JSON
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message = message
         self.status_code = status_code

@@ -8,6 +8,7 @@ already writes the BOS token where the model wants one, and a second BOS changes
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,32 @@ def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+@functools.lru_cache(maxsize=8)
+def _max_token_chars(tokenizer: Any) -> int:
+    """Longest vocabulary entry in characters: no token decodes to more characters."""
+    return max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+
+
+def check_text(text: str, tokenizer: Any, max_model_len: int, param: str) -> None:
+    """Refuse text that is not valid Unicode, or so long that it must exceed the context window,
+    before spending time to tokenize it.
+
+    Raises:
+        APIError: 400 naming the problem and the fix.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(f"{param} holds a lone UTF-16 surrogate at character {exc.start}; send "
+                       "valid Unicode text.", param=param, code="invalid_value") from None
+    if len(text) > max_model_len * _max_token_chars(tokenizer):
+        raise APIError(f"{param} has {len(text)} characters, more than max_model_len="
+                       f"{max_model_len} tokens can hold; shorten it.", param=param,
+                       code="context_length_exceeded")
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage],
+                    max_model_len: int) -> list[int]:
     """Render the chat template with a generation prompt and encode it (no second BOS)."""
     conversation = chat_template_messages(messages)
     try:
@@ -72,6 +98,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
         raise APIError(f"The model's chat template rejected these messages: {exc}. Adjust the "
                        "conversation (roles, order) or use /v1/completions with a raw prompt.",
                        param="messages", code="invalid_messages") from None
+    check_text(text, tokenizer, max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -91,7 +118,7 @@ def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
                        code="invalid_value")
 
 
-def completion_prompts(tokenizer: Any, prompt: Any) -> list[Prompt]:
+def completion_prompts(tokenizer: Any, prompt: Any, max_model_len: int) -> list[Prompt]:
     """A string, list of strings, list of token ids or list of lists of ids -> prompts.
 
     Text is encoded with the tokenizer's special tokens (a BOS where the model has one), as
@@ -108,6 +135,7 @@ def completion_prompts(tokenizer: Any, prompt: Any) -> list[Prompt]:
     prompts = []
     for i, item in enumerate(prompt):
         if isinstance(item, str):
+            check_text(item, tokenizer, max_model_len, "prompt")
             prompts.append(Prompt(list(tokenizer.encode(item, add_special_tokens=True)), item))
             continue
         _check_ids(item, vocab_size, f"prompt[{i}]")

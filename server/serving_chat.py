@@ -3,6 +3,7 @@ one JSON body or as SSE chunks (role first, content deltas, finish_reason, optio
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -31,7 +32,9 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         check_model(req.model, self.engine.model_name)
         kwargs, asked_max_tokens = chat_kwargs(req)
-        prompt_ids = chat_prompt_ids(self.engine.tokenizer, req.messages)
+        # tokenizing a long prompt takes a while: keep the event loop serving others
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer,
+                                             req.messages, self.engine.max_model_len)
         max_tokens = fit_max_tokens(asked_max_tokens, len(prompt_ids), self.engine.max_model_len,
                                     prompt_param="messages")
         params = build_params(kwargs, max_tokens)

@@ -3,6 +3,7 @@ n choices per prompt (choice index = prompt_index * n + i); one JSON body or SSE
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -40,7 +41,8 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         check_model(req.model, self.engine.model_name)
-        prompts = completion_prompts(self.engine.tokenizer, req.prompt)
+        prompts = await asyncio.to_thread(completion_prompts, self.engine.tokenizer,
+                                          req.prompt, self.engine.max_model_len)
         n = req.n or 1
         subs = self._sub_requests(req, prompts, n)
         echoes = [prompts[sub.index // n].text if req.echo else "" for sub in subs]

@@ -142,12 +142,12 @@ def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len
     if num_prompt_tokens == 0:
         raise APIError("The prompt is empty after tokenization; send some text or token ids.",
                        param=prompt_param, code="empty_prompt")
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(f"The prompt has {num_prompt_tokens} tokens, which fills "
+                       f"max_model_len={max_model_len} and leaves no room to generate; "
+                       "shorten the prompt or serve with a larger --max-model-len.",
+                       param=prompt_param, code="context_length_exceeded")
     if max_tokens is None:
-        if num_prompt_tokens >= max_model_len:
-            raise APIError(f"The prompt has {num_prompt_tokens} tokens, which fills "
-                           f"max_model_len={max_model_len} and leaves no room to generate; "
-                           "shorten the prompt or serve with a larger --max-model-len.",
-                           param=prompt_param, code="context_length_exceeded")
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + max_tokens > max_model_len:
         raise APIError(f"max_tokens={max_tokens} plus {num_prompt_tokens} prompt tokens exceeds "

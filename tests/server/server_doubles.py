@@ -22,6 +22,9 @@ SPECIAL = {BOS: "<s>", EOS: "</s>"}
 class CharTokenizer:
     """One token per byte value (id = ord(char) for ASCII); `<s>` is the BOS special token."""
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(i): i for i in range(len(self))}
+
     def __len__(self) -> int:
         return 258
 

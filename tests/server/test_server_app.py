@@ -60,7 +60,7 @@ def test_chat_non_stream(client, engine):
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "Hello world", "refusal": None,
-                                 "tool_calls": []}
+                                 "tool_calls": None}
     assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
     prompt_ids = CharTokenizer().encode(
         "<s>user: hi\nassistant: ", add_special_tokens=False)
@@ -164,7 +164,7 @@ def test_completions_logprobs_and_stream(client):
     ({"messages": USER, "max_tokens": 60}, 400, "max_tokens", "context_length_exceeded",
      "exceeds max_model_len=64; lower max_tokens"),
     ({"messages": [{"role": "user", "content": "x" * 70}]}, 400, "messages",
-     "context_length_exceeded", "fills max_model_len=64"),
+     "context_length_exceeded", "max_model_len=64"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
      "messages.0.content.0", "unsupported_content", "accepts text only"),

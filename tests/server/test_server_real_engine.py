@@ -49,7 +49,7 @@ def test_real_tokenizer_bytes_of_a_split_character(engine):
 
 def test_chat_prompt_is_the_rendered_template(engine):
     tok = engine.tokenizer
-    ids = chat_prompt_ids(tok, [ChatMessage(**m) for m in QUESTION])
+    ids = chat_prompt_ids(tok, [ChatMessage(**m) for m in QUESTION], 8192)
     text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     assert ids == tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text and text.endswith("assistant\n")

@@ -137,7 +137,7 @@ def test_chat_template_is_encoded_without_a_second_bos():
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ])
-    ids = chat_prompt_ids(tok, request.messages)
+    ids = chat_prompt_ids(tok, request.messages, 4096)
     assert ids.count(BOS) == 1 and ids[0] == BOS
     assert tok.decode(ids) == "<s>system: be brief\nuser: a\nb\nassistant: "
 
@@ -151,7 +151,7 @@ def test_chat_template_is_encoded_without_a_second_bos():
 def test_content_parts_the_model_cannot_take_are_400(part, text):
     request = ChatCompletionRequest(messages=[{"role": "user", "content": [part]}])
     with pytest.raises(APIError) as info:
-        chat_prompt_ids(CharTokenizer(), request.messages)
+        chat_prompt_ids(CharTokenizer(), request.messages, 4096)
     assert text in info.value.message and info.value.param == "messages.0.content.0"
 
 
@@ -159,19 +159,40 @@ def test_template_refusal_and_empty_messages_are_400():
     tok = CharTokenizer()
     with pytest.raises(APIError, match="chat template rejected"):
         chat_prompt_ids(tok, ChatCompletionRequest(
-            messages=[{"role": "assistant", "content": "x"}]).messages)
+            messages=[{"role": "assistant", "content": "x"}]).messages, 4096)
     with pytest.raises(APIError, match="messages is empty"):
-        chat_prompt_ids(tok, [])
+        chat_prompt_ids(tok, [], 4096)
 
 
 def test_completion_prompt_shapes():
     tok = CharTokenizer()
-    assert [p.token_ids for p in completion_prompts(tok, "ab")] == [[BOS, 97, 98]]
-    assert [p.text for p in completion_prompts(tok, ["a", "b"])] == ["a", "b"]
-    single = completion_prompts(tok, [104, 105])
+    assert [p.token_ids for p in completion_prompts(tok, "ab", 4096)] == [[BOS, 97, 98]]
+    assert [p.text for p in completion_prompts(tok, ["a", "b"], 4096)] == ["a", "b"]
+    single = completion_prompts(tok, [104, 105], 4096)
     assert [(p.token_ids, p.text) for p in single] == [([104, 105], "hi")]
-    assert [p.token_ids for p in completion_prompts(tok, [[97], [98, 99]])] == [[97], [98, 99]]
+    assert [p.token_ids for p in completion_prompts(tok, [[97], [98, 99]], 4096)] == [
+        [97], [98, 99]]
     with pytest.raises(APIError, match="token id 999, outside the vocabulary"):
-        completion_prompts(tok, [1, 999])
+        completion_prompts(tok, [1, 999], 4096)
     with pytest.raises(APIError, match="empty list"):
-        completion_prompts(tok, [])
+        completion_prompts(tok, [], 4096)
+
+
+def test_lone_surrogates_and_hopelessly_long_text_are_400_before_tokenizing():
+    tok = CharTokenizer()
+    with pytest.raises(APIError, match="lone UTF-16 surrogate at character 0") as info:
+        completion_prompts(tok, "\ud800 hi", 4096)
+    assert info.value.status_code == 400 and info.value.param == "prompt"
+    with pytest.raises(APIError, match="lone UTF-16 surrogate"):
+        chat_prompt_ids(tok, ChatCompletionRequest(
+            messages=[{"role": "user", "content": "\udfff"}]).messages, 4096)
+    with pytest.raises(APIError, match="more than max_model_len=16 tokens can hold") as info:
+        completion_prompts(tok, "a" * 17, 16)  # CharTokenizer: one character per token at most
+    assert info.value.code == "context_length_exceeded"
+    assert APIError("model '\ud800' not found").response().status_code == 400
+
+
+def test_a_prompt_filling_the_context_says_to_shorten_the_prompt():
+    with pytest.raises(APIError, match="leaves no room to generate") as info:
+        fit_max_tokens(5, 64, 64)
+    assert "lower max_tokens" not in info.value.message
