@@ -38,6 +38,15 @@ def run_step(scheduler, token_of=lambda request_id: 7):
     return out, scheduler.update_from_output(out, runner_output)
 
 
+def run_to_completion(scheduler, max_steps=100):
+    """Yield each step's SchedulerOutput until every request has finished."""
+    for _ in range(max_steps):
+        if not scheduler.requests:
+            return
+        yield run_step(scheduler)[0]
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
 def test_chunked_prefill_under_token_budget():
     scheduler = make_scheduler(budget=16)
     scheduler.add_request(make_request("a", 40))
@@ -87,13 +96,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
     scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
     scheduler.add_request(make_request("a", 8, max_tokens=12))
     scheduler.add_request(make_request("b", 8, max_tokens=12, first_token=50))
-    preempted_seen = False
-    for _ in range(40):
-        if not scheduler.requests:
-            break
-        out, outputs = run_step(scheduler)
-        if "b" in out.finished_req_ids:
-            preempted_seen = True
+    preempted_seen = any("b" in out.finished_req_ids for out in run_to_completion(scheduler))
     assert preempted_seen and scheduler.num_preemptions >= 1
     assert scheduler.requests == {}
     assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 6
@@ -104,10 +107,7 @@ def test_preempted_request_resumes_with_all_its_tokens():
     scheduler.add_request(make_request("a", 6, max_tokens=9))
     scheduler.add_request(make_request("b", 6, max_tokens=9, first_token=50))
     resumed = None
-    for _ in range(60):
-        if not scheduler.requests:
-            break
-        out, _ = run_step(scheduler)
+    for out in run_to_completion(scheduler):
         for new in out.scheduled_new_reqs:
             if len(new.token_ids) > new.num_prompt_tokens:
                 resumed = new
