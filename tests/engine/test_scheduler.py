@@ -96,7 +96,8 @@ def test_preemption_by_recompute_when_blocks_run_out():
     scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
     scheduler.add_request(make_request("a", 8, max_tokens=12))
     scheduler.add_request(make_request("b", 8, max_tokens=12, first_token=50))
-    preempted_seen = any("b" in out.finished_req_ids for out in run_to_completion(scheduler))
+    outs = list(run_to_completion(scheduler))
+    preempted_seen = any("b" in out.finished_req_ids for out in outs)
     assert preempted_seen and scheduler.num_preemptions >= 1
     assert scheduler.requests == {}
     assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 6
