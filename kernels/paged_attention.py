@@ -2,10 +2,13 @@
 
 Backends, imported lazily on first use:
 - "reference": `kernels/reference/paged_attention.py`, token by token in float32 (the oracle).
-- "torch": `kernels/paged_attention_torch.py`, batched torch ops; the fast path on CPU.
+- "torch": `kernels/paged_attention_torch.py`, batched torch ops; runs on any device.
+- "cpu": `kernels/paged_attention_cpu.py`, a C++ kernel for CPU float32 decode-only batches
+  reading K/V in place through the block tables; every other batch goes to "torch".
 
-`backend="auto"` picks per device in `_auto_backend`; an accelerated backend (e.g. Triton on
-CUDA) registers in `_BACKEND_MODULES` and is chosen there.
+`backend="auto"` picks per device in `_auto_backend`: "cpu" on CPU where the C++ extension builds
+(kernels/cpu_extension.py), else "torch". An accelerated backend (e.g. Triton on CUDA) registers
+in `_BACKEND_MODULES` and is chosen there.
 
 KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`; index 0 = K,
 1 = V; slot = block_id * block_size + offset.
@@ -24,13 +27,16 @@ from kernels.attention_metadata import AttentionMetadata
 _BACKEND_MODULES = {
     "reference": "kernels.reference.paged_attention",
     "torch": "kernels.paged_attention_torch",
+    "cpu": "kernels.paged_attention_cpu",
 }
 BACKENDS = tuple(_BACKEND_MODULES)
 
 
 def _auto_backend(device: torch.device) -> str:
-    """The backend "auto" means on `device`. The batched torch backend serves every device
-    until an accelerated one exists for it."""
+    """The backend "auto" means on `device`: the C++ kernel on CPU where it builds (it hands
+    batches it does not cover to "torch"), the batched torch backend elsewhere."""
+    if device.type == "cpu" and _load_backend("cpu").kernel_available():
+        return "cpu"
     return "torch"
 
 
@@ -56,7 +62,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         key, value: [num_tokens, num_kv_heads, head_dim], the cache's dtype (strided views ok).
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
         slot_mapping: [num_tokens] int64, block_id * block_size + offset; -1 = skip the token.
-        backend: "auto", "reference" or "torch".
+        backend: "auto", "reference", "torch" or "cpu".
     """
     _backend(backend, kv_cache.device).write_kv(key, value, kv_cache, slot_mapping)
 
@@ -74,7 +80,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         metadata: query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32,
             block_tables [num_seqs, max_num_blocks_per_seq] int32, and their host-side copies.
         scale: softmax scale, usually head_dim ** -0.5.
-        backend: "auto", "reference" or "torch".
+        backend: "auto", "reference", "torch" or "cpu".
 
     Returns:
         [num_tokens, num_q_heads, head_dim], query's dtype.

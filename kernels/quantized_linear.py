@@ -14,27 +14,22 @@ Formats (32 weights per block along in_features K; ggml's definitions, evaluated
 
 Backends of `quantized_linear`, imported lazily on first use:
 - "reference": `kernels/reference/quantized_linear.py`, dequantize + `F.linear` (the oracle).
-- "cpu_avx2": `kernels/csrc/quantized_linear_avx2.cpp` (+ `quantized_linear_bindings.cpp`), compiled with torch.utils.cpp_extension
-  on first call (cached in the torch extensions dir); needs an x86 CPU with AVX2, FMA and F16C.
+- "cpu_avx2": `kernels/csrc/quantized_linear_avx2.cpp`, part of the one CPU extension that
+  kernels/cpu_extension.py builds on first call (cached in the torch extensions dir); needs an
+  x86 CPU with AVX2, FMA and F16C.
 `backend="auto"` picks "cpu_avx2" when it is available and "reference" otherwise.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 BLOCK_SIZE = 32
 BACKENDS = ("reference", "cpu_avx2")
-_CSRC_DIR = Path(__file__).parent / "csrc"
 # fp16 neighbours of the first scale guess tried for blocks where that guess does not verify.
 _SCALE_ULP_OFFSETS = (1, -1, 2, -2, 3, -3)
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -180,33 +175,11 @@ def recover_quantized(weight: torch.Tensor) -> QuantizedWeight | None:
 # ------------------------------------------------------------------ the op and its backends
 
 
-@functools.cache
 def _cpu_extension():
-    """The compiled AVX2 module, or None (logged once) where it cannot be built or run."""
-    if not _cpu_has_avx2():
-        logger.warning("CPU lacks AVX2/FMA/F16C: quantized linear falls back to float32 weights.")
-        return None
-    try:
-        from torch.utils.cpp_extension import load
+    """The compiled CPU kernels module (kernels/cpu_extension.py), or None (logged once)."""
+    from kernels.cpu_extension import cpu_extension
 
-        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-        return load(name="deepinfer_quantized_linear_avx2",
-                    sources=[str(_CSRC_DIR / "quantized_linear_avx2.cpp"),
-                             str(_CSRC_DIR / "quantized_linear_bindings.cpp")],
-                    extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # noqa: BLE001 - any build failure means "use float32"
-        logger.warning("building the AVX2 quantized-linear kernel failed (%s); quantized linear "
-                       "falls back to float32 weights. Install a C++ compiler and ninja to get "
-                       "the ~4x faster CPU decode.", error)
-        return None
-
-
-def _cpu_has_avx2() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return all(flag in flags for flag in ("avx2", "fma", "f16c"))
+    return cpu_extension()
 
 
 def cpu_kernel_available() -> bool:

@@ -1,5 +1,7 @@
-// Python bindings of the AVX2 block-quantized linear: tensor checks, output allocation and the
-// split of output rows over torch's intra-op threads. The kernel is quantized_linear_avx2.cpp.
+// Python bindings of deepinfer's CPU extension (one module, one build): tensor checks, output
+// allocation and the split of work over torch's intra-op threads. Kernels:
+// quantized_linear_avx2.cpp (block-quantized linear), rms_norm_avx2.cpp (fused residual add +
+// RMSNorm) and paged_attention_cpu.cpp (paged decode attention).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -14,6 +16,19 @@ void q4_1_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const uint8
 void q8_0_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
                       const uint16_t* scales, int64_t in_features, float* y, int64_t n_begin,
                       int64_t n_end, int64_t num_out);
+
+// defined in rms_norm_avx2.cpp
+void rms_norm_rows(float* x, int64_t ldx, const float* residual, int64_t ldr,
+                   const float* weight, float eps, float* out, int64_t ldo, int64_t hidden,
+                   int64_t row_begin, int64_t row_end);
+
+// defined in paged_attention_cpu.cpp
+void paged_decode_attention_tasks(const float* query, int64_t q_seq, int64_t q_head,
+                                  const float* key_cache, const float* value_cache,
+                                  const int32_t* block_tables, int64_t bt_stride,
+                                  const int32_t* seq_lens, int64_t block_size,
+                                  int64_t num_kv_heads, int64_t num_q_heads, int64_t head_dim,
+                                  float scale, float* out, int64_t task_begin, int64_t task_end);
 
 }  // namespace deepinfer
 
@@ -85,9 +100,120 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes,
   return y;
 }
 
+void check_rows(const torch::Tensor& t, const char* name, int64_t hidden) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.device().is_cpu() &&
+                  t.size(1) == hidden && t.stride(1) == 1,
+              name, " must be a 2-D float32 CPU tensor [T, ", hidden,
+              "] with unit stride along H, got ", t.sizes(), " strides ", t.strides());
+}
+
+// x [T, H] float32, weight [H] float32 -> normed [T, H]. With a residual [T, H], x is
+// overwritten by x + residual first (in place) and the norm is taken of that sum.
+torch::Tensor rms_norm(torch::Tensor x, const torch::Tensor& weight, double eps,
+                       const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H], got ", x.sizes());
+  const int64_t num_rows = x.size(0), hidden = x.size(1);
+  check_rows(x, "x", hidden);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous() &&
+                  weight.scalar_type() == torch::kFloat32,
+              "weight must be contiguous float32 [", hidden, "], got ", weight.sizes());
+  const float* res = nullptr;
+  int64_t ldr = 0;
+  if (residual.has_value()) {
+    check_rows(*residual, "residual", hidden);
+    TORCH_CHECK(residual->size(0) == num_rows, "residual must have ", num_rows, " rows");
+    res = residual->data_ptr<float>();
+    ldr = residual->stride(0);
+  }
+  auto out = torch::empty({num_rows, hidden}, x.options());
+  float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto body = [&](int64_t begin, int64_t end) {
+    deepinfer::rms_norm_rows(xp, ldx, res, ldr, w, static_cast<float>(eps), op, hidden, hidden,
+                             begin, end);
+  };
+  // ~3 flops per element: only large prefill batches are worth the threads.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(hidden, 1));
+  if (num_rows <= grain) {
+    body(0, num_rows);
+  } else {
+    at::parallel_for(0, num_rows, grain, body);
+  }
+  return out;
+}
+
+// query [S, Hq, D] float32 (unit stride along D), kv_cache [2, num_blocks, block_size, Hkv, D]
+// contiguous float32, block_tables [S, max_blocks] int32, seq_lens [S] int32 (each >= 1, the new
+// token at seq_len - 1) -> out [S, Hq, D] contiguous.
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32 &&
+                  query.device().is_cpu() && query.stride(2) == 1,
+              "query must be float32 CPU [S, Hq, D] with unit stride along D, got ",
+              query.sizes(), " strides ", query.strides());
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == torch::kFloat32 && kv_cache.device().is_cpu(),
+              "kv_cache must be contiguous float32 CPU [2, num_blocks, block_size, Hkv, D], got ",
+              kv_cache.sizes());
+  const int64_t num_seqs = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == head_dim && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0,
+              "query heads ", num_q_heads, " x ", head_dim, " do not fit kv heads ", num_kv_heads,
+              " x ", kv_cache.size(4));
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32 &&
+                  block_tables.size(0) == num_seqs && block_tables.stride(1) == 1 &&
+                  block_tables.device().is_cpu(),
+              "block_tables must be int32 CPU [S, max_blocks] with unit inner stride, got ",
+              block_tables.sizes());
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs && seq_lens.is_contiguous() &&
+                  seq_lens.scalar_type() == torch::kInt32 && seq_lens.device().is_cpu(),
+              "seq_lens must be contiguous int32 CPU [S], got ", seq_lens.sizes());
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t bt_stride = block_tables.stride(0);
+  int64_t total_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {  // bounds: every block read must exist
+    const int64_t needed = (static_cast<int64_t>(lens[s]) + block_size - 1) / block_size;
+    TORCH_CHECK(lens[s] >= 0 && needed <= block_tables.size(1), "seq_lens[", s, "] = ", lens[s],
+                " exceeds the block table");
+    for (int64_t b = 0; b < needed; ++b) {
+      const int32_t id = tables[s * bt_stride + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " out of range");
+    }
+    total_len += lens[s];
+  }
+  auto out = torch::empty({num_seqs, num_q_heads, head_dim}, query.options());
+  const float* kc = kv_cache.data_ptr<float>();
+  const float* vc = kc + num_blocks * block_size * num_kv_heads * head_dim;
+  const float* q = query.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t q_seq = query.stride(0), q_head = query.stride(1);
+  const auto body = [&](int64_t begin, int64_t end) {
+    deepinfer::paged_decode_attention_tasks(q, q_seq, q_head, kc, vc, tables, bt_stride, lens,
+                                            block_size, num_kv_heads, num_q_heads, head_dim,
+                                            static_cast<float>(scale), o, begin, end);
+  };
+  const int64_t num_tasks = num_seqs * num_kv_heads;
+  // ~4 flops per (position, q head, dim); below ~200k the thread wake-up costs more.
+  if (total_len * num_q_heads * head_dim * 4 < 200000) {
+    body(0, num_tasks);
+  } else {
+    at::parallel_for(0, num_tasks, 1, body);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "y[M, N] = x[M, K] @ W.T, W in Q4_1 (float32 x and y)");
   m.def("q8_0_linear", &q8_0_linear, "y[M, N] = x[M, K] @ W.T, W in Q8_0 (float32 x and y)");
+  m.def("rms_norm", &rms_norm, "normed[T, H] of x (x := x + residual first when given)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "out[S, Hq, D]: one query token per sequence over its paged float32 context");
 }

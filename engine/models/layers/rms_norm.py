@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +21,9 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise `x`, or `x + residual` when a residual is given.
 
+        `kernels.rms_norm` with backend "auto": CPU float32 inputs run the fused C++ op, other
+        devices and dtypes the torch reference (`x.add_(residual)` + `F.rms_norm`).
+
         Args:
             x: [num_tokens, hidden_size]. With a residual, x is overwritten by x + residual
                 (it must be a fresh sub-layer output that nothing else reads).
@@ -28,7 +32,4 @@ class RMSNorm(nn.Module):
             normed [num_tokens, hidden_size] without a residual; otherwise
             (normed, x + residual), the sum being the next layer's residual.
         """
-        if residual is None:
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        x = x.add_(residual)
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps), x
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -1,0 +1,130 @@
+// Paged decode attention on CPU (float32, AVX2): one new query token per sequence, K/V read in
+// place from the paged cache through the block table (no gather copy). One task = one
+// (sequence, kv head) pair and its G = num_q_heads / num_kv_heads query heads; two passes over
+// the context: scores (q . k * scale) into a per-thread buffer, then exp(s - max) weighted V sum,
+// normalised at the end. All accumulation in fp32. Bindings: quantized_linear_bindings.cpp.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace deepinfer {
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  }
+  float s = hsum8(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// acc[0:n] += w * v[0:n]
+inline void axpy(float* acc, float w, const float* v, int64_t n) {
+  const __m256 vw = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + i),
+                                              _mm256_loadu_ps(acc + i)));
+  }
+  for (; i < n; ++i) acc[i] += w * v[i];
+}
+
+}  // namespace
+
+// Tasks [task_begin, task_end) of num_seqs * num_kv_heads; task = seq * num_kv_heads + kv_head.
+// query [S, Hq, D] (strides q_seq, q_head; unit along D); key/value caches [num_blocks,
+// block_size, Hkv, D] contiguous; block_tables [S, bt_stride] int32; seq_lens [S] int32;
+// out [S, Hq, D] contiguous.
+void paged_decode_attention_tasks(const float* query, int64_t q_seq, int64_t q_head,
+                                  const float* key_cache, const float* value_cache,
+                                  const int32_t* block_tables, int64_t bt_stride,
+                                  const int32_t* seq_lens, int64_t block_size,
+                                  int64_t num_kv_heads, int64_t num_q_heads, int64_t head_dim,
+                                  float scale, float* out, int64_t task_begin, int64_t task_end) {
+  const int64_t group = num_q_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * head_dim;  // floats between consecutive positions
+  thread_local std::vector<float> scores;
+  thread_local std::vector<float> acc;
+  thread_local std::vector<float> maxes;
+  for (int64_t task = task_begin; task < task_end; ++task) {
+    const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+    const int64_t seq_len = seq_lens[seq];
+    const int32_t* table = block_tables + seq * bt_stride;
+    float* out_task = out + (seq * num_q_heads + kv_head * group) * head_dim;
+    if (seq_len <= 0) {
+      std::fill(out_task, out_task + group * head_dim, 0.f);
+      continue;
+    }
+    if (static_cast<int64_t>(scores.size()) < group * seq_len) scores.resize(group * seq_len);
+    if (static_cast<int64_t>(acc.size()) < group * head_dim) acc.resize(group * head_dim);
+    const float* q_task = query + seq * q_seq + kv_head * group * q_head;
+    const int64_t kv_off = kv_head * head_dim;
+    // Pass 1: scores[g * seq_len + p] = (q_g . k_p) * scale, running max per head.
+    maxes.assign(group, -std::numeric_limits<float>::infinity());
+    float* mx = maxes.data();
+    for (int64_t pos = 0; pos < seq_len; pos += block_size) {
+      const int64_t n = std::min(block_size, seq_len - pos);
+      const float* k_block = key_cache + static_cast<int64_t>(table[pos / block_size]) *
+                                             block_size * slot_stride + kv_off;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* k = k_block + j * slot_stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float s = dot(q_task + g * q_head, k, head_dim) * scale;
+          scores[g * seq_len + pos + j] = s;
+          mx[g] = std::max(mx[g], s);
+        }
+      }
+    }
+    // exp(s - max) and the normalisers.
+    float* a = acc.data();
+    std::fill(a, a + group * head_dim, 0.f);
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + g * seq_len;
+      float denom = 0.f;
+      for (int64_t p = 0; p < seq_len; ++p) {
+        const float e = std::exp(sg[p] - mx[g]);
+        sg[p] = e;
+        denom += e;
+      }
+      mx[g] = 1.0f / denom;  // reuse as the inverse normaliser
+    }
+    // Pass 2: acc_g = sum_p e_gp * v_p.
+    for (int64_t pos = 0; pos < seq_len; pos += block_size) {
+      const int64_t n = std::min(block_size, seq_len - pos);
+      const float* v_block = value_cache + static_cast<int64_t>(table[pos / block_size]) *
+                                               block_size * slot_stride + kv_off;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = v_block + j * slot_stride;
+        for (int64_t g = 0; g < group; ++g) {
+          axpy(a + g * head_dim, scores[g * seq_len + pos + j], v, head_dim);
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = mx[g];
+      for (int64_t d = 0; d < head_dim; ++d) out_task[g * head_dim + d] = a[g * head_dim + d] * inv;
+    }
+  }
+}
+
+}  // namespace deepinfer

@@ -1,0 +1,69 @@
+"""Paged attention on CPU with a C++ decode kernel: the fast path for CPU float32 serving.
+
+Decode-only batches (every sequence has one new token) of float32 run
+`kernels/csrc/paged_attention_cpu.cpp` (in the one CPU extension, kernels/cpu_extension.py): per
+(sequence, kv head) task, K and V are read in place from the paged cache through the block table
+(no gather copy), two-pass softmax in fp32, GQA by sharing each kv head across its query-head
+group; tasks are spread over torch's intra-op threads. Everything else (prefill chunks, mixed
+batches, other dtypes or devices) and the KV write go to the batched torch backend,
+`kernels/paged_attention_torch.py`.
+
+KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`, contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import paged_attention_torch
+from kernels.attention_metadata import AttentionMetadata
+
+write_kv = paged_attention_torch.write_kv
+
+
+def _extension():
+    from kernels.cpu_extension import cpu_extension
+
+    return cpu_extension()
+
+
+def kernel_available() -> bool:
+    """True if the C++ decode kernel works here (builds the CPU extension on the first call)."""
+    return _extension() is not None
+
+
+def _decode_kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor,
+                           metadata: AttentionMetadata) -> bool:
+    return (metadata.is_decode_only and query.device.type == "cpu"
+            and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
+            and kv_cache.is_contiguous() and query.stride(-1) == 1)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's paged context.
+
+    Args:
+        query: [num_tokens, num_q_heads, head_dim]; num_q_heads a multiple of num_kv_heads.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype, already
+            holding this step's K/V.
+        metadata: the varlen batch; for the C++ path seq_lens [num_seqs] and block_tables
+            [num_seqs, max_num_blocks_per_seq] int32 on CPU.
+        scale: softmax scale.
+    Returns:
+        [num_tokens, num_q_heads, head_dim], query's dtype. Tolerance vs the reference: float32
+        summation order (atol 1e-5 at O(1) inputs).
+    """
+    if _decode_kernel_applies(query, kv_cache, metadata):
+        ext = _extension()
+        if ext is None:
+            raise RuntimeError("paged attention backend 'cpu' is unavailable here (see the logged "
+                               "warning); use backend='torch' or 'auto'.")
+        seq_lens = metadata.seq_lens
+        if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+            seq_lens = seq_lens.to(torch.int32).contiguous()
+        block_tables = metadata.block_tables
+        if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+            block_tables = block_tables.to(torch.int32).contiguous()
+        return ext.paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
+    return paged_attention_torch.paged_attention(query, kv_cache, metadata, scale)
