@@ -13,6 +13,7 @@ from engine.input_batch import CachedRequestState, build_step_inputs
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.sampling_metadata import build_sampling_metadata
+from kernels.cpu_extension import cpu_extension
 
 
 class ModelRunner:
@@ -33,6 +34,8 @@ class ModelRunner:
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model.num_layers)]
+        if device.type == "cpu":
+            cpu_extension()  # build the C++ CPU kernels now (first run only), not on a request
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
 
