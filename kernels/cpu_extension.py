@@ -43,6 +43,7 @@ def cpu_extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        logger.info("loading deepinfer's C++ CPU kernels (compiled once per machine, ~1 min)")
         flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
         return load(name="deepinfer_cpu_ops", sources=[str(_CSRC_DIR / s) for s in _SOURCES],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
