@@ -102,3 +102,21 @@ def test_abort_frees_blocks_at_once(tiny_llama_dir):
         engine.shutdown()
     assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
     assert stats.kv_cache_usage == 0.0
+
+
+SMOLLM2_PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
+                   "1, 2, 3, 4,", "The quick brown fox", "Explain photosynthesis. " * 12, "Hi",
+                   "List the planets of the solar system:", "def fibonacci(n):"]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_alone_equals_batched_and_after_preemption(smollm2_dir):
+    """The real model through the real kernels (quantized linears, fused C++ ops)."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    roomy = make_llm(smollm2_dir, num_blocks=256, block_size=16, budget=256)
+    alone = [roomy.generate([p], params)[0].token_ids for p in SMOLLM2_PROMPTS]
+    assert [o.token_ids for o in roomy.generate(SMOLLM2_PROMPTS, params)] == alone
+    # 24 blocks x 16 tokens cannot hold the 8 requests (~40 blocks) at once
+    tight = make_llm(smollm2_dir, num_blocks=24, block_size=16, budget=256, caching=False)
+    assert [o.token_ids for o in tight.generate(SMOLLM2_PROMPTS, params)] == alone
+    assert tight.engine_core.scheduler.num_preemptions > 0
