@@ -76,7 +76,7 @@ class SamplingParams:
 
     def resolved_seed(self) -> int:
         """The seed to sample with: the given one, or a fresh random 64-bit value."""
-        return self.seed if self.seed is not None else secrets.randbits(63)
+        return self.seed if self.seed is not None else secrets.randbits(64)
 
     def _validate(self) -> None:
         checks = [
