@@ -7,17 +7,26 @@
 // dequantizes to (Q4_1: fma(d, q, m), exact because d * q is exact in float32; Q8_0: d * q), and
 // products are accumulated with FMA in float32 (summation order differs from MKL's).
 //
-// Loop nest (one thread, output rows [n_begin, n_end)): panels of 32 output rows, whose quantized
-// weights (<= 32 x 816 bytes) stay in L1/L2 while tiles of up to 4 x rows pass over them; in a
-// tile, each 8-weight slice is dequantized once into a register and used for every x row. At
-// decode (M <= 4) every weight is read from memory and dequantized exactly once.
-// Measured on a 2-core Zen AVX2 VM (1 thread, L2-resident Q4_1 576-wide rows): ~3 ns per block
-// at M = 1, ~1.7 ns per block per x row at M = 4..16.
+// Two loop nests (one thread, output rows [n_begin, n_end)):
+// - M < kPanelMinRows (decode of a few sequences), `rows_fused`: panels of 32 output rows, whose
+//   quantized weights (<= 32 x 816 bytes) stay in L1/L2 while tiles of up to 4 x rows pass over
+//   them; in a tile, each 8-weight slice is dequantized into a register and used for every x row.
+//   At M <= 4 every weight is read from memory and dequantized exactly once.
+// - M >= kPanelMinRows, `rows_panel`: each panel of kPanelRows output rows is dequantized once
+//   into a per-thread float32 buffer (<= 24 x K floats, L2-resident), then a register-blocked
+//   microkernel (4 x rows x 3 output rows: 12 accumulators + 3 weight + 1 x register of the 16
+//   ymm) runs FMAs over K for every x tile, so dequantization is paid once per weight instead of
+//   once per 4-row x tile. Weights in the buffer are the same exact float32 values.
+// Measured on a 2-core Zen AVX2 VM (2 threads, SmolLM2-135M's 30 layers in Q4_1 + the Q8_0 LM
+// head): M = 1: 8 ms (fused); M = 8: 42 -> 34 ms, M = 16: 70 -> 52 ms, M = 32: 159 -> 90 ms
+// (fused -> panel). The panel nest wins from M = 5; at M <= 4 the extra store and reload of
+// the dequantized panel costs more than it saves (M = 4: 16 vs 19 ms).
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -115,9 +124,9 @@ inline void tile_dot(const W& weight, int64_t n, const float* x, int64_t ldx, fl
     }
 }
 
-// All x rows [0, num_rows) against output rows [n_begin, n_end).
+// All x rows [0, num_rows) against output rows [n_begin, n_end), dequantizing in registers.
 template <class W>
-void rows(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
+void rows_fused(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
           int64_t n_begin, int64_t n_end, int64_t ldy) {
   constexpr int64_t kTileRows = 4;    // x rows sharing one dequantized weight slice
   constexpr int64_t kPanelRows = 32;  // output rows whose weights stay cached across x tiles
@@ -133,6 +142,104 @@ void rows(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float*
         default: for (int64_t n = p0; n < p1; ++n) tile_dot<4, 1>(weight, n, xt, ldx, yt, ldy);
       }
     }
+  }
+}
+
+// Dequantizes output rows [n, n + count) of `weight` into dst[count][K] (exact float32 values).
+template <class W>
+void dequantize_rows(const W& weight, int64_t n, int64_t count, float* dst) {
+  const int64_t nb = weight.num_blocks;
+  alignas(32) float ds[kScaleChunk];
+  alignas(32) float ms[kScaleChunk];
+  for (int64_t c = 0; c < count; ++c) {
+    float* row = dst + c * nb * kBlock;
+    for (int64_t b0 = 0; b0 < nb; b0 += kScaleChunk) {
+      const int64_t chunk = std::min(kScaleChunk, nb - b0);
+      half_to_float(weight.scales + (n + c) * nb + b0, chunk, ds);
+      if (W::kHasMins) half_to_float(weight.mins + (n + c) * nb + b0, chunk, ms);
+      for (int64_t i = 0; i < chunk; ++i) {
+        const int64_t b = b0 + i;
+        const __m256 d = _mm256_broadcast_ss(&ds[i]);
+        const __m256 m = W::kHasMins ? _mm256_broadcast_ss(&ms[i]) : _mm256_setzero_ps();
+        float* out = row + b * kBlock;
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, weight.sub(n + c, b, j, d, m));
+      }
+    }
+  }
+}
+
+// y[r, c] = sum_k x[r, k] * w[c, k] for r < MR, c < NR; w is float32 [NR][K] with row stride
+// ldw, K a multiple of 8.
+template <int MR, int NR>
+inline void micro_dot(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t K,
+                      float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NR];
+    for (int c = 0; c < NR; ++c) wv[c] = _mm256_loadu_ps(w + c * ldw + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
+}
+
+template <int MR>
+inline void micro_dot_cols(int64_t cols, const float* w, int64_t ldw, const float* x,
+                           int64_t ldx, int64_t K, float* y, int64_t ldy) {
+  switch (cols) {
+    case 1: micro_dot<MR, 1>(w, ldw, x, ldx, K, y, ldy); break;
+    case 2: micro_dot<MR, 2>(w, ldw, x, ldx, K, y, ldy); break;
+    default: micro_dot<MR, 3>(w, ldw, x, ldx, K, y, ldy);
+  }
+}
+
+constexpr int64_t kPanelMinRows = 5;  // from here on, dequantize each panel once (rows_panel)
+
+// All x rows [0, num_rows) against output rows [n_begin, n_end), through a dequantized panel.
+template <class W>
+void rows_panel(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
+                int64_t n_begin, int64_t n_end, int64_t ldy) {
+  constexpr int64_t kTileRows = 4;    // x rows of the microkernel
+  constexpr int64_t kTileCols = 3;    // output rows of the microkernel
+  constexpr int64_t kPanelRows = 24;  // output rows dequantized at once (24 x K floats)
+  const int64_t K = weight.num_blocks * kBlock;
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < kPanelRows * K) buffer.resize(kPanelRows * K);
+  float* panel = buffer.data();
+  for (int64_t p0 = n_begin; p0 < n_end; p0 += kPanelRows) {
+    const int64_t p1 = std::min(n_end, p0 + kPanelRows);
+    dequantize_rows(weight, p0, p1 - p0, panel);
+    for (int64_t m0 = 0; m0 < num_rows; m0 += kTileRows) {
+      const float* xt = x + m0 * ldx;
+      const int64_t tile_rows = std::min(kTileRows, num_rows - m0);
+      for (int64_t n = p0; n < p1; n += kTileCols) {
+        const int64_t cols = std::min(kTileCols, p1 - n);
+        const float* w = panel + (n - p0) * K;
+        float* yt = y + m0 * ldy + n;
+        switch (tile_rows) {
+          case 1: micro_dot_cols<1>(cols, w, K, xt, ldx, K, yt, ldy); break;
+          case 2: micro_dot_cols<2>(cols, w, K, xt, ldx, K, yt, ldy); break;
+          case 3: micro_dot_cols<3>(cols, w, K, xt, ldx, K, yt, ldy); break;
+          default: micro_dot_cols<4>(cols, w, K, xt, ldx, K, yt, ldy);
+        }
+      }
+    }
+  }
+}
+
+template <class W>
+void rows(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
+          int64_t n_begin, int64_t n_end, int64_t ldy) {
+  if (num_rows >= kPanelMinRows) {
+    rows_panel(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
+  } else {
+    rows_fused(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
   }
 }
 

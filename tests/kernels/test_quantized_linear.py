@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels.quantized_linear as ql
-from kernels.linear import linear, quantize_linear_weight
+from kernels.linear import QUANTIZED_MAX_ROWS, linear, quantize_linear_weight
 from kernels.quantized_linear import (QuantizedWeight, cpu_kernel_available, quantized_linear,
                                       recover_q4_1, recover_q8_0, recover_quantized)
 from kernels.reference.quantized_linear import dequantize
@@ -99,6 +99,20 @@ def test_quantized_linear_matches_reference(backend, fmt, num_rows, shape):
     assert (got - expected).abs().max() <= 1e-5 * scale
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("num_rows", [2, 4, 5, 6, 7, 8, 9, 24])
+def test_quantized_linear_tile_edges_match_reference(fmt, num_rows):
+    """Every x-row tail of the 4-row tiles and output-row tails of the 3-row / 24-row panels
+    (N = 53), on both the fused (small M) and the dequantized-panel (larger M) loop nests."""
+    if not cpu_kernel_available():
+        pytest.skip("AVX2 quantized-linear kernel unavailable here")
+    qweight = _model_like_qweight(fmt, (53, 2112), seed=num_rows)  # 2112 = 66 blocks > 64
+    x = torch.randn(num_rows, 2112, generator=torch.Generator().manual_seed(11))
+    expected = torch.nn.functional.linear(x, dequantize(qweight))
+    got = quantized_linear(x, qweight, backend="cpu_avx2")
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 def test_quantized_linear_bias_strided_input_and_leading_dims():
     qweight = _model_like_qweight("q4_1", (64, 96), seed=3)
     bias = torch.randn(64)
@@ -140,8 +154,8 @@ def test_linear_dispatches_small_inputs_to_quantized_kernel(monkeypatch):
     calls = []
     real = ql._cpu_avx2_linear
     monkeypatch.setattr(ql, "_cpu_avx2_linear", lambda x, q: calls.append(x.shape) or real(x, q))
-    for num_rows in (1, 16, 17):
+    for num_rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1):
         x = torch.randn(num_rows, 64)
         torch.testing.assert_close(linear(x, weight, None, None, qweight), x @ weight.T,
                                    rtol=1e-5, atol=1e-5)
-    assert calls == [(1, 64), (16, 64)]  # 17 rows > QUANTIZED_MAX_ROWS: float32 GEMM
+    assert calls == [(1, 64), (QUANTIZED_MAX_ROWS, 64)]  # more rows: float32 GEMM
