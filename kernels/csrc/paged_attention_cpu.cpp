@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,13 +17,6 @@
 namespace deepinfer {
 
 namespace {
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();

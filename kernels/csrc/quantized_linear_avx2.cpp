@@ -24,21 +24,18 @@
 
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+using deepinfer::hsum8;
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kScaleChunk = 64;  // blocks whose fp16 scales are converted at once
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // fp16 bits [count] -> float [count].
 inline void half_to_float(const uint16_t* src, int64_t count, float* dst) {
@@ -120,7 +117,7 @@ inline void tile_dot(const W& weight, int64_t n, const float* x, int64_t ldx, fl
     for (int c = 0; c < NR; ++c) {
       __m256 s = acc[r][c][0];
       for (int a = 1; a < NACC; ++a) s = _mm256_add_ps(s, acc[r][c][a]);
-      y[r * ldy + n + c] = hsum(s);
+      y[r * ldy + n + c] = hsum8(s);
     }
 }
 
@@ -186,7 +183,7 @@ inline void micro_dot(const float* w, int64_t ldw, const float* x, int64_t ldx, 
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
+    for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum8(acc[r][c]);
 }
 
 template <int MR>

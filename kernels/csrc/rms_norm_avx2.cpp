@@ -4,21 +4,12 @@
 
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <cmath>
 #include <cstdint>
 
 namespace deepinfer {
-
-namespace {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-}  // namespace
 
 // Rows [row_begin, row_end) of x [T, H] (row stride ldx): with residual (row stride ldr, may be
 // null) x := x + residual first; out[t] = x[t] * (1 / sqrt(mean(x[t]^2) + eps)) * weight.
@@ -62,7 +53,7 @@ void rms_norm_rows(float* x, int64_t ldx, const float* residual, int64_t ldr,
       }
       for (; i < hidden; ++i) tail += xr[i] * xr[i];
     }
-    const float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3))) +
+    const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3))) +
                       tail;
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
     const __m256 vinv = _mm256_set1_ps(inv);
