@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig, ModelConfig, env_overrides
+from engine.config import EngineConfig, env_overrides
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -80,5 +80,3 @@ class LLM:
                                                  tokenize=True, return_dict=False)
         return self.generate([list(ids)], sampling_params)[0]
 
-
-__all__ = ["LLM", "ModelConfig"]

@@ -41,19 +41,9 @@ def _decode_kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's paged context.
-
-    Args:
-        query: [num_tokens, num_q_heads, head_dim]; num_q_heads a multiple of num_kv_heads.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype, already
-            holding this step's K/V.
-        metadata: the varlen batch; for the C++ path seq_lens [num_seqs] and block_tables
-            [num_seqs, max_num_blocks_per_seq] int32 on CPU.
-        scale: softmax scale.
-    Returns:
-        [num_tokens, num_q_heads, head_dim], query's dtype. Tolerance vs the reference: float32
-        summation order (atol 1e-5 at O(1) inputs).
-    """
+    """`kernels.paged_attention.paged_attention`'s contract (shapes there); decode-only CPU
+    float32 batches run the C++ kernel (float32 summation order vs the reference: atol 1e-5),
+    the rest the torch backend."""
     if _decode_kernel_applies(query, kv_cache, metadata):
         ext = _extension()
         if ext is None:
