@@ -52,18 +52,24 @@ class AsyncLLM:
 
     # ---- caller side ---------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (deltas) until it finishes.
+                       request_id: str | None = None, *,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (deltas) until it finishes. `kv_transfer_params`: see
+        `EngineCore.make_request` (the last output then carries the prefill's answer).
 
         Raises (before the first output):
             QueueFullError: too many requests in flight (HTTP 429).
             PromptTooLongError, ValueError: the prompt does not fit or is invalid (HTTP 400).
+            GrammarError (a ValueError): `so_args` cannot be compiled (HTTP 400).
             EngineDeadError: the step loop has died.
         Closing the iterator early (client gone) aborts the request and frees its blocks.
         """
         self.check_health()
+        if sampling_params.so_args is not None:
+            await self.compile_grammar(sampling_params.so_args)
         request = self.engine_core.make_request(prompt_token_ids, sampling_params,
-                                                request_id or uuid.uuid4().hex)
+                                                request_id or uuid.uuid4().hex,
+                                                kv_transfer_params=kv_transfer_params)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if len(self._streams) >= self._max_in_flight:
@@ -88,6 +94,16 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", request.request_id))
 
+    async def compile_grammar(self, so_args: dict) -> None:
+        """Compile a structured-output constraint in a worker thread (then cached), off the
+        step loop and the event loop.
+
+        Raises:
+            GrammarError (a ValueError): the schema, regex or grammar is invalid; the message
+                says what is wrong.
+        """
+        await asyncio.to_thread(self.engine_core.structured_output.compile, so_args)
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -103,6 +119,8 @@ class AsyncLLM:
         self._stopping.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine_core.close()
 
     # ---- loop side -----------------------------------------------------------------------
     def _apply(self, command: str, payload) -> None:

@@ -24,10 +24,17 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DEEPINFER_BLOCK_SIZE": ("cache", "block_size"),
     "DEEPINFER_NUM_KV_BLOCKS": ("cache", "num_blocks"),
     "DEEPINFER_KV_CACHE_MEMORY_BYTES": ("cache", "kv_cache_memory_bytes"),
+    "DEEPINFER_GPU_MEMORY_UTILIZATION": ("cache", "gpu_memory_utilization"),
+    "DEEPINFER_ENFORCE_EAGER": ("model", "enforce_eager"),
     "DEEPINFER_ENABLE_PREFIX_CACHING": ("cache", "enable_prefix_caching"),
     "DEEPINFER_MAX_NUM_SEQS": ("scheduler", "max_num_seqs"),
     "DEEPINFER_MAX_NUM_BATCHED_TOKENS": ("scheduler", "max_num_batched_tokens"),
     "DEEPINFER_MAX_WAITING_REQUESTS": ("scheduler", "max_waiting_requests"),
+    "DEEPINFER_KV_ROLE": ("kv_transfer", "role"),
+    "DEEPINFER_KV_STORE": ("kv_transfer", "kv_store"),
+    "DEEPINFER_KV_STORE_MEMORY_BYTES": ("kv_transfer", "memory_store_bytes"),
+    "DEEPINFER_KV_STORE_TTL_S": ("kv_transfer", "ttl_s"),
+    "DEEPINFER_KV_STORE_TIMEOUT_S": ("kv_transfer", "timeout_s"),
 }
 
 
@@ -49,6 +56,7 @@ class ModelConfig:
     cache_dir: where GGUF files are converted into HF directories; None = ~/.cache/deepinfer.
     seed: base seed for requests that give none (None = random per request).
     served_model_name: the name clients use; None = derived from the model path.
+    enforce_eager: on CUDA, run every step eagerly (no CUDA graphs for decode).
     """
 
     model: str | None = None
@@ -59,6 +67,7 @@ class ModelConfig:
     cache_dir: str | None = None
     seed: int | None = None
     served_model_name: str | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -75,13 +84,17 @@ class CacheConfig:
 
     block_size: tokens per KV block.
     num_blocks: total KV blocks; None sizes the cache from `kv_cache_memory_bytes`.
-    kv_cache_memory_bytes: memory for the KV cache when num_blocks is None.
+    kv_cache_memory_bytes: memory for the KV cache when num_blocks is None; None = 1 GiB on
+        CPU, and on CUDA what `gpu_memory_utilization` leaves after a profiling forward pass.
+    gpu_memory_utilization: share of the GPU's total memory this engine may use (weights,
+        activations at the step-token budget, KV cache); in (0, 1].
     enable_prefix_caching: reuse full blocks whose hash chain matches an earlier request.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -89,7 +102,10 @@ class CacheConfig:
                f"block_size={self.block_size} must be a power of two between 1 and 256.")
         _check(self.num_blocks is None or self.num_blocks >= 1,
                f"num_blocks={self.num_blocks} must be >= 1.")
-        _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0.")
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+               "kv_cache_memory_bytes must be > 0.")
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
 
 
 @dataclass(frozen=True)
@@ -119,10 +135,51 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """The KV block store and this worker's role in prefill/decode disaggregation.
+
+    role: "both" (serve whole requests), "prefill" (compute prompts and store their blocks for
+        a decode worker) or "decode" (load stored prompt blocks, then generate; saves nothing).
+    kv_store: "memory" (an in-process LRU, the embedded default), "none" (no store), or
+        `redis://[:password@]host:port/db` / `rediss://...` (shared by workers).
+    memory_store_bytes: byte cap of the "memory" store.
+    ttl_s: expiry of stored blocks in seconds on Redis (0 = never expire).
+    timeout_s: Redis connect/command timeout in seconds; a slower store counts as a miss.
+    With a store, every request also loads from and saves to it (a prefix cache shared by
+    replicas); it needs `enable_prefix_caching` (block hashes are the keys).
+    """
+
+    role: str = "both"
+    kv_store: str = "memory"
+    memory_store_bytes: int = 1 << 30
+    ttl_s: int = 24 * 3600
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check(self.role in ("both", "prefill", "decode"),
+               f"role={self.role!r} is not supported; use both, prefill or decode.")
+        _check(self.kv_store in ("memory", "none")
+               or self.kv_store.startswith(("redis://", "rediss://")),
+               f"kv_store={self.kv_store!r} is not supported; use memory, none, "
+               "redis://[:password@]host:port/db or rediss://...")
+        _check(self.role == "both" or self.kv_store != "none",
+               f"role={self.role} hands KV blocks over through a store; give --kv-store "
+               "redis://... (or memory for a single process).")
+        _check(self.memory_store_bytes >= 1, "memory_store_bytes must be >= 1.")
+        _check(self.ttl_s >= 0, f"ttl_s={self.ttl_s} must be >= 0 (0 = no expiry).")
+        _check(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_store != "none"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def replace(self, **sections: dict) -> "EngineConfig":
         """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""
@@ -136,6 +193,8 @@ def _coerce(current_type: str, raw: str):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if "int" in current_type:
         return int(raw)
+    if "float" in current_type:
+        return float(raw)
     return raw
 
 
@@ -149,7 +208,8 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
     sections: dict[str, dict] = {}
     types = {name: {f.name: str(f.type) for f in dataclasses.fields(cls)}
              for name, cls in (("model", ModelConfig), ("cache", CacheConfig),
-                               ("scheduler", SchedulerConfig))}
+                               ("scheduler", SchedulerConfig),
+                               ("kv_transfer", KVTransferConfig))}
     for var, (section, name) in ENV_VARS.items():
         if var in environ and environ[var] != "":
             try:

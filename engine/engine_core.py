@@ -6,7 +6,6 @@ Single owner of the scheduler and block state: only `step()`, `add_request()` an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -19,15 +18,19 @@ from engine import loader
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import PromptTooLongError
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.spec import FullAttentionSpec, num_blocks_for_budget
+from engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
+from engine.kv_cache.spec import num_blocks_for_budget
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured.manager import xgrammar_manager
 
 logger = logging.getLogger(__name__)
+
+_STORE_WAIT_S = 0.005  # idle wait of the step loop while only KV store traffic is in flight
 
 
 def resolve_device_dtype(config: ModelConfig) -> tuple[torch.device, torch.dtype]:
@@ -67,8 +70,18 @@ def _eos_token_ids(model_dir, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # KV cache size on CPU when none is configured
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    """Args:
+        config: the engine configuration.
+        model: an already built model on the configured device and dtype (benchmarks build
+            one in memory); None loads the weights from `config.model.model`, whose directory
+            still provides config.json and the tokenizer.
+    """
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None):
         self.config = config
         self.model_dir = loader.resolve_model_dir(config.model.model, config.model.cache_dir)
         self.model_name = served_model_name(config.model)
@@ -77,25 +90,71 @@ class EngineCore:
         self.tokenizer = loader.load_tokenizer(self.model_dir)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
-        model = loader.load_model(self.model_dir, self.dtype, self.device)
+        if model is None:
+            model = loader.load_model(self.model_dir, self.dtype, self.device)
 
         cache = config.cache
-        spec = FullAttentionSpec(model.num_layers, model.num_kv_heads, model.head_dim,
-                                 self.dtype.itemsize)
+        spec = model.kv_cache_spec(self.dtype.itemsize)  # FullAttentionSpec, MLAAttentionSpec
         num_blocks = cache.num_blocks or num_blocks_for_budget(
-            spec, cache.block_size, cache.kv_cache_memory_bytes)
+            spec, cache.block_size, self._kv_cache_budget_bytes(model, spec))
         self.max_model_len = self._max_model_len(hf_config, num_blocks * cache.block_size)
-        fingerprint = hashlib.blake2b(
-            (self.model_dir / "config.json").read_bytes() + str(self.dtype).encode()
-            + cache.block_size.to_bytes(4, "little"), digest_size=8).digest()
+        fingerprint = model_fingerprint(self.model_dir, self.dtype, cache.block_size)
+        self.structured_output = xgrammar_manager(self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids)
         self.model_runner = ModelRunner(model, num_blocks, cache.block_size, self.device,
-                                        self.dtype, self.eos_token_ids)
+                                        self.dtype, self.eos_token_ids,
+                                        structured_output=self.structured_output)
+        if self.device.type == "cuda" and not config.model.enforce_eager:
+            self.model_runner.capture_cuda_graphs(config.scheduler.max_num_seqs,
+                                                  self.max_model_len)
+        self.kv_transfer = self._build_kv_transfer(fingerprint)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(
-            num_blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint))
+            num_blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint),
+            save_kv_blocks=isinstance(self.kv_transfer, KVTransfer)
+            and config.kv_transfer.role != "decode")
         self.output_processor = OutputProcessor(self.tokenizer)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len=%d",
-                    num_blocks, cache.block_size,
-                    num_blocks * spec.block_bytes(cache.block_size) / 2**20, self.max_model_len)
+        logger.info("KV cache: %s, %d bytes/token; %d blocks x %d tokens (%.1f MiB), "
+                    "max_model_len=%d", type(spec).__name__, spec.bytes_per_token(), num_blocks,
+                    cache.block_size, num_blocks * spec.block_bytes(cache.block_size) / 2**20,
+                    self.max_model_len)
+
+    def _kv_cache_budget_bytes(self, model: torch.nn.Module, spec) -> int:
+        """The KV cache's bytes: as configured, else 1 GiB on CPU, else on CUDA what
+        gpu_memory_utilization leaves after a profiling step (engine/gpu_memory.py)."""
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        from engine.gpu_memory import profile_kv_cache_budget
+
+        scheduler = self.config.scheduler
+        return profile_kv_cache_budget(
+            model, spec, dtype=self.dtype, device=self.device, block_size=cache.block_size,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            max_num_seqs=scheduler.max_num_seqs,
+            gpu_memory_utilization=cache.gpu_memory_utilization)
+
+    def _build_kv_transfer(self, fingerprint: bytes) -> KVTransfer | NoKVTransfer:
+        """The KV store bridge, or a stand-in when there is no store (or no prefix caching:
+        block hashes are the store's keys)."""
+        config = self.config.kv_transfer
+        if not config.enabled:
+            return NoKVTransfer()
+        if not self.config.cache.enable_prefix_caching:
+            if config.role != "both":
+                raise ValueError(f"role={config.role} needs prefix caching (block hashes are the "
+                                 "KV store's keys); do not disable it.")
+            logger.warning("prefix caching is off, so the KV store %s is not used",
+                           config.kv_store)
+            return NoKVTransfer()
+        logger.info("KV store: %s (role %s, model fingerprint %s)",
+                    config.kv_store.rpartition("@")[2], config.role, fingerprint.hex())
+        return KVTransfer(config, self.model_runner, fingerprint, self.config.cache.block_size)
+
+    def close(self) -> None:
+        """Release the KV store connection and its thread."""
+        self.kv_transfer.close()
 
     def _max_model_len(self, hf_config, kv_capacity_tokens: int) -> int:
         model_limit = getattr(hf_config, "max_position_embeddings", None) or kv_capacity_tokens
@@ -113,12 +172,18 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None) -> Request:
+                     request_id: str | None = None, *,
+                     kv_transfer_params: dict | None = None) -> Request:
         """Validate a tokenized prompt and build its `Request`.
+
+        `kv_transfer_params`: prefill/decode disaggregation (engine/kv_transfer.py), e.g.
+        `{"do_remote_decode": True}` to store the prompt's blocks for a decode worker.
 
         Raises:
             PromptTooLongError: prompt (+ max_tokens) does not fit max_model_len.
             ValueError: empty prompt or token ids outside the vocabulary.
+            GrammarError (a ValueError): `so_args` cannot be compiled (compiles it unless
+                cached; `AsyncLLM` compiles it in a worker thread first).
         """
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -134,40 +199,56 @@ class EngineCore:
                 f"they exceed max_model_len={self.max_model_len}. Shorten the prompt, lower "
                 "max_tokens, or raise --max-model-len.")
         limit = self.max_model_len if max_tokens is None else num_prompt + max_tokens
+        if params.so_args is not None:
+            self.structured_output.compile(params.so_args)
         seed = params.resolved_seed()
         if params.seed is None and self.config.model.seed is not None:
             seed = self.config.model.seed
         return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=list(
             prompt_token_ids), sampling_params=params, eos_token_ids=self.eos_token_ids,
-            max_total_tokens=limit, seed=seed)
+            max_total_tokens=limit, seed=seed, kv_transfer_params=kv_transfer_params)
 
     def add_request(self, request: Request) -> None:
-        """Raises QueueFullError when the waiting queue is at its cap."""
+        """Raises QueueFullError when the waiting queue is at its cap. With a KV store, the
+        request waits while its stored prompt blocks are fetched."""
         self.scheduler.add_request(request)
         self.output_processor.add_request(request.request_id, request.prompt_token_ids,
                                           request.sampling_params, request.arrival_time)
+        if self.kv_transfer.add_request(request, self.scheduler.kv_cache_manager):
+            self.scheduler.wait_for_remote_kv(request.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests at once and free their KV blocks (client gone)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.kv_transfer.discard(request_ids)
         for request_id in request_ids:
             self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished_requests > 0
+        return self.scheduler.num_unfinished_requests > 0 or self.kv_transfer.has_held_outputs()
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update, detokenize: one forward pass over the batch."""
+        """Schedule, execute, update, detokenize: one forward pass over the batch. KV store
+        traffic: fetched requests rejoin the queue, fetched blocks are written before the
+        forward pass, full prompt blocks are saved after it (engine/kv_transfer.py)."""
+        self.scheduler.remote_kv_ready(self.kv_transfer.finished_loads())
         if not self.scheduler.has_work():
-            return []
+            self.kv_transfer.wait(_STORE_WAIT_S)  # only block saves of a hand-off in flight
+            return self.kv_transfer.hold_finished([])
         scheduler_output = self.scheduler.schedule()
+        self.kv_transfer.load_blocks(scheduler_output.kv_loads)
         runner_output = self.model_runner.execute(scheduler_output)
+        self.kv_transfer.save_blocks(scheduler_output.kv_saves)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
-        return request_outputs
+        if scheduler_output.is_empty:
+            self.kv_transfer.wait(_STORE_WAIT_S)  # only fetches in flight: do not spin
+        return self.kv_transfer.hold_finished(request_outputs)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        stats.kv_store = self.kv_transfer.get_stats()
+        return stats

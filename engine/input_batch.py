@@ -9,6 +9,7 @@ batch: `input_ids`, `positions`, and the `AttentionMetadata` (`query_start_loc`,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ class CachedRequestState:
     num_computed_tokens: int      # tokens in the KV cache before this step
     sampling_params: SamplingParams
     seed: int
+    grammar: Any = None           # a structured-output GrammarMatcher when so_args is set
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -75,8 +77,11 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
+    pin = device.type == "cuda"  # page-locked staging: the copies are truly asynchronous
+
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+        host = torch.from_numpy(array).to(dtype)
+        return (host.pin_memory() if pin else host).to(device=device, non_blocking=True)
 
     metadata = AttentionMetadata(
         query_start_loc=to_device(query_start_loc, torch.int32),

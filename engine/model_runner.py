@@ -7,37 +7,60 @@ of their tokens, and return plain lists (`ModelRunnerOutput`).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 
 from engine.input_batch import CachedRequestState, build_step_inputs
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.sampling_metadata import build_sampling_metadata
+from engine.structured.manager import StructuredOutputManager
 from kernels.cpu_extension import cpu_extension
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     """Args:
-        model: a model from engine.models (forward / compute_logits / kv_cache_shape).
+        model: a model from engine.models (forward / compute_logits / kv_cache_spec).
         num_blocks: KV blocks to allocate.
         block_size: tokens per block.
         device, dtype: where and in which dtype the KV cache lives.
         eos_token_ids: masked while a request is below its min_tokens.
+        structured_output: builds the grammar matchers of requests with `so_args` (None: such
+            requests are refused earlier, by EngineCore).
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, eos_token_ids: frozenset[int]):
+                 device: torch.device, dtype: torch.dtype, eos_token_ids: frozenset[int],
+                 structured_output: StructuredOutputManager | None = None):
         self.model = model
+        self.structured_output = structured_output
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.device = device
-        shape = model.kv_cache_shape(num_blocks, block_size)
+        spec = model.kv_cache_spec(dtype.itemsize)  # the model's per-layer KV layout
+        shape = spec.kv_cache_shape(num_blocks, block_size)
+        self.kv_cache_spec = spec
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                          for _ in range(model.num_layers)]
+                          for _ in range(spec.num_layers)]
         if device.type == "cpu":
             cpu_extension()  # build the C++ CPU kernels now (first run only), not on a request
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.cuda_graphs = None  # engine.cuda_graphs.CudaGraphRunner after capture_cuda_graphs
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode forwards at batch sizes up to max_num_seqs (CUDA only); decode-only
+        steps then replay them (engine/cuda_graphs.py)."""
+        from engine.cuda_graphs import CudaGraphRunner
+
+        runner = CudaGraphRunner(self.model, self.kv_caches, self.block_size,
+                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        runner.capture()
+        self.cuda_graphs = runner
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> list[CachedRequestState]:
         for request_id in scheduler_output.finished_req_ids:
@@ -49,6 +72,10 @@ class ModelRunner:
                 num_prompt_tokens=new.num_prompt_tokens, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling_params=new.sampling_params, seed=new.seed)
+            if new.sampling_params.so_args is not None:   # rebuilt from the output so far
+                state.grammar = self.structured_output.new_matcher(
+                    new.sampling_params.so_args, state.output_token_ids,
+                    self.eos_token_ids | set(new.sampling_params.stop_token_ids))
             self.requests[new.request_id] = state
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
@@ -66,17 +93,28 @@ class ModelRunner:
             return ModelRunnerOutput()
         num_scheduled = [scheduler_output.num_scheduled_tokens[s.request_id] for s in states]
         inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            inputs.attn_metadata)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs):
+            hidden = self.cuda_graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.attn_metadata)
         sampled: dict[str, tuple[list[int], list | None]] = {}
         if inputs.sampling_states:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             metadata = build_sampling_metadata(inputs.sampling_states, self.device,
                                                eos_token_ids=self.eos_token_ids)
+            if any(s.grammar is not None for s in inputs.sampling_states):
+                bitmask, rows = self.structured_output.fill_bitmask(
+                    [s.grammar for s in inputs.sampling_states])
+                metadata = dataclasses.replace(metadata, grammar_bitmask=bitmask,
+                                               grammar_rows=rows)
             result = self.sampler(logits, metadata)
             for row, state in enumerate(inputs.sampling_states):
                 token_id = result.sampled_token_ids[row]
                 state.token_ids.append(token_id)
+                if state.grammar is not None and not state.grammar.accept_token(token_id):
+                    logger.warning("request %s: sampled token %d outside its grammar",
+                                   state.request_id, token_id)
                 logprobs = [result.logprobs[row]] if result.logprobs is not None else None
                 sampled[state.request_id] = ([token_id], logprobs)
         for state, num_tokens in zip(states, num_scheduled):
@@ -85,3 +123,41 @@ class ModelRunner:
             req_ids=[s.request_id for s in states],
             sampled_token_ids=[sampled.get(s.request_id, ([], None))[0] for s in states],
             logprobs=[sampled.get(s.request_id, ([], None))[1] for s in states])
+
+    # ---- KV blocks in and out, for the KV store (engine/kv_transfer.py) --------------------
+    @property
+    def kv_block_dim(self) -> int:
+        """The block axis of each layer's KV tensor (1 for [2, num_blocks, ...], 0 for MLA's
+        [num_blocks, ...]): the axis whose size follows the block count."""
+        one = self.kv_cache_spec.kv_cache_shape(1, self.block_size)
+        two = self.kv_cache_spec.kv_cache_shape(2, self.block_size)
+        return next(axis for axis, (a, b) in enumerate(zip(one, two)) if a != b)
+
+    @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy blocks out of the KV cache, all layers.
+
+        Returns:
+            [len(block_ids), num_layers, *block_shape] on CPU in the cache dtype, where
+            block_shape is one layer's tensor shape without its block axis (e.g. [2,
+            block_size, num_kv_heads, head_dim] for K/V, [block_size, latent_dim] for MLA).
+        """
+        axis = self.kv_block_dim
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        per_layer = [kv.index_select(axis, index).movedim(axis, 0) for kv in self.kv_caches]
+        return torch.stack(per_layer, dim=1).cpu()
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Overwrite blocks of the KV cache, all layers.
+
+        Args:
+            block_ids: destination block ids.
+            blocks: [len(block_ids), num_layers, *block_shape] in the cache dtype (as
+                `read_kv_blocks` returns), on any device.
+        """
+        axis = self.kv_block_dim
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        blocks = blocks.to(self.device, non_blocking=True)
+        for layer, kv in enumerate(self.kv_caches):
+            kv.index_copy_(axis, index, blocks[:, layer].movedim(0, axis))

@@ -43,12 +43,26 @@ class CachedRequestData:
 
 
 @dataclass
+class KVBlocks:
+    """Blocks of one request to move between the KV cache and the KV store this step:
+    `block_ids[i]` holds the block whose hash is `block_hashes[i]`."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[int]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+    # KV store traffic (engine/kv_transfer.py): fill these blocks from the store before the
+    # forward pass; copy these full prompt blocks out to the store after it
+    kv_loads: list[KVBlocks] = field(default_factory=list)
+    kv_saves: list[KVBlocks] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -113,6 +127,8 @@ class RequestOutput:
     text: str | None = None
     token_ids: list[int] | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # prefill/decode disaggregation: what a do_remote_decode request stored (final output only)
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -127,3 +143,26 @@ class SchedulerStats:
     prefix_cache_queries: int = 0         # prompt tokens looked up (counter)
     prefix_cache_hits: int = 0            # of which served from cache (counter)
     num_preemptions: int = 0              # counter
+    kv_store: "KVStoreStats | None" = None  # None when no KV store is configured
+
+
+@dataclass
+class KVStoreStats:
+    """Counters of the KV block store traffic (engine/kv_transfer.py), for /metrics.
+
+    Latency histograms are cumulative bucket counts over `latency_buckets_s` (upper bounds, in
+    seconds; the last bucket is +Inf) plus the sum of observations, as Prometheus wants them.
+    """
+
+    hits: int = 0              # blocks loaded from the store
+    misses: int = 0            # blocks looked up and not loaded (absent, corrupt, store down)
+    corrupt: int = 0           # of the misses: values that failed to decode or did not fit
+    errors: int = 0            # store operations that failed (unreachable, timeout)
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    blocks_saved: int = 0
+    latency_buckets_s: tuple[float, ...] = ()
+    load_latency_counts: tuple[int, ...] = ()   # cumulative, len(latency_buckets_s) + 1
+    load_latency_sum_s: float = 0.0
+    save_latency_counts: tuple[int, ...] = ()
+    save_latency_sum_s: float = 0.0

@@ -23,10 +23,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    WAITING_FOR_REMOTE_KV = 6  # its prompt blocks are being fetched from the KV store
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
 
     @property
     def finish_reason(self) -> str | None:
@@ -58,6 +59,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # chain over full blocks, filled lazily
+    # prefill/decode disaggregation ({"do_remote_decode": true} or what a prefill returned)
+    kv_transfer_params: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,7 +4,9 @@ Order of work (vLLM v1's, with HF's filter order):
   1. raw logprobs = log_softmax(logits) as the model produced them (vLLM's default
      `logprobs_mode="raw_logprobs"`): what a client gets is the model's distribution, not the
      one after temperature, penalties or filters.
-  2. masked tokens (EOS / stop token ids below min_tokens) -> -inf.
+  2. masked tokens (EOS / stop token ids below min_tokens, and tokens a row's structured-output
+     grammar forbids: its XGrammar bitmask) -> -inf. So greedy, penalties, top-k / top-p /
+     min-p all choose among allowed tokens only; logprobs stay the model's raw ones (step 1).
   3. penalties, on every row that sets one (greedy rows too): repetition (CTRL, Keskar et al.
      2019: over prompt + output tokens, positive logits divided by the penalty, negative ones
      multiplied), then OpenAI's frequency (x count in the output) and presence (x [count > 0]).
@@ -259,6 +261,9 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.num_logprobs is not None else None
         logits = self._mask_tokens(logits, metadata.masked_token_ids)
+        if metadata.grammar_bitmask is not None:
+            logits = _apply_grammar_bitmask(logits, metadata.grammar_bitmask,
+                                            metadata.grammar_rows)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         if metadata.all_greedy:
@@ -345,6 +350,17 @@ class Sampler:
             steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
             self._counters[cache_key] = steps * _signed64(_GOLDEN)   # wraps modulo 2^64
         return self._counters[cache_key]
+
+
+def _apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                           rows: list[int] | None) -> torch.Tensor:
+    """[B, V] float32 -> [B, V] float32 (a copy) with the tokens `bitmask` forbids in `rows`
+    set to -inf. bitmask: [B, ceil(V / 32)] int32 (XGrammar's layout, see SamplingMetadata)."""
+    from engine.structured.xgrammar_backend import apply_token_bitmask_
+
+    logits = logits.clone()
+    apply_token_bitmask_(logits, bitmask, list(range(logits.shape[0])) if rows is None else rows)
+    return logits
 
 
 def _rows(per_row: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:

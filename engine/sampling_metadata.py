@@ -52,6 +52,9 @@ class SamplingMetadata:
         whole field is None when no row masks anything.
     num_logprobs: per row, how many top logprobs the request wants (None = none); the whole
         field is None when no row wants logprobs.
+    grammar_bitmask: [B, ceil(V / 32)] int32 CPU tensor of the tokens each row's grammar allows
+        (bit t % 32 of word t // 32 set = token t allowed), or None when no row has a grammar.
+    grammar_rows: the rows under a grammar (the other rows of the bitmask are not read).
     """
 
     all_greedy: bool
@@ -69,12 +72,15 @@ class SamplingMetadata:
     positions: list[int]
     masked_token_ids: list[list[int] | None] | None
     num_logprobs: list[int | None] | None
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] | None = None
 
     @property
     def argmax_only(self) -> bool:
         """True when sampling is one argmax: all greedy, no penalties, no masks, no logprobs."""
         return (self.all_greedy and self.repetition_penalties is None
-                and self.masked_token_ids is None and self.num_logprobs is None)
+                and self.masked_token_ids is None and self.num_logprobs is None
+                and self.grammar_bitmask is None)
 
     @property
     def no_penalties(self) -> bool:

@@ -112,6 +112,14 @@ class SamplingParams:
             kind = self.so_args.get("schema_type") if isinstance(self.so_args, dict) else None
             if kind not in _SO_SCHEMA_TYPES:
                 raise ValueError(f"so_args schema_type={kind!r} is not one of {_SO_SCHEMA_TYPES}.")
+            # the grammar decides where the output ends: it allows EOS only there
+            if self.ignore_eos:
+                raise ValueError("ignore_eos=True cannot be combined with so_args: a constrained "
+                                 "output ends when its grammar is complete; drop ignore_eos.")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with so_args: "
+                                 "a constrained output ends when its grammar is complete; drop "
+                                 "min_tokens.")
 
     def clone(self, **changes: Any) -> "SamplingParams":
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

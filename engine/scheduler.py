@@ -6,6 +6,12 @@ behind, a prefix-cache hit starts ahead. When KV blocks run out, the most recent
 request is preempted by recompute (its blocks freed, it goes back to the front of the queue).
 Policy is first-come first-served, as in vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py).
 
+With a KV store (engine/kv_transfer.py), a new request whose prompt blocks may be in the store
+waits in `waiting_for_remote_kv` (holding no blocks) while they are fetched; once fetched it
+rejoins `waiting`, and when admitted its fetched blocks count as computed like prefix-cache hits
+(`SchedulerOutput.kv_loads` says which blocks to fill). Full prompt blocks a step completes are
+listed in `SchedulerOutput.kv_saves`.
+
 Only the step loop calls this class. Pure module: no torch import.
 """
 
@@ -16,17 +22,27 @@ from collections import deque
 from engine.config import SchedulerConfig
 from engine.errors import QueueFullError
 from engine.kv_cache.manager import KVCacheManager
-from engine.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+from engine.outputs import (CachedRequestData, EngineCoreOutput, KVBlocks, ModelRunnerOutput,
                             NewRequestData, SchedulerOutput, SchedulerStats)
 from engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    """Args:
+        config: batching limits.
+        kv_cache_manager: block tables and the prefix cache.
+        save_kv_blocks: list the full prompt blocks each step completes in `kv_saves`.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *,
+                 save_kv_blocks: bool = False):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.save_kv_blocks = save_kv_blocks
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        self.waiting_for_remote_kv: dict[str, Request] = {}
+        self._remote_kv: dict[str, tuple[int, int]] = {}  # id -> (first block, blocks) fetched
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
@@ -38,9 +54,10 @@ class Scheduler:
         Raises:
             QueueFullError: `max_waiting_requests` requests are already waiting.
         """
-        if len(self.waiting) >= self.config.max_waiting_requests:
+        num_waiting = len(self.waiting) + len(self.waiting_for_remote_kv)
+        if num_waiting >= self.config.max_waiting_requests:
             raise QueueFullError(
-                f"{len(self.waiting)} requests are waiting (max_waiting_requests="
+                f"{num_waiting} requests are waiting (max_waiting_requests="
                 f"{self.config.max_waiting_requests}); retry later or raise --max-waiting-requests.")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -53,13 +70,34 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.waiting_for_remote_kv[request_id]
             else:
                 self.waiting.remove(request)
             self._free_request(request, status)
 
+    def wait_for_remote_kv(self, request_id: str) -> None:
+        """Hold a just-added request out of scheduling while its blocks are fetched."""
+        request = self.requests[request_id]
+        self.waiting.remove(request)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[request_id] = request
+
+    def remote_kv_ready(self, fetched: dict[str, tuple[int, int]]) -> None:
+        """Requests whose fetch finished rejoin the queue; `fetched[id]` is (first block index,
+        number of blocks) now staged for them (0 blocks when nothing was found)."""
+        for request_id, (first_block, num_blocks) in fetched.items():
+            request = self.waiting_for_remote_kv.pop(request_id, None)
+            if request is None:
+                continue  # aborted meanwhile
+            request.status = RequestStatus.WAITING
+            self._remote_kv[request_id] = (first_block, num_blocks)
+            self.waiting.append(request)
+
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """The one place a request ends: status set, blocks freed, runner told."""
         request.status = status
+        self._remote_kv.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -82,7 +120,27 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
+        if self.save_kv_blocks:
+            out.kv_saves = self._blocks_to_save(out)
         return out
+
+    def _blocks_to_save(self, out: SchedulerOutput) -> list[KVBlocks]:
+        """Full prompt blocks this step completes; a request that hands its KV to a decode
+        worker (`do_remote_decode`) also saves the prefix-cache hits it started from."""
+        block_size = self.kv_cache_manager.block_size
+        new_ids = {new.request_id for new in out.scheduled_new_reqs}
+        saves = []
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            start = (request.num_computed_tokens - num_tokens) // block_size
+            if request_id in new_ids and (request.kv_transfer_params or {}).get(
+                    "do_remote_decode"):
+                start = 0
+            end = min(request.num_computed_tokens, request.num_prompt_tokens) // block_size
+            if end > start:
+                block_ids = self.kv_cache_manager.get_block_ids(request_id)[start:end]
+                saves.append(KVBlocks(request_id, block_ids, request.block_hashes[start:end]))
+        return saves
 
     def _chunk(self, num_remaining_tokens: int, budget: int) -> int:
         """Tokens to schedule for a request `num_remaining_tokens` behind its target."""
@@ -127,11 +185,20 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_tokens = self._chunk(request.num_tokens - num_hit_tokens, budget)
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens, hit_blocks)
+            num_remote_tokens = self._num_remote_kv_tokens(request, len(hit_blocks))
+            num_tokens = self._chunk(request.num_tokens - num_hit_tokens - num_remote_tokens,
+                                     budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens, hit_blocks,
+                                                                 num_remote_tokens)
             if new_block_ids is None:
                 break
             self.waiting.popleft()
+            num_hit_tokens += num_remote_tokens
+            if self._remote_kv.pop(request.request_id, None) is not None:
+                num_remote_blocks = num_remote_tokens // self.kv_cache_manager.block_size
+                out.kv_loads.append(KVBlocks(
+                    request.request_id, new_block_ids[:num_remote_blocks],
+                    request.block_hashes[len(hit_blocks):len(hit_blocks) + num_remote_blocks]))
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
@@ -145,6 +212,14 @@ class Scheduler:
                 seed=request.seed))
             out.num_scheduled_tokens[request.request_id] = num_tokens
             budget -= num_tokens
+
+    def _num_remote_kv_tokens(self, request: Request, num_hit_blocks: int) -> int:
+        """Tokens of fetched store blocks that extend the local prefix-cache hits (0 when the
+        local prefix shrank below the fetched range since the lookup)."""
+        first_block, num_blocks = self._remote_kv.get(request.request_id, (0, 0))
+        if first_block > num_hit_blocks:
+            return 0
+        return max(first_block + num_blocks - num_hit_blocks, 0) * self.kv_cache_manager.block_size
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -179,7 +254,8 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.block_pool
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_remote_kv),
             kv_cache_usage=pool.usage, num_kv_blocks=pool.num_blocks,
             num_free_kv_blocks=pool.num_free_blocks,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,

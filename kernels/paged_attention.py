@@ -5,10 +5,11 @@ Backends, imported lazily on first use:
 - "torch": `kernels/paged_attention_torch.py`, batched torch ops; runs on any device.
 - "cpu": `kernels/paged_attention_cpu.py`, a C++ kernel for CPU float32 decode-only batches
   reading K/V in place through the block tables; every other batch goes to "torch".
+- "triton": `kernels/paged_attention_triton.py`, CUDA kernels reading the paged cache in place
+  (split-K decode, varlen prefill, KV write that skips slot -1 without a host check).
 
 `backend="auto"` picks per device in `_auto_backend`: "cpu" on CPU where the C++ extension builds
-(kernels/cpu_extension.py), else "torch". An accelerated backend (e.g. Triton on CUDA) registers
-in `_BACKEND_MODULES` and is chosen there.
+(kernels/cpu_extension.py), "triton" on CUDA where Triton is installed, else "torch".
 
 KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`; index 0 = K,
 1 = V; slot = block_id * block_size + offset.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from types import ModuleType
 
 import torch
@@ -28,6 +30,7 @@ _BACKEND_MODULES = {
     "reference": "kernels.reference.paged_attention",
     "torch": "kernels.paged_attention_torch",
     "cpu": "kernels.paged_attention_cpu",
+    "triton": "kernels.paged_attention_triton",
 }
 BACKENDS = tuple(_BACKEND_MODULES)
 
@@ -37,7 +40,15 @@ def _auto_backend(device: torch.device) -> str:
     batches it does not cover to "torch"), the batched torch backend elsewhere."""
     if device.type == "cpu" and _load_backend("cpu").kernel_available():
         return "cpu"
+    if device.type == "cuda" and triton_available():
+        return "triton"
     return "torch"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True if the `triton` package is importable (it is absent on CPU-only installs)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -62,7 +73,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         key, value: [num_tokens, num_kv_heads, head_dim], the cache's dtype (strided views ok).
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
         slot_mapping: [num_tokens] int64, block_id * block_size + offset; -1 = skip the token.
-        backend: "auto", "reference", "torch" or "cpu".
+        backend: "auto", "reference", "torch", "cpu" or "triton".
     """
     _backend(backend, kv_cache.device).write_kv(key, value, kv_cache, slot_mapping)
 
@@ -80,7 +91,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         metadata: query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32,
             block_tables [num_seqs, max_num_blocks_per_seq] int32, and their host-side copies.
         scale: softmax scale, usually head_dim ** -0.5.
-        backend: "auto", "reference", "torch" or "cpu".
+        backend: "auto", "reference", "torch", "cpu" or "triton".
 
     Returns:
         [num_tokens, num_q_heads, head_dim], query's dtype.

@@ -5,17 +5,21 @@ Backends, imported lazily on first use:
 - "cpu": `kernels/csrc/rms_norm_avx2.cpp` in the one CPU extension (kernels/cpu_extension.py):
   the add, the fp32 sum of squares and the scaled output in one C++ call per step, instead of
   torch's per-op overhead (~54 us per call at decode on a small CPU). CPU float32 only.
-`backend="auto"` picks "cpu" for CPU float32 inputs where the extension is available, else
-"reference".
+- "triton": `kernels/elementwise_triton.py`, add + norm in one CUDA kernel (bf16/fp16/fp32).
+`backend="auto"` picks "cpu" for CPU float32 inputs where the extension is available, "triton"
+for CUDA inputs where Triton is installed, else "reference".
 
 Numerics: fp32 accumulation (8-lane partial sums), within 1e-6 relative of torch.rms_norm.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-BACKENDS = ("reference", "cpu")
+BACKENDS = ("reference", "cpu", "triton")
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _cpu_ok(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -51,7 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         weight: [hidden_size], x's dtype.
         eps: added to the mean square.
         residual: [num_tokens, hidden_size] or None.
-        backend: "auto", "reference" or "cpu" (CPU float32 2-D only).
+        backend: "auto", "reference", "cpu" (CPU float32 2-D only) or "triton" (CUDA).
     Returns:
         normed [num_tokens, hidden_size] (a new tensor) without a residual; otherwise
         (normed, x), x holding x + residual: the next layer's residual.
@@ -61,7 +65,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if ext is not None:  # the hot path: one C++ call
             normed = ext.rms_norm(x, weight, eps, residual)
             return normed if residual is None else (normed, x)
-        backend = "reference"
+        backend = ("triton" if x.is_cuda and _TRITON and x.dim() == 2 and x.stride(-1) == 1
+                   else "reference")
+    if backend == "triton":
+        from kernels import elementwise_triton
+
+        return elementwise_triton.rms_norm(x, weight, eps, residual)
     if backend not in BACKENDS:
         raise ValueError(f"rms_norm backend={backend!r} is unknown; use 'auto' or one of "
                          f"{BACKENDS}.")

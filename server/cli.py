@@ -28,6 +28,8 @@ ENGINE_FLAGS: dict[str, tuple[str, str, Any]] = {
     "block_size": ("cache", "block_size", int),
     "num_kv_blocks": ("cache", "num_blocks", int),
     "kv_cache_memory_gb": ("cache", "kv_cache_memory_bytes", lambda gb: int(gb * (1 << 30))),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization", float),
+    "enforce_eager": ("model", "enforce_eager", bool),
     "max_num_seqs": ("scheduler", "max_num_seqs", int),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens", int),
     "max_waiting_requests": ("scheduler", "max_waiting_requests", int),
@@ -56,7 +58,12 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--num-kv-blocks", type=int, default=keep,
                        help="KV cache size in blocks (default: from --kv-cache-memory-gb)")
     serve.add_argument("--kv-cache-memory-gb", type=float, default=keep,
-                       help="memory for the KV cache in GiB (default 1)")
+                       help="memory for the KV cache in GiB (default: 1 on CPU; on CUDA what "
+                            "--gpu-memory-utilization leaves after weights and activations)")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=keep,
+                       help="share of the GPU's memory the engine may use (default 0.9)")
+    serve.add_argument("--enforce-eager", action="store_true", default=keep,
+                       help="on CUDA, no CUDA graphs: every step runs eagerly")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                        default=keep, help="weights and activations dtype (default auto)")
     serve.add_argument("--device", default=keep, help="auto, cpu, cuda or cuda:N (default auto)")
@@ -79,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="deepinfer: an OpenAI-compatible LLM server.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve_parser(commands)
+    # `deepinfer router ...` is handed to router.cli before this parser runs (see main); the
+    # entry here only lists it in `deepinfer --help`.
+    commands.add_parser("router", add_help=False,
+                        help="route requests across workers (deepinfer router --help)")
     return parser
 
 
@@ -142,6 +153,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["router"]:  # the router never imports torch or the engine
+        from router.cli import main as router_main
+
+        return router_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 
 from server.errors import APIError
 from server.protocol import ChatMessage
+from server.tools import ToolConfig, template_inputs
 
 _NON_TEXT_PARTS = {"image_url", "input_audio", "audio_url", "video_url", "file", "input_image"}
 
@@ -87,13 +88,16 @@ def check_text(text: str, tokenizer: Any, max_model_len: int, param: str) -> Non
                        code="context_length_exceeded")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage],
-                    max_model_len: int) -> list[int]:
-    """Render the chat template with a generation prompt and encode it (no second BOS)."""
-    conversation = chat_template_messages(messages)
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], max_model_len: int,
+                    tools: ToolConfig | None = None) -> list[int]:
+    """Render the chat template with a generation prompt and encode it (no second BOS).
+
+    `tools` (server.tools) puts the offered functions and the tool turns into the prompt."""
+    conversation, template_kwargs = template_inputs(tokenizer, chat_template_messages(messages),
+                                                    tools)
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, **template_kwargs)
     except (TemplateError, ValueError, TypeError, KeyError) as exc:
         raise APIError(f"The model's chat template rejected these messages: {exc}. Adjust the "
                        "conversation (roles, order) or use /v1/completions with a raw prompt.",

@@ -43,8 +43,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Open):
+    """`response_format.json_schema`: the schema (`schema` on the wire) and its metadata."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class SamplingFields(_Request):
@@ -72,6 +83,12 @@ class SamplingFields(_Request):
     ignore_eos: bool | None = False
     seq_seed: int | None = None
     skip_special_tokens: bool | None = True
+    # structured outputs (server.structured maps them to so_args)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -166,11 +183,12 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
-    def _without_nones(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content))
-                if v is not None}
+    def _without_nones(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content),
+                                  ("tool_calls", self.tool_calls)) if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

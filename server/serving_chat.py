@@ -1,5 +1,8 @@
 """POST /v1/chat/completions: validate, apply the chat template, fan out n choices, answer as
-one JSON body or as SSE chunks (role first, content deltas, finish_reason, optional usage)."""
+one JSON body or as SSE chunks (role first, content / tool-call deltas, finish_reason, optional
+usage). Structured outputs (server.structured) and tools (server.tools) become the engine's
+`so_args`, compiled before anything is queued; each choice's text goes through its own tool-call
+parser (server.tool_parser), the same one for streams and bodies."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from fastapi import Request, Response
 
 from engine.outputs import RequestOutput
 from server import generation as gen
+from server.errors import APIError
 from server.logprobs import TokenDecoder, chat_logprobs
 from server.metrics import ServerMetrics
 from server.prompts import chat_prompt_ids
@@ -20,7 +24,16 @@ from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              DeltaMessage)
 from server.sse import sse_event
+from server.structured import check_compiles, so_args_from_request
+from server.tools import ToolConfig, tool_config, tool_so_args, tool_streamer
 from server.validation import build_params, chat_kwargs, check_model, fan_out, fit_max_tokens
+
+
+def _finish_reason(reason: str | None, tools: ToolConfig | None, num_calls: int) -> str | None:
+    """OpenAI says "tool_calls" when the model chose to call ("auto", "required")."""
+    if reason == "stop" and num_calls and tools is not None and tools.choice != "named":
+        return "tool_calls"
+    return reason
 
 
 class ChatServing:
@@ -29,12 +42,28 @@ class ChatServing:
         self.metrics = metrics
         self.decode = decode
 
+    async def _constraint(self, req: ChatCompletionRequest,
+                          tools: ToolConfig | None) -> dict[str, Any] | None:
+        so_args, param = so_args_from_request(req)
+        tool_args = tool_so_args(tools)
+        if tool_args is not None:
+            if so_args is not None:
+                raise APIError(f"tool_choice={req.tool_choice!r} constrains the output to a "
+                               f"tool call, so {param} cannot be used with it; drop one.",
+                               param=param, code="invalid_value")
+            so_args, param = tool_args, "tools"
+        if so_args is not None:
+            await check_compiles(self.engine, so_args, param)
+        return so_args
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         check_model(req.model, self.engine.model_name)
         kwargs, asked_max_tokens = chat_kwargs(req)
+        tools = tool_config(req)
+        kwargs["so_args"] = await self._constraint(req, tools)
         # tokenizing a long prompt takes a while: keep the event loop serving others
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer,
-                                             req.messages, self.engine.max_model_len)
+                                             req.messages, self.engine.max_model_len, tools)
         max_tokens = fit_max_tokens(asked_max_tokens, len(prompt_ids), self.engine.max_model_len,
                                     prompt_param="messages")
         params = build_params(kwargs, max_tokens)
@@ -43,26 +72,39 @@ class ChatServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await gen.respond(
             raw, self.engine, self.metrics, request_id, subs, bool(req.stream),
-            events=lambda outputs: self._events(req, request_id, n, outputs),
-            body=lambda states: self._body(req, request_id, n, states))
+            events=lambda outputs: self._events(req, tools, request_id, n, outputs),
+            body=lambda states: self._body(req, tools, request_id, n, states))
 
-    def _body(self, req: ChatCompletionRequest, request_id: str, n: int,
-              states: list[gen.ChoiceState]) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text),
-                              logprobs=chat_logprobs(self.decode, s.logprobs)
-                              if req.logprobs else None,
-                              finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                   for s in states]
+    def _message(self, text: str, tools: ToolConfig | None,
+                 finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+        streamer = tool_streamer(tools)
+        if streamer is None:
+            return AssistantMessage(content=text), finish_reason
+        streamer.run(text)
+        calls = [call.message_dict() for call in streamer.calls]
+        return (AssistantMessage(content=streamer.content, tool_calls=calls or None),
+                _finish_reason(finish_reason, tools, len(calls)))
+
+    def _body(self, req: ChatCompletionRequest, tools: ToolConfig | None, request_id: str,
+              n: int, states: list[gen.ChoiceState]) -> ChatCompletionResponse:
+        choices = []
+        for s in states:
+            message, finish_reason = self._message(s.text, tools, s.finish_reason)
+            choices.append(ChatChoice(
+                index=s.index, message=message, finish_reason=finish_reason,
+                logprobs=chat_logprobs(self.decode, s.logprobs) if req.logprobs else None,
+                stop_reason=s.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.engine.model_name,
                                       choices=choices, usage=gen.usage(states, n))
 
-    async def _events(self, req: ChatCompletionRequest, request_id: str, n: int,
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]
-                      ) -> AsyncIterator[bytes]:
+    async def _events(self, req: ChatCompletionRequest, tools: ToolConfig | None,
+                      request_id: str, n: int,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         exclude = None if include_usage else {"usage"}
         created = int(time.time())
         states = [gen.ChoiceState(i) for i in range(n)]
+        streamers = [tool_streamer(tools) for _ in range(n)]
 
         def chunk(choices: list[ChatChunkChoice], **extra: Any) -> bytes:
             return sse_event(ChatCompletionChunk(id=request_id, created=created,
@@ -75,15 +117,27 @@ class ChatServing:
         async with contextlib.aclosing(outputs):
             async for index, out in outputs:
                 states[index].update(out)
-                if not (out.new_text or out.new_logprobs or out.finished):
+                streamer = streamers[index]
+                if streamer is None:
+                    deltas = [DeltaMessage(content=out.new_text)] if out.new_text else []
+                else:
+                    pieces = streamer.feed(out.new_text) if out.new_text else []
+                    pieces += streamer.finish() if out.finished else []
+                    deltas = [DeltaMessage(**piece) for piece in pieces]
+                if not (deltas or out.new_logprobs or out.finished):
                     continue
+                deltas = deltas or [DeltaMessage()]
                 logprobs = (chat_logprobs(self.decode, out.new_logprobs or [])
                             if req.logprobs else None)
-                delta = DeltaMessage(content=out.new_text or None)
-                yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
-                                             finish_reason=out.finish_reason
-                                             if out.finished else None,
-                                             stop_reason=out.stop_reason
-                                             if out.finished else None)])
+                finish_reason = None
+                if out.finished:
+                    finish_reason = out.finish_reason if streamer is None else _finish_reason(
+                        out.finish_reason, tools, len(streamer.calls))
+                for j, delta in enumerate(deltas):
+                    last = j == len(deltas) - 1
+                    yield chunk([ChatChunkChoice(
+                        index=index, delta=delta, logprobs=logprobs if j == 0 else None,
+                        finish_reason=finish_reason if last else None,
+                        stop_reason=out.stop_reason if out.finished and last else None)])
         if include_usage:
             yield chunk([], usage=gen.usage(states, n))

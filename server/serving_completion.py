@@ -18,6 +18,7 @@ from server.metrics import ServerMetrics
 from server.prompts import Prompt, completion_prompts
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.sse import sse_event
+from server.structured import check_compiles, so_args_from_request
 from server.validation import (build_params, check_model, completion_kwargs, fan_out,
                                fit_max_tokens)
 
@@ -28,9 +29,10 @@ class CompletionServing:
         self.metrics = metrics
         self.decode = decode
 
-    def _sub_requests(self, req: CompletionRequest, prompts: list[Prompt],
-                      n: int) -> list[gen.SubRequest]:
+    def _sub_requests(self, req: CompletionRequest, prompts: list[Prompt], n: int,
+                      so_args: dict[str, Any] | None) -> list[gen.SubRequest]:
         kwargs, asked_max_tokens = completion_kwargs(req)
+        kwargs["so_args"] = so_args
         subs = []
         for p, prompt in enumerate(prompts):
             max_tokens = fit_max_tokens(asked_max_tokens, len(prompt.token_ids),
@@ -44,7 +46,10 @@ class CompletionServing:
         prompts = await asyncio.to_thread(completion_prompts, self.engine.tokenizer,
                                           req.prompt, self.engine.max_model_len)
         n = req.n or 1
-        subs = self._sub_requests(req, prompts, n)
+        so_args, so_param = so_args_from_request(req)
+        if so_args is not None:
+            await check_compiles(self.engine, so_args, so_param)
+        subs = self._sub_requests(req, prompts, n, so_args)
         echoes = [prompts[sub.index // n].text if req.echo else "" for sub in subs]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return await gen.respond(

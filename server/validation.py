@@ -79,25 +79,12 @@ def _check_max_tokens(name: str, value: int | None) -> None:
                        code="invalid_value")
 
 
-def _check_structured(req: ChatCompletionRequest) -> None:
-    message = ("{what} needs structured outputs, which are not enabled in this build; remove "
-               "{param} (plain text generation works).")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(message.format(what=f"response_format type '{req.response_format.type}'",
-                                      param="response_format"),
-                       param="response_format", code="unsupported_parameter")
-    if req.tools or req.tool_choice not in (None, "none", "auto"):
-        raise APIError(message.format(what="Tool calling", param="tools and tool_choice"),
-                       param="tools", code="unsupported_parameter")
-
-
 def chat_kwargs(req: ChatCompletionRequest) -> tuple[dict[str, Any], int | None]:
     """Validated SamplingParams keyword arguments (without max_tokens) and the max_tokens asked.
 
     `max_completion_tokens` (OpenAI's current name) wins over the deprecated `max_tokens`.
     """
     kwargs = _common_kwargs(req)
-    _check_structured(req)
     _check_max_tokens("max_tokens", req.max_tokens)
     _check_max_tokens("max_completion_tokens", req.max_completion_tokens)
     _in_range("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)

@@ -36,3 +36,74 @@ def torch_single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+class RedisServer:
+    """A private `redis-server` on a free localhost port (no persistence), for tests.
+
+    `url` is fixed for the object's life; `stop()` kills the process (to test the store being
+    down) and `start()` brings a fresh, empty one back on the same port.
+    """
+
+    def __init__(self) -> None:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = None
+
+    def start(self) -> "RedisServer":
+        import shutil
+        import socket
+        import subprocess
+        import time
+
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within 10 s")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh private redis-server for one test (see `RedisServer`); killed afterwards."""
+    import shutil
+
+    if not (shutil.which("redis-server") or Path("/usr/bin/redis-server").exists()):
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """URL of a redis-server shared by the whole session; use keys of your own (flush
+    nothing others need)."""
+    import shutil
+
+    if not (shutil.which("redis-server") or Path("/usr/bin/redis-server").exists()):
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    server = RedisServer().start()
+    yield server.url
+    server.stop()

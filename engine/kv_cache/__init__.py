@@ -2,6 +2,7 @@
 
 from engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+from engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 
-__all__ = ["BlockPool", "KVCacheBlock", "KVCacheManager", "FullAttentionSpec", "KVCacheSpec"]
+__all__ = ["BlockPool", "KVCacheBlock", "KVCacheManager", "FullAttentionSpec", "KVCacheSpec",
+           "MLAAttentionSpec"]

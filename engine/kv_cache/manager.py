@@ -75,8 +75,22 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
         return hits, num_hit_tokens
 
+    def lookup_prefix(self, request: Request) -> tuple[list[int], int]:
+        """The hashes of the request's blocks that may hit (all full blocks but the one holding
+        its last token) and how many of them, from the first, the local cache holds. Counts no
+        statistics (the KV store lookup asks this before the request is scheduled)."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_hashes(request, request.num_tokens)
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        num_local = 0
+        while num_local < len(hashes) and self.block_pool.get_cached_block(hashes[num_local]):
+            num_local += 1
+        return hashes, num_local
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_external_tokens: int = 0) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         Args:
@@ -84,13 +98,16 @@ class KVCacheManager:
                 including `new_computed_blocks`.
             num_new_tokens: tokens to be computed this step.
             new_computed_blocks: prefix-cache hits from get_computed_blocks (first schedule only).
+            num_external_tokens: tokens after the hits whose KV is loaded from the KV store into
+                the first newly allocated blocks (a multiple of block_size; first schedule only).
         Returns:
             the ids of newly allocated blocks (appended to the block table), or None when not
             enough blocks are free (nothing changes then).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                        + num_external_tokens)
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_to_allocate = num_needed - len(blocks) - len(new_computed_blocks)
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

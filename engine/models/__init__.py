@@ -1,8 +1,9 @@
 """Model registry: HF `architectures` name -> model class, imported only when asked for.
 
 Every model class takes `(hf_config, dtype)` and offers `forward(input_ids, positions,
-kv_caches, attn_metadata)`, `compute_logits`, `load_weights`, `kv_cache_shape` and the
-attributes `num_layers`, `num_kv_heads`, `head_dim`. This module imports no torch.
+kv_caches, attn_metadata)`, `compute_logits`, `load_weights` and `kv_cache_spec(dtype_bytes)`
+(an `engine.kv_cache.spec` layout: the runner allocates `spec.num_layers` tensors of
+`spec.kv_cache_shape(...)`). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import importlib
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.llama", "Qwen2ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("engine.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("engine.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 
 

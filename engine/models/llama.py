@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.kv_cache.spec import FullAttentionSpec
 from engine.models.layers.attention import PagedAttention
 from engine.models.layers.linear import Linear
 from engine.models.layers.mlp import GatedMLP
@@ -125,6 +126,10 @@ class LlamaForCausalLM(nn.Module):
         """(q/k/v bias, o bias): Llama's `attention_bias` covers all four projections."""
         bias = bool(getattr(hf_config, "attention_bias", False))
         return bias, bias
+
+    def kv_cache_spec(self, dtype_bytes: int) -> FullAttentionSpec:
+        """The per-layer KV layout the runner allocates: K and V per kv-head."""
+        return FullAttentionSpec(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""

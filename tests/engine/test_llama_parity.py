@@ -24,8 +24,9 @@ class PagedDriver:
 
     def __init__(self, model, num_blocks: int, block_size: int, seed: int = 0) -> None:
         self.model, self.block_size = model, block_size
-        self.kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, block_size),
-                                      dtype=model.dtype) for _ in range(model.num_layers)]
+        spec = model.kv_cache_spec(model.dtype.itemsize)  # the model's per-layer KV layout
+        self.kv_caches = [torch.zeros(spec.kv_cache_shape(num_blocks, block_size),
+                                      dtype=model.dtype) for _ in range(spec.num_layers)]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: dict[int, list[int]] = {}

@@ -76,6 +76,14 @@ class ScriptedEngine:
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
         self.running: set[str] = set()
         self.aborted: list[str] = []
+        self.compiled: list[dict] = []
+
+    async def compile_grammar(self, so_args: dict) -> None:
+        """Records the constraint; one whose schema mentions INVALID is refused, as the real
+        engine refuses a schema, regex or grammar that does not compile."""
+        self.compiled.append(so_args)
+        if "INVALID" in str(so_args.get("schema")):
+            raise ValueError("invalid or unsupported regex: Regex parsing error at position 3")
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running_reqs=len(self.running), kv_cache_usage=0.25,

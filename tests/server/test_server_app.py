@@ -169,7 +169,7 @@ def test_completions_logprobs_and_stream(client):
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
      "messages.0.content.0", "unsupported_content", "accepts text only"),
     ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
-     "response_format", "unsupported_parameter", "not enabled in this build"),
+     "response_format.json_schema", "missing_required_parameter", "needs json_schema.schema"),
     ({"messages": USER, "stop": 5}, 400, "stop", "invalid_type", "Invalid value for 'stop'"),
     ({"messages": "hi"}, 400, "messages", "invalid_type", "valid list"),
 ])

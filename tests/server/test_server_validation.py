@@ -60,10 +60,6 @@ def test_max_completion_tokens_wins_and_seq_seed_is_seed():
     ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
     ({"seed": 1, "seq_seed": 2}, "seq_seed", "disagree"),
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "structured outputs, which are not enabled in this build"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "structured outputs, which are not enabled in this build"),
 ])
 def test_chat_bad_values_are_400_naming_the_param(fields, param, text):
     with pytest.raises(APIError) as info:

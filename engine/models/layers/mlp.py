@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers.linear import Linear
+from kernels.activation import silu_and_mul
 
 
 class GatedMLP(nn.Module):
@@ -23,6 +23,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden_size] -> [num_tokens, hidden_size], same dtype."""
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        hidden = F.silu(gate_up[:, : self.intermediate_size])  # [T, I], contiguous
-        hidden.mul_(gate_up[:, self.intermediate_size:])
-        return self.down_proj(hidden)
+        return self.down_proj(silu_and_mul(gate_up))  # Triton on CUDA, torch ops elsewhere

@@ -1,0 +1,131 @@
+"""CUDA graphs for decode steps: capture the model's forward once per batch size, replay it.
+
+A decode step of a large model is hundreds of small kernel launches; replaying a captured graph
+issues them as one, so the step costs what its kernels cost. Graphs fix every tensor address and
+shape, so the runner owns static input buffers sized for the largest captured batch:
+
+- `input_ids`, `positions` [max_batch] int64; `slot_mapping` [max_batch] int64;
+- `seq_lens` [max_batch] int32; `block_tables` [max_batch, max_blocks_per_seq] int32, where
+  max_blocks_per_seq = ceil(max_model_len / block_size): a fixed width, whatever the batch holds;
+- `query_start_loc` = 0..max_batch (one token per sequence).
+
+A step with n sequences replays the graph of the smallest captured size >= n: the first n rows
+are copied in, the padding rows get slot -1 (their K/V write is skipped) and seq_len 0 (their
+attention reads nothing and returns zeros); their outputs are dropped. The captured
+`AttentionMetadata` says max_seq_len = max_model_len, so the decode kernel's split-K partition
+count (a host-side choice) is right for any context the graph will see.
+
+Prefill and mixed steps, and batches larger than the largest size, run eagerly. Needs the Triton
+attention backend (the torch one reads host-side lengths and syncs).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from torch import nn
+
+from engine.input_batch import StepInputs
+from kernels.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class CudaGraphRunner:
+    """Captured decode forwards of `model` at `batch_sizes` (those <= max_num_seqs).
+
+    Args:
+        model: forward(input_ids, positions, kv_caches, attn_metadata) -> [T, hidden].
+        kv_caches: the runner's per-layer KV tensors (the graphs bake in their addresses).
+        block_size: tokens per KV block.
+        max_num_seqs: the scheduler's batch cap; sizes above it are not captured.
+        max_model_len: longest context; sets the block-table width and the decode split count.
+    """
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, *,
+                 max_num_seqs: int, max_model_len: int,
+                 batch_sizes: tuple[int, ...] = CAPTURE_BATCH_SIZES) -> None:
+        self.model, self.kv_caches = model, kv_caches
+        self.max_model_len = max_model_len
+        self.batch_sizes = sorted(s for s in batch_sizes if s <= max(max_num_seqs, 1))
+        if max_num_seqs not in self.batch_sizes and max_num_seqs < max(batch_sizes):
+            self.batch_sizes.append(max_num_seqs)  # cover the cap itself, not only up to it
+            self.batch_sizes.sort()
+        device = kv_caches[0].device
+        max_batch = self.batch_sizes[-1]
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32,
+                                        device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _metadata(self, batch_size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[:batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size], block_tables=self.block_tables[:batch_size],
+            slot_mapping=self.slot_mapping[:batch_size], max_query_len=1,
+            max_seq_len=self.max_model_len, query_lens_cpu=[1] * batch_size,
+            seq_lens_cpu=[self.max_model_len] * batch_size)
+
+    def _forward(self, batch_size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:batch_size], self.positions[:batch_size],
+                          self.kv_caches, self._metadata(batch_size))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first (later graphs reuse the first one's memory pool).
+        Each size runs eagerly once first, so Triton compiles and cuBLAS picks its kernels
+        outside the capture. The static buffers hold padding values (slot -1, seq_len 0), so
+        these runs write no KV."""
+        start = time.perf_counter()
+        pool = None
+        for batch_size in reversed(self.batch_sizes):
+            self._forward(batch_size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[batch_size] = self._forward(batch_size)
+            pool = graph.pool()
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+        logger.info("CUDA graphs: captured decode at batch sizes %s in %.1f s",
+                    self.batch_sizes, time.perf_counter() - start)
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        """True for a captured decode-only step this runner can replay."""
+        metadata = inputs.attn_metadata
+        return (bool(self.graphs) and metadata.is_decode_only
+                and metadata.num_seqs <= self.batch_sizes[-1]
+                and metadata.block_tables.shape[1] <= self.max_blocks_per_seq)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay the graph of the nearest captured size >= the batch.
+
+        Returns:
+            [num_seqs, hidden_size] final hidden states, a view of the graph's static output
+            (valid until the next replay).
+        """
+        metadata = inputs.attn_metadata
+        num_seqs = metadata.num_seqs
+        batch_size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
+        self.input_ids[:num_seqs].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:num_seqs].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping, non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(metadata.seq_lens, non_blocking=True)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables, non_blocking=True)
+        if batch_size > num_seqs:  # padding rows: write no KV, read no context
+            self.slot_mapping[num_seqs:batch_size].fill_(-1)
+            self.seq_lens[num_seqs:batch_size].fill_(0)
+        self.graphs[batch_size].replay()
+        return self.outputs[batch_size][:num_seqs]

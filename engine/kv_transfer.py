@@ -1,0 +1,382 @@
+"""The engine's only bridge to the KV block store (`kvstore/`): save full prompt blocks after the
+step that computed them, load the longest stored prefix of a new request before its prefill.
+
+Keys are the prefix cache's block hash chain (engine/kv_cache/hashing.py, with the model
+fingerprint, dtype and block size mixed in), namespaced `{model_fingerprint}:{block_hash:016x}`;
+values are `kvstore.codec` blocks holding one block of every layer, `[num_layers, *block_shape]`
+in the cache dtype (see `ModelRunner.read_kv_blocks`). Anything wrong with the store — down,
+slow, a missing or corrupt value — is a miss: the tokens are recomputed, never an error.
+
+Threads: the step loop calls every public method of `KVTransfer`; the store's coroutines run on
+one background thread with its own asyncio loop. The step loop copies blocks out of the cache
+synchronously (the copy must precede any reuse of the block), and hands encoding and the store
+round trip to the background; fetched blocks are decoded there into one staging tensor and copied
+into freshly allocated blocks by the step loop right before the forward pass that needs them.
+
+Disaggregation (DESIGN.md): a request with `kv_transfer_params={"do_remote_decode": true}`
+saves all its full prompt blocks; its last output is held until those writes finish, then carries
+`{"do_remote_prefill": true, "num_stored_tokens", "block_size", "model_fingerprint"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import KVTransferConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.outputs import KVBlocks, KVStoreStats, RequestOutput
+from engine.request import Request
+from kvstore import KVStore, KVStoreError, open_store
+from kvstore.codec import BlockHeader, CodecError, decode_block, encode_block
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                     5.0, 10.0)
+FETCH_BATCH_BLOCKS = 32          # keys per store round trip when fetching a prefix
+STORE_DOWN_BACKOFF_S = 1.0       # after a store error, skip the store this long
+MAX_SAVE_BACKLOG_BYTES = 1 << 30  # saves beyond this many bytes in flight are dropped
+
+
+def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int) -> bytes:
+    """8 bytes naming what the KV of a token sequence depends on: the model's config.json, its
+    weight files (names, sizes, first and last MiB: cheap for huge checkpoints, stable across
+    machines), the cache dtype and the block size."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        size = path.stat().st_size
+        digest.update(path.name.encode() + size.to_bytes(8, "little"))
+        with path.open("rb") as weights:
+            digest.update(weights.read(1 << 20))
+            weights.seek(max(size - (1 << 20), 0))
+            digest.update(weights.read(1 << 20))
+    digest.update(str(dtype).encode() + block_size.to_bytes(4, "little"))
+    return digest.digest()
+
+
+class _Stats:
+    """Counters and latency histograms, updated from both threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts = dict(hits=0, misses=0, corrupt=0, errors=0, bytes_loaded=0,
+                           bytes_saved=0, blocks_saved=0)
+        self.latency = {kind: [0] * (len(LATENCY_BUCKETS_S) + 1) for kind in ("load", "save")}
+        self.latency_sum_s = {"load": 0.0, "save": 0.0}
+
+    def add(self, **deltas: int) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                self.counts[name] += delta
+
+    def observe(self, kind: str, seconds: float) -> None:
+        index = next((i for i, bound in enumerate(LATENCY_BUCKETS_S) if seconds <= bound),
+                     len(LATENCY_BUCKETS_S))
+        with self.lock:
+            self.latency[kind][index] += 1
+            self.latency_sum_s[kind] += seconds
+
+    def snapshot(self) -> KVStoreStats:
+        def cumulative(counts: list[int]) -> tuple[int, ...]:
+            total, out = 0, []
+            for count in counts:
+                total += count
+                out.append(total)
+            return tuple(out)
+
+        with self.lock:
+            return KVStoreStats(**self.counts, latency_buckets_s=LATENCY_BUCKETS_S,
+                                load_latency_counts=cumulative(self.latency["load"]),
+                                load_latency_sum_s=self.latency_sum_s["load"],
+                                save_latency_counts=cumulative(self.latency["save"]),
+                                save_latency_sum_s=self.latency_sum_s["save"])
+
+
+class KVTransfer:
+    """Args:
+        config: the store URL, role and timeouts.
+        runner: the model runner (owner of the KV tensors: read_kv_blocks / write_kv_blocks).
+        fingerprint: `model_fingerprint(...)`, also the block hashes' `extra`.
+        block_size: tokens per block.
+        store: an already built store (tests share one); None opens `config.kv_store`.
+    """
+
+    def __init__(self, config: KVTransferConfig, runner, fingerprint: bytes, block_size: int,
+                 store: KVStore | None = None):
+        self.config = config
+        self.runner = runner
+        self.block_size = block_size
+        self.fingerprint_hex = fingerprint.hex()
+        self.store = store or open_store(config.kv_store,
+                                         memory_capacity_bytes=config.memory_store_bytes,
+                                         ttl_s=config.ttl_s or None, timeout_s=config.timeout_s)
+        sample = runner.kv_caches[0]
+        block_shape = list(sample.shape)
+        del block_shape[runner.kv_block_dim]
+        self.header = BlockHeader(
+            layout=f"{type(runner.kv_cache_spec).__name__}:block_axis={runner.kv_block_dim}",
+            dtype=str(sample.dtype).removeprefix("torch."),
+            shape=(len(runner.kv_caches), *block_shape))
+        self.stats = _Stats()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="deepinfer-kv-transfer")
+        self._thread.start()
+        self._wake = threading.Event()
+        self._down_until = 0.0
+        self._save_backlog_bytes = 0
+        # request id -> (index of its first block fetched, their hashes, the fetch)
+        self._loads: dict[str, tuple[int, list[int], concurrent.futures.Future]] = {}
+        self._staged: dict[str, tuple[list[int], torch.Tensor]] = {}  # id -> (hashes, blocks)
+        # hand-off request id -> (its full prompt block hashes, [(hashes saved, future ok)])
+        self._handoffs: dict[str, tuple[list[int], list]] = {}
+        self._held: list[RequestOutput] = []
+
+    def key(self, block_hash: int) -> str:
+        return f"{self.fingerprint_hex}:{block_hash:016x}"
+
+    def close(self) -> None:
+        """Close the store and stop the background loop."""
+        asyncio.run_coroutine_threadsafe(self.store.close(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: Request, kv_cache_manager: KVCacheManager) -> bool:
+        """Note a hand-off request and start fetching the stored blocks past the request's local
+        prefix-cache hits. Returns True when a fetch started: the scheduler then holds the
+        request until `finished_loads` reports it."""
+        hashes, num_local = kv_cache_manager.lookup_prefix(request)
+        if (request.kv_transfer_params or {}).get("do_remote_decode"):
+            prompt_hashes = request.block_hashes[:request.num_prompt_tokens // self.block_size]
+            self._handoffs[request.request_id] = (list(prompt_hashes), [])
+        wanted = hashes[num_local:]
+        if not wanted:
+            return False
+        if self._store_down():
+            self.stats.add(misses=len(wanted))
+            return False
+        self._loads[request.request_id] = (num_local, wanted, self._submit(self._fetch(wanted)))
+        return True
+
+    def discard(self, request_ids) -> None:
+        """Forget aborted requests: pending fetches, staged blocks, hand-off state."""
+        for request_id in request_ids:
+            load = self._loads.pop(request_id, None)
+            if load is not None:
+                load[2].cancel()
+            self._staged.pop(request_id, None)
+            self._handoffs.pop(request_id, None)
+
+    def finished_loads(self) -> dict[str, tuple[int, int]]:
+        """Requests whose fetch ended since the last call: id -> (first block index, number of
+        blocks staged). Staged blocks wait for `load_blocks` (or `discard`)."""
+        ready = {}
+        for request_id, (first_block, wanted, future) in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[request_id]
+            try:
+                blocks = future.result()
+            except Exception:  # a bug, not the store (whose failures _fetch absorbs)
+                logger.exception("KV store fetch failed; recomputing")
+                blocks = torch.empty(0)
+            if blocks.shape[0]:
+                self._staged[request_id] = (wanted, blocks)
+            ready[request_id] = (first_block, blocks.shape[0])
+        return ready
+
+    def load_blocks(self, loads: list[KVBlocks]) -> None:
+        """Copy staged blocks into the blocks the scheduler allocated for them (step thread,
+        right before the forward pass); staged blocks left unused are dropped."""
+        for load in loads:
+            staged = self._staged.pop(load.request_id, None)
+            if staged is None or not load.block_ids:
+                continue
+            wanted, blocks = staged
+            offset = wanted.index(load.block_hashes[0])
+            self.runner.write_kv_blocks(load.block_ids,
+                                        blocks[offset:offset + len(load.block_ids)])
+
+    def save_blocks(self, saves: list[KVBlocks]) -> None:
+        """Copy full blocks out of the cache (step thread, after the forward pass that wrote
+        them) and send them to the store in the background."""
+        if not saves or self._store_down() or self._save_backlog_bytes > MAX_SAVE_BACKLOG_BYTES:
+            return  # a hand-off then reports fewer stored tokens; the decode side recomputes
+        data = self.runner.read_kv_blocks([i for save in saves for i in save.block_ids])
+        offset = 0
+        for save in saves:
+            blocks = data[offset:offset + len(save.block_ids)]
+            offset += len(save.block_ids)
+            self._add_backlog(blocks.numel() * blocks.element_size())
+            future = self._submit(self._put(save.block_hashes, blocks))
+            if save.request_id in self._handoffs:
+                self._handoffs[save.request_id][1].append((save.block_hashes, future))
+
+    def hold_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs to deliver now. A hand-off request's last output is held until its block
+        saves have finished, then released with its `kv_transfer_params`."""
+        ready = []
+        for out in outputs:
+            (self._held if out.finished and out.request_id in self._handoffs else ready).append(out)
+        for out in list(self._held):
+            prompt_hashes, saves = self._handoffs[out.request_id]
+            if all(future.done() for _, future in saves):
+                self._held.remove(out)
+                del self._handoffs[out.request_id]
+                out.kv_transfer_params = self._handoff_params(prompt_hashes, saves)
+                ready.append(out)
+        return ready
+
+    def has_held_outputs(self) -> bool:
+        return bool(self._held)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block the step loop until a fetch or save ends (or `timeout_s`), when store traffic
+        is all that is left to wait for."""
+        if self._loads or self._held:
+            self._wake.wait(timeout_s)
+        self._wake.clear()
+
+    def get_stats(self) -> KVStoreStats:
+        return self.stats.snapshot()
+
+    def _handoff_params(self, prompt_hashes: list[int], saves: list) -> dict:
+        stored = {h for hashes, future in saves if not future.cancelled() and future.result()
+                  for h in hashes}
+        num_stored_blocks = 0
+        while num_stored_blocks < len(prompt_hashes) and prompt_hashes[num_stored_blocks] in stored:
+            num_stored_blocks += 1
+        return {"do_remote_prefill": True, "num_stored_tokens": num_stored_blocks * self.block_size,
+                "block_size": self.block_size, "model_fingerprint": self.fingerprint_hex}
+
+    # ---- background side -----------------------------------------------------------------
+    def _submit(self, coroutine) -> concurrent.futures.Future:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        future.add_done_callback(lambda _: self._wake.set())
+        return future
+
+    def _add_backlog(self, num_bytes: int) -> None:
+        with self.stats.lock:
+            self._save_backlog_bytes += num_bytes
+
+    def _store_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _store_failed(self, what: str, error: BaseException) -> None:
+        self.stats.add(errors=1)
+        self._down_until = time.monotonic() + STORE_DOWN_BACKOFF_S
+        logger.warning("KV store %s failed (%r); recomputing instead for %.0f s", what, error,
+                       STORE_DOWN_BACKOFF_S)
+
+    async def _fetch(self, hashes: list[int]) -> torch.Tensor:
+        """The longest prefix of `hashes` held (valid) in the store, decoded into one tensor
+        [num_found, num_layers, *block_shape]; never raises."""
+        started = time.monotonic()
+        found: list[memoryview] = []
+        corrupt = 0
+        try:
+            for batch_start in range(0, len(hashes), FETCH_BATCH_BLOCKS):
+                batch = hashes[batch_start:batch_start + FETCH_BATCH_BLOCKS]
+                values = await asyncio.wait_for(self.store.get_many([self.key(h) for h in batch]),
+                                                self.config.timeout_s * 4)
+                payloads, corrupt = self._decode_prefix(values)
+                found.extend(payloads)
+                if len(payloads) < len(batch):
+                    break
+        except (KVStoreError, asyncio.TimeoutError, OSError) as error:
+            self._store_failed("load", error)
+        blocks = self._to_tensor(found)
+        self.stats.add(hits=len(found), misses=len(hashes) - len(found), corrupt=corrupt,
+                       bytes_loaded=blocks.numel() * blocks.element_size())
+        self.stats.observe("load", time.monotonic() - started)
+        return blocks
+
+    def _decode_prefix(self, values: list[bytes | None]) -> tuple[list[memoryview], int]:
+        """Payloads of the leading values that decode and fit this cache; (payloads, 1 if the
+        first bad value was corrupt or of another layout else 0)."""
+        payloads = []
+        for value in values:
+            if value is None:
+                return payloads, 0
+            try:
+                header, payload = decode_block(value)
+            except CodecError as error:
+                logger.warning("KV store block is corrupt (%s); recomputing it", error)
+                return payloads, 1
+            if header != self.header:
+                logger.warning("KV store block has layout %s, this cache %s; recomputing it",
+                               header, self.header)
+                return payloads, 1
+            payloads.append(payload)
+        return payloads, 0
+
+    def _to_tensor(self, payloads: list[memoryview]) -> torch.Tensor:
+        sample = self.runner.kv_caches[0]
+        blocks = torch.empty((len(payloads), *self.header.shape), dtype=sample.dtype)
+        block_numel = math.prod(self.header.shape)
+        flat = blocks.view(len(payloads), block_numel).view(torch.uint8).numpy()  # [n, bytes]
+        for row, payload in enumerate(payloads):
+            flat[row] = payload
+        return blocks
+
+    async def _put(self, hashes: list[int], blocks: torch.Tensor) -> bool:
+        """Encode and store blocks [n, num_layers, *block_shape]; True when all were stored."""
+        started = time.monotonic()
+        num_bytes = blocks.numel() * blocks.element_size()
+        try:
+            raw = blocks.view(len(hashes), -1).view(torch.uint8).numpy()
+            items = {self.key(h): encode_block(self.header, raw[i]) for i, h in enumerate(hashes)}
+            await asyncio.wait_for(self.store.put_many(items), self.config.timeout_s * 4)
+        except (KVStoreError, asyncio.TimeoutError, OSError) as error:
+            self._store_failed("save", error)
+            return False
+        finally:
+            self._add_backlog(-num_bytes)
+        self.stats.add(bytes_saved=num_bytes, blocks_saved=len(hashes))
+        self.stats.observe("save", time.monotonic() - started)
+        return True
+
+
+class NoKVTransfer:
+    """Stands in for `KVTransfer` when no store is configured: every method does nothing."""
+
+    def add_request(self, request: Request, kv_cache_manager: KVCacheManager) -> bool:
+        return False
+
+    def discard(self, request_ids) -> None:
+        pass
+
+    def finished_loads(self) -> dict[str, tuple[int, int]]:
+        return {}
+
+    def load_blocks(self, loads: list[KVBlocks]) -> None:
+        pass
+
+    def save_blocks(self, saves: list[KVBlocks]) -> None:
+        pass
+
+    def hold_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        return outputs
+
+    def has_held_outputs(self) -> bool:
+        return False
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+    def get_stats(self) -> KVStoreStats | None:
+        return None
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,460 @@
+"""DeepSeek-V2 / V3 decoder over a paged latent KV cache: MLA, DeepSeekMoE, MTP, FP8 weights.
+
+- Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434 §2.1): queries come from
+  `q_proj` or, with `q_lora_rank`, from `q_b_proj(RMSNorm(q_a_proj(h)))`; keys and values from
+  one latent `c_KV = RMSNorm(kv_a(h)[:kv_lora_rank])` plus a shared rotary key
+  `k_R = RoPE(kv_a(h)[kv_lora_rank:])`. Only `[c_KV ; k_R]` is cached (`MLAAttentionSpec`);
+  `kv_b_proj` holds the up-projections W_UK / W_UV, used expanded for prefill and absorbed for
+  decode (`kernels.mla_attention`). YaRN scaling multiplies the softmax scale by mscale² where
+  `mscale_all_dim` is set (transformers' `yarn_apply_mscale`).
+- DeepSeekMoE (V2 §2.2, V3 §2.1.2): layers `i >= first_k_dense_replace` with
+  `i % moe_layer_freq == 0` use shared experts plus routed experts picked by
+  `engine.moe.gating` (greedy / group_limited_greedy / noaux_tc, softmax or sigmoid scores).
+- Multi-Token Prediction (V3 §2.2): the checkpoint's layer `num_hidden_layers + k` is MTP module
+  k; `mtp_forward` gives draft logits for the token after next.
+- FP8 block-scaled checkpoints (V3 §3.3) are dequantized at load (`engine.models.fp8`).
+
+DeepSeek's rotary dims come in interleaved pairs (x0, x1), (x2, x3), ... At load the rope rows
+of the q and kv_a projections are permuted to (x0, x2, ..., x1, x3, ...), so the shared
+half-split `apply_rotary` computes the same rotation (transformers' V3 `rope_interleave` output
+is exactly this layout; V2's interleaved output differs only by a permutation shared by q and k,
+which leaves q·k unchanged). Checkpoints with `rope_interleave: false` are used as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from engine.kv_cache.spec import MLAAttentionSpec
+from engine.models.fp8 import dequantize_fp8_weights, fp8_block_size
+from engine.models.layers.linear import Linear
+from engine.models.layers.mlp import GatedMLP
+from engine.models.layers.moe import MoE
+from engine.models.layers.rms_norm import RMSNorm
+from engine.models.layers.rotary import (RotaryEmbedding, apply_rotary, rope_parameters,
+                                         yarn_get_mscale)
+from engine.moe.gating import RoutingConfig
+from kernels.attention_metadata import AttentionMetadata
+from kernels.mla_attention import mla_attention, write_latent
+
+# checkpoint name -> (destination tensor, optional transform applied to the checkpoint tensor)
+Targets = dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]]
+_LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, as in HF
+
+
+def softmax_scale(hf_config) -> float:
+    """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim)² when set."""
+    scale = (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        mscale = yarn_get_mscale(params["factor"], params["mscale_all_dim"])
+        scale *= mscale * mscale
+    return scale
+
+
+def _deinterleave(rope_dim: int) -> torch.Tensor:
+    """[rope_dim] int64 permutation: even dims first, then odd dims."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+def _gated_mlp_targets(mlp: GatedMLP, prefix: str) -> Targets:
+    """HF gate/up/down names -> rows of the fused gate_up_proj and the down projection."""
+    gate_up, size = mlp.gate_up_proj.weight.data, mlp.intermediate_size
+    return {f"{prefix}gate_proj.weight": (gate_up[:size], None),
+            f"{prefix}up_proj.weight": (gate_up[size:], None),
+            f"{prefix}down_proj.weight": (mlp.down_proj.weight.data, None)}
+
+
+class MLAAttention(nn.Module):
+    """Multi-head Latent Attention. Module names follow HF (`q_a_proj`, `kv_b_proj`, ...).
+
+    kv_b_proj.weight: [H * (Dn + Dv), L], per head Dn rows of W_UK then Dv rows of W_UV.
+    """
+
+    def __init__(self, hf_config, dtype: torch.dtype, *, interleaved_rope: bool) -> None:
+        super().__init__()
+        c = hf_config
+        self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = (c.qk_nope_head_dim, c.qk_rope_head_dim,
+                                                    c.v_head_dim)
+        self.q_lora_rank = getattr(c, "q_lora_rank", None)
+        bias = bool(getattr(c, "attention_bias", False))
+        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        if self.q_lora_rank:
+            self.q_a_proj = Linear(c.hidden_size, self.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LORA_NORM_EPS, dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, q_out, bias=False, dtype=dtype)
+        else:
+            self.q_proj = Linear(c.hidden_size, q_out, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, self.kv_lora_rank + self.rope_dim,
+                                         bias=bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LORA_NORM_EPS, dtype)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim),
+                                bias=False, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * self.v_dim, c.hidden_size, bias=bias, dtype=dtype)
+        self.scale = softmax_scale(c)
+        self.interleaved_rope = interleaved_rope
+        self.w_uk: torch.Tensor | None = None  # [H, Dn, L], set by finish_loading
+        self.w_uv: torch.Tensor | None = None  # [H, Dv, L]
+
+    def _permute_q_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        heads = tensor.view(self.num_heads, self.nope_dim + self.rope_dim, -1)
+        rope = heads[:, self.nope_dim:][:, _deinterleave(self.rope_dim)]
+        return torch.cat([heads[:, :self.nope_dim], rope], dim=1).reshape(tensor.shape)
+
+    def _permute_kv_a_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        rope = tensor[self.kv_lora_rank:][_deinterleave(self.rope_dim)]
+        return torch.cat([tensor[:self.kv_lora_rank], rope])
+
+    def checkpoint_targets(self, prefix: str) -> Targets:
+        q_fix = self._permute_q_rows if self.interleaved_rope else None
+        kv_fix = self._permute_kv_a_rows if self.interleaved_rope else None
+        targets: Targets = {}
+        for name, param in self.named_parameters():
+            fix = None
+            if name.startswith(("q_proj.", "q_b_proj.")):
+                fix = q_fix
+            elif name.startswith("kv_a_proj_with_mqa."):
+                fix = kv_fix
+            targets[f"{prefix}{name}"] = (param.data, fix)
+        return targets
+
+    def finish_loading(self) -> None:
+        """Split kv_b_proj into W_UK [H, Dn, L] and W_UV [H, Dv, L] (contiguous copies)."""
+        per_head = self.kv_b_proj.weight.data.view(self.num_heads, self.nope_dim + self.v_dim,
+                                                   self.kv_lora_rank)
+        self.w_uk = per_head[:, :self.nope_dim].contiguous()
+        self.w_uv = per_head[:, self.nope_dim:].contiguous()
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size]. kv_cache: [num_blocks, block_size,
+        L + R], this step's latents written at attn_metadata.slot_mapping."""
+        num_tokens = hidden.shape[0]
+        if self.q_lora_rank:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            query = self.q_proj(hidden)
+        query = query.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_pe = apply_rotary(query[..., self.nope_dim:], *rope)  # [T, H, R]
+        kv_a = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
+        c_kv = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank].contiguous())  # [T, L]
+        k_pe = apply_rotary(kv_a[:, None, self.kv_lora_rank:], *rope)[:, 0]  # [T, R]
+        write_latent(torch.cat([c_kv, k_pe], dim=-1), kv_cache, attn_metadata.slot_mapping)
+        out = mla_attention(query[..., :self.nope_dim], q_pe, kv_cache, attn_metadata,
+                            self.w_uk, self.w_uv, self.scale)  # [T, H, Dv]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+
+class DeepseekMoEBlock(nn.Module):
+    """Shared experts (one SwiGLU MLP of n_shared_experts * moe_intermediate_size) plus routed
+    experts (`layers.moe.MoE`); the two outputs are summed."""
+
+    def __init__(self, hf_config, routing: RoutingConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = hf_config
+        self.moe = MoE(c.hidden_size, c.moe_intermediate_size, routing, dtype)
+        num_shared = getattr(c, "n_shared_experts", None) or 0
+        self.shared_experts = (GatedMLP(c.hidden_size, c.moe_intermediate_size * num_shared,
+                                        bias=False, dtype=dtype) if num_shared else None)
+
+    def checkpoint_targets(self, prefix: str) -> Targets:
+        targets: Targets = {f"{prefix}gate.weight": (self.moe.gate_weight.data, None)}
+        if self.moe.e_score_correction_bias is not None:
+            targets[f"{prefix}gate.e_score_correction_bias"] = (
+                self.moe.e_score_correction_bias.data, None)
+        for expert in range(self.moe.routing.num_experts):
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                targets[f"{prefix}experts.{expert}.{projection}.weight"] = (
+                    self.moe.expert_weight(expert, projection), None)
+        if self.shared_experts is not None:
+            targets.update(_gated_mlp_targets(self.shared_experts, f"{prefix}shared_experts."))
+        return targets
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size]."""
+        out = self.moe(hidden)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, hf_config, layer_idx: int, routing: RoutingConfig | None,
+                 dtype: torch.dtype, *, interleaved_rope: bool) -> None:
+        super().__init__()
+        c = hf_config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = MLAAttention(c, dtype, interleaved_rope=interleaved_rope)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        freq = getattr(c, "moe_layer_freq", None) or 1
+        is_moe = (routing is not None and layer_idx >= (c.first_k_dense_replace or 0)
+                  and layer_idx % freq == 0)
+        self.mlp = (DeepseekMoEBlock(c, routing, dtype) if is_moe else
+                    GatedMLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype))
+
+    def checkpoint_targets(self, prefix: str) -> Targets:
+        targets = self.self_attn.checkpoint_targets(f"{prefix}self_attn.")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            targets[f"{prefix}{norm}.weight"] = (getattr(self, norm).weight.data, None)
+        if isinstance(self.mlp, GatedMLP):
+            targets.update(_gated_mlp_targets(self.mlp, f"{prefix}mlp."))
+        else:
+            targets.update(self.mlp.checkpoint_targets(f"{prefix}mlp."))
+        return targets
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, residual: [T, hidden_size] (residual None at the first layer). Returns
+        (mlp output, residual stream); the next layer adds them in its first norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekMTPLayer(nn.Module):
+    """One Multi-Token Prediction module (DeepSeek-V3 §2.2): `h' = eh_proj([enorm(Emb(t));
+    hnorm(h)])`, then a full decoder block, then the shared output head behind
+    `shared_head.norm`. Embedding and output head are the main model's (shared, as in the
+    report); checkpoints carry duplicate copies under this layer, which are skipped."""
+
+    def __init__(self, hf_config, layer_idx: int, routing: RoutingConfig | None,
+                 dtype: torch.dtype, *, interleaved_rope: bool) -> None:
+        super().__init__()
+        c = hf_config
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, bias=False, dtype=dtype)
+        self.block = DeepseekDecoderLayer(c, layer_idx, routing, dtype,
+                                          interleaved_rope=interleaved_rope)
+        self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+    def checkpoint_targets(self, prefix: str) -> Targets:
+        targets = self.block.checkpoint_targets(prefix)
+        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+            module, _ = name.split(".")
+            targets[f"{prefix}{name}"] = (getattr(self, module).weight.data, None)
+        targets[f"{prefix}shared_head.norm.weight"] = (self.shared_head_norm.weight.data, None)
+        return targets
+
+    def forward(self, embeds: torch.Tensor, hidden_states: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """embeds, hidden_states: [T, hidden_size] -> block output [T, hidden_size] (before
+        shared_head.norm)."""
+        projected = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden_states)], -1))
+        out, residual = self.block(rope, projected, None, kv_cache, attn_metadata)
+        return out + residual
+
+
+def _routing_config(hf_config, scoring_func: str, topk_method: str) -> RoutingConfig | None:
+    """The config's routing knobs (None for a model without routed experts); `scoring_func` and
+    `topk_method` are the architecture's defaults for configs that omit them."""
+    c = hf_config
+    if not getattr(c, "n_routed_experts", None):
+        return None
+    return RoutingConfig(
+        num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
+        scoring_func=getattr(c, "scoring_func", None) or scoring_func,
+        topk_method=getattr(c, "topk_method", None) or topk_method,
+        n_group=getattr(c, "n_group", None) or 1, topk_group=getattr(c, "topk_group", None) or 1,
+        norm_topk_prob=bool(getattr(c, "norm_topk_prob", False)),
+        routed_scaling_factor=float(getattr(c, "routed_scaling_factor", None) or 1.0))
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepSeek decoder + LM head (+ MTP modules when the checkpoint has them).
+
+    Attributes: num_hidden_layers (decoder layers), num_layers (KV cache layers: decoder + MTP),
+    num_mtp_layers, vocab_size, dtype, config.
+    """
+
+    default_scoring_func = "softmax"
+    default_topk_method = "greedy"
+    interleaved_rope_default = True
+
+    def __init__(self, hf_config, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = hf_config
+        if getattr(c, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={c.hidden_act!r} is not supported by the DeepSeek "
+                             f"implementation (it needs 'silu').")
+        if getattr(c, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported for DeepSeek models.")
+        self.config, self.dtype = c, dtype
+        self.vocab_size, self.num_hidden_layers = c.vocab_size, c.num_hidden_layers
+        interleaved = bool(getattr(c, "rope_interleave", self.interleaved_rope_default))
+        routing = _routing_config(c, self.default_scoring_func, self.default_topk_method)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _freeze=True,
+                                         _weight=torch.empty(c.vocab_size, c.hidden_size,
+                                                             dtype=dtype))
+        self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.max_position_embeddings,
+                                          rope_parameters(c))
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(c, i, routing, dtype, interleaved_rope=interleaved)
+            for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        num_mtp = getattr(c, "num_nextn_predict_layers", None) or 0
+        self.mtp = nn.ModuleList(  # dropped at load if the checkpoint carries no MTP weights
+            DeepseekMTPLayer(c, c.num_hidden_layers + k, routing, dtype,
+                             interleaved_rope=interleaved) for k in range(num_mtp))
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp)
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers + self.num_mtp_layers
+
+    def kv_cache_spec(self, dtype_bytes: int) -> MLAAttentionSpec:
+        """One latent vector of kv_lora_rank + qk_rope_head_dim values per token and layer
+        (decoder layers, then MTP layers)."""
+        return MLAAttentionSpec(self.num_layers, self.config.kv_lora_rank,
+                                self.config.qk_rope_head_dim, dtype_bytes)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata
+                ) -> torch.Tensor:
+        """One varlen step.
+
+        Args:
+            input_ids: [num_tokens] int64.
+            positions: [num_tokens] int64.
+            kv_caches: num_layers tensors [num_blocks, block_size, kv_lora_rank +
+                qk_rope_head_dim] of the model dtype; the first num_hidden_layers are used here.
+            attn_metadata: the step's varlen batch description.
+        Returns:
+            [num_tokens, hidden_size] final-norm hidden states, model dtype.
+        """
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches[:self.num_hidden_layers], strict=True):
+            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32."""
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
+                    positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    attn_metadata: AttentionMetadata, *, depth: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP module `depth`: draft logits for the token after `next_token_ids`.
+
+        Row j combines the previous hidden state at position p (the main model's `forward`
+        output for depth 0, the previous MTP module's returned hidden otherwise) with the
+        embedding of the token at p + 1; the module's attention caches its latent at p in
+        `kv_caches[num_hidden_layers + depth]` through attn_metadata (built for `positions`).
+
+        Args:
+            hidden_states: [T, hidden_size], model dtype.
+            next_token_ids: [T] int64, the token following each row's position.
+            positions: [T] int64, the positions of hidden_states' rows.
+            kv_caches, attn_metadata: as for `forward`.
+        Returns:
+            (draft logits [T, vocab_size] float32, hidden [T, hidden_size] before
+            shared_head.norm, for the next MTP depth).
+        Raises:
+            ValueError: the checkpoint has no MTP module `depth`.
+        """
+        if depth >= self.num_mtp_layers:
+            raise ValueError(f"MTP depth {depth} requested but the checkpoint has "
+                             f"{self.num_mtp_layers} MTP modules (num_nextn_predict_layers).")
+        layer = self.mtp[depth]
+        rope = self.rotary_emb(positions, hidden_states.dtype)
+        hidden = layer(self.embed_tokens(next_token_ids), hidden_states, rope,
+                       kv_caches[self.num_hidden_layers + depth], attn_metadata)
+        return self.compute_logits(layer.shared_head_norm(hidden)), hidden
+
+    def checkpoint_targets(self) -> Targets:
+        """Every checkpoint tensor name this model loads -> where it goes."""
+        targets: Targets = {"model.embed_tokens.weight": (self.embed_tokens.weight.data, None),
+                            "model.norm.weight": (self.norm.weight.data, None)}
+        if not self.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head.weight.data, None)
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.checkpoint_targets(f"model.layers.{i}."))
+        for k, mtp in enumerate(self.mtp):
+            targets.update(mtp.checkpoint_targets(f"model.layers.{self.num_hidden_layers + k}."))
+        return targets
+
+    def _is_skipped(self, name: str) -> bool:
+        """Checkpoint tensors deliberately not loaded: rotary buffers, the MTP layers' duplicate
+        embedding / output head, and MTP layers beyond those this model builds."""
+        if "rotary_emb." in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+            return True
+        if not name.startswith("model.layers."):
+            return False
+        layer_idx = int(name.split(".")[2])
+        if layer_idx < self.num_hidden_layers:
+            return False
+        return (layer_idx >= self.num_layers
+                or name.endswith((".embed_tokens.weight", ".shared_head.head.weight")))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill the parameters from HF checkpoint tensors (FP8 block-scaled ones dequantized to
+        the model dtype), drop the MTP modules if the checkpoint has none, then prepare the
+        linears and MLA's W_UK / W_UV.
+
+        Raises:
+            ValueError: an unknown name, a shape mismatch, or a tensor left unfilled.
+        """
+        block_size = fp8_block_size(self.config)
+        if block_size is not None:
+            weights = dequantize_fp8_weights(weights, block_size, self.dtype)
+        targets = self.checkpoint_targets()
+        filled: set[str] = set()
+        for name, tensor in weights:
+            if self._is_skipped(name):
+                continue
+            if name not in targets:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{type(self).__name__}; is the checkpoint for this model?")
+            target, transform = targets[name]
+            if target.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
+                                 f"the model expects {tuple(target.shape)} (config mismatch?).")
+            target.copy_(transform(tensor) if transform else tensor)
+            filled.add(name)
+        first_mtp = f"model.layers.{self.num_hidden_layers}."
+        if self.mtp and not any(name.startswith(first_mtp) for name in filled):
+            self.mtp = nn.ModuleList()  # no MTP weights in this checkpoint
+            targets = {n: t for n, t in targets.items() if not n.startswith(first_mtp)}
+        missing = sorted(set(targets) - filled)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}; the "
+                             f"model would run with uninitialised weights.")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+            elif isinstance(module, MLAAttention):
+                module.finish_loading()
+
+
+class DeepseekV2ForCausalLM(DeepseekForCausalLM):
+    """DeepSeek-V2 / V2-Lite: softmax scores, greedy or group_limited_greedy routing."""
+
+
+class DeepseekV3ForCausalLM(DeepseekForCausalLM):
+    """DeepSeek-V3 / R1: sigmoid scores with noaux_tc routing unless the config says otherwise
+    (transformers' V3 router always routes this way)."""
+
+    default_scoring_func = "sigmoid"
+    default_topk_method = "noaux_tc"

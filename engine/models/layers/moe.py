@@ -1,0 +1,77 @@
+"""`MoE`: router + routed experts of a Mixture-of-Experts layer, experts addressed through a
+logical -> physical map.
+
+The router picks *logical* experts (the checkpoint's expert numbers); `logical_to_physical`
+turns them into rows of the physical weight tensors. Today the map is the identity and there is
+one physical copy per expert; expert parallelism and EPLB (replicas of hot experts, placement
+across ranks) will change the map and the physical tensors, not the model code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.moe.gating import RoutingConfig, select_experts
+from kernels.moe import moe_experts
+
+
+class MoE(nn.Module):
+    """Parameters (HF checkpoint names in brackets, e expert number):
+        gate_weight: [num_experts, hidden_size] float32 ([mlp.gate.weight]).
+        e_score_correction_bias: [num_experts] float32 ([mlp.gate.e_score_correction_bias]),
+            only with topk_method "noaux_tc".
+        w13: [num_physical_experts, 2 * moe_intermediate_size, hidden_size]
+            ([experts.e.gate_proj.weight] rows then [experts.e.up_proj.weight] rows).
+        w2: [num_physical_experts, hidden_size, moe_intermediate_size]
+            ([experts.e.down_proj.weight]).
+    Buffers:
+        logical_to_physical: [num_experts] int64, identity for now.
+    """
+
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, routing: RoutingConfig,
+                 dtype: torch.dtype, *, backend: str = "auto") -> None:
+        super().__init__()
+        num_experts = routing.num_experts
+        self.routing, self.backend = routing, backend
+        self.intermediate_size = moe_intermediate_size
+        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size,
+                                                    dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            if routing.topk_method == "noaux_tc" else None)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size,
+                                            dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size,
+                                           dtype=dtype), requires_grad=False)
+        self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
+
+    def expert_weight(self, logical_expert: int, projection: str) -> torch.Tensor:
+        """The physical weight slice an HF expert tensor loads into.
+
+        Args:
+            logical_expert: the checkpoint's expert number.
+            projection: "gate_proj" | "up_proj" ([I, hidden]) or "down_proj" ([hidden, I]).
+        """
+        physical = int(self.logical_to_physical[logical_expert])
+        size = self.intermediate_size
+        if projection == "gate_proj":
+            return self.w13.data[physical, :size]
+        if projection == "up_proj":
+            return self.w13.data[physical, size:]
+        if projection == "down_proj":
+            return self.w2.data[physical]
+        raise ValueError(f"unknown expert projection {projection!r}")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum, same shape/dtype."""
+        router_logits = hidden.float() @ self.gate_weight.T  # [T, num_experts] float32
+        topk_weights, topk_ids = select_experts(router_logits, self.routing,
+                                                self.e_score_correction_bias)
+        physical_ids = self.logical_to_physical[topk_ids]  # [T, top_k]
+        return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
+                           backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.routing.num_experts}, top_k={self.routing.top_k}, "
+                f"topk_method={self.routing.topk_method!r}, backend={self.backend!r}")

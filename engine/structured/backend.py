@@ -1,0 +1,95 @@
+"""The grammar-backend protocol and the key a constraint is compiled and cached under.
+
+A constraint is `SamplingParams.so_args = {"schema_type": ..., "schema": ...}`:
+
+| schema_type   | schema                                   | output                         |
+| ------------- | ---------------------------------------- | ------------------------------ |
+| "json"        | a JSON schema (dict or JSON text)         | JSON that validates against it |
+| "json_object" | ignored                                   | any JSON object                |
+| "regex"       | a regular expression (str)                | a full match of it             |
+| "ebnf"        | an EBNF grammar with a `root` rule (str)  | a sentence of the grammar      |
+
+Pure module: no torch, no xgrammar. The shape of XGrammar's API (compile once, then one matcher
+per sequence that accepts tokens, fills a bitmask and rolls back; STYLE.md #11) is the protocol.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+GrammarKey = tuple[str, str]  # (schema_type, canonical schema text)
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled: a bad JSON schema, regex or grammar (HTTP 400)."""
+
+
+def grammar_key(so_args: dict[str, Any]) -> GrammarKey:
+    """The cache key of a constraint: (schema_type, canonical text of its schema).
+
+    A JSON schema is re-serialized compactly (keys keep their order: it decides the order in
+    which properties are generated), so equal schemas written differently share one entry.
+
+    Raises:
+        GrammarError: the schema has the wrong type or is not valid JSON.
+    """
+    schema_type = so_args.get("schema_type")
+    schema = so_args.get("schema")
+    if schema_type == "json_object":
+        return schema_type, ""
+    if schema_type == "json":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"the JSON schema is not valid JSON ({exc}); send a JSON "
+                                   "object.") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"the JSON schema must be an object, got {type(schema).__name__}"
+                               "; send a JSON schema object such as {\"type\": \"object\"}.")
+        return schema_type, json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    if schema_type in ("regex", "ebnf"):
+        if not isinstance(schema, str) or not schema:
+            raise GrammarError(f"so_args schema for schema_type={schema_type!r} must be a "
+                               f"non-empty string, got {schema!r}.")
+        return schema_type, schema
+    raise GrammarError(f"so_args schema_type={schema_type!r} is not one of 'json', "
+                       "'json_object', 'regex', 'ebnf'.")
+
+
+class GrammarMatcher(Protocol):
+    """The state of one sequence under a compiled grammar (output tokens only, no prompt)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) if the grammar forbids it."""
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` ([B, ceil(V / 32)] int32, bit
+        `t % 32` of word `t // 32` set = token t allowed)."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (rejected speculative tokens)."""
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted: the output is complete."""
+
+
+class GrammarBackend(Protocol):
+    """Compiles constraints for one tokenizer and vocabulary size."""
+
+    vocab_size: int  # columns of the logits the bitmask covers
+
+    def compile(self, key: GrammarKey) -> Any:
+        """The compiled grammar for `key`. Thread-safe; may take seconds.
+
+        Raises:
+            GrammarError: the schema, regex or grammar is invalid or unsupported.
+        """
+
+    def matcher(self, compiled: Any, stop_token_ids: list[int]) -> GrammarMatcher:
+        """A fresh matcher at the start of the output; `stop_token_ids` end the output and are
+        allowed only where the grammar's sentence is complete."""
+
+    def allocate_bitmask(self, num_rows: int) -> Any:
+        """[num_rows, ceil(vocab_size / 32)] int32 CPU tensor, every token allowed."""

@@ -1,0 +1,139 @@
+"""Paged Multi-head Latent Attention in batched torch ops: runs on any device (the CPU fast path).
+
+Two forms of the same attention (DeepSeek-V2, arXiv 2405.04434 §2.1.2-2.1.3):
+- decode (one new token per sequence), absorbed: W_UK is folded into the query,
+  `q_latent_i = q_nope_i W_UK_i` ([kv_lora_rank]), so scores are taken directly against the
+  cached latents `[c_KV ; k_R]` and the output stays in the latent space until W_UV is applied
+  once per token. Per token and head this reads kv_lora_rank + qk_rope_head_dim values per
+  context position, with all heads sharing one latent "KV head" (MQA-like).
+- prefill chunks (several new tokens of one sequence), expanded: the context latents are
+  up-projected to per-head K and V once and attended with SDPA, which is cheaper when the query
+  is long.
+
+Latent cache layout (one layer): `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_metadata import AttentionMetadata
+
+
+def _flat_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, D] -> [num_slots, D] view (no copy)."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("the MLA kv_cache must be contiguous ([num_blocks, block_size, "
+                         "latent_dim]); a strided view would make the write land in a copy.")
+    return kv_cache.view(-1, kv_cache.shape[-1])
+
+
+def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each new token's latent at its slot, in place (contract: the reference's)."""
+    flat = _flat_cache(kv_cache)
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        latent, slot_mapping = latent[keep], slot_mapping[keep]
+    flat.index_copy_(0, slot_mapping, latent)
+
+
+def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                   num_blocks: int) -> torch.Tensor:
+    """[num_seqs, num_blocks * block_size, latent_dim]: the first `num_blocks` blocks of each
+    sequence's table, position p of sequence i at [i, p]."""
+    block_ids = block_tables[:, :num_blocks].reshape(-1)
+    return kv_cache.index_select(0, block_ids).view(block_tables.shape[0], -1, kv_cache.shape[-1])
+
+
+def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                    w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence, attention in the latent space.
+
+    Args:
+        q_nope: [num_seqs, H, Dn]; q_pe: [num_seqs, H, R] (rotated).
+        kv_cache: [num_blocks, block_size, L + R].
+        block_tables: [num_seqs, max_num_blocks_per_seq] int32.
+        seq_lens: [num_seqs] int32, each <= max_seq_len; the new token sits at seq_len - 1.
+        w_uk: [H, Dn, L]; w_uv: [H, Dv, L].
+    Returns:
+        [num_seqs, H, Dv], q_nope's dtype.
+    """
+    num_seqs, num_heads, _ = q_nope.shape
+    block_size, kv_lora_rank = kv_cache.shape[1], w_uk.shape[2]
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [S, H, L]
+    query = torch.cat([q_latent, q_pe], dim=-1)[:, None]  # [S, 1, H, L + R]
+    num_blocks = -(-max_seq_len // block_size)
+    latents = _gather_blocks(kv_cache, block_tables, num_blocks)  # [S, L_pad, L + R]
+    if num_seqs == 1:
+        latents, mask = latents[:, :max_seq_len], None
+    else:
+        positions = torch.arange(latents.shape[1], device=q_nope.device)
+        mask = (positions < seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, L_pad]
+    out_latent = F.scaled_dot_product_attention(
+        query, latents[:, None], latents[:, None, :, :kv_lora_rank], attn_mask=mask,
+        scale=scale)  # [S, 1, H, L]
+    return torch.bmm(out_latent[:, 0].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def prefill_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                     block_table: torch.Tensor, seq_len: int, w_uk: torch.Tensor,
+                     w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """Several new tokens of one sequence (the last query_len positions of its context), with
+    the context latents up-projected to per-head K and V.
+
+    Args:
+        q_nope: [query_len, H, Dn]; q_pe: [query_len, H, R].
+        block_table: [max_num_blocks_per_seq] int32.
+        w_uk: [H, Dn, L]; w_uv: [H, Dv, L].
+    Returns:
+        [query_len, H, Dv], q_nope's dtype.
+    """
+    query_len, num_heads, nope_dim = q_nope.shape
+    kv_lora_rank = w_uk.shape[2]
+    num_blocks = -(-seq_len // kv_cache.shape[1])
+    latents = _gather_blocks(kv_cache, block_table[None], num_blocks)[0, :seq_len]
+    c_kv, k_pe = latents[:, :kv_lora_rank], latents[:, kv_lora_rank:]
+    k_nope = (c_kv @ w_uk.reshape(-1, kv_lora_rank).T).view(seq_len, num_heads, nope_dim)
+    value = (c_kv @ w_uv.reshape(-1, kv_lora_rank).T).view(seq_len, num_heads, -1)
+    key = torch.cat([k_nope, k_pe[:, None].expand(-1, num_heads, -1)], dim=-1)  # [T, H, Dn+R]
+    query = torch.cat([q_nope, q_pe], dim=-1)  # [q_len, H, Dn + R]
+    mask = None
+    if query_len != seq_len:  # bottom-right causal: query j sits at seq_len - query_len + j
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q_nope.device)
+        mask = torch.arange(seq_len, device=q_nope.device) <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask,
+        is_causal=mask is None, scale=scale)  # [H, q_len, Dv]
+    return out.transpose(0, 1)
+
+
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  metadata: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Causal MLA for a varlen batch: decode rows absorbed in one batch, prefill chunks
+    expanded one sequence at a time. Arguments and result as the reference's."""
+    if metadata.is_decode_only:
+        return decode_absorbed(q_nope, q_pe, kv_cache, metadata.block_tables, metadata.seq_lens,
+                               metadata.max_seq_len, w_uk, w_uv, scale)
+    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    decode_seqs, decode_rows, start = [], [], 0
+    for seq, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu,
+                                                   metadata.seq_lens_cpu)):
+        if query_len == 1:
+            decode_seqs.append(seq)
+            decode_rows.append(start)
+        elif query_len > 1:
+            rows = slice(start, start + query_len)
+            out[rows] = prefill_expanded(q_nope[rows], q_pe[rows], kv_cache,
+                                         metadata.block_tables[seq], seq_len, w_uk, w_uv, scale)
+        start += query_len
+    if decode_seqs:
+        seqs = torch.tensor(decode_seqs, device=q_nope.device)
+        rows = torch.tensor(decode_rows, device=q_nope.device)
+        max_seq_len = max(metadata.seq_lens_cpu[seq] for seq in decode_seqs)
+        out[rows] = decode_absorbed(q_nope[rows], q_pe[rows], kv_cache,
+                                    metadata.block_tables[seqs], metadata.seq_lens[seqs],
+                                    max_seq_len, w_uk, w_uv, scale)
+    return out

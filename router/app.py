@@ -1,0 +1,136 @@
+"""`build_app(config)`: the router's FastAPI app.
+
+Routes: POST /v1/chat/completions and /v1/completions (proxied, SSE included), GET /v1/models
+(the union by id of the healthy workers' lists), GET /v1/models/{model}, GET /health (200 while
+at least one replica that answers requests is admitted, else 503), GET /metrics (the router's
+own Prometheus metrics). Errors of the router itself have OpenAI's error shape.
+
+The app owns its httpx client (one connection pool for all workers) and the health-check task:
+both start and stop with the app's lifespan; the first round of checks runs before the app
+serves, so replicas that are already up take traffic at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from router.config import RouterConfig
+from router.errors import error_response
+from router.metrics import RouterMetrics
+from router.proxy import Proxy
+from router.registry import Registry, Replica
+
+MODELS_TIMEOUT_S = 10.0
+
+
+def build_registry(config: RouterConfig) -> Registry:
+    replicas = ([Replica(url.rstrip("/"), "both") for url in config.backends]
+                + [Replica(url.rstrip("/"), "prefill") for url in config.prefill]
+                + [Replica(url.rstrip("/"), "decode") for url in config.decode])
+    return Registry(replicas, max_failures=config.max_failures)
+
+
+def build_client(config: RouterConfig) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.request_timeout_s,
+                            write=config.request_timeout_s, pool=config.request_timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+async def _models(client: httpx.AsyncClient, replica: Replica,
+                  headers: dict[str, str]) -> list[dict[str, Any]]:
+    try:
+        response = await client.get(replica.url + "/v1/models", headers=headers,
+                                    timeout=MODELS_TIMEOUT_S)
+        data = response.json().get("data") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return []
+    return [card for card in data or [] if isinstance(card, dict) and "id" in card]
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    registry = build_registry(config)
+    client = build_client(config)
+    metrics = RouterMetrics(lambda: registry.all, lambda: proxy.in_flight)
+    registry.on_eject = lambda replica: metrics.ejections.labels(replica.url).inc()
+    proxy = Proxy(config, registry, metrics, client)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await registry.check_all(client, config.health_timeout_s)
+        checks = asyncio.create_task(registry.run_health_checks(
+            client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s))
+        try:
+            yield
+        finally:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+            await client.aclose()
+
+    app = FastAPI(title="deepinfer router", lifespan=lifespan)
+    app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = (f"No route {request.method} {request.url.path}; see GET /v1/models."
+                   if exc.status_code == 404 else str(exc.detail))
+        return error_response(message, status_code=exc.status_code,
+                              type="invalid_request_error")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/completions")
+
+    async def model_cards(request: Request) -> list[dict[str, Any]]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        healthy = [r for r in registry.all if r.healthy]
+        lists = await asyncio.gather(*(_models(client, r, headers) for r in healthy))
+        union: dict[str, dict[str, Any]] = {}
+        for cards in lists:
+            for card in cards:
+                union.setdefault(card["id"], card)
+        return list(union.values())
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        cards = await model_cards(request)
+        if not cards:
+            return error_response("No healthy worker listed its models; retry shortly.",
+                                  status_code=503, code="no_healthy_replica")
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> Response:
+        for card in await model_cards(request):
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        return error_response(f"The model `{model_id}` does not exist on any healthy worker.",
+                              status_code=404, type="invalid_request_error",
+                              code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        serving = [r for r in registry.serving() if r.healthy]
+        if not serving:
+            return error_response("No replica that answers requests is healthy.",
+                                  status_code=503, code="no_healthy_replica")
+        return JSONResponse({"status": "ok", "healthy_replicas": len(serving)})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,95 @@
+"""`deepinfer router`: the OpenAI-compatible proxy in front of worker replicas.
+
+    deepinfer router --backend http://w1:8000 --backend http://w2:8000 --policy prefix_affinity
+    deepinfer router --prefill http://p1:8000 --decode http://d1:8000 --decode http://d2:8000
+
+`server.cli.main` hands `deepinfer router ...` to `main` here before anything heavy loads; this
+module imports FastAPI and uvicorn only when serving, and never torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from router.config import POLICY_NAMES, RouterConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deepinfer router",
+        description="Route OpenAI API requests across deepinfer workers: data-parallel "
+                    "replicas (--backend), or prefill and decode pools sharing a KV store "
+                    "(--prefill/--decode).")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
+    parser.add_argument("--port", type=int, default=8080, help="port to bind (%(default)s)")
+    parser.add_argument("--backend", action="append", default=[], metavar="URL",
+                        help="a worker that serves whole requests (repeat for each)")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="a --role prefill worker (repeat for each)")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a --role decode worker (repeat for each)")
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="least_outstanding",
+                        help="how to pick a replica (default: %(default)s)")
+    parser.add_argument("--max-imbalance", type=int, default=4,
+                        help="prefix_affinity's load guard: skip the preferred replica when "
+                             "it has more than this many requests above the least-loaded one "
+                             "(default: %(default)s)")
+    parser.add_argument("--health-interval-s", type=float, default=2.0,
+                        help="seconds between health checks of each worker (%(default)s)")
+    parser.add_argument("--health-timeout-s", type=float, default=5.0,
+                        help="a health check slower than this fails (%(default)s)")
+    parser.add_argument("--max-failures", type=int, default=3,
+                        help="failed checks in a row that eject a worker (%(default)s)")
+    parser.add_argument("--max-concurrent-requests", type=int, default=512,
+                        help="requests in flight before new ones get HTTP 429 (%(default)s)")
+    parser.add_argument("--connect-timeout-s", type=float, default=5.0,
+                        help="connect timeout to a worker (%(default)s)")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="longest wait for a worker's next byte (%(default)s)")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="workers tried when connections fail before the answer "
+                             "(%(default)s)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig the flags describe; raises ValueError with a fix in the message."""
+    return RouterConfig(
+        backends=tuple(args.backend), prefill=tuple(args.prefill), decode=tuple(args.decode),
+        policy=args.policy, max_imbalance=args.max_imbalance,
+        health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
+        max_failures=args.max_failures, max_concurrent_requests=args.max_concurrent_requests,
+        connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
+        max_attempts=args.max_attempts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"deepinfer router: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from router.app import build_app
+
+    mode = (f"prefill {list(config.prefill)} -> decode {list(config.decode)}"
+            if config.disaggregated else f"backends {list(config.backends)}")
+    print(f"deepinfer router: http://{args.host}:{args.port}/v1 -> {mode}, policy "
+          f"{config.policy}", flush=True)
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=30)
+    print("deepinfer router: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

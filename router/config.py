@@ -1,0 +1,66 @@
+"""`RouterConfig`: the router's settings in one frozen dataclass, range-checked on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICY_NAMES = ("round_robin", "least_outstanding", "prefix_affinity")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What `deepinfer router` was asked to do.
+
+    Either `backends` (data-parallel replicas that each serve whole requests) or both `prefill`
+    and `decode` (disaggregated: a prefill worker computes the prompt's KV blocks into the
+    shared store, a decode worker loads them and generates) must be given, as base URLs such
+    as `http://10.0.0.5:8000`.
+    """
+
+    backends: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    policy: str = "least_outstanding"
+    # prefix_affinity's load guard: leave the preferred replica when it has more than this many
+    # outstanding requests above the least-loaded one.
+    max_imbalance: int = 4
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    # consecutive failed health checks before a replica is ejected (a refused connection
+    # ejects at once)
+    max_failures: int = 3
+    # client requests in flight at the router before new ones get HTTP 429
+    max_concurrent_requests: int = 512
+    connect_timeout_s: float = 5.0
+    # longest wait for a worker's next byte (a long non-streamed generation included)
+    request_timeout_s: float = 600.0
+    # replicas tried per request when connections fail before the first byte
+    max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.backends and (self.prefill or self.decode):
+            raise ValueError("give either --backend URLs or --prefill and --decode URLs, not "
+                             "both; disaggregated mode routes every request through a prefill "
+                             "and a decode worker")
+        if not self.backends and not (self.prefill and self.decode):
+            raise ValueError("no workers: give one or more --backend URLs, or at least one "
+                             "--prefill and one --decode URL")
+        for url in (*self.backends, *self.prefill, *self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy={self.policy!r} is unknown; use one of "
+                             f"{', '.join(POLICY_NAMES)}")
+        for name in ("max_failures", "max_concurrent_requests", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_imbalance < 0:
+            raise ValueError(f"max_imbalance={self.max_imbalance} must be >= 0")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
+                     "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill)

@@ -1,0 +1,80 @@
+"""The router's Prometheus metrics, prefixed `deepinfer_router:`, in a registry of its own.
+
+Per backend (label `backend` = the worker's base URL):
+- `deepinfer_router:requests_total{backend,status_code}`: answers received from workers;
+- `deepinfer_router:request_duration_seconds{backend}`: from sending to the last byte relayed;
+- `deepinfer_router:time_to_first_byte_seconds{backend}`: from sending to the answer's header;
+- `deepinfer_router:retries_total{backend}`: requests moved to another replica because the
+  connection to this one failed before any byte of the answer;
+- `deepinfer_router:ejections_total{backend}`: healthy -> ejected transitions;
+- `deepinfer_router:backend_healthy{backend,role}` and
+  `deepinfer_router:backend_outstanding_requests{backend,role}`: read from the registry at
+  scrape time.
+Router-wide: `deepinfer_router:rejected_requests_total{reason}` (overloaded, no_replica,
+unreachable), `deepinfer_router:disagg_fallbacks_total` (prefill step failed, the decode worker
+recomputed), `deepinfer_router:requests_in_flight`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+LATENCY_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0]
+
+
+class _StateCollector:
+    """Gauges read from the replica list and the edge counter at scrape time."""
+
+    def __init__(self, replicas: Callable[[], Sequence], in_flight: Callable[[], int]) -> None:
+        self._replicas = replicas
+        self._in_flight = in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily("deepinfer_router:backend_healthy",
+                                    "1 while the replica is admitted, 0 while ejected",
+                                    labels=["backend", "role"])
+        outstanding = GaugeMetricFamily("deepinfer_router:backend_outstanding_requests",
+                                        "requests the router has in flight on the replica",
+                                        labels=["backend", "role"])
+        for replica in self._replicas():
+            healthy.add_metric([replica.url, replica.role], float(replica.healthy))
+            outstanding.add_metric([replica.url, replica.role], float(replica.outstanding))
+        in_flight = GaugeMetricFamily("deepinfer_router:requests_in_flight",
+                                      "client requests the router is serving")
+        in_flight.add_metric([], float(self._in_flight()))
+        yield from (healthy, outstanding, in_flight)
+
+
+class RouterMetrics:
+    """Counters and histograms the proxy records; `render()` is the /metrics body."""
+
+    def __init__(self, replicas: Callable[[], Sequence], in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("deepinfer_router:requests", "answers received from workers",
+                                ["backend", "status_code"], registry=reg)
+        self.duration = Histogram("deepinfer_router:request_duration_seconds",
+                                  "from sending to a worker to the last byte relayed",
+                                  ["backend"], buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.first_byte = Histogram("deepinfer_router:time_to_first_byte_seconds",
+                                    "from sending to a worker to its answer's header",
+                                    ["backend"], buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.retries = Counter("deepinfer_router:retries",
+                               "requests moved elsewhere after a failed connection",
+                               ["backend"], registry=reg)
+        self.ejections = Counter("deepinfer_router:ejections",
+                                 "healthy -> ejected transitions", ["backend"], registry=reg)
+        self.rejected = Counter("deepinfer_router:rejected_requests",
+                                "client requests refused by the router", ["reason"],
+                                registry=reg)
+        self.disagg_fallbacks = Counter("deepinfer_router:disagg_fallbacks",
+                                        "prefill steps that failed (decode recomputed)",
+                                        registry=reg)
+        reg.register(_StateCollector(replicas, in_flight))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

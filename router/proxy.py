@@ -1,0 +1,269 @@
+"""The proxy: pick a replica, forward the client's request, relay the answer byte for byte.
+
+Rules (STYLE.md #9; the worker endpoints used are listed in README.md):
+- The request body goes to the worker unchanged (parsed only to compute the policy's features),
+  and the worker's answer comes back unchanged: status, content type, JSON or SSE bytes. A
+  worker's 4xx is the client's 4xx.
+- Retry only before the first byte: when connecting or sending fails, or the connection drops
+  before the answer's status line, the request moves to another replica (`max_attempts` in
+  all). Once a worker has begun answering it is never re-sent, so nothing is generated twice; a
+  worker lost mid-answer ends the stream with an error event (SSE) or a cut connection.
+- A client that disconnects closes the worker's connection, so the worker aborts the request and
+  frees its KV blocks (while waiting for the answer's header and while relaying it).
+- Edge cap: more than `max_concurrent_requests` client requests in flight -> 429 at once.
+- Disaggregated mode (DESIGN.md "Prefill / decode disaggregation"): the request first goes to a
+  prefill worker with `kv_transfer_params: {"do_remote_decode": true}`, `max_tokens: 1`,
+  `stream: false`; its answer's `kv_transfer_params` then go with the client's original request
+  to a decode worker, whose answer the client gets. If the prefill step fails in any way, the
+  decode worker gets the plain request and recomputes the prompt: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from typing import Any, Awaitable, Callable, TypeVar
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.config import RouterConfig
+from router.errors import error_response, sse_error_event
+from router.metrics import RouterMetrics
+from router.policies import RequestFeatures, make_policy, request_features
+from router.registry import Registry, Replica
+
+logger = logging.getLogger("deepinfer.router")
+
+# failures that happen before any byte of the answer: safe to send the request elsewhere
+RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                    httpx.ReadError, httpx.WriteError)
+UNREACHABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+# request headers not forwarded (hop-by-hop, or recomputed by httpx)
+_DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                 "te", "trailer", "upgrade", "proxy-authorization", "accept-encoding"}
+# answer headers not relayed (hop-by-hop, or recomputed by the router's own server)
+_DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "date",
+                  "server", "trailer", "upgrade"}
+# fields of the client's body the prefill step replaces or drops
+_PREFILL_DROP = ("stream_options", "max_completion_tokens", "min_tokens", "best_of")
+
+T = TypeVar("T")
+
+
+class NoReplicaError(Exception):
+    """No replica could take the request; `reason` is no_replica or unreachable."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class UpstreamResponse(StreamingResponse):
+    """A worker's answer relayed byte for byte. Whatever ends it (the last byte, the client
+    leaving, the worker dying), the worker's connection is closed and `on_close` runs once."""
+
+    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
+        self._upstream = upstream
+        self._on_close = on_close
+        headers = {k: v for k, v in upstream.headers.items()
+                   if k.lower() not in _DROP_RESPONSE}
+        super().__init__(self._relay(), status_code=upstream.status_code, headers=headers)
+
+    async def _relay(self):
+        try:
+            async for chunk in self._upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:  # the worker is gone mid-answer: never re-send
+            logger.warning("worker %s failed mid-answer: %r", self._upstream.url, exc)
+            if "text/event-stream" not in self._upstream.headers.get("content-type", ""):
+                raise  # cut the connection: the client sees an incomplete answer
+            yield sse_error_event(f"The worker failed while answering ({type(exc).__name__}); "
+                                  "the answer is incomplete. Retry the request.",
+                                  code="worker_failed")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._upstream.aclose()
+            self._on_close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Run `work` until done or until the client disconnects (then cancel it: httpx closes the
+    worker connection). Returns (finished, result)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    await asyncio.wait({task})  # let a cancelled send close its connection
+    if task.cancelled():
+        return False, None
+    return True, task.result()  # raises the work's exception
+
+
+class Proxy:
+    """Forwards OpenAI requests to the registry's replicas under `config`'s policy."""
+
+    def __init__(self, config: RouterConfig, registry: Registry, metrics: RouterMetrics,
+                 client: httpx.AsyncClient) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self.client = client
+        self.policy = make_policy(config.policy, max_imbalance=config.max_imbalance)
+        self.in_flight = 0
+        self._seq = itertools.count()
+
+    async def handle(self, request: Request, path: str) -> Response:
+        """Answer one client POST to `path` (/v1/chat/completions or /v1/completions)."""
+        if self.in_flight >= self.config.max_concurrent_requests:
+            self.metrics.rejected.labels("overloaded").inc()
+            return error_response(
+                f"The router is at capacity ({self.in_flight} requests in flight, "
+                f"--max-concurrent-requests={self.config.max_concurrent_requests}); retry "
+                "after a short wait.", status_code=429, type="rate_limit_error",
+                code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.in_flight += 1
+        try:
+            response = await self._answer(request, path)
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if not isinstance(response, UpstreamResponse):
+            self.in_flight -= 1  # an UpstreamResponse releases its slot when it closes
+        return response
+
+    async def _answer(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None  # the worker answers the client's malformed JSON with its 400
+        features = request_features(next(self._seq), path, payload)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        if self.config.disaggregated and isinstance(payload, dict):
+            work = self._disaggregated(path, payload, headers, features)
+        else:
+            role = "decode" if self.config.disaggregated else "both"
+            work = self._open(role, path, body, headers, features)
+        try:
+            finished, opened = await unless_disconnected(request, work)
+        except NoReplicaError as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            return error_response(str(exc), status_code=503, code="no_healthy_replica",
+                                  headers={"Retry-After": "1"})
+        except httpx.TimeoutException as exc:
+            return error_response(f"The worker did not answer within the router's timeouts "
+                                  f"({type(exc).__name__}).", status_code=504,
+                                  code="worker_timeout")
+        if not finished:
+            return Response(status_code=499)  # the client left; nobody reads this
+        upstream, replica, sent_at = opened
+
+        def on_close() -> None:
+            replica.outstanding -= 1
+            self.in_flight -= 1
+            self.metrics.duration.labels(replica.url).observe(time.perf_counter() - sent_at)
+
+        return UpstreamResponse(upstream, on_close)
+
+    async def _open(self, role: str, path: str, content: bytes, headers: dict[str, str],
+                    features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:
+        """Send the request to a `role` replica chosen by the policy and return its answer with
+        the header read (the body not yet). The replica's `outstanding` stays incremented until
+        the caller closes the answer. Connection failures before the first byte move the
+        request to another replica. Raises NoReplicaError when none could take it."""
+        tried: list[Replica] = []
+        while len(tried) < self.config.max_attempts:
+            candidates = [r for r in self.registry.replicas(role) if r not in tried]
+            replica = self.policy(features, candidates)
+            if replica is None:
+                break
+            tried.append(replica)
+            request = self.client.build_request("POST", replica.url + path, content=content,
+                                                headers=headers)
+            sent_at = time.perf_counter()
+            replica.outstanding += 1
+            try:
+                upstream = await self.client.send(request, stream=True)
+            except RETRYABLE_ERRORS as exc:
+                replica.outstanding -= 1
+                self.registry.record_failure(replica, unreachable=isinstance(
+                    exc, UNREACHABLE_ERRORS), reason=repr(exc))
+                self.metrics.retries.labels(replica.url).inc()
+                logger.warning("%s failed before answering (%r); trying another replica",
+                               replica.url, exc)
+                continue
+            except BaseException:
+                replica.outstanding -= 1
+                raise
+            self.metrics.first_byte.labels(replica.url).observe(time.perf_counter() - sent_at)
+            self.metrics.requests.labels(replica.url, str(upstream.status_code)).inc()
+            return upstream, replica, sent_at
+        if tried:
+            raise NoReplicaError(f"No {role} replica could be reached (tried "
+                                 f"{', '.join(r.url for r in tried)}); retry shortly.",
+                                 reason="unreachable")
+        raise NoReplicaError(f"No healthy {role} replica is available right now (all "
+                             "ejected or still starting); retry shortly.", reason="no_replica")
+
+    async def _disaggregated(self, path: str, payload: dict[str, Any], headers: dict[str, str],
+                             features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:
+        params = await self._prefill(path, payload, headers, features)
+        body = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
+        if params is None:
+            self.metrics.disagg_fallbacks.inc()
+        else:
+            body["kv_transfer_params"] = params
+        return await self._open("decode", path, json.dumps(body).encode(), headers, features)
+
+    async def _prefill(self, path: str, payload: dict[str, Any], headers: dict[str, str],
+                       features: RequestFeatures) -> dict[str, Any] | None:
+        """The prefill step: the `kv_transfer_params` a prefill worker returns for the prompt,
+        or None if it failed in any way (then the decode worker recomputes)."""
+        body = {k: v for k, v in payload.items() if k not in _PREFILL_DROP}
+        body.update(kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False,
+                    n=1)
+        try:
+            upstream, replica, sent_at = await self._open(
+                "prefill", path, json.dumps(body).encode(), headers, features)
+        except (NoReplicaError, httpx.HTTPError) as exc:
+            logger.warning("prefill step failed (%s); the decode worker recomputes", exc)
+            return None
+        try:
+            data = await upstream.aread()
+        except httpx.HTTPError as exc:
+            logger.warning("prefill worker %s failed mid-answer (%r)", replica.url, exc)
+            return None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            replica.outstanding -= 1
+            self.metrics.duration.labels(replica.url).observe(time.perf_counter() - sent_at)
+        if upstream.status_code != 200:
+            logger.warning("prefill worker %s answered %d: %s", replica.url,
+                           upstream.status_code, data[:200])
+            return None
+        try:
+            params = json.loads(data).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        return params if isinstance(params, dict) and params.get("do_remote_prefill") else None

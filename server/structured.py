@@ -1,0 +1,117 @@
+"""Structured-output request fields -> the engine's `so_args`.
+
+Accepted spellings, all mapped to `{"schema_type": "json"|"json_object"|"regex"|"ebnf",
+"schema": ...}`:
+- OpenAI `response_format`: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
+  {"name", "schema", "strict", "description"}}` (`{"type": "text"}` = no constraint);
+- vLLM `structured_outputs`: exactly one of `json` (schema), `json_object` (true), `regex`,
+  `grammar` (EBNF), `choice` (list of strings);
+- vLLM's older `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice`.
+A request may use one of them. A choice list becomes a regex that matches one choice exactly.
+Whether the schema, regex or grammar compiles is checked by the engine (`compile_grammar`)
+before the request is queued; `check_compiles` turns its error into a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.errors import APIError
+from server.protocol import SamplingFields
+
+_REGEX_SPECIAL = set("\\.^$|?*+()[]{}/-")
+
+
+def choice_regex(choices: Any, param: str) -> str:
+    """A regex matching exactly one of `choices` (each escaped character by character)."""
+    if (not isinstance(choices, list) or not choices
+            or not all(isinstance(c, str) and c for c in choices)):
+        raise APIError(f"{param} must be a non-empty list of non-empty strings, got "
+                       f"{choices!r}.", param=param, code="invalid_value")
+    escaped = ["".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in choice)
+               for choice in choices]
+    return "(" + "|".join(escaped) + ")"
+
+
+def _from_response_format(req: SamplingFields) -> dict[str, Any] | None:
+    response_format = getattr(req, "response_format", None)
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"schema_type": "json_object"}
+    spec = response_format.json_schema
+    if spec is None or spec.schema_ is None:
+        raise APIError("response_format of type 'json_schema' needs json_schema.schema; send "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": "
+                       "{...}}}.", param="response_format.json_schema",
+                       code="missing_required_parameter")
+    return {"schema_type": "json", "schema": spec.schema_}
+
+
+_STRUCTURED_OUTPUT_KEYS = {"json": "json", "regex": "regex", "grammar": "ebnf",
+                           "choice": "choice", "json_object": "json_object"}
+
+
+def _from_structured_outputs(spec: dict[str, Any]) -> dict[str, Any]:
+    given = [key for key in _STRUCTURED_OUTPUT_KEYS if spec.get(key) not in (None, False)]
+    unknown = sorted(set(spec) - set(_STRUCTURED_OUTPUT_KEYS))
+    if unknown:
+        raise APIError(f"structured_outputs has unsupported field(s) {unknown}; use one of "
+                       f"{sorted(_STRUCTURED_OUTPUT_KEYS)}.", param="structured_outputs",
+                       code="unsupported_parameter")
+    if len(given) != 1:
+        raise APIError(f"structured_outputs must set exactly one of "
+                       f"{sorted(_STRUCTURED_OUTPUT_KEYS)}; got {given or 'none'}.",
+                       param="structured_outputs", code="invalid_value")
+    key = given[0]
+    return _so_args(_STRUCTURED_OUTPUT_KEYS[key], spec[key], f"structured_outputs.{key}")
+
+
+def _so_args(kind: str, value: Any, param: str) -> dict[str, Any]:
+    if kind == "json_object":
+        return {"schema_type": "json_object"}
+    if kind == "choice":
+        return {"schema_type": "regex", "schema": choice_regex(value, param)}
+    if kind == "json":
+        if not isinstance(value, (dict, str)):
+            raise APIError(f"{param} must be a JSON schema object, got {type(value).__name__}.",
+                           param=param, code="invalid_value")
+        return {"schema_type": "json", "schema": value}
+    if not isinstance(value, str) or not value:
+        raise APIError(f"{param} must be a non-empty string.", param=param, code="invalid_value")
+    return {"schema_type": kind, "schema": value}
+
+
+def so_args_from_request(req: SamplingFields) -> tuple[dict[str, Any] | None, str | None]:
+    """The request's constraint as `so_args` and the field it came from (None, None if none).
+
+    Raises:
+        APIError: 400 when fields conflict or have the wrong shape.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    from_format = _from_response_format(req)
+    if from_format is not None:
+        found.append(("response_format", from_format))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
+    legacy = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "ebnf",
+              "guided_choice": "choice"}
+    for field, kind in legacy.items():
+        value = getattr(req, field)
+        if value is not None:
+            found.append((field, _so_args(kind, value, field)))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(f"Only one structured-output constraint may be given, got {names}; keep "
+                       "one of them.", param=found[1][0], code="invalid_value")
+    return (found[0][1], found[0][0]) if found else (None, None)
+
+
+async def check_compiles(engine: Any, so_args: dict[str, Any], param: str) -> None:
+    """Compile the constraint through the engine (cached for the request itself); a bad schema,
+    regex or grammar is a 400 naming `param`, raised before anything is queued."""
+    try:
+        await engine.compile_grammar(so_args)
+    except ValueError as exc:
+        raise APIError(f"Invalid {param}: {exc}. Fix it and retry.", param=param,
+                       code="invalid_schema") from None

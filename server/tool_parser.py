@@ -1,0 +1,252 @@
+"""Model output -> OpenAI tool calls, incrementally, with one code path for streams and bodies.
+
+A `ToolCallStreamer` is fed the output text as it is generated and returns OpenAI-shaped delta
+pieces: `{"content": ...}` or `{"tool_calls": [{"index", "id", "type", "function": {"name",
+"arguments"}}]}` for a new call, then `{"tool_calls": [{"index", "function": {"arguments"}}]}`
+fragments. A call's `arguments` is by definition the concatenation of its fragments, and a
+non-stream body runs the same streamer over the whole text, so the two always agree.
+
+- `HermesStreamer` (tool_choice "auto"): Hermes-2-Pro's convention, which Qwen2.5, Hermes and
+  many chat templates use: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
+  text outside the tags is content. A call is sent once its closing tag (or the end) arrives.
+- `NamedCallStreamer` (tool_choice naming a function): the whole output is the arguments
+  object, generated under the function's JSON schema; fragments stream as they come.
+- `CallArrayStreamer` (tool_choice "required"): the output is `[{"name": ..., "arguments":
+  {...}}, ...]` generated under a JSON schema (server.tools); each call's header is sent when
+  its name is complete and its arguments stream raw, character for character.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def message_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class ToolCallStreamer:
+    """Base: collects the calls and content it emits (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self.content_parts: list[str] = []
+
+    @property
+    def content(self) -> str | None:
+        """Content outside tool calls, stripped; None when empty (only calls were made)."""
+        text = "".join(self.content_parts).strip()
+        return text or None
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        self.content_parts.append(text)
+        return [{"content": text}]
+
+    def _header(self, name: str, arguments: str = "") -> list[dict[str, Any]]:
+        call = ToolCall(new_call_id(), name, arguments)
+        self.calls.append(call)
+        return [{"tool_calls": [{"index": len(self.calls) - 1, **call.message_dict()}]}]
+
+    def _arguments(self, fragment: str) -> list[dict[str, Any]]:
+        if not fragment:
+            return []
+        self.calls[-1].arguments += fragment
+        return [{"tool_calls": [{"index": len(self.calls) - 1,
+                                 "function": {"arguments": fragment}}]}]
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def finish(self) -> list[dict[str, Any]]:
+        return []
+
+    def run(self, text: str) -> "ToolCallStreamer":
+        """Feed a whole output and finish (the non-stream path)."""
+        self.feed(text)
+        self.finish()
+        return self
+
+
+class NamedCallStreamer(ToolCallStreamer):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        pieces = self._header(self.name) if not self.calls else []
+        return pieces + self._arguments(text)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._header(self.name) if not self.calls else []
+
+
+class CallArrayStreamer(ToolCallStreamer):
+    """Scans `[{"name": "...", "arguments": {...}}, ...]` one character at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""
+        self.pos = 0             # characters scanned
+        self.depth = 0           # open [ and { outside strings
+        self.in_string = self.escape = False
+        self.key_start = -1      # start of the member key being read at depth 2
+        self.key = None          # last member key at depth 2
+        self.value_start = -1    # start of that member's value, -1 before it starts
+        self.sent = 0            # end of the arguments text already sent
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self.text += text
+        pieces: list[dict[str, Any]] = []
+        while self.pos < len(self.text):
+            pieces += self._step(self.text[self.pos])
+            self.pos += 1
+        if self.key == "arguments" and self.value_start >= 0 and self.calls:
+            pieces += self._arguments(self.text[self.sent:self.pos])
+            self.sent = self.pos
+        return pieces
+
+    def _step(self, char: str) -> list[dict[str, Any]]:
+        at = self.pos
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif char == "\\":
+                self.escape = True
+            elif char == '"':
+                self.in_string = False
+                return self._string_end(at)
+            return []
+        if char == '"':
+            self.in_string = True
+            if self.depth == 2 and self.value_start == -2:
+                self.value_start = self.sent = at
+            elif self.depth == 2 and self.value_start == -1:
+                self.key_start = at
+            return []
+        if char in "[{":
+            if self.depth == 2 and self.value_start == -2:
+                self.value_start = self.sent = at
+            self.depth += 1
+        elif char in "]}":
+            self.depth -= 1
+            if self.depth == 1:           # an item closed
+                return self._member_end(at)
+        elif char == ":" and self.depth == 2:
+            self.value_start = -2         # the value starts at the next token
+        elif char == "," and self.depth == 2:
+            return self._member_end(at)
+        elif self.depth == 2 and self.value_start == -2 and not char.isspace():
+            self.value_start = self.sent = at   # a number, true, false or null
+        return []
+
+    def _string_end(self, at: int) -> list[dict[str, Any]]:
+        if self.depth != 2:
+            return []
+        if self.value_start < 0 and self.key_start >= 0:
+            self.key = json.loads(self.text[self.key_start:at + 1])
+            self.key_start = -1
+            return []
+        if self.key == "name" and self.value_start >= 0:
+            return self._header(json.loads(self.text[self.value_start:at + 1]))
+        return []
+
+    def _member_end(self, at: int) -> list[dict[str, Any]]:
+        pieces = []
+        if self.key == "arguments" and self.value_start >= 0 and self.calls:
+            pieces = self._arguments(self.text[self.sent:at].rstrip())
+        self.key, self.value_start, self.sent = None, -1, at
+        return pieces
+
+
+class HermesStreamer(ToolCallStreamer):
+    """Args:
+        tool_names: the functions the request offers; a call to another name stays content.
+        max_calls: calls kept (1 when parallel_tool_calls is false); later ones are dropped.
+    """
+
+    def __init__(self, tool_names: Collection[str], max_calls: int | None = None) -> None:
+        super().__init__()
+        self.tool_names = set(tool_names)
+        self.max_calls = max_calls
+        self.pending = ""
+        self.inside = False
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self.pending += text
+        pieces: list[dict[str, Any]] = []
+        while True:
+            marker = TOOL_CALL_END if self.inside else TOOL_CALL_START
+            index = self.pending.find(marker)
+            if index < 0:
+                break
+            body, self.pending = self.pending[:index], self.pending[index + len(marker):]
+            pieces += self._call(body) if self.inside else self._content(body)
+            self.inside = not self.inside
+        if not self.inside:
+            held = _held_prefix(self.pending, TOOL_CALL_START)
+            pieces += self._content(self.pending[:len(self.pending) - held])
+            self.pending = self.pending[len(self.pending) - held:]
+        return pieces
+
+    def finish(self) -> list[dict[str, Any]]:
+        pending, self.pending = self.pending, ""
+        if self.inside:          # the model stopped before </tool_call>
+            self.inside = False
+            return self._call(pending, closed=False)
+        return self._content(pending)
+
+    def _call(self, body: str, closed: bool = True) -> list[dict[str, Any]]:
+        parsed = parse_call(body, self.tool_names)
+        if parsed is None:
+            end = TOOL_CALL_END if closed else ""
+            return self._content(TOOL_CALL_START + body + end)
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return []
+        return self._header(*parsed)
+
+
+def parse_call(body: str, tool_names: Collection[str]) -> tuple[str, str] | None:
+    """`{"name": ..., "arguments": {...}}` -> (name, arguments JSON text), or None if it is
+    not a call to one of `tool_names` ("parameters" is accepted for "arguments")."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in tool_names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:length]):
+            return length
+    return 0

@@ -1,0 +1,205 @@
+"""Tool calling: validate `tools` / `tool_choice` / `parallel_tool_calls`, put the tools into the
+prompt, constrain the output when a call is required, and pick the parser of the output.
+
+| tool_choice          | prompt          | generation                              | parser            |
+| -------------------- | --------------- | --------------------------------------- | ----------------- |
+| "none"               | no tools        | free                                    | none (content)    |
+| "auto" (default)     | tools           | free                                    | HermesStreamer    |
+| "required"           | tools           | JSON schema: array of {name, arguments} | CallArrayStreamer |
+| {"function": {name}} | tools           | JSON schema: that function's parameters | NamedCallStreamer |
+
+With "required" or a named function the arguments always parse and match the function's
+`parameters` schema (the grammar enforces it); with "auto" they are what the model wrote.
+
+Tools reach the model through the chat template (`apply_chat_template(tools=...)`) when the
+template uses them; otherwise (SmolLM2's template ignores tools) a Hermes-style system prompt
+lists them, assistant `tool_calls` are written back as `<tool_call>` blocks and `tool` messages
+as `<tool_response>` blocks, so a conversation round-trips through any template.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest
+from server.tool_parser import (TOOL_CALL_END, TOOL_CALL_START, CallArrayStreamer,
+                                HermesStreamer, NamedCallStreamer, ToolCallStreamer)
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+HERMES_SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions. Here are the "
+    "available tools: <tools>{tools}</tools>\nFor each function call return a json object with "
+    "function name and arguments within <tool_call></tool_call> XML tags as follows:\n"
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-dict>}}\n</tool_call>")
+
+
+@dataclass
+class ToolConfig:
+    """tools: the validated `tools` list (OpenAI shape); choice: "none" | "auto" | "required" |
+    "named"; name: the function for "named"; parallel: several calls allowed."""
+
+    tools: list[dict[str, Any]]
+    choice: str
+    name: str | None
+    parallel: bool
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        for tool in self.tools:
+            if tool["function"]["name"] == name:
+                return tool["function"].get("parameters") or {"type": "object"}
+        raise KeyError(name)
+
+    @property
+    def names(self) -> list[str]:
+        return [tool["function"]["name"] for tool in self.tools]
+
+
+def _check_tools(tools: list[Any]) -> None:
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise APIError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}; "
+                           "only function tools are supported.", param=where,
+                           code="invalid_value")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not _NAME.match(str(function.get("name", ""))):
+            raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'.",
+                           param=f"{where}.function.name", code="invalid_value")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise APIError(f"{where}.function.parameters must be a JSON schema object.",
+                           param=f"{where}.function.parameters", code="invalid_value")
+
+
+def tool_config(req: ChatCompletionRequest) -> ToolConfig | None:
+    """The request's tool settings, or None when it offers no tools.
+
+    Raises:
+        APIError: 400 for malformed tools, an unknown tool_choice, or a named function that
+            is not among the tools.
+    """
+    tools, choice = req.tools or [], req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(f"tool_choice={choice!r} needs tools; send tools or drop "
+                           "tool_choice.", param="tool_choice", code="invalid_value")
+        return None
+    _check_tools(tools)
+    names = [tool["function"]["name"] for tool in tools]
+    parallel = req.parallel_tool_calls is not False
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolConfig(tools, choice or "auto", None, parallel)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+        raise APIError(f"tool_choice={choice!r} must be 'none', 'auto', 'required' or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                       param="tool_choice", code="invalid_value")
+    if name not in names:
+        raise APIError(f"tool_choice names function {name!r}, which is not in tools "
+                       f"({', '.join(names)}).", param="tool_choice", code="invalid_value")
+    return ToolConfig(tools, "named", name, parallel)
+
+
+def tool_so_args(config: ToolConfig | None) -> dict[str, Any] | None:
+    """The constraint that makes the output a valid call ("required", named), else None."""
+    if config is None or config.choice in ("none", "auto"):
+        return None
+    if config.choice == "named":
+        return {"schema_type": "json", "schema": config.parameters(config.name)}
+    calls = [{"type": "object",
+              "properties": {"name": {"const": name}, "arguments": config.parameters(name)},
+              "required": ["name", "arguments"]} for name in config.names]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not config.parallel:
+        schema["maxItems"] = 1
+    return {"schema_type": "json", "schema": schema}
+
+
+def tool_streamer(config: ToolConfig | None) -> ToolCallStreamer | None:
+    """A fresh parser for one choice's output, or None when the output is plain content."""
+    if config is None or config.choice == "none":
+        return None
+    if config.choice == "named":
+        return NamedCallStreamer(config.name)
+    if config.choice == "required":
+        return CallArrayStreamer()
+    return HermesStreamer(config.names, max_calls=None if config.parallel else 1)
+
+
+def _template_uses_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def _hermes_messages(conversation: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Tool calls and results written into message text for templates that ignore them."""
+    rendered = []
+    for message in conversation:
+        message = dict(message)
+        calls = message.pop("tool_calls", None)
+        if message["role"] == "assistant" and calls:
+            blocks = [f"{TOOL_CALL_START}\n" + json.dumps(
+                {"name": c["function"]["name"], "arguments": _arguments(c)},
+                ensure_ascii=False) + f"\n{TOOL_CALL_END}" for c in calls]
+            message["content"] = "\n".join(filter(None, [message.get("content")] + blocks))
+        if message["role"] == "tool":
+            message.pop("tool_call_id", None)
+            message["content"] = f"<tool_response>\n{message['content']}\n</tool_response>"
+        rendered.append(message)
+    if tools:
+        prompt = HERMES_SYSTEM_PROMPT.format(tools=json.dumps(tools, ensure_ascii=False))
+        if rendered and rendered[0]["role"] == "system":
+            rendered[0] = {**rendered[0], "content": rendered[0]["content"] + "\n\n" + prompt}
+        else:
+            rendered.insert(0, {"role": "system", "content": prompt})
+    return rendered
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    arguments = call.get("function", {}).get("arguments", "{}")
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return arguments
+
+
+def _check_tool_messages(conversation: list[dict[str, Any]]) -> None:
+    for i, message in enumerate(conversation):
+        if message["role"] == "tool" and not message.get("tool_call_id"):
+            raise APIError(f"messages.{i} has role 'tool' but no tool_call_id; send the id of "
+                           "the assistant tool call it answers.", param=f"messages.{i}",
+                           code="missing_required_parameter")
+        calls = message.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and "name" in c["function"] for c in calls)):
+            raise APIError(f"messages.{i}.tool_calls must be a list of "
+                           "{\"id\", \"type\": \"function\", \"function\": {\"name\", "
+                           "\"arguments\"}}.", param=f"messages.{i}.tool_calls",
+                           code="invalid_value")
+
+
+def template_inputs(tokenizer: Any, conversation: list[dict[str, Any]],
+                    config: ToolConfig | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, extra apply_chat_template kwargs) with the tools and tool turns in place."""
+    _check_tool_messages(conversation)
+    tools = config.tools if config is not None and config.choice != "none" else None
+    if _template_uses_tools(tokenizer):
+        messages = []
+        for message in conversation:
+            if message.get("tool_calls"):
+                message = {**message, "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": _arguments(c)}}
+                    for c in message["tool_calls"]]}
+            messages.append(message)
+        return messages, ({"tools": tools} if tools else {})
+    return _hermes_messages(conversation, tools), {}

@@ -1,0 +1,295 @@
+"""`deepinfer router` in front of real `deepinfer serve` workers (embedded SmolLM2), as processes.
+
+One module, processes shared by all its tests and started in parallel at the first test:
+- `w1`, `w2`: plain workers (`--role both`, the embedded store). `w1` is also the monolithic
+  reference every routed answer is compared with, token for token (greedy).
+- `prefill`, `decode`: `--role prefill|decode` workers sharing a private `redis-server`.
+- routers: `dp` (prefix_affinity over w1, w2), `pd` (prefill -> decode); the last test starts
+  its own round-robin router and kills `w2` under it, so it must stay last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import RedisServer
+from tests.router.fakes import free_port, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-router-e2e"
+STARTUP_TIMEOUT_S = 900  # the first run on a machine converts the GGUF model into the cache
+BLOCK_SIZE = 16
+
+
+def worker_roles_supported() -> bool:
+    import contextlib
+    import io
+
+    from server.cli import build_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            build_parser().parse_args(["serve", "--role", "decode", "--kv-store", "memory"])
+    except SystemExit:
+        return False
+    return True
+
+
+class Proc:
+    """A `python -m server.cli ...` process with its log; killed with its process group."""
+
+    def __init__(self, name: str, args: list[str], tmp: Path) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # four workers share two cores
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", *args, "--port", str(self.port)], cwd=ROOT,
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Proc":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   f"{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s}s:\n{self.log()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def worker_args(*extra: str) -> list[str]:
+    return ["serve", "--served-model-name", MODEL, "--max-num-seqs", "8",
+            "--num-kv-blocks", "256", "--block-size", str(BLOCK_SIZE), *extra]
+
+
+def router_args(*extra: str) -> list[str]:
+    return ["router", "--health-interval-s", "0.5", "--health-timeout-s", "5",
+            "--log-level", "warning", *extra]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """All worker processes, launched together (the slow part is each one's start-up)."""
+    tmp = tmp_path_factory.mktemp("router-e2e")
+    procs: dict[str, Proc] = {}
+    redis = None
+    try:
+        procs["w1"] = Proc("w1", worker_args(), tmp)
+        procs["w2"] = Proc("w2", worker_args(), tmp)
+        if worker_roles_supported():
+            redis = RedisServer().start()
+            for role in ("prefill", "decode"):
+                procs[role] = Proc(role, worker_args("--role", role, "--kv-store", redis.url),
+                                   tmp)
+        for proc in procs.values():
+            proc.wait_ready()
+        procs["dp"] = Proc("dp", router_args("--backend", procs["w1"].url, "--backend",
+                                             procs["w2"].url, "--policy", "prefix_affinity"),
+                           tmp).wait_ready(60)
+        if redis is not None:
+            procs["pd"] = Proc("pd", router_args("--prefill", procs["prefill"].url,
+                                                 "--decode", procs["decode"].url),
+                               tmp).wait_ready(60)
+        yield {**procs, "redis": redis, "tmp": tmp}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        if redis is not None:
+            redis.stop()
+
+
+@pytest.fixture(scope="module")
+def disagg(cluster):
+    if cluster["redis"] is None:
+        pytest.skip("the worker has no --role/--kv-store flags yet (kvstore side of issue 5)")
+    return cluster
+
+
+def post(base: str, path: str, body: dict) -> dict:
+    reply = httpx.post(base + path, json={"model": MODEL, "temperature": 0, **body},
+                       timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def stream(base: str, path: str, body: dict) -> tuple[str, list[dict]]:
+    """The streamed text and every event (the `[DONE]` terminator checked and dropped)."""
+    events = []
+    with httpx.stream("POST", base + path, timeout=300, json={
+            "model": MODEL, "temperature": 0, "stream": True, **body}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line:
+                events.append(line)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {})
+                   .get("content") or "" for c in chunks if c["choices"])
+    return text, chunks
+
+
+def answer(reply: dict) -> str:
+    choice = reply["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "system", "content": "Answer in one short sentence."},
+          {"role": "user", "content": "Why is the sky blue?"}]]
+
+
+def test_greedy_answers_through_the_router_equal_direct_ones(cluster):
+    w1, dp = cluster["w1"].url, cluster["dp"].url
+    for messages in CHATS:
+        body = {"messages": messages, "max_tokens": 12}
+        direct = post(w1, "/v1/chat/completions", body)
+        routed = post(dp, "/v1/chat/completions", body)
+        assert answer(routed) == answer(direct) and answer(direct)
+        assert routed["usage"]["completion_tokens"] == direct["usage"]["completion_tokens"]
+        assert stream(dp, "/v1/chat/completions", body)[0] == answer(direct)
+    body = {"prompt": "The three primary colours are", "max_tokens": 10}
+    direct = answer(post(w1, "/v1/completions", body))
+    assert answer(post(dp, "/v1/completions", body)) == direct
+    assert stream(dp, "/v1/completions", body)[0] == direct
+    models = httpx.get(dp + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [MODEL]
+
+
+def test_prefix_affinity_sends_a_conversation_back_to_its_replica(cluster):
+    """Each later turn finds the earlier turns' blocks in its replica's prefix cache, which
+    only the replica that served them holds (the workers share no store)."""
+    dp = cluster["dp"].url
+    topic = ("Here is a long description of a garden with roses, tulips, daisies, a small "
+             "pond with goldfish, an old oak tree and a wooden bench under it. ")
+    served_before = {w: metric(dp, "deepinfer_router:requests_total", backend=cluster[w].url)
+                     for w in ("w1", "w2")}
+    for conversation in range(4):
+        messages = [{"role": "user", "content": f"Conversation {conversation}. {topic}"
+                                                "Name one flower in it."}]
+        previous_prompt_tokens = 0
+        for turn in range(3):
+            reply = post(dp, "/v1/chat/completions", {"messages": messages, "max_tokens": 4})
+            usage = reply["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= previous_prompt_tokens // BLOCK_SIZE * BLOCK_SIZE, (turn, usage)
+            previous_prompt_tokens = usage["prompt_tokens"]
+            messages = messages + [{"role": "assistant", "content": answer(reply)},
+                                   {"role": "user", "content": f"And another, {turn}?"}]
+    served = {w: metric(dp, "deepinfer_router:requests_total", backend=cluster[w].url)
+              - served_before[w] for w in ("w1", "w2")}
+    assert sum(served.values()) == 12 and all(n % 3 == 0 for n in served.values()), served
+
+
+def disagg_prompts(tokenizer) -> list[list[int]]:
+    text = " ".join(f"Sentence number {i} talks about the weather, rivers and mountains."
+                    for i in range(40))
+    ids = tokenizer.encode(text)
+    lengths = [3, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 7, 12 * BLOCK_SIZE + 5]
+    assert len(ids) > lengths[-1]
+    return [ids[:n] for n in lengths]
+
+
+def test_disaggregated_is_token_identical_to_monolithic(disagg, smollm2_tokenizer):
+    w1, pd, decode = disagg["w1"].url, disagg["pd"].url, disagg["decode"].url
+    for prompt in disagg_prompts(smollm2_tokenizer):
+        body = {"prompt": prompt, "max_tokens": 8, "logprobs": 0}
+        direct = post(w1, "/v1/completions", body)
+        routed = post(pd, "/v1/completions", body)
+        tokens = direct["choices"][0]["logprobs"]["tokens"]
+        assert routed["choices"][0]["logprobs"]["tokens"] == tokens, len(prompt)
+        assert answer(routed) == answer(direct)
+        assert routed["usage"]["prompt_tokens"] == len(prompt)
+        assert stream(pd, "/v1/completions", body)[0] == answer(direct)
+    messages = CHATS[1]
+    body = {"messages": messages, "max_tokens": 12}
+    direct = answer(post(w1, "/v1/chat/completions", body))
+    assert answer(post(pd, "/v1/chat/completions", body)) == direct
+    assert stream(pd, "/v1/chat/completions", body)[0] == direct
+    assert metric(pd, "deepinfer_router:disagg_fallbacks_total") == 0
+    # the decode worker loaded the prefill worker's blocks instead of recomputing them
+    assert metric(decode, "deepinfer:kv_store_hits_total") > 0
+
+
+def test_redis_down_mid_run_still_answers_the_same(disagg, smollm2_tokenizer):
+    w1, pd, redis = disagg["w1"].url, disagg["pd"].url, disagg["redis"]
+    prompts = disagg_prompts(smollm2_tokenizer)[2:]
+    expected = [answer(post(w1, "/v1/completions", {"prompt": p, "max_tokens": 8}))
+                for p in prompts]
+    redis.stop()
+    try:
+        for prompt, want in zip(prompts, expected):
+            assert answer(post(pd, "/v1/completions", {"prompt": prompt, "max_tokens": 8})) \
+                == want
+        text, _ = stream(pd, "/v1/completions", {"prompt": prompts[-1], "max_tokens": 8})
+        assert text == expected[-1]
+    finally:
+        redis.start()
+
+
+def test_killed_worker_is_ejected_and_later_requests_succeed(cluster):
+    """Must stay last: it kills w2."""
+    w1, w2 = cluster["w1"], cluster["w2"]
+    router = Proc("rr", router_args("--backend", w2.url, "--backend", w1.url, "--policy",
+                                    "round_robin"), cluster["tmp"])
+    try:
+        router.wait_ready(60)
+        assert wait_for(lambda: httpx.get(router.url + "/health").json()
+                        .get("healthy_replicas") == 2)
+        body = {"model": MODEL, "messages": CHATS[0], "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=body,
+                          timeout=300) as reply:  # round robin: the first request goes to w2
+            lines = (line for line in reply.iter_lines() if line)
+            for _ in range(3):
+                assert next(lines).startswith("data: {")
+            assert metric(w2.url, "deepinfer:num_requests_running") == 1
+            w2.kill()
+            rest = list(lines)
+        assert json.loads(rest[-1][len("data: "):])["error"]["code"] == "worker_failed"
+        expected = answer(post(w1.url, "/v1/chat/completions",
+                               {"messages": CHATS[1], "max_tokens": 6}))
+        for _ in range(4):
+            got = post(router.url, "/v1/chat/completions", {"messages": CHATS[1],
+                                                             "max_tokens": 6})
+            assert answer(got) == expected
+        assert wait_for(lambda: metric(router.url, "deepinfer_router:backend_healthy",
+                                       backend=w2.url) == 0)
+        assert metric(router.url, "deepinfer_router:ejections_total", backend=w2.url) == 1
+        assert httpx.get(router.url + "/health").json()["healthy_replicas"] == 1
+    finally:
+        router.kill()

@@ -1,0 +1,197 @@
+"""KV store round trips through the engine (engine/kv_transfer.py) on a tiny random Llama:
+greedy tokens are identical whether the prompt's KV is computed or loaded, and every failure
+of the store (corrupt value, other model, store down) falls back to recomputing."""
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+from kvstore import MemoryKVStore
+
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [list(range(100, 170)),          # 70 tokens: 17 blocks may load, a partial last block
+           list(range(2000, 2016)),        # 16 tokens: a full last block is still recomputed
+           [5, 6, 7]]                      # shorter than a block: nothing to load
+
+
+@pytest.fixture(scope="module")
+def other_llama_dir(tmp_path_factory, smollm2_tokenizer):
+    """The tiny Llama's twin: same config.json, other random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-other")
+    tok = smollm2_tokenizer
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=0.2,
+                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id)
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def make_core(model_dir, *, kv_store="memory", role="both", num_blocks=256) -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
+        kv_transfer=KVTransferConfig(role=role, kv_store=kv_store, timeout_s=0.5))
+    return EngineCore(config)
+
+
+def fresh(core, store=None) -> EngineCore:
+    """Forget the engine's local prefix cache (as a new replica would start) and, if given,
+    switch it to `store`."""
+    core.scheduler.kv_cache_manager.reset_prefix_cache()
+    if store is not None:
+        core.kv_transfer.store = store
+    return core
+
+
+def run(core, prompts, params=GREEDY, kv_transfer_params=None):
+    """Generate to the end; (token ids per prompt, final outputs)."""
+    requests = [core.make_request(p, params, f"r{i}", kv_transfer_params=kv_transfer_params)
+                for i, p in enumerate(prompts)]
+    for request in requests:
+        core.add_request(request)
+    finals = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                finals[out.request_id] = out
+    outs = [finals[r.request_id] for r in requests]
+    return [o.token_ids for o in outs], outs
+
+
+def free_blocks(core) -> int:
+    return core.scheduler.kv_cache_manager.block_pool.num_free_blocks
+
+
+def delta(core, before):
+    """KV store counters since `before` (a KVStoreStats)."""
+    after = core.get_stats().kv_store
+    return {name: getattr(after, name) - getattr(before, name)
+            for name in ("hits", "misses", "corrupt", "errors", "bytes_loaded", "blocks_saved")}
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_llama_dir):
+    return run(make_core(tiny_llama_dir, kv_store="none"), PROMPTS)[0]
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama_dir):
+    """One engine with a store, reused: `fresh()` makes it a new replica on a given store."""
+    return make_core(tiny_llama_dir)
+
+
+def test_store_hit_gives_the_cold_tokens(core, cold):
+    fresh(core, MemoryKVStore())
+    before = core.get_stats().kv_store
+    assert run(core, PROMPTS)[0] == cold
+    assert delta(core, before)["blocks_saved"] == 17 + 4  # full prompt blocks only
+    before = core.get_stats().kv_store
+    tokens, outs = run(fresh(core), PROMPTS)
+    assert tokens == cold
+    assert [o.num_cached_tokens for o in outs] == [68, 12, 0]  # 17 and 3 blocks loaded
+    assert delta(core, before) == {"hits": 20, "misses": 0, "corrupt": 0, "errors": 0,
+                                   "bytes_loaded": 20 * 2 * 2 * BLOCK * 2 * 16 * 4,
+                                   "blocks_saved": 0}  # layers, K/V, tokens, heads, head_dim
+    assert free_blocks(core) == 256
+
+
+def test_corrupt_block_is_recomputed(core, cold):
+    store = MemoryKVStore()
+    run(fresh(core, store), PROMPTS[:1])
+    keys = list(store._items)   # saved in block order
+    value = bytearray(store._items[keys[5]])
+    value[-7] ^= 0x40
+    store._items[keys[5]] = bytes(value)
+    before = core.get_stats().kv_store
+    tokens, outs = run(fresh(core), PROMPTS[:1])
+    assert tokens == cold[:1]
+    stats = delta(core, before)
+    assert (stats["hits"], stats["misses"], stats["corrupt"]) == (5, 12, 1)
+    assert outs[0].num_cached_tokens == 5 * BLOCK
+
+
+def test_other_model_never_reads_these_blocks(core, other_llama_dir):
+    store = MemoryKVStore()
+    run(fresh(core, store), PROMPTS)
+    other = make_core(other_llama_dir)
+    assert other.kv_transfer.fingerprint_hex != core.kv_transfer.fingerprint_hex
+    other_cold = run(other, PROMPTS)[0]
+    tokens, outs = run(fresh(other, store), PROMPTS)
+    assert tokens == other_cold
+    assert other.get_stats().kv_store.hits == 0
+    assert all(o.num_cached_tokens == 0 for o in outs)
+
+
+def test_prefill_hands_off_to_decode_then_redis_down(tiny_llama_dir, cold, redis_server):
+    prefill = make_core(tiny_llama_dir, kv_store=redis_server.url, role="prefill")
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    tokens, outs = run(prefill, PROMPTS[:2], one, kv_transfer_params={"do_remote_decode": True})
+    assert [t[0] for t in tokens] == [c[0] for c in cold[:2]]
+    params = [o.kv_transfer_params for o in outs]
+    assert [p["num_stored_tokens"] for p in params] == [68, 16]
+    assert all(p["do_remote_prefill"] and p["block_size"] == BLOCK for p in params)
+    decode = make_core(tiny_llama_dir, kv_store=redis_server.url, role="decode")
+    tokens, outs = run(decode, PROMPTS[:2], kv_transfer_params=params[0])
+    assert tokens == cold[:2]
+    assert [o.num_cached_tokens for o in outs] == [68, 12]
+    assert decode.get_stats().kv_store.blocks_saved == 0  # a decode worker saves nothing
+
+    redis_server.stop()   # the store goes away: the same request is recomputed
+    before = decode.get_stats().kv_store
+    tokens, outs = run(fresh(decode), PROMPTS[:2], kv_transfer_params=params[0])
+    assert tokens == cold[:2]
+    stats = delta(decode, before)
+    assert stats["hits"] == 0 and stats["errors"] >= 1
+    assert free_blocks(decode) == 256
+
+
+class SlowStore(MemoryKVStore):
+    """A memory store whose reads wait until `release` is set (a fetch stays in flight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def get_many(self, keys):
+        await self.release.wait()
+        return await super().get_many(keys)
+
+
+def test_abort_while_loading_leaks_nothing(core):
+    store = SlowStore()
+    fresh(core, store)
+    request = core.make_request(PROMPTS[0], GREEDY, "slow")
+    core.add_request(request)
+    core.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    core.abort_requests(["slow"])
+    core.kv_transfer._loop.call_soon_threadsafe(store.release.set)
+    core.step()
+    assert not core.has_unfinished_requests()
+    assert free_blocks(core) == 256
+    assert not core.kv_transfer._loads and not core.kv_transfer._staged
+
+
+def test_preemption_after_loading_gives_the_cold_tokens(tiny_llama_dir, core, cold):
+    store = MemoryKVStore()
+    run(fresh(core, store), PROMPTS)
+    # 24 blocks cannot hold all three requests' prompts and outputs at once
+    small = make_core(tiny_llama_dir, num_blocks=24)
+    tokens, _ = run(fresh(small, store), PROMPTS)
+    assert tokens == cold
+    assert small.scheduler.num_preemptions > 0
+    assert small.get_stats().kv_store.hits > 0
+    assert free_blocks(small) == 24

@@ -1,0 +1,103 @@
+"""Expert selection (`engine.moe.gating.select_experts`) vs transformers' own DeepSeek routers
+on the same logits: the same expert sets and weights (float32, atol 1e-6), and the layer's
+logical -> physical expert map."""
+
+import pytest
+import torch
+from deepseek_configs import tiny_deepseek_config
+
+from engine.moe.gating import RoutingConfig, select_experts
+
+
+def _sorted(weights, ids):
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+def _hf_router(variant, **overrides):
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = tiny_deepseek_config(variant, **overrides)
+    cls = DeepseekV3TopkRouter if variant.startswith("v3") else DeepseekV2TopkRouter
+    router = cls(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(torch.rand(8, generator=gen) * 0.5)
+    return config, router
+
+
+@pytest.mark.parametrize("variant,routing", [
+    ("v3_qlora_noaux_tc_yarn", dict(scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
+                                    topk_group=2, norm_topk_prob=True,
+                                    routed_scaling_factor=2.5)),
+    ("v2_lite_greedy", dict(scoring_func="softmax", topk_method="greedy",
+                            routed_scaling_factor=1.0)),
+    ("v2_group_limited_yarn", dict(scoring_func="softmax", topk_method="group_limited_greedy",
+                                   n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+])
+def test_select_experts_matches_hf_router(variant, routing):
+    _, router = _hf_router(variant)
+    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    logits, hf_weights, hf_ids = router(hidden)
+    bias = getattr(router, "e_score_correction_bias", None)
+    weights, ids = select_experts(logits, RoutingConfig(num_experts=8, top_k=2, **routing), bias)
+    hf_weights, hf_ids = _sorted(hf_weights, hf_ids)
+    weights, ids = _sorted(weights, ids)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_routing_stays_inside_the_best_groups():
+    # 8 experts in 4 groups of 2; group 3 holds the best single expert, group 0 the best pair
+    logits = torch.tensor([[2.0, 2.0, -5.0, -5.0, -5.0, -5.0, -5.0, 3.0]])
+    config = RoutingConfig(num_experts=8, top_k=2, scoring_func="sigmoid",
+                           topk_method="noaux_tc", n_group=4, topk_group=1)
+    _, ids = select_experts(logits, config, torch.zeros(8))
+    assert sorted(ids[0].tolist()) == [0, 1]  # group 0: best top-2 sum
+    config = RoutingConfig(num_experts=8, top_k=2, topk_method="group_limited_greedy",
+                           n_group=4, topk_group=1)
+    _, ids = select_experts(logits, config)
+    assert sorted(ids[0].tolist()) == [6, 7]  # group 3: best single expert
+
+
+def test_correction_bias_changes_selection_not_weights():
+    logits = torch.tensor([[1.0, 0.9, 0.0, -1.0]])
+    config = RoutingConfig(num_experts=4, top_k=1, scoring_func="sigmoid",
+                           topk_method="noaux_tc", n_group=1, topk_group=1)
+    weights, ids = select_experts(logits, config, torch.tensor([0.0, 0.0, 0.0, 2.0]))
+    assert ids.tolist() == [[3]]
+    torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[-1.0]])))  # unbiased
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(scoring_func="relu"), "scoring_func='relu'"),
+    (dict(topk_method="random"), "topk_method='random'"),
+    (dict(top_k=9), "num_experts_per_tok=9"),
+    (dict(topk_method="noaux_tc", n_group=3), "n_group=3"),
+    (dict(topk_method="noaux_tc", n_group=4, topk_group=5), "topk_group=5"),
+])
+def test_routing_config_rejects_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        RoutingConfig(**{"num_experts": 8, "top_k": 2, **bad})
+
+
+def test_moe_layer_routes_through_logical_to_physical_map():
+    """Swapping two experts' physical rows and the map gives the same output."""
+    from engine.models.layers.moe import MoE
+
+    routing = RoutingConfig(num_experts=4, top_k=2)
+    gen = torch.Generator().manual_seed(0)
+    layer = MoE(16, 8, routing, torch.float32)
+    for param in layer.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen))
+    hidden = torch.randn(5, 16, generator=gen)
+    expected = layer(hidden)
+    w13, w2 = layer.w13.data.clone(), layer.w2.data.clone()
+    layer.w13.data[[0, 3]] = w13[[3, 0]]
+    layer.w2.data[[0, 3]] = w2[[3, 0]]
+    layer.logical_to_physical.copy_(torch.tensor([3, 1, 2, 0]))
+    torch.testing.assert_close(layer(hidden), expected)
+    assert torch.equal(layer.expert_weight(0, "down_proj"), w2[0])

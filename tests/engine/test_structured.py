@@ -1,0 +1,317 @@
+"""Structured outputs on the engine: compile cache, matcher rollback, the sampler's bitmask, and
+end-to-end generation whose every finished output validates (jsonschema), fullmatches its regex
+or parses under its grammar.
+
+Random weights rarely close a JSON string on their own, so `structured_llama_dir` is the tiny
+random Llama with the output embeddings of the tokens holding `"`, `}`, `]` or `,` scaled by 4:
+still random, but its generations under a grammar finish within a few dozen tokens. Validity is
+asserted for every output that finished with "stop"; that most do is asserted too.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import threading
+import time
+
+import jsonschema
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.sampler import Sampler
+from engine.sampling_metadata import build_sampling_metadata
+from engine.sampling_params import SamplingParams
+from engine.structured import GrammarError, grammar_key
+from engine.structured.manager import StructuredOutputManager
+from structured_schemas import (ARITHMETIC_EBNF, HAND_WRITTEN, REGEXES, bench_sample,
+                                is_exact)
+
+PROMPT = [1, 504, 3158, 28]
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def structured_llama_dir(tiny_llama_dir, tmp_path_factory, smollm2_tokenizer):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("structured-llama") / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    weights = load_file(path / "model.safetensors")
+    closing = [i for i in range(len(smollm2_tokenizer))
+               if any(c in smollm2_tokenizer.decode([i]) for c in '"}],')]
+    weights["lm_head.weight"][closing] *= 4.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def make_llm(model_dir, num_blocks=1024, block_size=16, max_num_seqs=32) -> LLM:
+    return LLM(config=EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)))
+
+
+@pytest.fixture(scope="module")
+def llm(structured_llama_dir):
+    return make_llm(structured_llama_dir)
+
+
+def json_params(schema, seed, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=MAX_TOKENS,
+                          so_args={"schema_type": "json", "schema": schema}, **kwargs)
+
+
+def assert_compact(text: str) -> None:
+    """No whitespace outside strings but the one space after `,` and `:` (no runaway)."""
+    skeleton = re.sub(r'"(\\.|[^"\\])*"', '""', text)
+    assert not re.search(r"\s", re.sub(r"[,:] ", "", skeleton)), text
+
+
+# ---- compile cache and keys ------------------------------------------------------------------
+
+def test_grammar_key_is_canonical_and_checks_types():
+    schema = {"type": "object", "properties": {"b": {}, "a": {}}}
+    assert grammar_key({"schema_type": "json", "schema": schema}) == grammar_key(
+        {"schema_type": "json", "schema": json.dumps(schema, indent=4)})
+    assert grammar_key({"schema_type": "json", "schema": schema})[1].index('"b"') < \
+        grammar_key({"schema_type": "json", "schema": schema})[1].index('"a"')  # order kept
+    assert grammar_key({"schema_type": "json_object", "schema": None}) == ("json_object", "")
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        grammar_key({"schema_type": "json", "schema": "{nope"})
+    with pytest.raises(GrammarError, match="non-empty string"):
+        grammar_key({"schema_type": "regex", "schema": 5})
+
+
+@pytest.mark.parametrize("so_args, message", [
+    ({"schema_type": "json", "schema": {"type": "foo"}}, 'JSON schema: Unsupported type "foo"'),
+    ({"schema_type": "json", "schema": {"$ref": "#/$defs/missing"}}, "JSON schema: Cannot find"),
+    ({"schema_type": "regex", "schema": "a(b"}, "regex: Regex parsing error at position 4: The parenthesis"),
+    ({"schema_type": "ebnf", "schema": "root ::= foo"}, 'EBNF grammar: .*Rule "foo" is not'),
+])
+def test_invalid_constraint_is_a_clear_value_error(llm, so_args, message):
+    params = SamplingParams(max_tokens=8, so_args=so_args)
+    with pytest.raises(ValueError, match=message):
+        llm.engine_core.make_request(PROMPT, params)
+    assert not llm.engine_core.has_unfinished_requests()
+
+
+def test_sampling_params_refuse_ignore_eos_and_min_tokens_with_so_args():
+    so_args = {"schema_type": "json_object"}
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(so_args=so_args, ignore_eos=True)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(so_args=so_args, min_tokens=3)
+
+
+class CountingBackend:
+    vocab_size = 64
+
+    def __init__(self):
+        self.compiled: list = []
+
+    def compile(self, key):
+        time.sleep(0.05)
+        self.compiled.append(key)
+        if key[1] == "bad":
+            raise GrammarError("bad regex")
+        return ("compiled", key)
+
+
+def test_cache_compiles_each_constraint_once_across_threads_and_evicts_lru():
+    backend = CountingBackend()
+    manager = StructuredOutputManager(lambda: backend, max_cached_grammars=2)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        manager.compile({"schema_type": "regex", "schema": "a+"}))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert backend.compiled == [("regex", "a+")]
+    assert len(results) == 6 and all(r is results[0] for r in results)
+    for _ in range(2):  # failures are cached too
+        with pytest.raises(GrammarError, match="bad regex"):
+            manager.compile({"schema_type": "regex", "schema": "bad"})
+    assert backend.compiled.count(("regex", "bad")) == 1
+    manager.compile({"schema_type": "regex", "schema": "b+"})   # evicts "a+" (least recent)
+    manager.compile({"schema_type": "regex", "schema": "a+"})
+    assert backend.compiled.count(("regex", "a+")) == 2
+
+
+# ---- matcher and sampler -----------------------------------------------------------------------
+
+def test_matcher_rollback_restores_the_bitmask(llm):
+    manager = llm.engine_core.structured_output
+    so_args = {"schema_type": "json", "schema": HAND_WRITTEN["integer_bounds"]}
+    tokens = llm.tokenizer.encode('{"age": 42, "score": 3}', add_special_tokens=False)
+    matcher = manager.new_matcher(so_args, [], llm.engine_core.eos_token_ids)
+    masks = []
+    for token_id in tokens:
+        bitmask, _ = manager.fill_bitmask([matcher])
+        masks.append(bitmask.clone())
+        assert matcher.accept_token(token_id)
+    matcher.rollback(3)
+    bitmask, _ = manager.fill_bitmask([matcher])
+    assert torch.equal(bitmask, masks[-3])
+    for token_id in tokens[-3:]:
+        assert matcher.accept_token(token_id)
+    bitmask, _ = manager.fill_bitmask([matcher])
+    allowed = [t for t in range(manager.backend.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1]
+    assert allowed == sorted(llm.engine_core.eos_token_ids)   # complete: only EOS may follow
+    assert not matcher.accept_token(tokens[0])                # '{' no longer allowed
+    assert matcher.accept_token(allowed[0]) and matcher.is_terminated()
+    rebuilt = manager.new_matcher(so_args, tokens[:5], llm.engine_core.eos_token_ids)
+    assert torch.equal(manager.fill_bitmask([rebuilt])[0], masks[5])
+
+
+class State:
+    def __init__(self, params, seed=7):
+        self.sampling_params, self.seed = params, seed
+        self.token_ids, self.num_prompt_tokens = [5, 6, 7], 3
+
+
+def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Reference: [B, W] int32 -> [B, V] bool (bit t % 32 of word t // 32)."""
+    bits = (bitmask[:, :, None] >> torch.arange(32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, logprobs=3),
+    SamplingParams(temperature=0.8, top_k=5, logprobs=3),
+    SamplingParams(temperature=1.0, top_p=0.5, repetition_penalty=1.3, logprobs=3),
+    SamplingParams(temperature=1.0, min_p=0.1, frequency_penalty=0.5, logprobs=3),
+])
+def test_sampler_picks_allowed_tokens_and_keeps_raw_logprobs(params):
+    vocab, rows = 300, 6
+    torch.manual_seed(0)
+    logits = torch.randn(rows, vocab) * 4
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32)
+    bitmask[:, 0] = 0b1000                       # token 3 always allowed
+    grammar_rows = [0, 2, 3, 5]                  # rows 1 and 4 are free
+    states = [State(params, seed=r) for r in range(rows)]
+    plain = build_sampling_metadata(states, "cpu", eos_token_ids={0})
+    masked = build_sampling_metadata(states, "cpu", eos_token_ids={0})
+    object.__setattr__(masked, "grammar_bitmask", bitmask)
+    object.__setattr__(masked, "grammar_rows", grammar_rows)
+    sampler = Sampler()
+    free_out, out = sampler(logits, plain), sampler(logits.clone(), masked)
+    allowed = unpack(bitmask, vocab)
+    for row in range(rows):
+        token = out.sampled_token_ids[row]
+        if row in grammar_rows:
+            assert allowed[row, token]
+            if params.greedy:
+                best = logits[row].masked_fill(~allowed[row], float("-inf")).argmax()
+                assert token == int(best)
+        else:
+            assert token == free_out.sampled_token_ids[row]
+        # logprobs are the model's raw distribution, mask or not
+        raw = logits[row].log_softmax(-1)
+        assert out.logprobs[row].logprob == pytest.approx(float(raw[token]), abs=1e-5)
+        assert out.logprobs[row].top == free_out.logprobs[row].top
+
+
+# ---- end to end on the tiny model -------------------------------------------------------------
+
+def generate_and_validate(llm, named_schemas: dict[str, dict], seeds: int) -> list:
+    params, names = [], []
+    for name, schema in named_schemas.items():
+        for seed in range(seeds):
+            params.append(json_params(schema, seed))
+            names.append(name)
+    outputs = llm.generate([PROMPT] * len(params), params)
+    for name, output in zip(names, outputs):
+        if output.finish_reason == "stop":
+            value = json.loads(output.text)
+            jsonschema.validate(value, named_schemas[name])
+            assert_compact(output.text)
+    return outputs
+
+
+def test_hand_written_schemas_validate(llm):
+    outputs = generate_and_validate(llm, HAND_WRITTEN, seeds=3)
+    stopped = [o for o in outputs if o.finish_reason == "stop"]
+    assert len(stopped) >= 0.8 * len(outputs)
+    texts = {o.text for o in stopped}
+    assert len(texts) >= 0.8 * len(stopped)            # seeded sampling varies the outputs
+    assert any("東京" in t or "Zürich" in t or "São Paulo" in t or "Ελλάδα" in t for t in texts)
+
+
+def test_jsonschemabench_sample_validates(llm):
+    corpus = {name: s for name, s in bench_sample(per_split=6).items() if is_exact(s)}
+    compiled = {}
+    for name, schema in corpus.items():
+        try:
+            llm.engine_core.structured_output.compile({"schema_type": "json", "schema": schema})
+            compiled[name] = schema
+        except GrammarError:
+            pass                                       # unsupported: refused, never a crash
+    assert len(compiled) >= 0.9 * len(corpus) and len(corpus) >= 20
+    outputs = generate_and_validate(llm, compiled, seeds=1)
+    assert sum(o.finish_reason == "stop" for o in outputs) >= 0.8 * len(outputs)
+
+
+def test_json_object_outputs_are_objects(llm):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS,
+                             so_args={"schema_type": "json_object"}) for s in range(6)]
+    outputs = llm.generate([PROMPT] * 6, params)
+    stopped = [o for o in outputs if o.finish_reason == "stop"]
+    assert len(stopped) >= 4
+    for output in stopped:
+        assert isinstance(json.loads(output.text), dict)
+        assert_compact(output.text)
+
+
+def test_regex_outputs_fullmatch(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
+                             so_args={"schema_type": "regex", "schema": regex})
+              for regex in REGEXES.values() for s in range(3)]
+    outputs = llm.generate([PROMPT] * len(params), params)
+    for output, regex in zip(outputs, [r for r in REGEXES.values() for _ in range(3)]):
+        assert output.finish_reason == "stop"
+        assert re.fullmatch(regex, output.text), (regex, output.text)
+
+
+def test_ebnf_outputs_parse_as_arithmetic(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
+                             so_args={"schema_type": "ebnf", "schema": ARITHMETIC_EBNF})
+              for s in range(8)]
+    outputs = llm.generate([PROMPT] * 8, params)
+    stopped = [o for o in outputs if o.finish_reason == "stop"]
+    assert len(stopped) >= 6
+    for output in stopped:
+        tree = ast.parse(output.text, mode="eval")
+        for node in ast.walk(tree):
+            assert isinstance(node, (ast.Expression, ast.BinOp, ast.Add, ast.Sub, ast.Constant))
+            if isinstance(node, ast.Constant):
+                assert isinstance(node.value, int) and 1 <= node.value <= 999
+        assert not re.search(r"\s", output.text)
+
+
+def test_same_tokens_after_preemption_prefix_hits_and_for_n_choices(structured_llama_dir, llm):
+    """Seeded choices of one request (as the server fans out n=6) give the same tokens alone, in
+    a batch that is preempted (matchers rebuilt from the output so far), and with the prompt
+    served from the prefix cache."""
+    schema = HAND_WRITTEN["array_of_objects"]
+    prompt = list(range(200, 240))
+    params = [json_params(schema, seed) for seed in range(6)]
+    alone = [llm.generate([prompt], p)[0].token_ids for p in params]
+    assert len({tuple(t) for t in alone}) >= 4                     # the choices differ
+    tight = make_llm(structured_llama_dir, num_blocks=24, block_size=4)
+    outputs = tight.generate([prompt] * 6, params)
+    assert tight.engine_core.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == alone
+    again = llm.generate([prompt] * 6, params)                     # prompt blocks are cached
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert [o.token_ids for o in again] == alone
+    for output in outputs:
+        if output.finish_reason == "stop":
+            jsonschema.validate(json.loads(output.text), schema)

@@ -1,0 +1,53 @@
+"""`deepinfer router`: dispatched before the engine loads, never imports torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.cli import build_parser, config_from_args, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_router_help_does_not_import_torch_or_the_engine():
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "server.cli", "router",
+                             "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "--prefill URL" in result.stdout and "prefix_affinity" in result.stdout
+    imported = {line.split("|")[-1].strip().split(".")[0]
+                for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "router" in imported
+    assert not imported & {"torch", "numpy", "engine", "kernels", "transformers"}
+
+
+def test_app_import_does_not_import_torch():
+    code = ("import sys, router.app, router.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'numpy', 'engine', 'kernels')]; assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_flags_become_the_config():
+    args = build_parser().parse_args(["--prefill", "http://p:1", "--decode", "http://d:1",
+                                      "--decode", "http://d:2", "--policy", "round_robin",
+                                      "--health-interval-s", "0.5", "--max-imbalance", "2"])
+    config = config_from_args(args)
+    assert config.disaggregated and config.decode == ("http://d:1", "http://d:2")
+    assert (config.policy, config.health_interval_s, config.max_imbalance) == \
+        ("round_robin", 0.5, 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "no workers"),
+    (["--backend", "http://a", "--prefill", "http://p"], "not both"),
+    (["--backend", "http://a", "--max-concurrent-requests", "0"], "must be >= 1"),
+])
+def test_bad_flags_exit_2_with_the_fix(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,262 @@
+"""The router's proxy over real sockets: the router app and fake workers run in uvicorn threads.
+
+Health checks are set far apart (`health_interval_s=3600`) so that only the start-up round and
+the requests themselves change replica state; tests that need a replica admitted while it
+cannot answer set `healthy` directly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.app import build_app
+from router.config import RouterConfig
+from tests.router.fakes import FakeWorker, HangUpServer, ServerThread, free_port, wait_for
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    pool = [FakeWorker("w0", ("fake-model",)).start(),
+            FakeWorker("w1", ("fake-model", "other-model")).start()]
+    yield pool
+    for worker in pool:
+        worker.stop()
+
+
+class Router:
+    def __init__(self, **config) -> None:
+        config.setdefault("health_interval_s", 3600)
+        self.app = build_app(RouterConfig(**config))
+        self.thread = ServerThread(self.app).start()
+        self.url = self.thread.url
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    @property
+    def replicas(self):
+        return self.app.state.registry.all
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.client.get("/metrics").text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name and labels.items() <= s.labels.items())
+
+    def close(self) -> None:
+        self.client.close()
+        self.thread.stop()
+
+
+@pytest.fixture
+def router_factory(workers):
+    for worker in workers:
+        worker.reset()
+    made: list[Router] = []
+
+    def make(**config) -> Router:
+        config.setdefault("backends", tuple(w.url for w in workers))
+        made.append(Router(**config))
+        return made[-1]
+
+    yield make
+    for router in made:
+        router.close()
+
+
+def test_json_and_sse_pass_through_unchanged(workers, router_factory):
+    router = router_factory(policy="round_robin")
+    raw = json.dumps(CHAT, indent=1).encode()  # odd formatting must reach the worker as is
+    reply = router.client.post("/v1/chat/completions", content=raw,
+                               headers={"content-type": "application/json"})
+    direct = httpx.post(workers[1].url + "/v1/chat/completions", content=raw,
+                        headers={"content-type": "application/json"})
+    assert reply.status_code == 200 and reply.headers["content-type"] == "application/json"
+    assert reply.content == direct.content.replace(b"w1", b"w0")
+    assert workers[0].raw_bodies == [raw]
+
+    body = {**CHAT, "stream": True}
+    with router.client.stream("POST", "/v1/completions", json=body) as streamed:
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        relayed = b"".join(streamed.iter_raw())
+    direct = httpx.post(workers[1].url + "/v1/completions", json=body).content
+    assert relayed == direct and relayed.endswith(b"data: [DONE]\n\n")
+    assert relayed.count(b"data: ") == 4
+
+
+def test_worker_4xx_reaches_the_client_unchanged(workers, router_factory):
+    router = router_factory()
+    reply = router.client.post("/v1/chat/completions", json={**CHAT, "user": "bad"})
+    assert reply.status_code == 400
+    assert reply.json()["error"] == {"message": "bad temperature", "type":
+                                     "invalid_request_error", "param": "temperature",
+                                     "code": "invalid_value"}
+    assert router.metric("deepinfer_router:retries_total") == 0
+
+
+def test_refused_connection_retries_on_another_replica(workers, router_factory):
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = router_factory(backends=(dead, workers[0].url), policy="round_robin")
+    router.replicas[0].healthy = True  # admitted, then its process died
+    for _ in range(2):
+        assert router.client.post("/v1/chat/completions", json=CHAT).json()["worker"] == "w0"
+    assert not router.replicas[0].healthy  # ejected at the first refused connection
+    assert router.metric("deepinfer_router:retries_total", backend=dead) == 1
+    assert router.metric("deepinfer_router:ejections_total", backend=dead) == 1
+    assert router.metric("deepinfer_router:backend_healthy", backend=dead) == 0
+    assert len(workers[0].bodies) == 2
+
+
+def test_hang_up_before_the_answer_retries_on_another_replica(workers, router_factory):
+    hang_up = HangUpServer()
+    try:
+        router = router_factory(backends=(hang_up.url, workers[1].url), policy="round_robin")
+        router.replicas[0].healthy = True
+        with router.client.stream("POST", "/v1/chat/completions",
+                                  json={**CHAT, "stream": True}) as reply:
+            events = [line for line in reply.iter_lines() if line]
+        assert hang_up.posts == 1 and events[-1] == "data: [DONE]"
+        assert all('"worker": "w1"' in e for e in events[:-1])
+        assert router.metric("deepinfer_router:retries_total", backend=hang_up.url) == 1
+    finally:
+        hang_up.close()
+
+
+def test_no_retry_once_the_worker_began_answering(workers, router_factory):
+    router = router_factory(policy="round_robin")
+    workers[0].mode = workers[1].mode = "break"
+    with router.client.stream("POST", "/v1/chat/completions",
+                              json={**CHAT, "stream": True}) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line]
+    assert events[0]["worker"] == "w0"
+    assert events[-1]["error"]["code"] == "worker_failed"  # not [DONE]: the answer is cut
+    with pytest.raises(httpx.RemoteProtocolError):  # a JSON answer cut short: a cut connection
+        router.client.post("/v1/chat/completions", json=CHAT)
+    assert len(workers[0].bodies) == len(workers[1].bodies) == 1  # never re-sent
+    assert router.metric("deepinfer_router:retries_total") == 0
+    assert wait_for(lambda: router.app.state.proxy.in_flight == 0)
+    assert [r.outstanding for r in router.replicas] == [0, 0]
+
+
+def test_client_disconnect_mid_stream_aborts_the_worker(workers, router_factory):
+    router = router_factory(backends=(workers[0].url,))
+    workers[0].mode = "slow"
+    with router.client.stream("POST", "/v1/chat/completions",
+                              json={**CHAT, "stream": True}) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: {")
+        assert router.metric("deepinfer_router:backend_outstanding_requests") == 1
+    assert wait_for(lambda: workers[0].aborted == 1)
+    assert workers[0].completed == 0
+    assert wait_for(lambda: router.replicas[0].outstanding == 0
+                    and router.app.state.proxy.in_flight == 0)
+
+
+def test_client_disconnect_before_the_answer_aborts_the_worker(workers, router_factory):
+    router = router_factory(backends=(workers[0].url,))
+    workers[0].mode = "slow"
+    with pytest.raises(httpx.ReadTimeout):
+        router.client.post("/v1/chat/completions", json=CHAT, timeout=0.3)
+    assert wait_for(lambda: workers[0].aborted == 1)
+    assert wait_for(lambda: router.replicas[0].outstanding == 0
+                    and router.app.state.proxy.in_flight == 0)
+
+
+def test_edge_cap_answers_429_when_overloaded(workers, router_factory):
+    router = router_factory(max_concurrent_requests=1)
+    workers[0].mode = workers[1].mode = "slow"
+    with router.client.stream("POST", "/v1/chat/completions",
+                              json={**CHAT, "stream": True}) as reply:
+        lines = reply.iter_lines()  # held: a dropped iterator would close the stream
+        assert next(lines).startswith("data: {")
+        refused = router.client.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+    workers[0].mode = workers[1].mode = "ok"
+    assert wait_for(lambda: router.app.state.proxy.in_flight == 0)
+    assert router.client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert router.metric("deepinfer_router:rejected_requests_total", reason="overloaded") == 1
+
+
+def test_no_healthy_replica_is_an_openai_503(workers, router_factory):
+    workers[0].healthy = workers[1].healthy = False
+    router = router_factory()
+    reply = router.client.post("/v1/chat/completions", json=CHAT)
+    assert reply.status_code == 503
+    error = reply.json()["error"]
+    assert error["code"] == "no_healthy_replica" and "No healthy both replica" in \
+        error["message"]
+    assert router.client.get("/health").status_code == 503
+    assert router.client.get("/v1/models").status_code == 503
+
+
+def test_models_are_aggregated_by_id(workers, router_factory):
+    router = router_factory()
+    assert router.client.get("/health").json() == {"status": "ok", "healthy_replicas": 2}
+    data = router.client.get("/v1/models").json()
+    assert data["object"] == "list"
+    assert sorted(card["id"] for card in data["data"]) == ["fake-model", "other-model"]
+    assert router.client.get("/v1/models/other-model").json()["owned_by"] == "w1"
+    missing = router.client.get("/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert router.client.get("/v2/nothing").json()["error"]["type"] == "invalid_request_error"
+
+
+def test_prefix_affinity_keeps_a_conversation_on_one_replica(workers, router_factory):
+    router = router_factory(policy="prefix_affinity")
+    for conversation in range(6):
+        messages = [{"role": "user", "content": f"conversation {conversation}"}]
+        for turn in range(3):
+            router.client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+            messages = messages + [{"role": "assistant", "content": "ok"},
+                                   {"role": "user", "content": f"turn {turn}"}]
+    by_conversation: dict[str, set[str]] = {}
+    for worker in workers:
+        for body in worker.bodies:
+            by_conversation.setdefault(body["messages"][0]["content"], set()).add(worker.name)
+    assert len(by_conversation) == 6
+    assert all(len(names) == 1 for names in by_conversation.values())
+
+
+def test_metrics_names(workers, router_factory):
+    router = router_factory()
+    router.client.post("/v1/chat/completions", json=CHAT)
+    text = router.client.get("/metrics").text
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert {"deepinfer_router:requests_total", "deepinfer_router:request_duration_seconds_count",
+            "deepinfer_router:time_to_first_byte_seconds_count",
+            "deepinfer_router:backend_healthy",
+            "deepinfer_router:backend_outstanding_requests",
+            "deepinfer_router:requests_in_flight"} <= names
+    assert router.metric("deepinfer_router:requests_total", status_code="200") == 1
+
+
+def test_disaggregated_prefill_then_decode(workers, router_factory):
+    prefill, decode = workers
+    router = router_factory(backends=(), prefill=(prefill.url,), decode=(decode.url,))
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "n": 2,
+            "max_completion_tokens": 9, "min_tokens": 3}
+    with router.client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        events = [line for line in reply.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and '"worker": "w1"' in events[0]
+    sent_to_prefill = prefill.bodies[0]
+    assert sent_to_prefill == {**CHAT, "kv_transfer_params": {"do_remote_decode": True},
+                               "max_tokens": 1, "stream": False, "n": 1}
+    assert decode.bodies[0] == {**body, "kv_transfer_params": prefill_answer_params()}
+
+    prefill.mode = "break"  # a failed prefill step: the decode worker recomputes
+    reply = router.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["echo"] == {"prompt": "abc",
+                                                                   "max_tokens": 2}
+    assert router.metric("deepinfer_router:disagg_fallbacks_total") == 1
+    assert router.client.get("/health").json()["healthy_replicas"] == 1
+
+
+def prefill_answer_params() -> dict:
+    from tests.router.fakes import STORED
+
+    return STORED

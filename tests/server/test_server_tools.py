@@ -1,0 +1,265 @@
+"""Structured-output fields and tool calling through the HTTP layer, on the scripted engine:
+every spelling maps to the right `so_args`, bad constraints are 400s before anything is queued,
+tool calls come back in OpenAI's shape, streamed or not, and tool turns reach the template."""
+
+import json
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import build_app
+from server.tool_parser import CallArrayStreamer, HermesStreamer, NamedCallStreamer
+from server.tools import template_inputs, tool_config
+from server.protocol import ChatCompletionRequest
+from server_doubles import ScriptedEngine
+
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+def client_for(reply: str = "Hello world") -> tuple[TestClient, ScriptedEngine]:
+    engine = ScriptedEngine(reply=reply, max_model_len=4096)
+    return TestClient(build_app(engine), raise_server_exceptions=False), engine
+
+
+def sent_params(engine: ScriptedEngine):
+    return [params for _, params in engine.requests.values()]
+
+
+@pytest.mark.parametrize("fields, so_args", [
+    ({"response_format": {"type": "json_object"}}, {"schema_type": "json_object"}),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "thing", "schema": SCHEMA, "strict": True}}},
+     {"schema_type": "json", "schema": SCHEMA}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"json": SCHEMA}}, {"schema_type": "json", "schema": SCHEMA}),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, {"schema_type": "regex", "schema": "[a-z]+"}),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}},
+     {"schema_type": "ebnf", "schema": 'root ::= "a"'}),
+    ({"structured_outputs": {"choice": ["yes", "no?", "a.b"]}},
+     {"schema_type": "regex", "schema": r"(yes|no\?|a\.b)"}),
+    ({"structured_outputs": {"json_object": True}}, {"schema_type": "json_object"}),
+    ({"guided_json": SCHEMA}, {"schema_type": "json", "schema": SCHEMA}),
+    ({"guided_regex": "x+"}, {"schema_type": "regex", "schema": "x+"}),
+    ({"guided_grammar": 'root ::= "b"'}, {"schema_type": "ebnf", "schema": 'root ::= "b"'}),
+    ({"guided_choice": ["Zürich", "东京"]}, {"schema_type": "regex", "schema": "(Zürich|东京)"}),
+])
+def test_every_spelling_maps_to_so_args(fields, so_args):
+    client, engine = client_for()
+    response = client.post("/v1/chat/completions", json={"messages": USER, "n": 2, **fields})
+    assert response.status_code == 200, response.text
+    assert [p.so_args for p in sent_params(engine)] == [so_args, so_args]
+    assert engine.compiled == ([so_args] if so_args else [])
+
+
+def test_completions_take_structured_fields():
+    client, engine = client_for()
+    response = client.post("/v1/completions", json={"prompt": "a", "guided_regex": "[0-9]+"})
+    assert response.status_code == 200, response.text
+    assert sent_params(engine)[0].so_args == {"schema_type": "regex", "schema": "[0-9]+"}
+
+
+@pytest.mark.parametrize("fields, param, text", [
+    ({"guided_regex": "a(INVALID"}, "guided_regex", "Invalid guided_regex: invalid or "
+                                                    "unsupported regex: Regex parsing error"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "INVALID"}}}}, "response_format", "Invalid response"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one of"),
+    ({"structured_outputs": {"whitespace": "x"}}, "structured_outputs", "unsupported field"),
+    ({"guided_regex": "a", "guided_json": SCHEMA}, "guided_regex", "Only one structured"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex",
+     "cannot be used with it"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "not in tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "must be 'none'"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]", "only function tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools[0].function.name", "letters, digits"),
+    ({"tools": [WEATHER], "messages": USER + [{"role": "tool", "content": "sunny"}]},
+     "messages.1", "no tool_call_id"),
+])
+def test_bad_constraints_and_tools_are_400_before_queueing(fields, param, text):
+    client, engine = client_for()
+    response = client.post("/v1/chat/completions", json={"messages": USER, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and text in error["message"], error
+    assert engine.requests == {}
+
+
+def stream(client, payload) -> list[dict]:
+    response = client.post("/v1/chat/completions", json={**payload, "stream": True})
+    assert response.status_code == 200, response.text
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+def assemble(chunks: list[dict]) -> tuple[str, list[dict], str]:
+    """Concatenate a stream as OpenAI clients do: content, tool calls by index, finish."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls", []):
+                slot = calls.setdefault(call["index"], {"id": None, "name": None,
+                                                        "arguments": ""})
+                if "id" in call:
+                    assert slot["id"] is None            # the header comes once
+                    slot["id"], slot["name"] = call["id"], call["function"]["name"]
+                    assert call["type"] == "function"
+                slot["arguments"] += call["function"].get("arguments", "")
+            finish = choice["finish_reason"] or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def check_same_in_stream(client, payload, body):
+    message = body["choices"][0]["message"]
+    content, calls, finish = assemble(stream(client, payload))
+    assert (content.strip() or None) == message["content"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or []]
+    assert all(c["id"].startswith("call_") for c in calls)
+    assert finish == body["choices"][0]["finish_reason"]
+
+
+def test_auto_parses_hermes_calls_and_streams_them():
+    reply = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+             '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    client, engine = client_for(reply)
+    payload = {"messages": USER, "tools": [WEATHER, TIME]}
+    body = client.post("/v1/chat/completions", json=payload).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    calls = choice["message"]["tool_calls"]
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in calls] == [("function", "get_weather", {"city": "Paris"}),
+                                ("function", "get_time", {})]
+    assert sent_params(engine)[0].so_args is None              # auto generates freely
+    check_same_in_stream(client, payload, body)
+    one = client.post("/v1/chat/completions",
+                      json={**payload, "parallel_tool_calls": False}).json()
+    assert len(one["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_auto_without_a_call_is_plain_content_and_only_calls_give_null_content():
+    client, _ = client_for("No tools needed.")
+    body = client.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]}).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "No tools needed.",
+                                             "refusal": None, "tool_calls": None}
+    client, _ = client_for('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+                           '</tool_call>')
+    body = client.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]}).json()
+    assert body["choices"][0]["message"]["content"] is None
+
+
+def test_required_constrains_to_a_call_array_and_streams_arguments():
+    reply = '[{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\"", "days": 3}}]'
+    client, engine = client_for(reply)
+    payload = {"messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required",
+               "parallel_tool_calls": False}
+    body = client.post("/v1/chat/completions", json=payload).json()
+    schema = sent_params(engine)[0].so_args["schema"]
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [b["properties"]["name"] for b in schema["items"]["anyOf"]] == [
+        {"const": "get_weather"}, {"const": "get_time"}]
+    call = body["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather",
+                                "arguments": '{"city": "Paris, \\"FR\\"", "days": 3}'}
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    chunks = stream(client, payload)
+    fragments = [c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]
+                 for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert len(fragments) > 3                           # arguments arrive as they are made
+    check_same_in_stream(client, payload, body)
+
+
+def test_named_function_generates_its_arguments_under_its_schema():
+    client, engine = client_for('{"city": "Oslo"}')
+    payload = {"messages": USER, "tools": [WEATHER, TIME],
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    body = client.post("/v1/chat/completions", json=payload).json()
+    assert sent_params(engine)[0].so_args == {"schema_type": "json",
+                                              "schema": WEATHER["function"]["parameters"]}
+    message = body["choices"][0]["message"]
+    assert message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                    "arguments": '{"city": "Oslo"}'}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    check_same_in_stream(client, payload, body)
+
+
+def test_tool_turns_go_back_through_the_template():
+    client, engine = client_for()
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "22C, sunny"}]
+    response = client.post("/v1/chat/completions", json={"messages": messages,
+                                                         "tools": [WEATHER]})
+    assert response.status_code == 200, response.text
+    prompt = engine.tokenizer.decode(next(iter(engine.requests.values()))[0])
+    assert '<tools>[{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert ('assistant: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>') in prompt
+    assert "tool: <tool_response>\n22C, sunny\n</tool_response>" in prompt
+    client.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER],
+                                              "tool_choice": "none"})
+    prompt = engine.tokenizer.decode(list(engine.requests.values())[-1][0])
+    assert "<tools>" not in prompt
+
+
+class ToolTemplateTokenizer:
+    chat_template = "{% for tool in tools %}...{% endfor %}"
+
+
+def test_tool_aware_templates_get_tools_and_argument_objects():
+    req = ChatCompletionRequest(messages=USER, tools=[WEATHER])
+    call = {"id": "c", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    conversation = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    messages, kwargs = template_inputs(ToolTemplateTokenizer(), conversation, tool_config(req))
+    assert kwargs == {"tools": [WEATHER]}
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_streamers_give_the_same_calls_however_the_text_is_split(seed):
+    rng = random.Random(seed)
+
+    def run(streamer, text):
+        pieces, i = [], 0
+        while i < len(text):
+            j = i + rng.randint(1, 6)
+            pieces += streamer.feed(text[i:j])
+            i = j
+        return pieces + streamer.finish()
+
+    array = '[{"name": "a", "arguments": {"x": "},]\\"", "y": [1, {"z": null}]}}, ' \
+            '{"name": "b", "arguments": {}}]'
+    streamer = CallArrayStreamer()
+    run(streamer, array)
+    assert [(c.name, json.loads(c.arguments)) for c in streamer.calls] == [
+        (item["name"], item["arguments"]) for item in json.loads(array)]
+    assert streamer.calls[0].arguments == '{"x": "},]\\"", "y": [1, {"z": null}]}'
+    hermes = 'Hi <tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call> <tool_c'
+    streamer = HermesStreamer(["a"])
+    pieces = run(streamer, hermes)
+    assert "".join(p.get("content", "") for p in pieces) == "Hi  <tool_c"
+    assert [(c.name, c.arguments) for c in streamer.calls] == [("a", '{"k": 1}')]
+    streamer = NamedCallStreamer("a")
+    run(streamer, '{"k": [1, 2]}')
+    assert [(c.name, c.arguments) for c in streamer.calls] == [("a", '{"k": [1, 2]}')]
