@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from pathlib import Path
@@ -149,7 +150,8 @@ class EngineCore:
                            config.kv_store)
             return NoKVTransfer()
         logger.info("KV store: %s (role %s, model fingerprint %s)",
-                    config.kv_store.rpartition("@")[2], config.role, fingerprint.hex())
+                    re.sub(r"//[^@/]*@", "//***@", config.kv_store), config.role,
+                    fingerprint.hex())
         return KVTransfer(config, self.model_runner, fingerprint, self.config.cache.block_size)
 
     def close(self) -> None:

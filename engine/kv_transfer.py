@@ -117,9 +117,9 @@ class KVTransfer:
         self.runner = runner
         self.block_size = block_size
         self.fingerprint_hex = fingerprint.hex()
-        self.store = store or open_store(config.kv_store,
-                                         memory_capacity_bytes=config.memory_store_bytes,
-                                         ttl_s=config.ttl_s or None, timeout_s=config.timeout_s)
+        self.store = store if store is not None else open_store(
+            config.kv_store, memory_capacity_bytes=config.memory_store_bytes,
+            ttl_s=config.ttl_s or None, timeout_s=config.timeout_s)
         sample = runner.kv_caches[0]
         block_shape = list(sample.shape)
         del block_shape[runner.kv_block_dim]
@@ -141,6 +141,7 @@ class KVTransfer:
         # hand-off request id -> (its full prompt block hashes, [(hashes saved, future ok)])
         self._handoffs: dict[str, tuple[list[int], list]] = {}
         self._held: list[RequestOutput] = []
+        self._saves_in_flight: set[concurrent.futures.Future] = set()
 
     def key(self, block_hash: int) -> str:
         return f"{self.fingerprint_hex}:{block_hash:016x}"
@@ -220,6 +221,8 @@ class KVTransfer:
             offset += len(save.block_ids)
             self._add_backlog(blocks.numel() * blocks.element_size())
             future = self._submit(self._put(save.block_hashes, blocks))
+            self._saves_in_flight.add(future)
+            future.add_done_callback(self._saves_in_flight.discard)
             if save.request_id in self._handoffs:
                 self._handoffs[save.request_id][1].append((save.block_hashes, future))
 
@@ -237,6 +240,10 @@ class KVTransfer:
                 out.kv_transfer_params = self._handoff_params(prompt_hashes, saves)
                 ready.append(out)
         return ready
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every save sent so far has finished (or `timeout_s` passed)."""
+        concurrent.futures.wait(list(self._saves_in_flight), timeout_s)
 
     def has_held_outputs(self) -> bool:
         return bool(self._held)

@@ -60,21 +60,24 @@ def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     Returns:
         [num_seqs, H, Dv], q_nope's dtype.
     """
-    num_seqs, num_heads, _ = q_nope.shape
+    num_seqs = q_nope.shape[0]
     block_size, kv_lora_rank = kv_cache.shape[1], w_uk.shape[2]
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [S, H, L]
-    query = torch.cat([q_latent, q_pe], dim=-1)[:, None]  # [S, 1, H, L + R]
+    query = torch.cat([q_latent, q_pe], dim=-1)  # [S, H, L + R]
     num_blocks = -(-max_seq_len // block_size)
     latents = _gather_blocks(kv_cache, block_tables, num_blocks)  # [S, L_pad, L + R]
     if num_seqs == 1:
-        latents, mask = latents[:, :max_seq_len], None
-    else:
+        latents = latents[:, :max_seq_len]
+    # All heads share the one latent "KV head": two batched GEMMs (plain bmm, not SDPA: the
+    # latent's value width differs from its key width, and small bmm calls stay cheap on a
+    # busy CPU).
+    scores = torch.bmm(query, latents.transpose(1, 2)).mul_(scale)  # [S, H, L_pad]
+    if num_seqs > 1:
         positions = torch.arange(latents.shape[1], device=q_nope.device)
-        mask = (positions < seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, L_pad]
-    out_latent = F.scaled_dot_product_attention(
-        query, latents[:, None], latents[:, None, :, :kv_lora_rank], attn_mask=mask,
-        scale=scale)  # [S, 1, H, L]
-    return torch.bmm(out_latent[:, 0].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        scores.masked_fill_((positions >= seq_lens[:, None])[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out_latent = torch.bmm(probs, latents[:, :, :kv_lora_rank])  # [S, H, L]
+    return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 def prefill_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -120,7 +123,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
     decode_seqs, decode_rows, start = [], [], 0
     for seq, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu,
-                                                   metadata.seq_lens_cpu)):
+                                                   metadata.seq_lens_cpu, strict=True)):
         if query_len == 1:
             decode_seqs.append(seq)
             decode_rows.append(start)

@@ -29,6 +29,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      w2[expert].T, out=y[rows])
             start += count
     weights = topk_weights.reshape(-1).index_select(0, order)[:, None]  # [N, 1] float32
-    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, token_idx, y.float() * weights)
-    return out.to(hidden.dtype)
+    weighted = y.float().mul_(weights)  # [N, hidden_size], expert-sorted
+    # back to (token, k) order (argsort of a permutation is its inverse), then sum over k
+    unsorted = weighted.index_select(0, torch.argsort(order))
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)

@@ -56,13 +56,7 @@ async def _models(client: httpx.AsyncClient, replica: Replica,
     return [card for card in data or [] if isinstance(card, dict) and "id" in card]
 
 
-def build_app(config: RouterConfig) -> FastAPI:
-    registry = build_registry(config)
-    client = build_client(config)
-    metrics = RouterMetrics(lambda: registry.all, lambda: proxy.in_flight)
-    registry.on_eject = lambda replica: metrics.ejections.labels(replica.url).inc()
-    proxy = Proxy(config, registry, metrics, client)
-
+def _lifespan(registry: Registry, client: httpx.AsyncClient, config: RouterConfig):
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await registry.check_all(client, config.health_timeout_s)
@@ -75,8 +69,17 @@ def build_app(config: RouterConfig) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await checks
             await client.aclose()
+    return lifespan
 
-    app = FastAPI(title="deepinfer router", lifespan=lifespan)
+
+def build_app(config: RouterConfig) -> FastAPI:
+    registry = build_registry(config)
+    client = build_client(config)
+    metrics = RouterMetrics(lambda: registry.all, lambda: proxy.in_flight)
+    registry.on_eject = lambda replica: metrics.ejections.labels(replica.url).inc()
+    proxy = Proxy(config, registry, metrics, client)
+
+    app = FastAPI(title="deepinfer router", lifespan=_lifespan(registry, client, config))
     app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
 
     @app.exception_handler(StarletteHTTPException)
@@ -94,6 +97,23 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await proxy.handle(request, "/v1/completions")
 
+    @app.get("/health")
+    async def health() -> Response:
+        serving = [r for r in registry.serving() if r.healthy]
+        if not serving:
+            return error_response("No replica that answers requests is healthy.",
+                                  status_code=503, code="no_healthy_replica")
+        return JSONResponse({"status": "ok", "healthy_replicas": len(serving)})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    _add_model_routes(app, registry, client)
+    return app
+
+
+def _add_model_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient) -> None:
     async def model_cards(request: Request) -> list[dict[str, Any]]:
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         healthy = [r for r in registry.all if r.healthy]
@@ -120,17 +140,3 @@ def build_app(config: RouterConfig) -> FastAPI:
         return error_response(f"The model `{model_id}` does not exist on any healthy worker.",
                               status_code=404, type="invalid_request_error",
                               code="model_not_found")
-
-    @app.get("/health")
-    async def health() -> Response:
-        serving = [r for r in registry.serving() if r.healthy]
-        if not serving:
-            return error_response("No replica that answers requests is healthy.",
-                                  status_code=503, code="no_healthy_replica")
-        return JSONResponse({"status": "ok", "healthy_replicas": len(serving)})
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app

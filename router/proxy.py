@@ -266,4 +266,4 @@ class Proxy:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
-        return params if isinstance(params, dict) and params.get("do_remote_prefill") else None
+        return params if isinstance(params, dict) else None

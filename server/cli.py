@@ -33,6 +33,10 @@ ENGINE_FLAGS: dict[str, tuple[str, str, Any]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs", int),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens", int),
     "max_waiting_requests": ("scheduler", "max_waiting_requests", int),
+    "role": ("kv_transfer", "role", str),
+    "kv_store": ("kv_transfer", "kv_store", str),
+    "kv_store_memory_gb": ("kv_transfer", "memory_store_bytes", lambda gb: int(gb * (1 << 30))),
+    "kv_store_ttl_s": ("kv_transfer", "ttl_s", int),
 }
 
 
@@ -73,6 +77,16 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="base seed for requests that give none (default: random)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
+    serve.add_argument("--role", choices=["both", "prefill", "decode"], default=keep,
+                       help="prefill/decode disaggregation: 'prefill' stores prompt KV blocks for "
+                            "a decode worker, 'decode' loads them (default both)")
+    serve.add_argument("--kv-store", default=keep, metavar="URL",
+                       help="KV block store shared as a prefix cache: memory (in-process, the "
+                            "default), none, redis://[:password@]host:port/db or rediss://...")
+    serve.add_argument("--kv-store-memory-gb", type=float, default=keep,
+                       help="byte cap of the memory KV store in GiB (default 1)")
+    serve.add_argument("--kv-store-ttl-s", type=int, default=keep,
+                       help="expiry of blocks stored in Redis, seconds; 0 = never (default 86400)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--graceful-shutdown-s", type=int, default=30,

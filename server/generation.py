@@ -37,6 +37,7 @@ class SubRequest:
     index: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    kv_transfer_params: dict | None = None  # prefill/decode disaggregation (see the engine)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ChoiceState:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_transfer_params: dict | None = None  # what a prefill stored, on the last output
 
     def update(self, out: RequestOutput) -> None:
         self.num_prompt_tokens = len(out.prompt_token_ids)
@@ -63,6 +65,7 @@ class ChoiceState:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
+            self.kv_transfer_params = getattr(out, "kv_transfer_params", None)
 
     @property
     def text(self) -> str:
@@ -106,8 +109,10 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
     async def pump(sub: SubRequest) -> None:
         tracker = metrics.tracker()
         try:
+            extra = ({"kv_transfer_params": sub.kv_transfer_params}
+                     if sub.kv_transfer_params is not None else {})
             stream = engine.generate(sub.prompt_token_ids, sub.params,
-                                     f"{request_id}-{sub.index}")
+                                     f"{request_id}-{sub.index}", **extra)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     tracker.observe(out)

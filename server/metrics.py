@@ -19,9 +19,10 @@ import time
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
 
-from engine.outputs import RequestOutput, SchedulerStats
+from engine.outputs import KVStoreStats, RequestOutput, SchedulerStats
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -82,6 +83,32 @@ class _EngineStatsCollector:
         yield self._counter("deepinfer:num_preemptions",
                             "Requests preempted (recomputed later) for lack of KV blocks.",
                             stats.num_preemptions)
+        kv_store = getattr(stats, "kv_store", None)
+        if kv_store is not None:
+            yield from self._kv_store_metrics(kv_store)
+
+    def _kv_store_metrics(self, kv: KVStoreStats) -> Iterator[Metric]:
+        """The KV block store's traffic (engine/kv_transfer.py), when a store is configured."""
+        for name, doc, value in (
+                ("hits", "KV blocks loaded from the KV store.", kv.hits),
+                ("misses", "KV blocks looked up in the KV store and recomputed instead "
+                           "(absent, corrupt or store down).", kv.misses),
+                ("corrupt_blocks", "Of the misses: stored blocks that failed their checksum, "
+                                   "version or layout check.", kv.corrupt),
+                ("errors", "KV store operations that failed (unreachable, timeout).", kv.errors),
+                ("loaded_bytes", "KV bytes loaded from the KV store.", kv.bytes_loaded),
+                ("saved_bytes", "KV bytes saved to the KV store.", kv.bytes_saved),
+                ("saved_blocks", "KV blocks saved to the KV store.", kv.blocks_saved)):
+            yield self._counter(f"deepinfer:kv_store_{name}", doc, value)
+        for kind, counts, total_s in (("load", kv.load_latency_counts, kv.load_latency_sum_s),
+                                      ("save", kv.save_latency_counts, kv.save_latency_sum_s)):
+            family = HistogramMetricFamily(
+                f"deepinfer:kv_store_{kind}_latency_seconds",
+                f"Time of one KV store {kind} (a request's prefix fetch, or one step's blocks "
+                "of a request saved), encoding included.", labels=["model_name"])
+            bounds = [str(b) for b in kv.latency_buckets_s] + ["+Inf"]
+            family.add_metric(self._labels, list(zip(bounds, counts)), total_s)
+            yield family
 
 
 class ServerMetrics:

@@ -83,6 +83,9 @@ class SamplingFields(_Request):
     ignore_eos: bool | None = False
     seq_seed: int | None = None
     skip_special_tokens: bool | None = True
+    # prefill/decode disaggregation, vLLM's convention: {"do_remote_decode": true} asks a
+    # prefill worker to store the prompt's KV; a decode worker gets what the prefill returned
+    kv_transfer_params: dict[str, Any] | None = None
     # structured outputs (server.structured maps them to so_args)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -176,6 +179,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill worker's hand-off
 
 
 class DeltaMessage(BaseModel):
@@ -217,6 +221,7 @@ class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill worker's hand-off
 
 
 class ModelCard(BaseModel):

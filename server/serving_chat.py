@@ -26,7 +26,8 @@ from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
 from server.sse import sse_event
 from server.structured import check_compiles, so_args_from_request
 from server.tools import ToolConfig, tool_config, tool_so_args, tool_streamer
-from server.validation import build_params, chat_kwargs, check_model, fan_out, fit_max_tokens
+from server.validation import (build_params, chat_kwargs, check_kv_transfer_params, check_model,
+                               fan_out, fit_max_tokens)
 
 
 def _finish_reason(reason: str | None, tools: ToolConfig | None, num_calls: int) -> str | None:
@@ -68,7 +69,9 @@ class ChatServing:
                                     prompt_param="messages")
         params = build_params(kwargs, max_tokens)
         n = req.n or 1
-        subs = [gen.SubRequest(i, prompt_ids, p) for i, p in enumerate(fan_out(params, n))]
+        handoff = check_kv_transfer_params(req, n)
+        subs = [gen.SubRequest(i, prompt_ids, p, handoff)
+                for i, p in enumerate(fan_out(params, n))]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await gen.respond(
             raw, self.engine, self.metrics, request_id, subs, bool(req.stream),
@@ -95,7 +98,8 @@ class ChatServing:
                 logprobs=chat_logprobs(self.decode, s.logprobs) if req.logprobs else None,
                 stop_reason=s.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.engine.model_name,
-                                      choices=choices, usage=gen.usage(states, n))
+                                      choices=choices, usage=gen.usage(states, n),
+                                      kv_transfer_params=states[0].kv_transfer_params)
 
     async def _events(self, req: ChatCompletionRequest, tools: ToolConfig | None,
                       request_id: str, n: int,

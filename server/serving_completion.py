@@ -19,8 +19,8 @@ from server.prompts import Prompt, completion_prompts
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.sse import sse_event
 from server.structured import check_compiles, so_args_from_request
-from server.validation import (build_params, check_model, completion_kwargs, fan_out,
-                               fit_max_tokens)
+from server.validation import (build_params, check_kv_transfer_params, check_model,
+                               completion_kwargs, fan_out, fit_max_tokens)
 
 
 class CompletionServing:
@@ -33,12 +33,13 @@ class CompletionServing:
                       so_args: dict[str, Any] | None) -> list[gen.SubRequest]:
         kwargs, asked_max_tokens = completion_kwargs(req)
         kwargs["so_args"] = so_args
+        handoff = check_kv_transfer_params(req, n * len(prompts))
         subs = []
         for p, prompt in enumerate(prompts):
             max_tokens = fit_max_tokens(asked_max_tokens, len(prompt.token_ids),
                                         self.engine.max_model_len, prompt_param="prompt")
             for i, params in enumerate(fan_out(build_params(kwargs, max_tokens), n)):
-                subs.append(gen.SubRequest(p * n + i, prompt.token_ids, params))
+                subs.append(gen.SubRequest(p * n + i, prompt.token_ids, params, handoff))
         return subs
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
@@ -69,13 +70,14 @@ class CompletionServing:
                                             finish_reason=state.finish_reason,
                                             stop_reason=state.stop_reason))
         return CompletionResponse(id=request_id, model=self.engine.model_name, choices=choices,
-                                  usage=gen.usage(states, n))
+                                  usage=gen.usage(states, n),
+                                  kv_transfer_params=states[0].kv_transfer_params)
 
     async def _events(self, req: CompletionRequest, request_id: str, n: int, echoes: list[str],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]
                       ) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        exclude = None if include_usage else {"usage"}
+        exclude = {"kv_transfer_params"} | (set() if include_usage else {"usage"})
         created = int(time.time())
         states = [gen.ChoiceState(i) for i in range(len(echoes))]
         builders = [CompletionLogprobsBuilder(self.decode, len(echo)) for echo in echoes]

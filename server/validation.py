@@ -159,3 +159,19 @@ def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
     seeds = [params.seed + i - ((1 << 64) if params.seed + i >= (1 << 64) else 0)
              for i in range(n)]
     return [params.clone(seed=seed, seq_seed=seed) for seed in seeds]
+
+
+def check_kv_transfer_params(req: SamplingFields, num_choices: int) -> dict[str, Any] | None:
+    """The request's `kv_transfer_params` (prefill/decode disaggregation), checked: a prefill
+    hand-off (`do_remote_decode`) answers with one JSON body for one choice."""
+    params = req.kv_transfer_params
+    if params and params.get("do_remote_decode"):
+        if num_choices != 1:
+            raise APIError(f"kv_transfer_params.do_remote_decode needs exactly one choice, got "
+                           f"{num_choices} (n times prompts); send n=1 and a single prompt.",
+                           param="kv_transfer_params")
+        if req.stream:
+            raise APIError("kv_transfer_params.do_remote_decode needs stream=false: the "
+                           "prefill's hand-off is returned in one JSON body.",
+                           param="kv_transfer_params")
+    return params

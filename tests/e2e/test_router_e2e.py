@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,10 +216,32 @@ def test_prefix_affinity_sends_a_conversation_back_to_its_replica(cluster):
     assert sum(served.values()) == 12 and all(n % 3 == 0 for n in served.values()), served
 
 
-def disagg_prompts(tokenizer) -> list[list[int]]:
+def test_client_disconnect_through_the_router_aborts_the_worker(cluster):
+    workers = [cluster["w1"].url, cluster["w2"].url]
+
+    def total(name: str, **labels: str) -> float:
+        return sum(metric(url, name, **labels) for url in workers)
+
+    aborts = total("deepinfer:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "messages": CHATS[0], "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", cluster["dp"].url + "/v1/chat/completions", json=body,
+                      timeout=300) as reply:
+        lines = (line for line in reply.iter_lines() if line)
+        for _ in range(3):
+            assert next(lines).startswith("data: {")
+        assert total("deepinfer:num_requests_running") == 1
+    assert wait_for(lambda: total("deepinfer:num_requests_running") == 0
+                    and total("deepinfer:kv_cache_usage_perc") == 0, 30)
+    assert total("deepinfer:request_success_total", finished_reason="abort") == aborts + 1
+
+
+def disagg_prompts(tokenizer, offset: int = 0) -> list[list[int]]:
+    """Token-id prompts from a few tokens to many blocks with a partial last block; another
+    `offset` gives prompts no worker has seen (nothing in any prefix cache)."""
     text = " ".join(f"Sentence number {i} talks about the weather, rivers and mountains."
                     for i in range(40))
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text)[offset:]
     lengths = [3, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 7, 12 * BLOCK_SIZE + 5]
     assert len(ids) > lengths[-1]
     return [ids[:n] for n in lengths]
@@ -242,14 +265,31 @@ def test_disaggregated_is_token_identical_to_monolithic(disagg, smollm2_tokenize
     assert stream(pd, "/v1/chat/completions", body)[0] == direct
     assert metric(pd, "deepinfer_router:disagg_fallbacks_total") == 0
     # the decode worker loaded the prefill worker's blocks instead of recomputing them
-    assert metric(decode, "deepinfer:kv_store_hits_total") > 0
+    assert store_hits(decode) > 0
+    long_prompt = disagg_prompts(smollm2_tokenizer)[-1]
+    handoff = post(disagg["prefill"].url, "/v1/completions", {
+        "prompt": long_prompt, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+    assert handoff["do_remote_prefill"] and handoff["block_size"] == BLOCK_SIZE
+    assert 0 < handoff["num_stored_tokens"] <= len(long_prompt)
+    assert handoff["num_stored_tokens"] % BLOCK_SIZE == 0
+
+
+def store_hits(url: str) -> float:
+    """Blocks the worker loaded from the KV store (its `deepinfer:kv_store*hits*` counter)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if re.fullmatch(r"deepinfer:kv_?store\w*hits(_total)?", s.name)]
+    assert found, "the worker exports no deepinfer:kv_store...hits counter"
+    return sum(found)
 
 
 def test_redis_down_mid_run_still_answers_the_same(disagg, smollm2_tokenizer):
     w1, pd, redis = disagg["w1"].url, disagg["pd"].url, disagg["redis"]
-    prompts = disagg_prompts(smollm2_tokenizer)[2:]
+    prompts = disagg_prompts(smollm2_tokenizer, offset=5)[2:]
     expected = [answer(post(w1, "/v1/completions", {"prompt": p, "max_tokens": 8}))
                 for p in prompts]
+    hits = store_hits(disagg["decode"].url)
     redis.stop()
     try:
         for prompt, want in zip(prompts, expected):
@@ -257,6 +297,7 @@ def test_redis_down_mid_run_still_answers_the_same(disagg, smollm2_tokenizer):
                 == want
         text, _ = stream(pd, "/v1/completions", {"prompt": prompts[-1], "max_tokens": 8})
         assert text == expected[-1]
+        assert store_hits(disagg["decode"].url) == hits  # all recomputed
     finally:
         redis.start()
 

@@ -7,6 +7,7 @@ and checks that an in-flight stream still finishes before the process exits.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,7 +18,9 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -236,6 +239,62 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
         metrics(server)
     assert metric(server, "deepinfer:request_success_total",
                   finished_reason="abort") == aborts_before + 1
+
+
+class CityFacts(pydantic.BaseModel):
+    city: str
+    country: str
+    population_millions: float
+    landmarks: list[str] = pydantic.Field(max_length=3)
+
+
+def test_structured_output_parse_with_a_pydantic_model(client):
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Give facts about Paris as JSON."}],
+        response_format=CityFacts, max_tokens=120, temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    facts = choice.message.parsed
+    assert isinstance(facts, CityFacts) and len(facts.landmarks) <= 3
+    assert CityFacts.model_validate_json(choice.message.content) == facts
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+
+
+def test_required_tool_call_arguments_validate_streamed_or_not(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                  tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60, temperature=0)
+    response = client.chat.completions.create(**kwargs)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments),
+                        WEATHER_TOOL["function"]["parameters"])
+    arguments, names = "", []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            if delta_call.function.name:
+                names.append(delta_call.function.name)
+            if delta_call.index == 0:
+                arguments += delta_call.function.arguments or ""
+    assert names[0] == "get_weather" and arguments == call.function.arguments
+
+
+def test_invalid_schema_is_a_400_naming_the_problem(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "object", "properties": {
+                    "x": {"type": "string", "pattern": "(unclosed"}}}}})
+    assert "Invalid response_format" in info.value.message
+    assert "parenthesis" in info.value.message
 
 
 def test_metrics_counters_moved(server):

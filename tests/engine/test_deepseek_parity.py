@@ -39,12 +39,13 @@ def save_tiny_deepseek(path, variant: str, **overrides):
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def deepseek_pair(request, tmp_path_factory):
-    """(our model, HF reference) with the same random weights, through disk."""
+    """(our model, HF reference, checkpoint dir) with the same random weights, through disk."""
     from transformers import AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp(request.param)
     save_tiny_deepseek(path, request.param)
-    return load_model(path, torch.float32, "cpu"), load_hf_reference(AutoModelForCausalLM, path)
+    return (load_model(path, torch.float32, "cpu"), load_hf_reference(AutoModelForCausalLM, path),
+            path)
 
 
 def _prompts(vocab_size=256):
@@ -60,7 +61,7 @@ def _assert_matches_hf(hf_model, prompts, tokens, logits):
 
 
 def test_one_sequence_at_a_time_matches_hf(deepseek_pair):
-    ours, hf_model = deepseek_pair
+    ours, hf_model, _ = deepseek_pair
     prompts = _prompts()
     results = [generate_greedy(PagedDriver(ours, num_blocks=32, block_size=4), [prompt])
                for prompt in prompts]
@@ -69,7 +70,7 @@ def test_one_sequence_at_a_time_matches_hf(deepseek_pair):
 
 
 def test_mixed_varlen_steps_match_hf(deepseek_pair):
-    ours, hf_model = deepseek_pair
+    ours, hf_model, _ = deepseek_pair
     prompts = _prompts()
     tokens, logits = generate_greedy(PagedDriver(ours, num_blocks=96, block_size=4, seed=3),
                                      prompts, chunk_size=5, stagger=True)
@@ -77,7 +78,7 @@ def test_mixed_varlen_steps_match_hf(deepseek_pair):
 
 
 def test_kv_cache_is_one_latent_vector_per_token(deepseek_pair):
-    ours, _ = deepseek_pair
+    ours, _, _ = deepseek_pair
     spec = ours.kv_cache_spec(4)
     assert spec == MLAAttentionSpec(num_layers=3, kv_lora_rank=32, qk_rope_head_dim=16,
                                     dtype_bytes=4)
@@ -90,7 +91,7 @@ def test_layer_kinds_follow_config(deepseek_pair):
     from engine.models.deepseek import DeepseekMoEBlock
     from engine.models.layers.mlp import GatedMLP
 
-    ours, _ = deepseek_pair
+    ours, _, _ = deepseek_pair
     assert isinstance(ours.layers[0].mlp, GatedMLP)  # first_k_dense_replace=1
     assert all(isinstance(layer.mlp, DeepseekMoEBlock) for layer in ours.layers[1:])
     assert torch.equal(ours.layers[1].mlp.moe.logical_to_physical, torch.arange(8))
@@ -128,3 +129,24 @@ def test_llm_generate_batched_matches_hf(tiny_deepseek_dir):
     assert alone == [hf_tokens[1]]
     pool = llm.engine_core.scheduler.kv_cache_manager.block_pool
     assert pool.num_free_blocks == 256  # every block back (cached-free counts as free)
+
+
+def test_moe_layer_freq_alternates_dense_and_moe_layers():
+    from engine.models.deepseek import DeepseekMoEBlock, DeepseekV2ForCausalLM
+
+    config = tiny_deepseek_config("v2_lite_greedy", num_hidden_layers=5, moe_layer_freq=2)
+    model = DeepseekV2ForCausalLM(config, torch.float32)
+    kinds = [isinstance(layer.mlp, DeepseekMoEBlock) for layer in model.layers]
+    assert kinds == [False, False, True, False, True]  # dense first layer, then every 2nd
+
+
+def test_bfloat16_model_tracks_float32(deepseek_pair):
+    """bf16 weights and latent cache: the first-step logits stay within bf16 error."""
+    ours, _, path = deepseek_pair
+    prompt = _prompts()[2]
+    fp32_logits = PagedDriver(ours, num_blocks=8, block_size=4).step({0: prompt})[0]
+    bf16 = load_model(path, torch.bfloat16, "cpu")
+    assert bf16.layers[1].mlp.moe.gate_weight.dtype == torch.float32  # router stays fp32
+    bf16_logits = PagedDriver(bf16, num_blocks=8, block_size=4).step({0: prompt})[0]
+    assert bf16_logits.dtype == torch.float32
+    torch.testing.assert_close(bf16_logits, fp32_logits, atol=0.1, rtol=0.05)

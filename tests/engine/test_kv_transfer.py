@@ -104,7 +104,8 @@ def test_store_hit_gives_the_cold_tokens(core, cold):
     assert [o.num_cached_tokens for o in outs] == [68, 12, 0]  # 17 and 3 blocks loaded
     assert delta(core, before) == {"hits": 20, "misses": 0, "corrupt": 0, "errors": 0,
                                    "bytes_loaded": 20 * 2 * 2 * BLOCK * 2 * 16 * 4,
-                                   "blocks_saved": 0}  # layers, K/V, tokens, heads, head_dim
+                                   "blocks_saved": 1}  # layers, K/V, tokens, heads, head_dim
+    # (the one block saved again: the 16-token prompt's last block, recomputed for its logits)
     assert free_blocks(core) == 256
 
 
@@ -195,3 +196,50 @@ def test_preemption_after_loading_gives_the_cold_tokens(tiny_llama_dir, core, co
     assert small.scheduler.num_preemptions > 0
     assert small.get_stats().kv_store.hits > 0
     assert free_blocks(small) == 24
+
+
+class FakeRunner:
+    """Just the KV tensors of a runner and its block read/write methods (no model)."""
+
+    from engine.model_runner import ModelRunner as _Runner
+
+    kv_block_dim = _Runner.kv_block_dim
+    read_kv_blocks = _Runner.read_kv_blocks
+    write_kv_blocks = _Runner.write_kv_blocks
+
+    def __init__(self, spec, num_blocks, dtype, seed):
+        self.kv_cache_spec, self.block_size, self.device = spec, BLOCK, torch.device("cpu")
+        generator = torch.Generator().manual_seed(seed)
+        self.kv_caches = [torch.randn(spec.kv_cache_shape(num_blocks, BLOCK), generator=generator)
+                          .to(dtype) for _ in range(spec.num_layers)]
+
+
+@pytest.mark.parametrize("layout", ["full", "mla"])
+def test_blocks_round_trip_bitwise_for_any_layout(layout):
+    """Save blocks 3 and 5 of one cache, load them into blocks 0 and 7 of another: the same
+    bits, for K/V [2, num_blocks, ...] in float32 and MLA's [num_blocks, ...] in bfloat16."""
+    from engine.config import KVTransferConfig
+    from engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
+    from engine.kv_transfer import KVTransfer
+    from engine.outputs import KVBlocks
+
+    spec, dtype = ((FullAttentionSpec(3, 2, 8, 4), torch.float32) if layout == "full" else
+                   (MLAAttentionSpec(3, kv_lora_rank=16, qk_rope_head_dim=8, dtype_bytes=2),
+                    torch.bfloat16))
+    store = MemoryKVStore()
+    source, target = FakeRunner(spec, 8, dtype, seed=0), FakeRunner(spec, 8, dtype, seed=1)
+    saver = KVTransfer(KVTransferConfig(), source, b"\x01" * 8, BLOCK, store=store)
+    saver.save_blocks([KVBlocks("a", [3, 5], [11, 12])])
+    saver.flush()
+    loader = KVTransfer(KVTransferConfig(), target, b"\x01" * 8, BLOCK, store=store)
+    blocks = loader._submit(loader._fetch([11, 12, 13])).result()
+    assert blocks.shape[0] == 2  # 13 was never stored
+    target.write_kv_blocks([0, 7], blocks)
+    axis = source.kv_block_dim
+    assert axis == (1 if layout == "full" else 0)
+    for src, dst in zip(source.kv_caches, target.kv_caches):
+        assert torch.equal(src.select(axis, 3), dst.select(axis, 0))
+        assert torch.equal(src.select(axis, 5), dst.select(axis, 7))
+    assert loader.header.dtype == ("float32" if layout == "full" else "bfloat16")
+    saver.close()
+    loader.close()

@@ -2,9 +2,9 @@
 
 Supported `rope_type`s: "default", "linear" (positions divided by `factor`), "llama3"
 (Llama 3.1's frequency-dependent scaling) and "yarn" (YaRN, arXiv 2309.00071: per-frequency
-interpolation ramp plus an attention factor on cos/sin; used by DeepSeek-V2/V3). The cos/sin table is built once for
-`max_position_embeddings` positions; each forward step looks it up once and every layer applies
-it with `apply_rotary`.
+interpolation ramp plus an attention factor on cos/sin; used by DeepSeek-V2/V3). The cos/sin
+table is built once for `max_position_embeddings` positions; each forward step looks it up once
+and every layer applies it with `apply_rotary`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, params: dict) -> torch.Tensor:
     """YaRN "NTK-by-parts": frequencies below the correction range are divided by `factor`,
-    those above kept, a linear ramp between (arithmetic as transformers' `_compute_yarn_parameters`)."""
+    those above kept, a linear ramp between (as transformers' `_compute_yarn_parameters`)."""
     base, factor = float(params["rope_theta"]), params["factor"]
     original_max = params["original_max_position_embeddings"]
     beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1

@@ -1,0 +1,304 @@
+"""deepinfer on one GPU: decode and prefill throughput against the roofline and HF transformers.
+
+Builds a Llama-3-8B-shaped model with random bf16 weights on the device (no checkpoint on disk:
+HF's `LlamaForCausalLM` is initialised in memory and its state dict is copied into deepinfer's
+model, so both run the same weights), then measures in one process:
+
+1. the ceilings: device copy bandwidth (bytes read + written) and the bf16 matmul rate
+   (8192^3, random data), as METHOD.md asks;
+2. HF transformers `generate` (greedy) at batch 1 and 8, 128-token prompts: decode tokens/s
+   from (time for 128 new tokens - time for 1) and prefill tokens/s of 2,048-token prompts;
+3. deepinfer's `EngineCore` (KV cache sized by the profiling pass, CUDA graphs for decode):
+   decode tokens/s at batch 1, 8, 64, 256 (128-token prompts, 128 new tokens; the timed window
+   starts once every request has its first token) and prefill tokens/s of 2,048-token prompts;
+4. where a decode step's time goes at batch 1 and 64: graph replay alone, the same forward
+   eagerly, the LM head + argmax, and the rest of the engine step (scheduler, input building,
+   output processing: host time the GPU waits through).
+
+Rooflines: decode step = max(bytes / bandwidth, FLOPs / matmul rate), bytes = every weight but
+the embedding table (only B rows of it are read) + the KV cache the step reads (B sequences x
+the mean context of the timed steps); prefill = FLOPs / matmul rate, FLOPs = 2 x parameters x
+tokens (LM head: one row per prompt) + causal attention 2 x L^2 x head_dim per head and layer.
+
+Run: python3 benchmarks/gpu_decode.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+PROMPT_TOKENS, NEW_TOKENS, PREFILL_TOKENS = 128, 128, 2048
+DECODE_BATCHES, HF_BATCHES = (1, 8, 64, 256), (1, 8)
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of fn() over CUDA events, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) on random data."""
+    src = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16)  # 4 GiB
+    dst = torch.empty_like(src)
+    copy_s = _timed(lambda: dst.copy_(src), 20)
+    bandwidth = 2 * src.numel() * src.element_size() / copy_s
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    matmul_s = _timed(lambda: a @ b, 20)
+    return {"copy_bandwidth_Bps": bandwidth, "matmul_flops": 2 * 8192 ** 3 / matmul_s}
+
+
+def write_model_dir(path: Path, hf_config) -> Path:
+    """config.json + a word-level tokenizer ("t0".."t{V-1}") for EngineCore; no weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(hf_config.vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="t1",
+                            eos_token="t2").save_pretrained(path)
+    hf_config.save_pretrained(path)
+    return path
+
+
+def build_models(hf_config):
+    """(HF model, deepinfer model) on CUDA in bf16, holding the same random weights."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from engine.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            hf_model = HFLlama(hf_config).eval()
+            ours = LlamaForCausalLM(hf_config, torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+    ours.load_weights(hf_model.state_dict().items())
+    return hf_model, ours.eval()
+
+
+def model_costs(model, hf_config) -> dict:
+    """Bytes and FLOPs that set the rooflines (see the module docstring)."""
+    embed = model.embed_tokens.weight.numel()
+    params = sum(p.numel() for p in model.parameters())
+    head = model.lm_head.weight.numel()
+    kv_heads, layers = hf_config.num_key_value_heads, hf_config.num_hidden_layers
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    return {"weight_bytes": (params - embed) * 2, "matmul_params": params - embed,
+            "head_params": head, "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * 2,
+            "attn_flops_per_ctx": 4 * layers * hf_config.num_attention_heads * head_dim}
+
+
+def decode_roofline(costs: dict, ceilings: dict, batch: int, context: float) -> float:
+    step_bytes = costs["weight_bytes"] + batch * context * costs["kv_bytes_per_token"]
+    step_flops = batch * (2 * costs["matmul_params"] + context * costs["attn_flops_per_ctx"])
+    step_s = max(step_bytes / ceilings["copy_bandwidth_Bps"],
+                 step_flops / ceilings["matmul_flops"])
+    return batch / step_s
+
+
+def prefill_roofline(costs: dict, ceilings: dict, length: int) -> float:
+    flops = (2 * (costs["matmul_params"] - costs["head_params"]) * length
+             + 2 * costs["head_params"] + costs["attn_flops_per_ctx"] * length * length / 2)
+    return length * ceilings["matmul_flops"] / flops
+
+
+def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+
+
+@torch.inference_mode()
+def hf_throughput(hf_model, vocab: int, quick: bool) -> dict:
+    """HF `generate` decode tokens/s at HF_BATCHES and prefill tokens/s (2,048 tokens)."""
+    results = {}
+    for batch in HF_BATCHES:
+        ids = torch.tensor(_random_prompts(batch, PROMPT_TOKENS, vocab, batch), device="cuda")
+
+        def generate(new_tokens: int) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        generate(2)  # warm-up
+        new_tokens = 32 if quick else NEW_TOKENS
+        elapsed = generate(new_tokens) - generate(1)
+        results[f"decode_b{batch}"] = batch * (new_tokens - 1) / elapsed
+    ids = torch.tensor(_random_prompts(4, PREFILL_TOKENS, vocab, 99), device="cuda")
+    seconds = _timed(lambda: hf_model(ids, logits_to_keep=1), 3)
+    results["prefill"] = ids.numel() / seconds
+    return results
+
+
+def build_engine(model_dir: Path, model):
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+
+    config = EngineConfig().replace(
+        model={"model": str(model_dir), "device": "cuda", "dtype": "bfloat16"},
+        cache={"enable_prefix_caching": False, "gpu_memory_utilization": 0.9},
+        scheduler={"max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                   "max_waiting_requests": 4096},
+        kv_transfer={"kv_store": "none"})
+    start = time.perf_counter()
+    core = EngineCore(config, model=model)
+    kv = core.model_runner.kv_caches
+    print(f"engine ready in {time.perf_counter() - start:.1f} s: KV cache {kv[0].shape[1]} "
+          f"blocks, {len(kv) * kv[0].numel() * 2 / 1e9:.1f} GB, max_model_len "
+          f"{core.max_model_len}", flush=True)
+    return core
+
+
+def _run_requests(core, prompts, max_tokens: int) -> tuple[float, int, int]:
+    """Submit, then step to completion. Returns (seconds after every request has its first
+    token, tokens generated in that window, steps in that window)."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt in prompts:
+        core.add_request(core.make_request(prompt, params))
+    started, total = set(), 0
+    while len(started) < len(prompts):
+        for out in core.step():
+            started.add(out.request_id)
+            total += len(out.new_token_ids)
+    torch.cuda.synchronize()
+    start, before, steps = time.perf_counter(), total, 0
+    while core.has_unfinished_requests():
+        for out in core.step():
+            total += len(out.new_token_ids)
+        steps += 1
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, total - before, steps
+
+
+def engine_decode(core, batch: int, vocab: int, new_tokens: int) -> dict:
+    prompts = _random_prompts(batch, PROMPT_TOKENS, vocab, 1000 + batch)
+    seconds, tokens, steps = _run_requests(core, prompts, new_tokens)
+    return {"tok_s": tokens / seconds, "step_ms": 1e3 * seconds / max(steps, 1),
+            "steps": steps, "tokens": tokens}
+
+
+def engine_prefill(core, vocab: int, num_prompts: int) -> float:
+    """Prefill tokens/s: 2,048-token prompts, one new token each (8,192-token steps)."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompts = _random_prompts(num_prompts, PREFILL_TOKENS, vocab, 7)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for prompt in prompts:
+        core.add_request(core.make_request(prompt, params))
+    while core.has_unfinished_requests():
+        core.step()
+    torch.cuda.synchronize()
+    return num_prompts * PREFILL_TOKENS / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def step_breakdown(core, batch: int, context: int) -> dict:
+    """Milliseconds of a decode step's parts at `batch` (see the module docstring, point 4)."""
+    runner = core.model_runner
+    graphs = runner.cuda_graphs
+    size = min(s for s in graphs.batch_sizes if s >= batch)
+    graphs.slot_mapping[:size].fill_(-1)          # write nothing
+    graphs.seq_lens[:size].fill_(context)         # read `context` tokens (blocks stay valid)
+    replay_s = _timed(graphs.graphs[size].replay, 20)
+    eager_s = _timed(lambda: graphs._forward(size), 10)
+    hidden = graphs.outputs[size][:batch]
+    head_s = _timed(lambda: runner.model.compute_logits(hidden).argmax(dim=-1), 20)
+    return {"graph_replay_ms": 1e3 * replay_s, "eager_forward_ms": 1e3 * eager_s,
+            "lm_head_argmax_ms": 1e3 * head_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
+    parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    args = parser.parse_args()
+    from transformers import LlamaConfig
+
+    hf_config = LlamaConfig(**LLAMA3_8B)
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results["ceilings"] = ceilings = measure_ceilings()
+    print(f"copy bandwidth {ceilings['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
+          f"{ceilings['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    start = time.perf_counter()
+    hf_model, ours = build_models(hf_config)
+    costs = model_costs(ours, hf_config)
+    print(f"models built in {time.perf_counter() - start:.1f} s; weights read per step "
+          f"{costs['weight_bytes'] / 1e9:.2f} GB", flush=True)
+    results["hf"] = hf = hf_throughput(hf_model, hf_config.vocab_size, args.quick)
+    print(f"HF: {json.dumps({k: round(v, 1) for k, v in hf.items()})}", flush=True)
+    del hf_model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="llama3-8b-random-")), hf_config)
+    core = build_engine(model_dir, ours)
+    new_tokens = 32 if args.quick else NEW_TOKENS
+    engine_decode(core, 8, hf_config.vocab_size, 8)          # warm-up: prefill kernel compiles
+    engine_prefill(core, hf_config.vocab_size, 4)
+    rows = []
+    context = PROMPT_TOKENS + new_tokens / 2                  # mean context of the timed steps
+    for batch in DECODE_BATCHES:
+        run = engine_decode(core, batch, hf_config.vocab_size, new_tokens)
+        roof = decode_roofline(costs, ceilings, batch, context)
+        hf_tok_s = hf.get(f"decode_b{batch}")
+        rows.append((f"decode b={batch}", run["tok_s"], roof, hf_tok_s))
+        results[f"decode_b{batch}"] = {**run, "roofline_tok_s": roof}
+        print(f"decode b={batch}: {run}", flush=True)
+    prefill = engine_prefill(core, hf_config.vocab_size, 8)
+    roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
+    rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))
+    results["prefill"] = {"tok_s": prefill, "roofline_tok_s": roof}
+    for batch in (1, 64):
+        results[f"breakdown_b{batch}"] = step_breakdown(core, batch, int(context))
+        print(f"step breakdown b={batch}: {results[f'breakdown_b{batch}']}", flush=True)
+    print("\n| measurement | deepinfer tok/s | roofline tok/s | fraction of roofline | "
+          "HF tok/s | deepinfer / HF |\n|---|---|---|---|---|---|")
+    for name, tok_s, roof, hf_tok_s in rows:
+        ratio = f"{tok_s / hf_tok_s:.1f}x" if hf_tok_s else "-"
+        hf_text = f"{hf_tok_s:.1f}" if hf_tok_s else "-"
+        print(f"| {name} | {tok_s:.1f} | {roof:.1f} | {tok_s / roof:.2f} | {hf_text} | {ratio} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call: the GPU test suite (-m gpu), then the H200 benchmark. Logs under $OUT (or ./out).
+# Usage: bash benchmarks/gpu_suite.sh [tests|bench|all]
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+what=${1:-all}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.log"
+if [ "$what" != bench ]; then
+  timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+    tests/kernels/test_paged_attention_triton.py tests/kernels/test_elementwise_triton.py \
+    tests/engine/test_gpu_engine.py 2>&1 | tee "$OUT/tests.log"
+fi
+if [ "$what" != tests ]; then
+  timeout 330 python3 benchmarks/gpu_decode.py --json "$OUT/results.json" 2>&1 | tee "$OUT/bench.log"
+fi

@@ -1,0 +1,113 @@
+"""`kv_transfer_params` through the HTTP API: a prefill worker hands a prompt's KV to a decode
+worker over a private Redis, and the decode worker answers exactly as one monolithic server.
+Real AsyncLLMs on a tiny random Llama, in-process through httpx's ASGI transport."""
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
+                           SchedulerConfig)
+from server.app import build_app
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about a block store. " * 4}]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-server")
+    tok = smollm2_tokenizer
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=0.2,
+                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def engine(model_dir, role: str, kv_store: str):
+    from engine.async_llm import AsyncLLM
+
+    return AsyncLLM(EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=8, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        kv_transfer=KVTransferConfig(role=role, kv_store=kv_store, timeout_s=1.0)))
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_dir, redis_url):
+    started = {"mono": engine(tiny_dir, "both", "none"),
+               "prefill": engine(tiny_dir, "prefill", redis_url),
+               "decode": engine(tiny_dir, "decode", redis_url)}
+    yield started
+    for llm in started.values():
+        llm.shutdown()
+
+
+def call(llm, path: str, body: dict, method: str = "post") -> httpx.Response:
+    async def go():
+        transport = httpx.ASGITransport(app=build_app(llm))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     timeout=120) as client:
+            if method == "get":
+                return await client.get(path)
+            return await client.post(path, json=body)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 10, "temperature": 0}),
+    ("/v1/completions", {"prompt": "Once upon a time there was a cache " * 5, "max_tokens": 10,
+                         "temperature": 0}),
+])
+def test_prefill_then_decode_equals_one_server(workers, path, body):
+    reference = call(workers["mono"], path, body).json()
+    prefill = call(workers["prefill"], path, {**body, "max_tokens": 1, "stream": False,
+                                              "kv_transfer_params": {"do_remote_decode": True}})
+    assert prefill.status_code == 200, prefill.text
+    handoff = prefill.json()["kv_transfer_params"]
+    prompt_tokens = reference["usage"]["prompt_tokens"]
+    assert handoff["do_remote_prefill"] is True and handoff["block_size"] == 8
+    assert handoff["num_stored_tokens"] == prompt_tokens // 8 * 8
+    assert len(handoff["model_fingerprint"]) == 16
+
+    decoded = call(workers["decode"], path, {**body, "kv_transfer_params": handoff}).json()
+    text = (lambda r: r["choices"][0].get("message", {}).get("content")
+            or r["choices"][0].get("text"))
+    assert text(decoded) == text(reference)
+    assert decoded["usage"] == {**reference["usage"], "prompt_tokens_details": {
+        "cached_tokens": (prompt_tokens - 1) // 8 * 8}}
+    assert reference["kv_transfer_params"] is None
+
+
+def test_handoff_needs_one_choice_and_no_stream(workers):
+    body = {"messages": MESSAGES, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    for extra in ({"n": 2}, {"stream": True}):
+        response = call(workers["prefill"], "/v1/chat/completions", {**body, **extra})
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_kv_store_metrics_are_exported(workers):
+    body = {"prompt": "Metrics count the blocks a decode worker loads. " * 3, "max_tokens": 2}
+    call(workers["prefill"], "/v1/completions",
+         {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    call(workers["decode"], "/v1/completions", body)
+    text = call(workers["decode"], "/metrics", {}, method="get").text
+    for name in ("kv_store_hits_total", "kv_store_misses_total", "kv_store_loaded_bytes_total",
+                 "kv_store_saved_bytes_total", "kv_store_errors_total",
+                 "kv_store_load_latency_seconds_bucket", "kv_store_save_latency_seconds_count"):
+        assert f"deepinfer:{name}" in text
+    hits = next(line for line in text.splitlines()
+                if line.startswith("deepinfer:kv_store_hits_total"))
+    assert float(hits.split()[-1]) > 0
+    assert "kv_store" not in call(workers["mono"], "/metrics", {}, method="get").text
