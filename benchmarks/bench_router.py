@@ -3,9 +3,10 @@
     python benchmarks/bench_router.py [--requests 100] [--conversations 8] [--turns 4]
 
 Starts two `deepinfer serve` workers (the embedded SmolLM2) and `deepinfer router` processes.
-1. Overhead: sequential /v1/completions requests with max_tokens=1, alternately straight to
-   worker 1 and through a router whose only backend is worker 1; prints latency p50/p99 of
-   each and the added latency (router - direct) at p50 and p99.
+1. Overhead: sequential /v1/completions requests, alternately straight to an upstream and
+   through a router whose only backend it is; prints latency p50/p99 of each and the added
+   latency (router - direct) at p50 and p99. Two upstreams: a no-op one answering a canned
+   body at once (the router's own cost, unblurred), and worker 1 with max_tokens=1.
 2. Trace: `--conversations` chats, each a long shared system prompt + its own first message,
    `--turns` turns each (the assistant's answer and a new question appended per turn), replayed
    with the conversations running concurrently and each one's turns in order, once through a
@@ -48,12 +49,17 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, args: list[str], log: Path) -> None:
+    """`deepinfer ARGS --port P` (or `python bench_router.py --serve-null P` when `args` is
+    None) as a process of its own."""
+
+    def __init__(self, args: list[str] | None, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", *args, "--port", str(self.port)], cwd=ROOT,
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        command = ([sys.executable, "-m", "server.cli", *args, "--port", str(self.port)]
+                   if args is not None else
+                   [sys.executable, __file__, "--serve-null", str(self.port)])
+        self.proc = subprocess.Popen(command, cwd=ROOT, stdout=open(log, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 900) -> "Proc":
         deadline = time.monotonic() + timeout_s
@@ -78,7 +84,30 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def overhead(direct: str, routed: str, requests: int) -> None:
+def serve_null(port: int) -> None:
+    """An upstream that answers every completion at once with a canned body: with it, the
+    router's added latency is not hidden under the model's."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+    canned = {"id": "cmpl-null", "object": "text_completion", "created": 0, "model": "null",
+              "choices": [{"index": 0, "text": " Paris", "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        return JSONResponse(canned)
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def overhead(label: str, direct: str, routed: str, requests: int) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
     times: dict[str, list[float]] = {"direct": [], "router": []}
     with httpx.Client(timeout=60) as client:
@@ -89,11 +118,11 @@ def overhead(direct: str, routed: str, requests: int) -> None:
                 start = time.perf_counter()
                 client.post(url + "/v1/completions", json=body).raise_for_status()
                 times[name].append(time.perf_counter() - start)
-    p = {name: (percentile(t, 50) * 1e3, percentile(t, 99) * 1e3) for name, t in times.items()}
-    print(f"overhead ({requests} sequential requests, max_tokens=1): direct p50 "
-          f"{p['direct'][0]:.2f} ms p99 {p['direct'][1]:.2f} ms | router p50 "
-          f"{p['router'][0]:.2f} ms p99 {p['router'][1]:.2f} ms | added p50 "
-          f"{p['router'][0] - p['direct'][0]:+.2f} ms p99 {p['router'][1] - p['direct'][1]:+.2f} ms")
+    (d50, d99), (r50, r99) = ((percentile(times[name], 50) * 1e3,
+                               percentile(times[name], 99) * 1e3) for name in ("direct", "router"))
+    print(f"overhead, {label} ({requests} sequential requests each): direct p50 {d50:.2f} ms "
+          f"p99 {d99:.2f} ms | router p50 {r50:.2f} ms p99 {r99:.2f} ms | added p50 "
+          f"{r50 - d50:+.2f} ms p99 {r99 - d99:+.2f} ms")
 
 
 def prefix_counters(workers: list[str]) -> tuple[float, float]:
@@ -148,7 +177,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_null:
+        serve_null(args.serve_null)
+        return
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     worker_args = ["serve", "--max-num-seqs", "16", "--log-level", "warning"]
     procs = [Proc(worker_args, logs / f"bench_router_w{i}.log") for i in range(2)]
@@ -156,14 +189,18 @@ def main() -> None:
         workers = [p.wait_ready().url for p in procs]
         router_args = ["router", "--log-level", "warning"]
         single = Proc([*router_args, "--backend", workers[0]], logs / "bench_router_r0.log")
-        procs.append(single)
+        null = Proc(None, logs / "bench_router_null.log")
+        null_router = Proc([*router_args, "--backend", null.url],
+                           logs / "bench_router_rnull.log")
+        procs.extend([single, null, null_router])
         pair = {policy: Proc([*router_args, "--policy", policy, "--backend", workers[0],
                               "--backend", workers[1]], logs / f"bench_router_{policy}.log")
                 for policy in ("round_robin", "prefix_affinity")}
         procs.extend(pair.values())
         for proc in procs:
             proc.wait_ready()
-        overhead(workers[0], single.url, args.requests)
+        overhead("no-op upstream", null.url, null_router.url, args.requests)
+        overhead("SmolLM2 worker, max_tokens=1", workers[0], single.url, args.requests)
         for url in workers:  # the shared system prompt is cached on both before either run
             asyncio.run(replay(url, "warm-up", 1, 1))
         trace(workers, {p: proc.url for p, proc in pair.items()}, args.conversations,

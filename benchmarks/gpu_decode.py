@@ -229,6 +229,57 @@ def engine_prefill(core, vocab: int, num_prompts: int) -> float:
     return num_prompts * PREFILL_TOKENS / (time.perf_counter() - start)
 
 
+class StageTimer:
+    """Host wall time per engine stage while active (instance attributes wrap the methods)."""
+
+    STAGES = (("scheduler", "schedule"), ("model_runner", "execute"),
+              ("scheduler", "update_from_output"), ("output_processor", "process"))
+
+    def __init__(self, core) -> None:
+        self.core, self.seconds, self.calls = core, {}, 0
+
+    def __enter__(self) -> "StageTimer":
+        for owner, name in self.STAGES:
+            obj = getattr(self.core, owner)
+            setattr(obj, name, self._wrap(getattr(obj, name), name))
+        return self
+
+    def _wrap(self, fn, name: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls += name == "execute"
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        for owner, name in self.STAGES:
+            delattr(getattr(self.core, owner), name)
+
+    def per_step_ms(self) -> dict:
+        return {f"{k}_ms": 1e3 * v / max(self.calls, 1) for k, v in self.seconds.items()}
+
+
+@torch.inference_mode()
+def gemm_only_ms(model, batch: int) -> float:
+    """Replay time of a graph holding only the step's matmuls (every Linear of every layer and
+    the LM head) at `batch` rows: the floor the rest of the forward adds to."""
+    from engine.models.layers.linear import Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    inputs = {m.in_features: torch.randn(batch, m.in_features, device="cuda",
+                                         dtype=torch.bfloat16) for m in linears}
+    for m in linears:
+        m(inputs[m.in_features])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for m in linears:
+            m(inputs[m.in_features])
+    return 1e3 * _timed(graph.replay, 20)
+
+
 @torch.inference_mode()
 def step_breakdown(core, batch: int, context: int) -> dict:
     """Milliseconds of a decode step's parts at `batch` (see the module docstring, point 4)."""
@@ -242,7 +293,8 @@ def step_breakdown(core, batch: int, context: int) -> dict:
     hidden = graphs.outputs[size][:batch]
     head_s = _timed(lambda: runner.model.compute_logits(hidden).argmax(dim=-1), 20)
     return {"graph_replay_ms": 1e3 * replay_s, "eager_forward_ms": 1e3 * eager_s,
-            "lm_head_argmax_ms": 1e3 * head_s}
+            "lm_head_argmax_ms": 1e3 * head_s,
+            "gemm_only_ms (layers + lm_head)": gemm_only_ms(runner.model, batch)}
 
 
 def main() -> int:
@@ -276,7 +328,9 @@ def main() -> int:
     rows = []
     context = PROMPT_TOKENS + new_tokens / 2                  # mean context of the timed steps
     for batch in DECODE_BATCHES:
-        run = engine_decode(core, batch, hf_config.vocab_size, new_tokens)
+        with StageTimer(core) as timer:
+            run = engine_decode(core, batch, hf_config.vocab_size, new_tokens)
+        run["host_stages"] = timer.per_step_ms()
         roof = decode_roofline(costs, ceilings, batch, context)
         hf_tok_s = hf.get(f"decode_b{batch}")
         rows.append((f"decode b={batch}", run["tok_s"], roof, hf_tok_s))
@@ -286,7 +340,7 @@ def main() -> int:
     roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
     rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))
     results["prefill"] = {"tok_s": prefill, "roofline_tok_s": roof}
-    for batch in (1, 64):
+    for batch in (1, 64, 256):
         results[f"breakdown_b{batch}"] = step_breakdown(core, batch, int(context))
         print(f"step breakdown b={batch}: {results[f'breakdown_b{batch}']}", flush=True)
     print("\n| measurement | deepinfer tok/s | roofline tok/s | fraction of roofline | "

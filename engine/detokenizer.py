@@ -42,6 +42,19 @@ def _stable_length(text: str) -> int:
     return len(text.rstrip(_REPLACEMENT))
 
 
+def _backend_decode(tokenizer):
+    """The `tokenizers.Tokenizer.decode` behind a Hugging Face fast tokenizer, or None.
+
+    With `clean_up_tokenization_spaces=False` the HF wrapper returns exactly what its backend's
+    decode returns; calling the backend directly skips ~20 us of argument conversion per call
+    (two calls per request per step: a sizeable share of a large batch's host time).
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if type(backend).__module__.split(".")[0] == "tokenizers" and hasattr(backend, "decode"):
+        return backend.decode
+    return None
+
+
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text, step by step.
 
@@ -55,6 +68,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._fast_decode = _backend_decode(tokenizer)
         # The window is self._tokens: [0, _read_offset) is text already accounted for (emitted,
         # or prompt), [_read_offset, end) is new. _emitted_chars counts the window text's
         # characters already accounted for.
@@ -73,6 +87,8 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens,
                                       clean_up_tokenization_spaces=False)
 

@@ -77,21 +77,29 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
-    pin = device.type == "cuda"  # page-locked staging: the copies are truly asynchronous
-
-    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.from_numpy(array).to(dtype)
-        return (host.pin_memory() if pin else host).to(device=device, non_blocking=True)
-
+    ints64 = _packed_to_device(
+        [input_ids, positions, slot_mapping, np.asarray(sampling_rows, dtype=np.int64)],
+        np.int64, device)
+    ints32 = _packed_to_device([query_start_loc, seq_lens, block_tables.reshape(-1)], np.int32,
+                               device)
     metadata = AttentionMetadata(
-        query_start_loc=to_device(query_start_loc, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
-        block_tables=to_device(block_tables, torch.int32),
-        slot_mapping=to_device(slot_mapping, torch.int64),
+        query_start_loc=ints32[0], seq_lens=ints32[1],
+        block_tables=ints32[2].view(num_seqs, max_blocks), slot_mapping=ints64[2],
         max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
         query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist())
     return StepInputs(
-        input_ids=to_device(input_ids, torch.int64), positions=to_device(positions, torch.int64),
-        attn_metadata=metadata,
-        logits_indices=to_device(np.asarray(sampling_rows, dtype=np.int64), torch.int64),
-        sampling_states=sampling_states)
+        input_ids=ints64[0], positions=ints64[1], attn_metadata=metadata,
+        logits_indices=ints64[3], sampling_states=sampling_states)
+
+
+def _packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device
+                      ) -> list[torch.Tensor]:
+    """Copy 1-D arrays to `device` as one host->device transfer (one buffer, page-locked on
+    CUDA so the copy is asynchronous); returns contiguous views of the device buffer, one per
+    array, in `dtype`."""
+    sizes = [a.size for a in arrays]
+    host = torch.from_numpy(np.concatenate(arrays).astype(dtype, copy=False))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device=device, non_blocking=True)
+    return list(flat.split(sizes))

@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.config import KVTransferConfig
@@ -45,6 +46,7 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 FETCH_BATCH_BLOCKS = 32          # keys per store round trip when fetching a prefix
 STORE_DOWN_BACKOFF_S = 1.0       # after a store error, skip the store this long
 MAX_SAVE_BACKLOG_BYTES = 1 << 30  # saves beyond this many bytes in flight are dropped
+FETCH_GRACE_S = 0.002           # a step waits this long for fetches that have just started
 
 
 def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int) -> bytes:
@@ -158,7 +160,14 @@ class KVTransfer:
         prefix-cache hits. Returns True when a fetch started: the scheduler then holds the
         request until `finished_loads` reports it."""
         hashes, num_local = kv_cache_manager.lookup_prefix(request)
-        if (request.kv_transfer_params or {}).get("do_remote_decode"):
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and params.get("model_fingerprint") not in (
+                None, self.fingerprint_hex):
+            logger.warning("request %s was prefilled by a worker with model fingerprint %s, "
+                           "this one has %s (another model, dtype or block size): its blocks "
+                           "cannot be used, the prompt is recomputed", request.request_id,
+                           params.get("model_fingerprint"), self.fingerprint_hex)
+        if params.get("do_remote_decode"):
             prompt_hashes = request.block_hashes[:request.num_prompt_tokens // self.block_size]
             self._handoffs[request.request_id] = (list(prompt_hashes), [])
         wanted = hashes[num_local:]
@@ -179,9 +188,13 @@ class KVTransfer:
             self._staged.pop(request_id, None)
             self._handoffs.pop(request_id, None)
 
-    def finished_loads(self) -> dict[str, tuple[int, int]]:
+    def finished_loads(self, wait_s: float = FETCH_GRACE_S) -> dict[str, tuple[int, int]]:
         """Requests whose fetch ended since the last call: id -> (first block index, number of
-        blocks staged). Staged blocks wait for `load_blocks` (or `discard`)."""
+        blocks staged). Staged blocks wait for `load_blocks` (or `discard`). Waits up to
+        `wait_s` for fetches in flight, so a fast store (memory, a local Redis) does not cost a
+        new request a whole step."""
+        if self._loads and wait_s > 0:
+            concurrent.futures.wait([future for _, _, future in self._loads.values()], wait_s)
         ready = {}
         for request_id, (first_block, wanted, future) in list(self._loads.items()):
             if not future.done():
@@ -233,10 +246,10 @@ class KVTransfer:
         for out in outputs:
             (self._held if out.finished and out.request_id in self._handoffs else ready).append(out)
         for out in list(self._held):
-            prompt_hashes, saves = self._handoffs[out.request_id]
+            prompt_hashes, saves = self._handoffs.get(out.request_id, ([], []))  # {}: aborted
             if all(future.done() for _, future in saves):
                 self._held.remove(out)
-                del self._handoffs[out.request_id]
+                self._handoffs.pop(out.request_id, None)
                 out.kv_transfer_params = self._handoff_params(prompt_hashes, saves)
                 ready.append(out)
         return ready
@@ -259,7 +272,8 @@ class KVTransfer:
         return self.stats.snapshot()
 
     def _handoff_params(self, prompt_hashes: list[int], saves: list) -> dict:
-        stored = {h for hashes, future in saves if not future.cancelled() and future.result()
+        stored = {h for hashes, future in saves
+                  if not future.cancelled() and future.exception() is None and future.result()
                   for h in hashes}
         num_stored_blocks = 0
         while num_stored_blocks < len(prompt_hashes) and prompt_hashes[num_stored_blocks] in stored:
@@ -303,6 +317,9 @@ class KVTransfer:
                     break
         except (KVStoreError, asyncio.TimeoutError, OSError) as error:
             self._store_failed("load", error)
+        except Exception:  # never let a store quirk fail the request: recompute instead
+            logger.exception("KV store load failed")
+            self.stats.add(errors=1)
         blocks = self._to_tensor(found)
         self.stats.add(hits=len(found), misses=len(hashes) - len(found), corrupt=corrupt,
                        bytes_loaded=blocks.numel() * blocks.element_size())
@@ -334,7 +351,7 @@ class KVTransfer:
         block_numel = math.prod(self.header.shape)
         flat = blocks.view(len(payloads), block_numel).view(torch.uint8).numpy()  # [n, bytes]
         for row, payload in enumerate(payloads):
-            flat[row] = payload
+            flat[row] = np.frombuffer(payload, dtype=np.uint8)  # a plain memoryview is 7x slower
         return blocks
 
     async def _put(self, hashes: list[int], blocks: torch.Tensor) -> bool:
@@ -347,6 +364,10 @@ class KVTransfer:
             await asyncio.wait_for(self.store.put_many(items), self.config.timeout_s * 4)
         except (KVStoreError, asyncio.TimeoutError, OSError) as error:
             self._store_failed("save", error)
+            return False
+        except Exception:  # a save that fails only costs a later recompute
+            logger.exception("KV store save failed")
+            self.stats.add(errors=1)
             return False
         finally:
             self._add_backlog(-num_bytes)

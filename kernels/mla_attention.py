@@ -76,8 +76,9 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         q_pe: [num_tokens, num_heads, qk_rope_head_dim], rotated.
         kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], q's dtype.
         metadata: query_start_loc, seq_lens, block_tables and their host-side copies.
-        w_uk: [num_heads, qk_nope_head_dim, kv_lora_rank] (W_UK, from kv_b_proj).
-        w_uv: [num_heads, v_head_dim, kv_lora_rank] (W_UV, from kv_b_proj).
+        w_uk: [num_heads, qk_nope_head_dim, kv_lora_rank] (W_UK; strided views of kv_b_proj's
+            weight are fine: the last two dims must be row-major).
+        w_uv: [num_heads, v_head_dim, kv_lora_rank] (W_UV; likewise).
         scale: softmax scale.
         backend: "auto", "reference" or "torch".
     Returns:

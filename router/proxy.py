@@ -3,11 +3,12 @@
 Rules (STYLE.md #9; the worker endpoints used are listed in README.md):
 - The request body goes to the worker unchanged (parsed only to compute the policy's features),
   and the worker's answer comes back unchanged: status, content type, JSON or SSE bytes. A
-  worker's 4xx is the client's 4xx.
+  worker's 4xx is the client's 4xx. SSE is relayed as it comes; a JSON answer (complete when
+  its header arrives: workers answer non-streamed requests at the end) in one piece.
 - Retry only before the first byte: when connecting or sending fails, or the connection drops
   before the answer's status line, the request moves to another replica (`max_attempts` in
   all). Once a worker has begun answering it is never re-sent, so nothing is generated twice; a
-  worker lost mid-answer ends the stream with an error event (SSE) or a cut connection.
+  worker lost mid-answer ends the stream with an error event (SSE) or answers 502 (JSON).
 - A client that disconnects closes the worker's connection, so the worker aborts the request and
   frees its KV blocks (while waiting for the answer's header and while relaying it).
 - Edge cap: more than `max_concurrent_requests` client requests in flight -> 429 at once.
@@ -47,7 +48,7 @@ RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtoc
 UNREACHABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 # request headers not forwarded (hop-by-hop, or recomputed by httpx)
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
-                 "te", "trailer", "upgrade", "proxy-authorization", "accept-encoding"}
+                 "te", "trailer", "upgrade", "proxy-authorization"}
 # answer headers not relayed (hop-by-hop, or recomputed by the router's own server)
 _DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "date",
                   "server", "trailer", "upgrade"}
@@ -65,25 +66,26 @@ class NoReplicaError(Exception):
         self.reason = reason
 
 
+def relayed_headers(upstream: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
+
+
 class UpstreamResponse(StreamingResponse):
-    """A worker's answer relayed byte for byte. Whatever ends it (the last byte, the client
+    """A worker's SSE stream relayed byte for byte. Whatever ends it (the last byte, the client
     leaving, the worker dying), the worker's connection is closed and `on_close` runs once."""
 
     def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
         self._upstream = upstream
         self._on_close = on_close
-        headers = {k: v for k, v in upstream.headers.items()
-                   if k.lower() not in _DROP_RESPONSE}
-        super().__init__(self._relay(), status_code=upstream.status_code, headers=headers)
+        super().__init__(self._relay(), status_code=upstream.status_code,
+                         headers=relayed_headers(upstream))
 
     async def _relay(self):
         try:
             async for chunk in self._upstream.aiter_raw():
                 yield chunk
         except httpx.HTTPError as exc:  # the worker is gone mid-answer: never re-send
-            logger.warning("worker %s failed mid-answer: %r", self._upstream.url, exc)
-            if "text/event-stream" not in self._upstream.headers.get("content-type", ""):
-                raise  # cut the connection: the client sees an incomplete answer
+            logger.warning("worker %s failed mid-stream: %r", self._upstream.url, exc)
             yield sse_error_event(f"The worker failed while answering ({type(exc).__name__}); "
                                   "the answer is incomplete. Retry the request.",
                                   code="worker_failed")
@@ -159,6 +161,8 @@ class Proxy:
             payload = None  # the worker answers the client's malformed JSON with its 400
         features = request_features(next(self._seq), path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        # raw bytes are relayed: the worker may compress only as the client accepts
+        headers.setdefault("accept-encoding", "identity")
         if self.config.disaggregated and isinstance(payload, dict):
             work = self._disaggregated(path, payload, headers, features)
         else:
@@ -172,18 +176,40 @@ class Proxy:
                                   headers={"Retry-After": "1"})
         except httpx.TimeoutException as exc:
             return error_response(f"The worker did not answer within the router's timeouts "
-                                  f"({type(exc).__name__}).", status_code=504,
+                                  f"({type(exc).__name__}; --request-timeout-s="
+                                  f"{self.config.request_timeout_s:g}).", status_code=504,
                                   code="worker_timeout")
+        except httpx.HTTPError as exc:
+            return error_response(f"The router could not talk to the worker ({exc!r}).",
+                                  status_code=502, code="worker_failed")
         if not finished:
             return Response(status_code=499)  # the client left; nobody reads this
-        upstream, replica, sent_at = opened
+        return await self._relay(*opened)
 
-        def on_close() -> None:
+    async def _relay(self, upstream: httpx.Response, replica: Replica,
+                     sent_at: float) -> Response:
+        """The client's answer from the worker's (header read, body not yet)."""
+        def release_replica() -> None:
             replica.outstanding -= 1
-            self.in_flight -= 1
             self.metrics.duration.labels(replica.url).observe(time.perf_counter() - sent_at)
 
-        return UpstreamResponse(upstream, on_close)
+        if "text/event-stream" in upstream.headers.get("content-type", ""):
+            def on_close() -> None:
+                release_replica()
+                self.in_flight -= 1
+            return UpstreamResponse(upstream, on_close)
+        try:  # a JSON answer is complete once its header comes: relay it in one piece
+            content = b"".join([chunk async for chunk in upstream.aiter_raw()])
+        except httpx.HTTPError as exc:  # the worker is gone mid-answer: never re-send
+            logger.warning("worker %s failed mid-answer: %r", replica.url, exc)
+            return error_response(f"The worker failed while answering ({type(exc).__name__})"
+                                  "; retry the request.", status_code=502, code="worker_failed")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            release_replica()
+        return Response(content, status_code=upstream.status_code,
+                        headers=relayed_headers(upstream))
 
     async def _open(self, role: str, path: str, content: bytes, headers: dict[str, str],
                     features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:
@@ -218,12 +244,13 @@ class Proxy:
             self.metrics.first_byte.labels(replica.url).observe(time.perf_counter() - sent_at)
             self.metrics.requests.labels(replica.url, str(upstream.status_code)).inc()
             return upstream, replica, sent_at
+        kind = "" if role == "both" else f"{role} "
         if tried:
-            raise NoReplicaError(f"No {role} replica could be reached (tried "
+            raise NoReplicaError(f"No {kind}worker could be reached (tried "
                                  f"{', '.join(r.url for r in tried)}); retry shortly.",
                                  reason="unreachable")
-        raise NoReplicaError(f"No healthy {role} replica is available right now (all "
-                             "ejected or still starting); retry shortly.", reason="no_replica")
+        raise NoReplicaError(f"No healthy {kind}worker is available right now (all ejected or "
+                             "still starting); retry shortly.", reason="no_replica")
 
     async def _disaggregated(self, path: str, payload: dict[str, Any], headers: dict[str, str],
                              features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:

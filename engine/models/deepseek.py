@@ -123,11 +123,13 @@ class MLAAttention(nn.Module):
         return targets
 
     def finish_loading(self) -> None:
-        """Split kv_b_proj into W_UK [H, Dn, L] and W_UV [H, Dv, L] (contiguous copies)."""
+        """Point W_UK [H, Dn, L] and W_UV [H, Dv, L] at kv_b_proj's rows (views, no copy); the
+        attention kernels use them, never kv_b_proj's forward, so its packed copy is dropped."""
         per_head = self.kv_b_proj.weight.data.view(self.num_heads, self.nope_dim + self.v_dim,
                                                    self.kv_lora_rank)
-        self.w_uk = per_head[:, :self.nope_dim].contiguous()
-        self.w_uv = per_head[:, self.nope_dim:].contiguous()
+        self.w_uk = per_head[:, :self.nope_dim]
+        self.w_uv = per_head[:, self.nope_dim:]
+        self.kv_b_proj.packed_weight = self.kv_b_proj.quantized_weight = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -444,7 +446,8 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-            elif isinstance(module, MLAAttention):
+        for module in self.modules():
+            if isinstance(module, MLAAttention):
                 module.finish_loading()
 
 

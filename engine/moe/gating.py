@@ -44,7 +44,7 @@ class RoutingConfig:
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method={self.topk_method!r} is not supported; use one of "
                              f"{TOPK_METHODS}.")
-        if not 1 <= self.top_k <= self.num_experts:
+        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, "
                              f"n_routed_experts={self.num_experts}].")
         if self.topk_method != "greedy":
@@ -54,6 +54,10 @@ class RoutingConfig:
             if not 1 <= self.topk_group <= self.n_group:
                 raise ValueError(f"topk_group={self.topk_group} must be in [1, "
                                  f"n_group={self.n_group}].")
+            if self.topk_method == "noaux_tc" and self.num_experts // self.n_group < 2:
+                raise ValueError(f"noaux_tc ranks groups by their two best experts; "
+                                 f"n_routed_experts={self.num_experts} in n_group={self.n_group} "
+                                 "groups leaves fewer than 2 per group.")
 
 
 def _group_mask(choice_scores: torch.Tensor, config: RoutingConfig, *,

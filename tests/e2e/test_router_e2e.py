@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import RedisServer
-from tests.router.fakes import free_port, wait_for
+from tests.router.router_fakes import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 

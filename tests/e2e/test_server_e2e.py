@@ -193,8 +193,8 @@ def test_n_with_seed_is_reproducible(client):
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
      400, "unsupported_content", "accepts text only"),
-    ({"response_format": {"type": "json_object"}}, 400, "unsupported_parameter",
-     "structured outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "missing_required_parameter", "needs json_schema.schema"),
 ])
 def test_bad_inputs_get_openai_errors(client, kwargs, status, code, text):
     request = {"model": MODEL, "messages": QUESTION, **kwargs}
@@ -250,7 +250,8 @@ class CityFacts(pydantic.BaseModel):
 
 def test_structured_output_parse_with_a_pydantic_model(client):
     completion = client.chat.completions.parse(
-        model=MODEL, messages=[{"role": "user", "content": "Give facts about Paris as JSON."}],
+        model=MODEL, messages=[{"role": "user", "content": "Give facts about Paris as JSON with "
+                                "keys city, country, population_millions, landmarks."}],
         response_format=CityFacts, max_tokens=120, temperature=0)
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"

@@ -2,8 +2,9 @@
 
 Variants cover what the issue lists: V3 with q_lora, noaux_tc routing (random
 e_score_correction_bias), YaRN with both mscale terms; V2-Lite style without q_lora, greedy
-softmax routing; V2 with q_lora, group_limited_greedy routing and YaRN. Each has a dense first
-layer and shared experts.
+softmax routing; V2 with q_lora, group_limited_greedy routing and YaRN; V3 with tied embeddings,
+attention biases, half-split (not interleaved) rotary dims and a single expert group. Each has a
+dense first layer and shared experts.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8,
         "beta_fast": 32, "beta_slow": 1}
-VARIANTS = ("v3_qlora_noaux_tc_yarn", "v2_lite_greedy", "v2_group_limited_yarn")
+VARIANTS = ("v3_qlora_noaux_tc_yarn", "v2_lite_greedy", "v2_group_limited_yarn",
+            "v3_tied_bias_no_interleave")
 
 
 def tiny_deepseek_config(variant: str, vocab_size: int = 256, **overrides):
@@ -29,6 +31,12 @@ def tiny_deepseek_config(variant: str, vocab_size: int = 256, **overrides):
         config = DeepseekV3Config(**common, q_lora_rank=48, n_shared_experts=1, n_group=4,
                                   topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                                   rope_parameters=dict(YARN), num_nextn_predict_layers=1)
+    elif variant == "v3_tied_bias_no_interleave":
+        common.update(tie_word_embeddings=True)
+        config = DeepseekV3Config(**common, q_lora_rank=48, n_shared_experts=2, n_group=1,
+                                  topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                                  attention_bias=True, rope_interleave=False,
+                                  num_nextn_predict_layers=0)
     elif variant == "v2_lite_greedy":
         config = DeepseekV2Config(**common, q_lora_rank=None, n_shared_experts=2,
                                   topk_method="greedy", routed_scaling_factor=1.0,
@@ -45,7 +53,7 @@ def tiny_deepseek_config(variant: str, vocab_size: int = 256, **overrides):
 
 
 def randomize_router_bias(hf_model, seed: int = 0) -> None:
-    """HF initialises e_score_correction_bias to zeros; make it matter for noaux_tc."""
+    """HF initialises e_score_correction_bias and linear biases to zeros; make them matter."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -53,3 +61,6 @@ def randomize_router_bias(hf_model, seed: int = 0) -> None:
         for name, buffer in hf_model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.rand(buffer.shape, generator=gen) * 0.5)
+        for name, param in hf_model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)

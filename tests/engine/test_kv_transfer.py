@@ -243,3 +243,38 @@ def test_blocks_round_trip_bitwise_for_any_layout(layout):
     assert loader.header.dtype == ("float32" if layout == "full" else "bfloat16")
     saver.close()
     loader.close()
+
+
+class SlowPutStore(MemoryKVStore):
+    """A memory store whose writes wait until `release` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def put_many(self, items):
+        await self.release.wait()
+        await super().put_many(items)
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_handoff_answer_waits_for_its_saves(core, abort):
+    store = SlowPutStore()
+    fresh(core, store)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    request = core.make_request(PROMPTS[0], one, "handoff",
+                                kv_transfer_params={"do_remote_decode": True})
+    core.add_request(request)
+    finals = []
+    while not request.is_finished:
+        finals += [o for o in core.step() if o.finished]
+    finals += [o for o in core.step() if o.finished]
+    assert finals == [] and core.has_unfinished_requests()  # held: the blocks are not stored
+    if abort:
+        core.abort_requests(["handoff"])  # the client left while the saves were in flight
+    core.kv_transfer._loop.call_soon_threadsafe(store.release.set)
+    while core.has_unfinished_requests():
+        finals += [o for o in core.step() if o.finished]
+    assert len(finals) == 1 and len(store) == 17
+    assert finals[0].kv_transfer_params["num_stored_tokens"] == (0 if abort else 68)
+    assert free_blocks(core) == 256

@@ -78,6 +78,8 @@ def test_correction_bias_changes_selection_not_weights():
     (dict(top_k=9), "num_experts_per_tok=9"),
     (dict(topk_method="noaux_tc", n_group=3), "n_group=3"),
     (dict(topk_method="noaux_tc", n_group=4, topk_group=5), "topk_group=5"),
+    (dict(topk_method="noaux_tc", n_group=8, topk_group=2), "fewer than 2 per group"),
+    (dict(top_k=None), "num_experts_per_tok=None"),
 ])
 def test_routing_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):

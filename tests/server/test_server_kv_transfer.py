@@ -111,3 +111,21 @@ def test_kv_store_metrics_are_exported(workers):
                 if line.startswith("deepinfer:kv_store_hits_total"))
     assert float(hits.split()[-1]) > 0
     assert "kv_store" not in call(workers["mono"], "/metrics", {}, method="get").text
+
+
+def test_cli_flags_and_environment_map_to_kv_transfer_config():
+    from server.cli import build_engine_config, build_parser
+
+    args = build_parser().parse_args(["serve", "--role", "prefill", "--kv-store",
+                                      "rediss://:pw@cache:6380/2", "--kv-store-ttl-s", "60"])
+    config = build_engine_config(args, {"DEEPINFER_KV_ROLE": "decode",
+                                        "DEEPINFER_KV_STORE_TIMEOUT_S": "0.25"}).kv_transfer
+    assert (config.role, config.kv_store, config.ttl_s, config.timeout_s) == (
+        "prefill", "rediss://:pw@cache:6380/2", 60, 0.25)   # flags win over the environment
+    default = build_engine_config(build_parser().parse_args(["serve"]), {}).kv_transfer
+    assert (default.role, default.kv_store) == ("both", "memory")
+    with pytest.raises(ValueError, match="through a store"):
+        build_engine_config(build_parser().parse_args(
+            ["serve", "--role", "decode", "--kv-store", "none"]), {})
+    with pytest.raises(ValueError, match="not supported"):
+        build_engine_config(build_parser().parse_args(["serve", "--kv-store", "s3://x"]), {})

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import build_app
 from router.config import RouterConfig
-from tests.router.fakes import FakeWorker, HangUpServer, ServerThread, free_port, wait_for
+from tests.router.router_fakes import (STORED, FakeWorker, HangUpServer, ServerThread,
+                                       free_port, wait_for)
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 4}
@@ -126,6 +127,19 @@ def test_hang_up_before_the_answer_retries_on_another_replica(workers, router_fa
         hang_up.close()
 
 
+def test_every_replica_refusing_is_an_openai_503(router_factory):
+    dead = tuple(f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    router = router_factory(backends=dead)
+    for replica in router.replicas:
+        replica.healthy = True
+    reply = router.client.post("/v1/completions", json={"prompt": "x"})
+    assert reply.status_code == 503
+    assert reply.json()["error"]["message"].startswith("No worker could be reached (tried ")
+    assert not any(r.healthy for r in router.replicas)
+    assert router.metric("deepinfer_router:rejected_requests_total", reason="unreachable") == 1
+    assert router.metric("deepinfer_router:retries_total") == 2
+
+
 def test_no_retry_once_the_worker_began_answering(workers, router_factory):
     router = router_factory(policy="round_robin")
     workers[0].mode = workers[1].mode = "break"
@@ -134,8 +148,8 @@ def test_no_retry_once_the_worker_began_answering(workers, router_factory):
         events = [json.loads(line[6:]) for line in reply.iter_lines() if line]
     assert events[0]["worker"] == "w0"
     assert events[-1]["error"]["code"] == "worker_failed"  # not [DONE]: the answer is cut
-    with pytest.raises(httpx.RemoteProtocolError):  # a JSON answer cut short: a cut connection
-        router.client.post("/v1/chat/completions", json=CHAT)
+    cut = router.client.post("/v1/chat/completions", json=CHAT)  # a JSON answer cut short
+    assert cut.status_code == 502 and cut.json()["error"]["code"] == "worker_failed"
     assert len(workers[0].bodies) == len(workers[1].bodies) == 1  # never re-sent
     assert router.metric("deepinfer_router:retries_total") == 0
     assert wait_for(lambda: router.app.state.proxy.in_flight == 0)
@@ -188,8 +202,7 @@ def test_no_healthy_replica_is_an_openai_503(workers, router_factory):
     reply = router.client.post("/v1/chat/completions", json=CHAT)
     assert reply.status_code == 503
     error = reply.json()["error"]
-    assert error["code"] == "no_healthy_replica" and "No healthy both replica" in \
-        error["message"]
+    assert error["code"] == "no_healthy_replica" and "No healthy worker" in error["message"]
     assert router.client.get("/health").status_code == 503
     assert router.client.get("/v1/models").status_code == 503
 
@@ -246,17 +259,16 @@ def test_disaggregated_prefill_then_decode(workers, router_factory):
     sent_to_prefill = prefill.bodies[0]
     assert sent_to_prefill == {**CHAT, "kv_transfer_params": {"do_remote_decode": True},
                                "max_tokens": 1, "stream": False, "n": 1}
-    assert decode.bodies[0] == {**body, "kv_transfer_params": prefill_answer_params()}
+    assert decode.bodies[0] == {**body, "kv_transfer_params": STORED}
 
     prefill.mode = "break"  # a failed prefill step: the decode worker recomputes
     reply = router.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["echo"] == {"prompt": "abc",
                                                                    "max_tokens": 2}
     assert router.metric("deepinfer_router:disagg_fallbacks_total") == 1
+    router.replicas[0].healthy = False  # no prefill worker at all: the same fallback
+    assert router.client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert router.metric("deepinfer_router:disagg_fallbacks_total") == 2
+    assert len(prefill.bodies) == 2 and "kv_transfer_params" not in decode.bodies[-1]
     assert router.client.get("/health").json()["healthy_replicas"] == 1
 
-
-def prefill_answer_params() -> dict:
-    from tests.router.fakes import STORED
-
-    return STORED
