@@ -281,6 +281,49 @@ def gemm_only_ms(model, batch: int) -> float:
 
 
 @torch.inference_mode()
+def kernel_profile(core, batch: int, top: int = 10) -> dict:
+    """GPU time per kernel of one eager decode forward at `batch` (torch.profiler), the sum of
+    all kernels, and the heaviest `top` kernels: (name, launches, ms) per forward. Graph replay
+    minus the kernel sum is the time between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = core.model_runner.cuda_graphs
+    size = min(s for s in graphs.batch_sizes if s >= batch)
+    repeats = 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            graphs._forward(size)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if _device_us(e) > 0]
+    events.sort(key=_device_us, reverse=True)
+    return {"kernel_sum_ms": sum(map(_device_us, events)) / repeats / 1e3,
+            "kernels": sum(e.count for e in events) // repeats,
+            "top": [(e.key[:70], e.count // repeats, round(_device_us(e) / repeats / 1e3, 4))
+                    for e in events[:top]]}
+
+
+def host_profile(core, batch: int, vocab: int, top: int = 15) -> list:
+    """cProfile of a decode run at `batch` (32 new tokens): the `top` functions by own time,
+    as (file:function, ms per step). Where the host time between GPU steps goes."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run = engine_decode(core, batch, vocab, 32)
+    profiler.disable()
+    steps = run["steps"] + 1
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tottime, cumtime, _)}
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [(f"{Path(key[0]).name}:{key[2]}", round(1e3 * value[2] / steps, 4))
+            for key, value in rows]
+
+
+def _device_us(event) -> float:
+    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+
+
+@torch.inference_mode()
 def step_breakdown(core, batch: int, context: int) -> dict:
     """Milliseconds of a decode step's parts at `batch` (see the module docstring, point 4)."""
     runner = core.model_runner
@@ -301,6 +344,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list the heaviest GPU kernels of a decode forward")
     args = parser.parse_args()
     from transformers import LlamaConfig
 
@@ -343,6 +388,13 @@ def main() -> int:
     for batch in (1, 64, 256):
         results[f"breakdown_b{batch}"] = step_breakdown(core, batch, int(context))
         print(f"step breakdown b={batch}: {results[f'breakdown_b{batch}']}", flush=True)
+        if args.profile:
+            results[f"kernels_b{batch}"] = kernel_profile(core, batch)
+            print(f"kernels b={batch}: {json.dumps(results[f'kernels_b{batch}'])}", flush=True)
+    if args.profile:
+        results["host_profile_b64"] = host_profile(core, 64, hf_config.vocab_size)
+        print(f"host profile b=64 (ms/step): {json.dumps(results['host_profile_b64'])}",
+              flush=True)
     print("\n| measurement | deepinfer tok/s | roofline tok/s | fraction of roofline | "
           "HF tok/s | deepinfer / HF |\n|---|---|---|---|---|---|")
     for name, tok_s, roof, hf_tok_s in rows:

@@ -14,5 +14,5 @@ if [ "$what" != bench ]; then
     tests/engine/test_gpu_engine.py 2>&1 | tee "$OUT/tests.log"
 fi
 if [ "$what" != tests ]; then
-  timeout 330 python3 benchmarks/gpu_decode.py --json "$OUT/results.json" 2>&1 | tee "$OUT/bench.log"
+  timeout 330 python3 benchmarks/gpu_decode.py --profile --json "$OUT/results.json" 2>&1 | tee "$OUT/bench.log"
 fi

@@ -400,6 +400,9 @@ class NoKVTransfer:
     def has_held_outputs(self) -> bool:
         return False
 
+    def flush(self, timeout_s: float | None = None) -> None:
+        pass
+
     def wait(self, timeout_s: float) -> None:
         pass
 

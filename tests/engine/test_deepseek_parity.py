@@ -2,8 +2,9 @@
 the same random weights, greedy.
 
 Variants (tests/engine/deepseek_configs.py): V3 with q_lora + noaux_tc routing + YaRN; V2-Lite
-style (no q_lora, greedy softmax routing); V2 with group_limited_greedy routing + YaRN. All have a
-dense first layer and shared experts. The paged driver of test_llama_parity allocates the KV
+style (no q_lora, greedy softmax routing); V2 with group_limited_greedy routing + YaRN; V3 with
+tied embeddings, attention biases and half-split rotary dims. All have a dense first layer and
+shared experts. The paged driver of test_llama_parity allocates the KV
 cache from the model's spec. Tolerance (float32 logits of magnitude ~3): atol 1e-4, rtol 1e-4
 (observed ~3e-6). Greedy tokens must be identical for 32 new tokens on every prompt, alone and in
 mixed varlen steps (staggered arrivals, 5-token prefill chunks next to decodes), and through

@@ -57,7 +57,7 @@ def fresh(core, store=None) -> EngineCore:
 
 
 def run(core, prompts, params=GREEDY, kv_transfer_params=None):
-    """Generate to the end; (token ids per prompt, final outputs)."""
+    """Generate to the end, then wait for the block saves; (token ids per prompt, outputs)."""
     requests = [core.make_request(p, params, f"r{i}", kv_transfer_params=kv_transfer_params)
                 for i, p in enumerate(prompts)]
     for request in requests:
@@ -68,6 +68,7 @@ def run(core, prompts, params=GREEDY, kv_transfer_params=None):
             if out.finished:
                 finals[out.request_id] = out
     outs = [finals[r.request_id] for r in requests]
+    core.kv_transfer.flush()  # saves land in the background; let them finish
     return [o.token_ids for o in outs], outs
 
 
@@ -275,6 +276,7 @@ def test_handoff_answer_waits_for_its_saves(core, abort):
     core.kv_transfer._loop.call_soon_threadsafe(store.release.set)
     while core.has_unfinished_requests():
         finals += [o for o in core.step() if o.finished]
+    core.kv_transfer.flush()  # after an abort the answer need not wait for the saves
     assert len(finals) == 1 and len(store) == 17
     assert finals[0].kv_transfer_params["num_stored_tokens"] == (0 if abort else 68)
     assert free_blocks(core) == 256

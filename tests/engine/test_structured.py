@@ -11,6 +11,7 @@ asserted for every output that finished with "stop"; that most do is asserted to
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import re
 import shutil
@@ -317,3 +318,47 @@ def test_same_tokens_after_preemption_prefix_hits_and_for_n_choices(structured_l
     for output in outputs:
         if output.finish_reason == "stop":
             jsonschema.validate(json.loads(output.text), schema)
+
+
+def test_a_slow_compile_never_stalls_other_requests(tiny_llama_dir):
+    """The compile of a new constraint runs in a worker thread: here it cannot finish until
+    another request has streamed to its end, which would deadlock if it ran on the step loop."""
+    from engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(
+        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(num_blocks=256)))
+    other_done = threading.Event()
+    backend = engine.engine_core.structured_output.backend
+    compile_fast = backend.compile
+
+    def compile_slow(key):
+        assert other_done.wait(60), "the compile blocked the other request"
+        return compile_fast(key)
+
+    backend.compile = compile_slow
+    slow = SamplingParams(temperature=0.0, max_tokens=12,
+                          so_args={"schema_type": "regex", "schema": "[0-9]{3}-[a-z]{2}"})
+
+    async def run_other():
+        async for out in engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8,
+                                                                ignore_eos=True)):
+            final = out
+        other_done.set()
+        return final
+
+    async def run_slow():
+        async for out in engine.generate(PROMPT, slow):
+            final = out
+        return final
+
+    async def main():
+        return await asyncio.gather(run_slow(), run_other())
+
+    try:
+        slow_out, other_out = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert other_out.num_output_tokens == 8
+    assert slow_out.finish_reason == "stop"
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", slow_out.text), slow_out.text
