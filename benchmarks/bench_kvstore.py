@@ -66,7 +66,8 @@ def ttft(core, prompt_ids: list[int], request_id: str) -> tuple[float, int]:
 
 def measure_ttft(core, prompt_ids: list[int]) -> tuple[float, float, int]:
     core.scheduler.kv_cache_manager.reset_prefix_cache()
-    cold_s, _ = ttft(core, prompt_ids, "cold")
+    cold_s, cold_cached = ttft(core, prompt_ids, "cold")
+    assert cold_cached == 0, f"the cold run found {cold_cached} tokens cached"
     core.kv_transfer.flush()
     core.scheduler.kv_cache_manager.reset_prefix_cache()
     hit_s, cached = ttft(core, prompt_ids, "hit")
@@ -139,7 +140,7 @@ def main() -> None:
         vocab = core.vocab_size
         prompt_ids = [(17 + 7919 * i) % (vocab - 100) + 50 for i in range(args.prompt_tokens)]
         if not args.skip_ttft:
-            ttft(core, prompt_ids[:64], "warmup")
+            ttft(core, [i + 1 for i in prompt_ids[:64]], "warmup")  # another prefix
             cold_s, hit_s, cached = measure_ttft(core, prompt_ids)
             print(f"TTFT, {args.prompt_tokens}-token prompt: cold prefill {cold_s * 1e3:.0f} ms, "
                   f"loaded from Redis {hit_s * 1e3:.0f} ms ({cached} tokens loaded); "

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU test suite (-m gpu), then the H200 benchmark. Logs under $OUT (or ./out).
 # Usage: bash benchmarks/gpu_suite.sh [tests|bench|all]
+# tests/e2e/test_gpu_server.py needs fastapi, starlette, uvicorn and pydantic: where they are
+# missing, install them first (the device image lacks them; carry wheels, see the device README).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -11,7 +13,7 @@ what=${1:-all}
 if [ "$what" != bench ]; then
   timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
     tests/kernels/test_paged_attention_triton.py tests/kernels/test_elementwise_triton.py \
-    tests/engine/test_gpu_engine.py 2>&1 | tee "$OUT/tests.log"
+    tests/engine/test_gpu_engine.py tests/e2e/test_gpu_server.py 2>&1 | tee "$OUT/tests.log"
 fi
 if [ "$what" != tests ]; then
   timeout 330 python3 benchmarks/gpu_decode.py --profile --json "$OUT/results.json" 2>&1 | tee "$OUT/bench.log"

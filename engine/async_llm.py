@@ -14,6 +14,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -46,6 +47,9 @@ class AsyncLLM:
         self._stats = SchedulerStats()
         self._error: BaseException | None = None
         self._stopping = threading.Event()
+        # its own threads: slow schemas never hold the default pool (prompt tokenization)
+        self._grammar_pool = ThreadPoolExecutor(max_workers=2,
+                                                thread_name_prefix="deepinfer-grammar")
         self._thread = threading.Thread(target=self._run_loop, name="deepinfer-step-loop",
                                         daemon=True)
         self._thread.start()
@@ -95,14 +99,15 @@ class AsyncLLM:
                 self._commands.put(("abort", request.request_id))
 
     async def compile_grammar(self, so_args: dict) -> None:
-        """Compile a structured-output constraint in a worker thread (then cached), off the
-        step loop and the event loop.
+        """Compile a structured-output constraint in a grammar worker thread (then cached),
+        off the step loop and the event loop.
 
         Raises:
             GrammarError (a ValueError): the schema, regex or grammar is invalid; the message
                 says what is wrong.
         """
-        await asyncio.to_thread(self.engine_core.structured_output.compile, so_args)
+        await asyncio.get_running_loop().run_in_executor(
+            self._grammar_pool, self.engine_core.structured_output.compile, so_args)
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -119,6 +124,7 @@ class AsyncLLM:
         self._stopping.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout_s)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self.engine_core.close()
 

@@ -22,7 +22,6 @@ Rules (vLLM's, unless said otherwise):
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -171,7 +170,7 @@ class OutputProcessor:
             num_cached_tokens=output.num_cached_tokens,
             finished=finished, finish_reason=finish_reason,
             stop_reason=stop_reason if finished else None,
-            metrics=copy.copy(state.metrics),  # a snapshot (cheaper than replace())
+            metrics=RequestMetrics(**state.metrics.__dict__),  # a snapshot
             text=state.text if finished else None,
             token_ids=state.output_token_ids if finished else None,
             logprobs=state.logprobs if finished else None)

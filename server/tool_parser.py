@@ -99,6 +99,9 @@ class NamedCallStreamer(ToolCallStreamer):
         return self._header(self.name) if not self.calls else []
 
 
+_NO_VALUE, _VALUE_NEXT = -1, -2   # CallArrayStreamer.value_start before a member's value
+
+
 class CallArrayStreamer(ToolCallStreamer):
     """Scans `[{"name": "...", "arguments": {...}}, ...]` one character at a time."""
 
@@ -110,7 +113,7 @@ class CallArrayStreamer(ToolCallStreamer):
         self.in_string = self.escape = False
         self.key_start = -1      # start of the member key being read at depth 2
         self.key = None          # last member key at depth 2
-        self.value_start = -1    # start of that member's value, -1 before it starts
+        self.value_start = _NO_VALUE  # start of that member's value (or a sentinel)
         self.sent = 0            # end of the arguments text already sent
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -137,13 +140,13 @@ class CallArrayStreamer(ToolCallStreamer):
             return []
         if char == '"':
             self.in_string = True
-            if self.depth == 2 and self.value_start == -2:
+            if self.depth == 2 and self.value_start == _VALUE_NEXT:
                 self.value_start = self.sent = at
-            elif self.depth == 2 and self.value_start == -1:
+            elif self.depth == 2 and self.value_start == _NO_VALUE:
                 self.key_start = at
             return []
         if char in "[{":
-            if self.depth == 2 and self.value_start == -2:
+            if self.depth == 2 and self.value_start == _VALUE_NEXT:
                 self.value_start = self.sent = at
             self.depth += 1
         elif char in "]}":
@@ -151,10 +154,10 @@ class CallArrayStreamer(ToolCallStreamer):
             if self.depth == 1:           # an item closed
                 return self._member_end(at)
         elif char == ":" and self.depth == 2:
-            self.value_start = -2         # the value starts at the next token
+            self.value_start = _VALUE_NEXT  # the value starts at the next token
         elif char == "," and self.depth == 2:
             return self._member_end(at)
-        elif self.depth == 2 and self.value_start == -2 and not char.isspace():
+        elif self.depth == 2 and self.value_start == _VALUE_NEXT and not char.isspace():
             self.value_start = self.sent = at   # a number, true, false or null
         return []
 
@@ -173,7 +176,7 @@ class CallArrayStreamer(ToolCallStreamer):
         pieces = []
         if self.key == "arguments" and self.value_start >= 0 and self.calls:
             pieces = self._arguments(self.text[self.sent:at].rstrip())
-        self.key, self.value_start, self.sent = None, -1, at
+        self.key, self.value_start, self.sent = None, _NO_VALUE, at
         return pieces
 
 

@@ -9,6 +9,11 @@ Who calls what:
   hits and n > 1 (one engine request per choice) need nothing else.
 - `fill_bitmask(matchers)` — the model runner, once per step for the rows that sample.
 
+Ending: a matcher allows the request's stop tokens (EOS ids and `stop_token_ids`) only where the
+grammar's sentence is complete; sampling one ends the request with finish_reason "stop" through
+the scheduler's usual token stop rule, and the matcher is then terminated. (So `so_args` refuses
+`ignore_eos` and `min_tokens`, which would fight the grammar over where the output ends.)
+
 The cache is an LRU of `max_cached_grammars` entries keyed by `grammar_key(so_args)`; entries
 are futures, so concurrent requests for one new schema compile it once. Failures are cached too
 (a bad schema sent again is refused at once).

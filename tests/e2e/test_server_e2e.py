@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -285,6 +286,20 @@ def test_required_tool_call_arguments_validate_streamed_or_not(client):
             if delta_call.index == 0:
                 arguments += delta_call.function.arguments or ""
     assert names[0] == "get_weather" and arguments == call.function.arguments
+
+
+def test_vllm_choice_and_regex_constraints(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is Paris in France?"}], n=3,
+        seed=5, temperature=1.0, max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
+    assert all(c.message.content in ("yes", "no") and c.finish_reason == "stop"
+               for c in reply.choices)
+    regex = r"[A-Z][a-z]{2,8}, [A-Z][a-z]{2,8}"
+    completion = client.completions.create(
+        model=MODEL, prompt="The capital of France, the country:", max_tokens=16, temperature=0,
+        extra_body={"structured_outputs": {"regex": regex}})
+    assert completion.choices[0].finish_reason == "stop"
+    assert re.fullmatch(regex, completion.choices[0].text)
 
 
 def test_invalid_schema_is_a_400_naming_the_problem(client):

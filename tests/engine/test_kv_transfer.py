@@ -5,10 +5,15 @@ of the store (corrupt value, other model, store down) falls back to recomputing.
 import asyncio
 
 import pytest
+import redis
 import torch
 
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
+from engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
+from engine.kv_transfer import KVTransfer
+from engine.model_runner import ModelRunner
+from engine.outputs import KVBlocks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from kvstore import MemoryKVStore
@@ -145,6 +150,9 @@ def test_prefill_hands_off_to_decode_then_redis_down(tiny_llama_dir, cold, redis
     params = [o.kv_transfer_params for o in outs]
     assert [p["num_stored_tokens"] for p in params] == [68, 16]
     assert all(p["do_remote_prefill"] and p["block_size"] == BLOCK for p in params)
+    keys = redis.Redis.from_url(redis_server.url).keys("*")
+    namespace = f"deepinfer:kv:{prefill.kv_transfer.fingerprint_hex}:"
+    assert len(keys) == 17 + 4 and all(k.decode().startswith(namespace) for k in keys)
     decode = make_core(tiny_llama_dir, kv_store=redis_server.url, role="decode")
     tokens, outs = run(decode, PROMPTS[:2], kv_transfer_params=params[0])
     assert tokens == cold[:2]
@@ -202,11 +210,9 @@ def test_preemption_after_loading_gives_the_cold_tokens(tiny_llama_dir, core, co
 class FakeRunner:
     """Just the KV tensors of a runner and its block read/write methods (no model)."""
 
-    from engine.model_runner import ModelRunner as _Runner
-
-    kv_block_dim = _Runner.kv_block_dim
-    read_kv_blocks = _Runner.read_kv_blocks
-    write_kv_blocks = _Runner.write_kv_blocks
+    kv_block_dim = ModelRunner.kv_block_dim
+    read_kv_blocks = ModelRunner.read_kv_blocks
+    write_kv_blocks = ModelRunner.write_kv_blocks
 
     def __init__(self, spec, num_blocks, dtype, seed):
         self.kv_cache_spec, self.block_size, self.device = spec, BLOCK, torch.device("cpu")
@@ -219,11 +225,6 @@ class FakeRunner:
 def test_blocks_round_trip_bitwise_for_any_layout(layout):
     """Save blocks 3 and 5 of one cache, load them into blocks 0 and 7 of another: the same
     bits, for K/V [2, num_blocks, ...] in float32 and MLA's [num_blocks, ...] in bfloat16."""
-    from engine.config import KVTransferConfig
-    from engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
-    from engine.kv_transfer import KVTransfer
-    from engine.outputs import KVBlocks
-
     spec, dtype = ((FullAttentionSpec(3, 2, 8, 4), torch.float32) if layout == "full" else
                    (MLAAttentionSpec(3, kv_lora_rank=16, qk_rope_head_dim=8, dtype_bytes=2),
                     torch.bfloat16))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import json
 import re
 import shutil
@@ -31,6 +32,8 @@ from engine.structured import GrammarError, grammar_key
 from engine.structured.manager import StructuredOutputManager
 from structured_schemas import (ARITHMETIC_EBNF, HAND_WRITTEN, REGEXES, bench_sample,
                                 is_exact)
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 PROMPT = [1, 504, 3158, 28]
 MAX_TOKENS = 160
@@ -199,9 +202,7 @@ def test_sampler_picks_allowed_tokens_and_keeps_raw_logprobs(params):
     grammar_rows = [0, 2, 3, 5]                  # rows 1 and 4 are free
     states = [State(params, seed=r) for r in range(rows)]
     plain = build_sampling_metadata(states, "cpu", eos_token_ids={0})
-    masked = build_sampling_metadata(states, "cpu", eos_token_ids={0})
-    object.__setattr__(masked, "grammar_bitmask", bitmask)
-    object.__setattr__(masked, "grammar_rows", grammar_rows)
+    masked = dataclasses.replace(plain, grammar_bitmask=bitmask, grammar_rows=grammar_rows)
     sampler = Sampler()
     free_out, out = sampler(logits, plain), sampler(logits.clone(), masked)
     allowed = unpack(bitmask, vocab)
@@ -247,7 +248,7 @@ def test_hand_written_schemas_validate(llm):
 
 
 def test_jsonschemabench_sample_validates(llm):
-    corpus = {name: s for name, s in bench_sample(per_split=6).items() if is_exact(s)}
+    corpus = {name: s for name, s in bench_sample(per_split=12).items() if is_exact(s)}
     compiled = {}
     for name, schema in corpus.items():
         try:
@@ -255,7 +256,7 @@ def test_jsonschemabench_sample_validates(llm):
             compiled[name] = schema
         except GrammarError:
             pass                                       # unsupported: refused, never a crash
-    assert len(compiled) >= 0.9 * len(corpus) and len(corpus) >= 20
+    assert len(compiled) >= 0.9 * len(corpus) and len(corpus) >= 40
     outputs = generate_and_validate(llm, compiled, seeds=1)
     assert sum(o.finish_reason == "stop" for o in outputs) >= 0.8 * len(outputs)
 
@@ -300,19 +301,19 @@ def test_ebnf_outputs_parse_as_arithmetic(tiny_llama_dir):
 
 
 def test_same_tokens_after_preemption_prefix_hits_and_for_n_choices(structured_llama_dir, llm):
-    """Seeded choices of one request (as the server fans out n=6) give the same tokens alone, in
+    """Seeded choices of one request (as the server fans out n=4) give the same tokens alone, in
     a batch that is preempted (matchers rebuilt from the output so far), and with the prompt
     served from the prefix cache."""
     schema = HAND_WRITTEN["array_of_objects"]
     prompt = llm.tokenizer.encode("List a few items with their quantities as JSON. " * 4)
-    params = [json_params(schema, seed) for seed in range(6)]
+    params = [json_params(schema, seed) for seed in range(4)]
     alone = [llm.generate([prompt], p)[0].token_ids for p in params]
-    assert len({tuple(t) for t in alone}) >= 4                     # the choices differ
+    assert len({tuple(t) for t in alone}) >= 3                     # the choices differ
     tight = make_llm(structured_llama_dir, num_blocks=52, block_size=4, caching=False)
-    outputs = tight.generate([prompt] * 6, params)
+    outputs = tight.generate([prompt] * 4, params)
     assert tight.engine_core.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == alone
-    again = llm.generate([prompt] * 6, params)                     # prompt blocks are cached
+    again = llm.generate([prompt] * 4, params)                     # prompt blocks are cached
     assert all(o.num_cached_tokens > 0 for o in again)
     assert [o.token_ids for o in again] == alone
     for output in outputs:

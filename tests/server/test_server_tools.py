@@ -263,3 +263,24 @@ def test_streamers_give_the_same_calls_however_the_text_is_split(seed):
     streamer = NamedCallStreamer("a")
     run(streamer, '{"k": [1, 2]}')
     assert [(c.name, c.arguments) for c in streamer.calls] == [("a", '{"k": [1, 2]}')]
+
+
+def test_choice_regex_matches_each_choice_exactly_under_xgrammar(smollm2_tokenizer):
+    import re
+
+    from engine.structured.xgrammar_backend import XGrammarBackend
+    from server.structured import choice_regex
+
+    choices = ["a-b", "c/d", "e f", "x.y*z?", "[br]{3}", "Zürich", "a|b", "back\\slash", "(p)^$"]
+    regex = choice_regex(choices, "guided_choice")
+    backend = XGrammarBackend(smollm2_tokenizer, len(smollm2_tokenizer), [2])
+    compiled = backend.compile(("regex", regex))
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(compiled, [2])
+        tokens = smollm2_tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(2)
+
+    for choice in choices:
+        assert accepts(choice) and re.fullmatch(regex, choice)
+    assert not accepts("ab") and not accepts("a-b-") and not re.fullmatch(regex, "a")
