@@ -340,6 +340,32 @@ def step_breakdown(core, batch: int, context: int) -> dict:
             "gemm_only_ms (layers + lm_head)": gemm_only_ms(runner.model, batch)}
 
 
+def diagnostics(core, context: int, vocab: int, profile: bool) -> dict:
+    """Step breakdowns at b=1, 64, 256; with `profile`, kernel and host profiles too."""
+    results = {}
+    for batch in (1, 64, 256):
+        results[f"breakdown_b{batch}"] = step_breakdown(core, batch, context)
+        print(f"step breakdown b={batch}: {results[f'breakdown_b{batch}']}", flush=True)
+        if profile:
+            results[f"kernels_b{batch}"] = kernel_profile(core, batch)
+            print(f"kernels b={batch}: {json.dumps(results[f'kernels_b{batch}'])}", flush=True)
+    if profile:
+        results["host_profile_b64"] = host_profile(core, 64, vocab)
+        print(f"host profile b=64 (ms/step): {json.dumps(results['host_profile_b64'])}",
+              flush=True)
+    return results
+
+
+def print_table(rows: list[tuple[str, float, float, float | None]]) -> None:
+    """Markdown table of (name, tok/s, roofline tok/s, HF tok/s or None) rows."""
+    print("\n| measurement | deepinfer tok/s | roofline tok/s | fraction of roofline | "
+          "HF tok/s | deepinfer / HF |\n|---|---|---|---|---|---|")
+    for name, tok_s, roof, hf_tok_s in rows:
+        ratio = f"{tok_s / hf_tok_s:.1f}x" if hf_tok_s else "-"
+        hf_text = f"{hf_tok_s:.1f}" if hf_tok_s else "-"
+        print(f"| {name} | {tok_s:.1f} | {roof:.1f} | {tok_s / roof:.2f} | {hf_text} | {ratio} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
@@ -385,22 +411,8 @@ def main() -> int:
     roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
     rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))
     results["prefill"] = {"tok_s": prefill, "roofline_tok_s": roof}
-    for batch in (1, 64, 256):
-        results[f"breakdown_b{batch}"] = step_breakdown(core, batch, int(context))
-        print(f"step breakdown b={batch}: {results[f'breakdown_b{batch}']}", flush=True)
-        if args.profile:
-            results[f"kernels_b{batch}"] = kernel_profile(core, batch)
-            print(f"kernels b={batch}: {json.dumps(results[f'kernels_b{batch}'])}", flush=True)
-    if args.profile:
-        results["host_profile_b64"] = host_profile(core, 64, hf_config.vocab_size)
-        print(f"host profile b=64 (ms/step): {json.dumps(results['host_profile_b64'])}",
-              flush=True)
-    print("\n| measurement | deepinfer tok/s | roofline tok/s | fraction of roofline | "
-          "HF tok/s | deepinfer / HF |\n|---|---|---|---|---|---|")
-    for name, tok_s, roof, hf_tok_s in rows:
-        ratio = f"{tok_s / hf_tok_s:.1f}x" if hf_tok_s else "-"
-        hf_text = f"{hf_tok_s:.1f}" if hf_tok_s else "-"
-        print(f"| {name} | {tok_s:.1f} | {roof:.1f} | {tok_s / roof:.2f} | {hf_text} | {ratio} |")
+    results.update(diagnostics(core, int(context), hf_config.vocab_size, args.profile))
+    print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -216,6 +216,11 @@ class EngineCore:
         self.scheduler.add_request(request)
         self.output_processor.add_request(request.request_id, request.prompt_token_ids,
                                           request.sampling_params, request.arrival_time)
+        self._fetch_remote_kv(request)
+
+    def _fetch_remote_kv(self, request: Request) -> None:
+        """Start fetching the request's stored blocks past its local hits, if any (new and
+        preempted requests)."""
         if self.kv_transfer.add_request(request, self.scheduler.kv_cache_manager):
             self.scheduler.wait_for_remote_kv(request.request_id)
 
@@ -246,6 +251,8 @@ class EngineCore:
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
+        for request in self.scheduler.take_preempted():
+            self._fetch_remote_kv(request)  # what preemption evicted may be in the store
         if scheduler_output.is_empty:
             self.kv_transfer.wait(_STORE_WAIT_S)  # only fetches in flight: do not spin
         return self.kv_transfer.hold_finished(request_outputs)

@@ -14,8 +14,8 @@ round trip to the background; fetched blocks are decoded there into one staging 
 into freshly allocated blocks by the step loop right before the forward pass that needs them.
 Fetching before allocating means a request waiting for the store (WAITING_FOR_REMOTE_KV) holds no
 KV blocks, so an abort or a preemption meanwhile has nothing to leak, and a store that answers
-late costs staging memory, not cache capacity. A preempted request does not fetch again (its
-blocks usually stay in the local prefix cache); it recomputes what was evicted.
+late costs staging memory, not cache capacity. A preempted request fetches again whatever of its
+prompt the local cache lost meanwhile.
 
 Disaggregation (DESIGN.md): a request with `kv_transfer_params={"do_remote_decode": true}`
 saves all its full prompt blocks; its last output is held until those writes finish, then carries

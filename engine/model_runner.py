@@ -54,9 +54,15 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode forwards at batch sizes up to max_num_seqs (CUDA only); decode-only
-        steps then replay them (engine/cuda_graphs.py)."""
+        steps then replay them (engine/cuda_graphs.py). Needs Triton: the torch attention
+        backend synchronizes with the host, which a graph capture cannot hold."""
         from engine.cuda_graphs import CudaGraphRunner
+        from kernels.paged_attention import triton_available
 
+        if not triton_available():
+            logger.warning("CUDA graphs are off: Triton is not installed, and the torch "
+                           "attention backend cannot be captured. Install triton for speed.")
+            return
         runner = CudaGraphRunner(self.model, self.kv_caches, self.block_size,
                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         runner.capture()

@@ -10,7 +10,8 @@ With a KV store (engine/kv_transfer.py), a new request whose prompt blocks may b
 waits in `waiting_for_remote_kv` (holding no blocks) while they are fetched; once fetched it
 rejoins `waiting`, and when admitted its fetched blocks count as computed like prefix-cache hits
 (`SchedulerOutput.kv_loads` says which blocks to fill). Full prompt blocks a step completes are
-listed in `SchedulerOutput.kv_saves`.
+listed in `SchedulerOutput.kv_saves`. Preempted requests are reported by `take_preempted()` so
+that the engine can fetch again what their preemption evicted.
 
 Only the step loop calls this class. Pure module: no torch import.
 """
@@ -46,6 +47,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
+        self._preempted: list[Request] = []  # since the last take_preempted()
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -92,7 +94,10 @@ class Scheduler:
                 continue  # aborted meanwhile
             request.status = RequestStatus.WAITING
             self._remote_kv[request_id] = (first_block, num_blocks)
-            self.waiting.append(request)
+            if request.num_preemptions:  # preempted requests go first, as in _preempt
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """The one place a request ends: status set, blocks freed, runner told."""
@@ -180,6 +185,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         self.finished_req_ids.add(request.request_id)  # the runner drops its state; resent as new
+        self._preempted.append(request)
+
+    def take_preempted(self) -> list[Request]:
+        """Requests preempted since the last call that still wait (the KV store may hold what
+        their preemption evicted)."""
+        preempted, self._preempted = self._preempted, []
+        return [r for r in preempted if r.status == RequestStatus.PREEMPTED]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

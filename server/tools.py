@@ -73,9 +73,18 @@ def _check_tools(tools: list[Any]) -> None:
             raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'.",
                            param=f"{where}.function.name", code="invalid_value")
         parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise APIError(f"{where}.function.parameters must be a JSON schema object.",
+        if parameters is not None and (not isinstance(parameters, dict)
+                                       or parameters.get("type", "object") != "object"):
+            raise APIError(f"{where}.function.parameters must be a JSON schema of type "
+                           "'object' (the arguments are a JSON object), e.g. {\"type\": "
+                           "\"object\", \"properties\": {...}}.",
                            param=f"{where}.function.parameters", code="invalid_value")
+    names = [tool["function"]["name"] for tool in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise APIError(f"tools[{i}].function.name {name!r} repeats an earlier tool's name; "
+                           "give each function a unique name.",
+                           param=f"tools[{i}].function.name", code="invalid_value")
 
 
 def tool_config(req: ChatCompletionRequest) -> ToolConfig | None:
@@ -96,7 +105,8 @@ def tool_config(req: ChatCompletionRequest) -> ToolConfig | None:
     parallel = req.parallel_tool_calls is not False
     if choice is None or choice in ("none", "auto", "required"):
         return ToolConfig(tools, choice or "auto", None, parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
         raise APIError(f"tool_choice={choice!r} must be 'none', 'auto', 'required' or "
                        "{\"type\": \"function\", \"function\": {\"name\": ...}}.",

@@ -115,3 +115,19 @@ def test_handoff_request_also_saves_its_prefix_cache_hits():
     assert out.scheduled_new_reqs[0].num_computed_tokens == 8   # two local hits
     save, = out.kv_saves
     assert save.block_hashes == handoff.block_hashes[:2]        # saved again for the decode side
+
+
+def test_preempted_requests_are_reported_once_and_fetched_ones_go_first():
+    scheduler = make_scheduler(num_blocks=6, budget=64)
+    first, second = make_request("first", 8), make_request("second", 8, first_token=50)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    finish_step(scheduler, scheduler.schedule())     # 2 blocks each + 1 for each output
+    while scheduler.num_preemptions == 0:
+        finish_step(scheduler, scheduler.schedule())
+    preempted = scheduler.take_preempted()
+    assert [r.request_id for r in preempted] == ["second"] and scheduler.take_preempted() == []
+    scheduler.add_request(make_request("third", 3, first_token=90))
+    scheduler.wait_for_remote_kv("second")
+    scheduler.remote_kv_ready({"second": (0, 1)})
+    assert [r.request_id for r in scheduler.waiting] == ["second", "third"]

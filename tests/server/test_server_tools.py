@@ -86,6 +86,15 @@ def test_completions_take_structured_fields():
     ({"tools": [{"type": "retrieval"}]}, "tools[0]", "only function tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
      "tools[0].function.name", "letters, digits"),
+    # found by black-box testing: a non-object "function" in tool_choice was a 500
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+     "tool_choice", "must be 'none'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": ["x"]}},
+     "tool_choice", "must be 'none'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}], "tool_choice": "required"},
+     "tools[0].function.parameters", "of type 'object'"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "unique name"),
     ({"tools": [WEATHER], "messages": USER + [{"role": "tool", "content": "sunny"}]},
      "messages.1", "no tool_call_id"),
 ])
