@@ -213,6 +213,14 @@ def engine_decode(core, batch: int, vocab: int, new_tokens: int) -> dict:
             "steps": steps, "tokens": tokens}
 
 
+def set_async_scheduling(core, enabled: bool) -> None:
+    """Switch the idle engine between async (engine/async_step.py) and synchronous steps."""
+    from engine.async_step import AsyncStepper
+
+    assert not core.has_unfinished_requests()
+    core.async_steps = AsyncStepper(core) if enabled else None
+
+
 def engine_prefill(core, vocab: int, num_prompts: int) -> float:
     """Prefill tokens/s: 2,048-token prompts, one new token each (8,192-token steps)."""
     from engine.sampling_params import SamplingParams
@@ -233,7 +241,8 @@ class StageTimer:
     """Host wall time per engine stage while active (instance attributes wrap the methods)."""
 
     STAGES = (("scheduler", "schedule"), ("model_runner", "execute"),
-              ("scheduler", "update_from_output"), ("output_processor", "process"))
+              ("model_runner", "execute_async"), ("scheduler", "update_from_output"),
+              ("output_processor", "process"))
 
     def __init__(self, core) -> None:
         self.core, self.seconds, self.calls = core, {}, 0
@@ -251,7 +260,7 @@ class StageTimer:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-                self.calls += name == "execute"
+                self.calls += name in ("execute", "execute_async")
         return timed
 
     def __exit__(self, *exc) -> None:
@@ -407,6 +416,14 @@ def main() -> int:
         rows.append((f"decode b={batch}", run["tok_s"], roof, hf_tok_s))
         results[f"decode_b{batch}"] = {**run, "roofline_tok_s": roof}
         print(f"decode b={batch}: {run}", flush=True)
+    for batch in (1, 64, 256):                                # before/after async scheduling
+        set_async_scheduling(core, False)
+        run = engine_decode(core, batch, hf_config.vocab_size, new_tokens)
+        roof = decode_roofline(costs, ceilings, batch, context)
+        rows.append((f"decode b={batch} (sync steps)", run["tok_s"], roof, None))
+        results[f"decode_b{batch}_sync"] = {**run, "roofline_tok_s": roof}
+        print(f"decode b={batch} sync steps: {run}", flush=True)
+    set_async_scheduling(core, True)
     prefill = engine_prefill(core, hf_config.vocab_size, 8)
     roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
     rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))

@@ -30,6 +30,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DEEPINFER_MAX_NUM_SEQS": ("scheduler", "max_num_seqs"),
     "DEEPINFER_MAX_NUM_BATCHED_TOKENS": ("scheduler", "max_num_batched_tokens"),
     "DEEPINFER_MAX_WAITING_REQUESTS": ("scheduler", "max_waiting_requests"),
+    "DEEPINFER_ASYNC_SCHEDULING": ("scheduler", "async_scheduling"),
     "DEEPINFER_KV_ROLE": ("kv_transfer", "role"),
     "DEEPINFER_KV_STORE": ("kv_transfer", "kv_store"),
     "DEEPINFER_KV_STORE_MEMORY_BYTES": ("kv_transfer", "memory_store_bytes"),
@@ -117,12 +118,16 @@ class SchedulerConfig:
     max_waiting_requests: cap on queued requests; past it new requests are refused (HTTP 429).
     long_prefill_token_threshold: one request's prefill chunk is at most this many tokens
         (0 = up to the whole budget); keeps decode latency steady under long prompts.
+    async_scheduling: schedule and build step N+1 and detokenize step N while step N runs on
+        the device (engine/async_step.py); None = on for CUDA, off for CPU (where the host
+        computes the step itself, so there is nothing to overlap).
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_waiting_requests: int = 256
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1.")

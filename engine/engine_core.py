@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from engine import loader
+from engine.async_step import AsyncStepper
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import PromptTooLongError
 from engine.kv_cache.manager import KVCacheManager
@@ -114,6 +115,10 @@ class EngineCore:
             save_kv_blocks=isinstance(self.kv_transfer, KVTransfer)
             and config.kv_transfer.role != "decode")
         self.output_processor = OutputProcessor(self.tokenizer)
+        async_scheduling = config.scheduler.async_scheduling
+        if async_scheduling is None:  # default: on where the device runs apart from the host
+            async_scheduling = self.device.type == "cuda"
+        self.async_steps = AsyncStepper(self) if async_scheduling else None
         logger.info("KV cache: %s, %d bytes/token; %d blocks x %d tokens (%.1f MiB), "
                     "max_model_len=%d", type(spec).__name__, spec.bytes_per_token(), num_blocks,
                     cache.block_size, num_blocks * spec.block_bytes(cache.block_size) / 2**20,
@@ -214,6 +219,8 @@ class EngineCore:
         """Raises QueueFullError when the waiting queue is at its cap. With a KV store, the
         request waits while its stored prompt blocks are fetched."""
         self.scheduler.add_request(request)
+        if self.async_steps is not None:
+            self.async_steps.add_request(request)
         self.output_processor.add_request(request.request_id, request.prompt_token_ids,
                                           request.sampling_params, request.arrival_time)
         self._fetch_remote_kv(request)
@@ -232,13 +239,17 @@ class EngineCore:
             self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished_requests > 0 or self.kv_transfer.has_held_outputs()
+        return (self.scheduler.num_unfinished_requests > 0 or self.kv_transfer.has_held_outputs()
+                or (self.async_steps is not None and self.async_steps.in_flight is not None))
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update, detokenize: one forward pass over the batch. KV store
         traffic: fetched requests rejoin the queue, fetched blocks are written before the
-        forward pass, full prompt blocks are saved after it (engine/kv_transfer.py)."""
+        forward pass, full prompt blocks are saved after it (engine/kv_transfer.py). With async
+        scheduling the step overlaps the next one's host work (engine/async_step.py)."""
+        if self.async_steps is not None and self.async_steps.wants_step():
+            return self.async_steps.step()
         self.scheduler.remote_kv_ready(self.kv_transfer.finished_loads())
         if not self.scheduler.has_work():
             self.kv_transfer.wait(_STORE_WAIT_S)  # only block saves of a hand-off in flight

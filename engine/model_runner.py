@@ -12,7 +12,8 @@ import logging
 
 import torch
 
-from engine.input_batch import CachedRequestState, build_step_inputs
+from engine.async_step import AsyncRunnerOutput
+from engine.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.sampling_metadata import build_sampling_metadata
@@ -99,11 +100,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         num_scheduled = [scheduler_output.num_scheduled_tokens[s.request_id] for s in states]
         inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs):
-            hidden = self.cuda_graphs.run(inputs)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.attn_metadata)
+        hidden = self._forward(inputs)
         sampled: dict[str, tuple[list[int], list | None]] = {}
         if inputs.sampling_states:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -129,6 +126,42 @@ class ModelRunner:
             req_ids=[s.request_id for s in states],
             sampled_token_ids=[sampled.get(s.request_id, ([], None))[0] for s in states],
             logprobs=[sampled.get(s.request_id, ([], None))[1] for s in states])
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """[num_tokens, hidden_size]: a captured graph's replay for a decode step it covers,
+        else the eager forward."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs):
+            return self.cuda_graphs.run(inputs)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                          inputs.attn_metadata)
+
+    @torch.inference_mode()
+    def execute_async(self, scheduler_output: SchedulerOutput,
+                      previous: AsyncRunnerOutput | None) -> AsyncRunnerOutput:
+        """`execute` for async scheduling (engine/async_step.py): launch the step and return
+        without waiting for the device. Tokens `previous` sampled are still on the device: the
+        runner holds -1 for them, and the decode rows that feed them gather them on the device.
+        The requests must have no grammar and no penalties (those need the token values)."""
+        states = self._update_states(scheduler_output)
+        if not states:
+            return AsyncRunnerOutput.empty()
+        num_scheduled = [scheduler_output.num_scheduled_tokens[s.request_id] for s in states]
+        inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device)
+        if previous is not None:
+            previous.feed_input_ids(states, num_scheduled, inputs.input_ids)
+        hidden = self._forward(inputs)
+        token_ids = logprobs = None
+        if inputs.sampling_states:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            metadata = build_sampling_metadata(inputs.sampling_states, self.device,
+                                               eos_token_ids=self.eos_token_ids)
+            token_ids, logprobs = self.sampler.sample_on_device(logits, metadata)
+            for state in inputs.sampling_states:
+                state.token_ids.append(-1)  # a placeholder until the step is resolved
+        for state, num_tokens in zip(states, num_scheduled):
+            state.num_computed_tokens += num_tokens
+        return AsyncRunnerOutput.launch([s.request_id for s in states],
+                                        inputs.sampling_states, token_ids, logprobs)
 
     # ---- KV blocks in and out, for the KV store (engine/kv_transfer.py) --------------------
     @property

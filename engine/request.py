@@ -56,6 +56,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
+    # async scheduling (engine/async_step.py): sampled tokens still on the device, not yet in
+    # output_token_ids; the scheduler schedules them as if known
+    num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # chain over full blocks, filled lazily

@@ -256,8 +256,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Args: logits [B, V] float32 (row r = metadata row r). Returns B sampled ids."""
+        token_ids, logprobs = self.sample_on_device(logits, metadata)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def sample_on_device(self, logits: torch.Tensor, metadata: SamplingMetadata
+                         ) -> tuple[torch.Tensor, list[TokenLogprobs] | None]:
+        """As `__call__`, but the sampled ids stay on the logits' device: [B] int64, so the
+        caller need not wait for the device (async scheduling, engine/async_step.py). The
+        argmax-only path never synchronizes; the random, penalty and logprob paths still do."""
         if metadata.argmax_only:                                     # the batch-1 decode path
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+            return logits.argmax(dim=-1), None
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.num_logprobs is not None else None
         logits = self._mask_tokens(logits, metadata.masked_token_ids)
@@ -274,7 +282,7 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, token_ids, metadata.num_logprobs,
                                         metadata.max_num_logprobs)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return token_ids, logprobs
 
     @staticmethod
     def _mask_tokens(logits: torch.Tensor, masked: list[list[int] | None] | None) -> torch.Tensor:

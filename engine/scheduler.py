@@ -159,7 +159,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_tokens = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens + request.num_output_placeholders
+            if num_known >= request.max_total_tokens and request.num_output_placeholders:
+                index += 1  # async scheduling: its in-flight token is its last (max_tokens)
+                continue
+            num_tokens = self._chunk(num_known - request.num_computed_tokens, budget)
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -254,9 +258,8 @@ class Scheduler:
             logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
             if logprobs is not None:
                 logprobs = logprobs[:len(new_token_ids)]
-            if status is not None:
-                self.running.remove(request)
-                self._free_request(request, status)
+            if status is not None:  # also when preempted with a token in flight (async)
+                self.finish_requests((request_id,), status)
             outputs.append(EngineCoreOutput(request_id, new_token_ids, logprobs,
                                             status.finish_reason if status else None,
                                             request.stop_reason,

@@ -33,6 +33,7 @@ ENGINE_FLAGS: dict[str, tuple[str, str, Any]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs", int),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens", int),
     "max_waiting_requests": ("scheduler", "max_waiting_requests", int),
+    "async_scheduling": ("scheduler", "async_scheduling", bool),
     "role": ("kv_transfer", "role", str),
     "kv_store": ("kv_transfer", "kv_store", str),
     "kv_store_memory_gb": ("kv_transfer", "memory_store_bytes", lambda gb: int(gb * (1 << 30))),
@@ -75,6 +76,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="the model name clients send (default: derived from MODEL)")
     serve.add_argument("--seed", type=int, default=keep,
                        help="base seed for requests that give none (default: random)")
+    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=keep,
+                       help="prepare the next step on the host while the device runs this one "
+                            "(default: on for CUDA, off for CPU)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
     serve.add_argument("--role", choices=["both", "prefill", "decode"], default=keep,

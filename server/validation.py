@@ -146,6 +146,14 @@ def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len
 
 def build_params(kwargs: dict[str, Any], max_tokens: int) -> SamplingParams:
     """SamplingParams from validated kwargs; its own checks (min_p, top_k, ...) become 400s."""
+    if kwargs.get("so_args") is not None:   # named in API terms rather than the engine's so_args
+        for name in ("ignore_eos", "min_tokens"):
+            if kwargs.get(name):
+                raise APIError(f"{name}={kwargs[name]!r} cannot be combined with structured "
+                               "outputs (response_format, structured_outputs, guided_*) or a "
+                               "'required' / named tool_choice: the output ends where its "
+                               f"grammar is complete; drop {name}.", param=name,
+                               code="invalid_value")
     try:
         return SamplingParams(max_tokens=max_tokens, **kwargs)
     except ValueError as exc:

@@ -115,3 +115,44 @@ def test_bfloat16_first_token_matches_hf(model_dir):
                          max_new_tokens=4)
     assert [tokens[:1] for tokens in got] == expected
     assert all(len(tokens) == 4 for tokens in got)
+
+
+def _engine_run(model_dir, prompts, params, *, async_scheduling, num_blocks):
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+
+    config = EngineConfig().replace(
+        model={"model": str(model_dir), "device": "cuda", "dtype": "float32"},
+        cache={"num_blocks": num_blocks, "block_size": 16, "enable_prefix_caching": False},
+        scheduler={"max_num_batched_tokens": 64, "max_num_seqs": 8,
+                   "async_scheduling": async_scheduling},
+        kv_transfer={"kv_store": "none"})
+    llm = LLM(config=config)
+    core = llm.engine_core
+    assert (core.async_steps is not None) == async_scheduling
+    outputs = llm.generate(prompts, params)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    result = ([(o.token_ids, o.finish_reason, o.stop_reason) for o in outputs],
+              core.scheduler.num_preemptions, pool.num_free_blocks)
+    del llm, core
+    gc.collect()
+    return result
+
+
+def test_async_scheduling_gives_the_sync_tokens_and_frees_every_block(model_dir):
+    """Async steps (the default on CUDA: decode ids gathered on the device, stop rules one
+    step late) against sync steps: greedy, seeded random with logprobs, max_tokens, stop token
+    ids, under preemption (24 blocks of 16 tokens for ~40 blocks of demand)."""
+    from engine.sampling_params import SamplingParams
+
+    prompts = _prompts() * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=24, logprobs=1,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[7, 11, 13, 17]),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 2
+    sync = _engine_run(model_dir, prompts, params, async_scheduling=False, num_blocks=24)
+    overlapped = _engine_run(model_dir, prompts, params, async_scheduling=True, num_blocks=24)
+    assert overlapped[0] == sync[0]
+    assert overlapped[1] > 0 and overlapped[2] == 24 and sync[2] == 24

@@ -118,13 +118,13 @@ def test_handoff_request_also_saves_its_prefix_cache_hits():
 
 
 def test_preempted_requests_are_reported_once_and_fetched_ones_go_first():
-    scheduler = make_scheduler(num_blocks=6, budget=64)
+    scheduler = make_scheduler(num_blocks=5, budget=64)
     first, second = make_request("first", 8), make_request("second", 8, first_token=50)
     scheduler.add_request(first)
     scheduler.add_request(second)
-    finish_step(scheduler, scheduler.schedule())     # 2 blocks each + 1 for each output
-    while scheduler.num_preemptions == 0:
-        finish_step(scheduler, scheduler.schedule())
+    finish_step(scheduler, scheduler.schedule())     # 2 blocks each, 1 token sampled each
+    finish_step(scheduler, scheduler.schedule())     # both need a 3rd block: 1 is free
+    assert scheduler.num_preemptions == 1
     preempted = scheduler.take_preempted()
     assert [r.request_id for r in preempted] == ["second"] and scheduler.take_preempted() == []
     scheduler.add_request(make_request("third", 3, first_token=90))

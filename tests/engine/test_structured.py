@@ -98,12 +98,33 @@ def test_grammar_key_is_canonical_and_checks_types():
     ({"schema_type": "json", "schema": {"$ref": "#/$defs/missing"}}, "JSON schema: Cannot find"),
     ({"schema_type": "regex", "schema": "a(b"}, "regex: Regex parsing error at position 4: The parenthesis"),
     ({"schema_type": "ebnf", "schema": "root ::= foo"}, 'EBNF grammar: .*Rule "foo" is not'),
+    # keywords XGrammar would silently ignore (outputs then violated the schema): refused
+    ({"schema_type": "json", "schema": {"allOf": [{"type": "string"}, {"type": "integer"}]}},
+     "'allOf' with 2 subschemas at #"),
+    ({"schema_type": "json", "schema": {"type": "object", "properties": {
+        "a": {"not": {"type": "string"}}}}}, "keyword 'not' at #/properties/a"),
+    ({"schema_type": "json", "schema": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+    ({"schema_type": "json", "schema": {"$ref": "http://example.com/s.json"}},
+     "points outside the schema"),
+    ({"schema_type": "json", "schema": {"type": "object", "properties": {}, "required": ["b"],
+                                        "additionalProperties": False}}, r"requires \['b'\]"),
+    ({"schema_type": "json", "schema": "false"}, "allows no value"),
 ])
 def test_invalid_constraint_is_a_clear_value_error(llm, so_args, message):
     params = SamplingParams(max_tokens=8, so_args=so_args)
     with pytest.raises(ValueError, match=message):
         llm.engine_core.make_request(PROMPT, params)
     assert not llm.engine_core.has_unfinished_requests()
+
+
+def test_enforceable_schemas_pass_the_keyword_check():
+    from engine.structured.xgrammar_backend import _check_enforceable
+
+    for schema in [{"allOf": [{"type": "integer"}]}, {"$ref": "#/$defs/a", "$defs": {"a": {}}},
+                   {"type": "array", "uniqueItems": False},
+                   {"type": "object", "properties": {"not": {"type": "string"}},
+                    "required": ["not"], "additionalProperties": False}]:
+        _check_enforceable(schema)
 
 
 def test_sampling_params_refuse_ignore_eos_and_min_tokens_with_so_args():

@@ -95,6 +95,10 @@ def test_completions_take_structured_fields():
         "type": "string"}}}], "tool_choice": "required"},
      "tools[0].function.parameters", "of type 'object'"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "unique name"),
+    ({"guided_regex": "a+", "min_tokens": 3}, "min_tokens", "cannot be combined with "
+                                                          "structured outputs"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos",
+     "'required' / named tool_choice"),
     ({"tools": [WEATHER], "messages": USER + [{"role": "tool", "content": "sunny"}]},
      "messages.1", "no tool_call_id"),
 ])
