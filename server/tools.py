@@ -123,14 +123,33 @@ def tool_so_args(config: ToolConfig | None) -> dict[str, Any] | None:
         return None
     if config.choice == "named":
         return {"schema_type": "json", "schema": config.parameters(config.name)}
+    # each function's parameters become `$defs/__tool<i>` of the array schema, their local
+    # `$ref`s ("#/$defs/X", as pydantic writes nested models) re-rooted there, so they resolve
+    defs = {f"__tool{i}": _rebase_refs(config.parameters(name), f"#/$defs/__tool{i}")
+            for i, name in enumerate(config.names)}
     calls = [{"type": "object",
-              "properties": {"name": {"const": name}, "arguments": config.parameters(name)},
-              "required": ["name", "arguments"]} for name in config.names]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+              "properties": {"name": {"const": name},
+                             "arguments": {"$ref": f"#/$defs/__tool{i}"}},
+              "required": ["name", "arguments"]} for i, name in enumerate(config.names)]
+    schema: dict[str, Any] = {"$defs": defs, "type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not config.parallel:
         schema["maxItems"] = 1
     return {"schema_type": "json", "schema": schema}
+
+
+def _rebase_refs(schema: Any, root: str) -> Any:
+    """`schema` with every local `$ref` ("#..." ) pointing below `root` instead of "#"."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {key: value if key in ("enum", "const", "default", "examples")
+               else _rebase_refs(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        rebased["$ref"] = root + ref[1:]
+    return rebased
 
 
 def tool_streamer(config: ToolConfig | None) -> ToolCallStreamer | None:

@@ -147,7 +147,9 @@ def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len
 def build_params(kwargs: dict[str, Any], max_tokens: int) -> SamplingParams:
     """SamplingParams from validated kwargs; its own checks (min_p, top_k, ...) become 400s."""
     if kwargs.get("so_args") is not None:   # named in API terms rather than the engine's so_args
-        for name in ("ignore_eos", "min_tokens"):
+        # a stop string would cut the output before its grammar is complete (invalid JSON
+        # reported as finished); stop_token_ids are fine: the grammar allows them only at the end
+        for name in ("ignore_eos", "min_tokens", "stop"):
             if kwargs.get(name):
                 raise APIError(f"{name}={kwargs[name]!r} cannot be combined with structured "
                                "outputs (response_format, structured_outputs, guided_*) or a "

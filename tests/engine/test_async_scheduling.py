@@ -200,3 +200,48 @@ def test_grammar_request_arriving_mid_run_drains_the_step_in_flight(sync_llm, as
     assert summary(finished[f"g{i}"] for i in range(4)) == expected
     assert modes[4] and not modes[6]   # drained the step in flight, then ran sync steps
     assert_all_blocks_free(async_llm)
+
+
+def test_async_llm_streams_and_an_aborted_stream_frees_its_blocks(tiny_llama_dir, sync_llm):
+    import asyncio
+
+    from engine.async_llm import AsyncLLM
+
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(async_scheduling=True))
+    engine = AsyncLLM(config)
+    expected = sync_llm.generate([PROMPTS[3]], GREEDY)[0].token_ids
+
+    async def run():
+        async def leave_after_two():
+            seen = 0
+            stream = engine.generate(PROMPTS[7], SamplingParams(max_tokens=200,
+                                                                ignore_eos=True))
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    break
+            await stream.aclose()
+
+        async def complete():
+            tokens = []
+            async for output in engine.generate(PROMPTS[3], GREEDY):
+                tokens.extend(output.new_token_ids)
+            return tokens
+
+        _, tokens = await asyncio.gather(leave_after_two(), complete())
+        for _ in range(100):
+            stats = engine.get_stats()
+            if stats.num_running_reqs == 0 and stats.num_free_kv_blocks == 256:
+                break
+            await asyncio.sleep(0.02)
+        return tokens, engine.get_stats()
+
+    try:
+        tokens, stats = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert tokens == expected
+    assert stats.num_running_reqs == 0 and stats.num_free_kv_blocks == 256

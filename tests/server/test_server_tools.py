@@ -99,6 +99,11 @@ def test_completions_take_structured_fields():
                                                           "structured outputs"),
     ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos",
      "'required' / named tool_choice"),
+    # a stop string cut a required call's arguments to '{"city": "Paris", "' with
+    # finish_reason "tool_calls"
+    ({"tools": [WEATHER], "tool_choice": "required", "stop": ["unit"]}, "stop",
+     "stop=['unit'] cannot be combined"),
+    ({"guided_json": SCHEMA, "stop": "}"}, "stop", "drop stop"),
     ({"tools": [WEATHER], "messages": USER + [{"role": "tool", "content": "sunny"}]},
      "messages.1", "no tool_call_id"),
 ])
@@ -297,3 +302,32 @@ def test_choice_regex_matches_each_choice_exactly_under_xgrammar(smollm2_tokeniz
     for choice in choices:
         assert accepts(choice) and re.fullmatch(regex, choice)
     assert not accepts("ab") and not accepts("a-b-") and not re.fullmatch(regex, "a")
+
+
+def test_required_keeps_local_refs_of_nested_parameters_resolvable(smollm2_tokenizer):
+    """Found by black-box testing: pydantic-style parameters with `$defs` + "#/$defs/..." refs
+    (openai.pydantic_function_tool of a nested model) were a 400 under tool_choice "required",
+    because the call-array wrapper moved them away from the schema root."""
+    from engine.structured.xgrammar_backend import XGrammarBackend
+    from server.tools import ToolConfig, tool_so_args
+
+    ship = {"type": "function", "function": {"name": "ship", "parameters": {
+        "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"], "additionalProperties": False}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Addr"},
+                                         "tag": {"const": {"$ref": "#/kept"}}},
+        "required": ["to"]}}}
+    so_args = tool_so_args(ToolConfig([ship, TIME], "required", None, True))
+    assert so_args["schema"]["$defs"]["__tool0"]["properties"]["tag"] == {
+        "const": {"$ref": "#/kept"}}                  # values are data, not references
+    backend = XGrammarBackend(smollm2_tokenizer, len(smollm2_tokenizer), [2])
+    compiled = backend.compile(("json", json.dumps(so_args["schema"])))
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(compiled, [2])
+        tokens = smollm2_tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(2)
+
+    assert accepts('[{"name": "ship", "arguments": {"to": {"city": "Paris"}}}]')
+    assert accepts('[{"name": "get_time", "arguments": {"zone": "UTC"}}]')
+    assert not accepts('[{"name": "ship", "arguments": {"to": {"city": 1}}}]')
