@@ -170,7 +170,7 @@ class AsyncStepper:
             launched = self._launch()
         previous, self.in_flight = self.in_flight, launched
         outputs = self._finish(previous) if previous is not None else []
-        if previous is None and (launched is None or launched.scheduler_output.is_empty):
+        if all(s is None or s.scheduler_output.is_empty for s in (previous, launched)):
             core.kv_transfer.wait(_STORE_WAIT_S)  # only KV store traffic: do not spin
         return core.kv_transfer.hold_finished(outputs)
 
