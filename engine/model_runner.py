@@ -58,7 +58,7 @@ class ModelRunner:
         steps then replay them (engine/cuda_graphs.py). Needs Triton: the torch attention
         backend synchronizes with the host, which a graph capture cannot hold."""
         from engine.cuda_graphs import CudaGraphRunner
-        from kernels.paged_attention import triton_available
+        from kernels.backends import triton_available
 
         if not triton_available():
             logger.warning("CUDA graphs are off: Triton is not installed, and the torch "

@@ -8,12 +8,11 @@ match the reference within one ulp.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from kernels.backends import triton_available
+
 BACKENDS = ("reference", "triton")
-_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def silu_and_mul(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -26,8 +25,8 @@ def silu_and_mul(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         [num_tokens, intermediate], gate_up's dtype.
     """
     if backend == "auto":
-        backend = "triton" if gate_up.is_cuda and _TRITON and gate_up.stride(-1) == 1 \
-            else "reference"
+        use_triton = gate_up.is_cuda and gate_up.stride(-1) == 1 and triton_available()
+        backend = "triton" if use_triton else "reference"
     if backend == "triton":
         from kernels import elementwise_triton
 

@@ -8,7 +8,7 @@ Backends, imported lazily on first use:
 - "torch": `kernels/mla_attention_torch.py`, batched torch ops on any device: decode rows in the
   absorbed form (attention in the latent space), prefill chunks expanded to per-head K/V.
 `backend="auto"` is "torch" everywhere; an accelerated backend (e.g. a FlashMLA-style Triton
-kernel) registers in `_BACKEND_MODULES` and is chosen in `_auto_backend`.
+kernel) registers in `_BACKENDS` with an `auto` rule.
 
 Latent cache layout (one layer): `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`;
 slot = block_id * block_size + offset.
@@ -16,37 +16,16 @@ slot = block_id * block_size + offset.
 
 from __future__ import annotations
 
-import functools
-import importlib
-from types import ModuleType
-
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.backends import Backends
 
-_BACKEND_MODULES = {
+_BACKENDS = Backends("MLA attention", {
     "reference": "kernels.reference.mla_attention",
     "torch": "kernels.mla_attention_torch",
-}
-BACKENDS = tuple(_BACKEND_MODULES)
-
-
-def _auto_backend(device: torch.device) -> str:
-    return "torch"
-
-
-@functools.cache
-def _load_backend(name: str) -> ModuleType:
-    return importlib.import_module(_BACKEND_MODULES[name])
-
-
-def _backend(backend: str, device: torch.device) -> ModuleType:
-    if backend == "auto":
-        backend = _auto_backend(device)
-    if backend not in _BACKEND_MODULES:
-        raise ValueError(f"MLA attention backend={backend!r} is unknown; use 'auto' or one of "
-                         f"{BACKENDS}.")
-    return _load_backend(backend)
+})
+BACKENDS = _BACKENDS.names
 
 
 def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -60,7 +39,7 @@ def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: tor
         slot_mapping: [num_tokens] int64, block_id * block_size + offset; -1 = skip the token.
         backend: "auto", "reference" or "torch".
     """
-    _backend(backend, kv_cache.device).write_latent(latent, kv_cache, slot_mapping)
+    _BACKENDS.get(backend, kv_cache.device).write_latent(latent, kv_cache, slot_mapping)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -84,5 +63,5 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     Returns:
         [num_tokens, num_heads, v_head_dim], q_nope's dtype.
     """
-    return _backend(backend, q_nope.device).mla_attention(q_nope, q_pe, kv_cache, metadata,
+    return _BACKENDS.get(backend, q_nope.device).mla_attention(q_nope, q_pe, kv_cache, metadata,
                                                           w_uk, w_uv, scale)

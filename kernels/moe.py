@@ -5,7 +5,7 @@ Backends, imported lazily on first use:
 - "torch": `kernels/moe_torch.py`, (token, k) pairs sorted by expert, one GEMM pair per hit
   expert on a contiguous slice.
 `backend="auto"` is "torch"; a grouped-GEMM backend (Triton on CUDA) registers in
-`_BACKEND_MODULES` and is chosen in `_auto_backend`.
+`_BACKENDS` with an `auto` rule.
 
 Expert weights are addressed by *physical* expert index (the model maps logical → physical
 before calling), so replicated or re-placed experts (EPLB) need no change here.
@@ -13,23 +13,12 @@ before calling), so replicated or re-placed experts (EPLB) need no change here.
 
 from __future__ import annotations
 
-import functools
-import importlib
-from types import ModuleType
-
 import torch
 
-_BACKEND_MODULES = {"reference": "kernels.reference.moe", "torch": "kernels.moe_torch"}
-BACKENDS = tuple(_BACKEND_MODULES)
+from kernels.backends import Backends
 
-
-def _auto_backend(device: torch.device) -> str:
-    return "torch"
-
-
-@functools.cache
-def _load_backend(name: str) -> ModuleType:
-    return importlib.import_module(_BACKEND_MODULES[name])
+_BACKENDS = Backends("MoE", {"reference": "kernels.reference.moe", "torch": "kernels.moe_torch"})
+BACKENDS = _BACKENDS.names
 
 
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -48,7 +37,5 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Returns:
         [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32).
     """
-    name = _auto_backend(hidden.device) if backend == "auto" else backend
-    if name not in _BACKEND_MODULES:
-        raise ValueError(f"MoE backend={backend!r} is unknown; use 'auto' or one of {BACKENDS}.")
-    return _load_backend(name).moe_experts(hidden, w13, w2, topk_weights, topk_ids)
+    experts = _BACKENDS.get(backend, hidden.device)
+    return experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids)

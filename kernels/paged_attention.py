@@ -17,52 +17,31 @@ KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-from types import ModuleType
-
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-
-_BACKEND_MODULES = {
-    "reference": "kernels.reference.paged_attention",
-    "torch": "kernels.paged_attention_torch",
-    "cpu": "kernels.paged_attention_cpu",
-    "triton": "kernels.paged_attention_triton",
-}
-BACKENDS = tuple(_BACKEND_MODULES)
+from kernels.backends import Backends, triton_available
 
 
 def _auto_backend(device: torch.device) -> str:
     """The backend "auto" means on `device`: the C++ kernel on CPU where it builds (it hands
-    batches it does not cover to "torch"), the batched torch backend elsewhere."""
-    if device.type == "cpu" and _load_backend("cpu").kernel_available():
+    batches it does not cover to "torch"), "triton" on CUDA where Triton is installed, else
+    the batched torch backend."""
+    if device.type == "cpu" and _BACKENDS.load("cpu").kernel_available():
         return "cpu"
     if device.type == "cuda" and triton_available():
         return "triton"
     return "torch"
 
 
-@functools.cache
-def triton_available() -> bool:
-    """True if the `triton` package is importable (it is absent on CPU-only installs)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-@functools.cache
-def _load_backend(name: str) -> ModuleType:
-    return importlib.import_module(_BACKEND_MODULES[name])
-
-
-def _backend(backend: str, device: torch.device) -> ModuleType:
-    if backend == "auto":
-        backend = _auto_backend(device)
-    if backend not in _BACKEND_MODULES:
-        raise ValueError(f"paged attention backend={backend!r} is unknown; use 'auto' or one of "
-                         f"{BACKENDS}.")
-    return _load_backend(backend)
+_BACKENDS = Backends("paged attention", {
+    "reference": "kernels.reference.paged_attention",
+    "torch": "kernels.paged_attention_torch",
+    "cpu": "kernels.paged_attention_cpu",
+    "triton": "kernels.paged_attention_triton",
+}, auto=_auto_backend)
+BACKENDS = _BACKENDS.names
+__all__ = ["BACKENDS", "paged_attention", "triton_available", "write_kv"]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -75,7 +54,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         slot_mapping: [num_tokens] int64, block_id * block_size + offset; -1 = skip the token.
         backend: "auto", "reference", "torch", "cpu" or "triton".
     """
-    _backend(backend, kv_cache.device).write_kv(key, value, kv_cache, slot_mapping)
+    _BACKENDS.get(backend, kv_cache.device).write_kv(key, value, kv_cache, slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -96,4 +75,4 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     Returns:
         [num_tokens, num_q_heads, head_dim], query's dtype.
     """
-    return _backend(backend, query.device).paged_attention(query, kv_cache, metadata, scale)
+    return _BACKENDS.get(backend, query.device).paged_attention(query, kv_cache, metadata, scale)

@@ -14,12 +14,11 @@ Numerics: fp32 accumulation (8-lane partial sums), within 1e-6 relative of torch
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from kernels.backends import triton_available
+
 BACKENDS = ("reference", "cpu", "triton")
-_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _cpu_ok(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -65,8 +64,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if ext is not None:  # the hot path: one C++ call
             normed = ext.rms_norm(x, weight, eps, residual)
             return normed if residual is None else (normed, x)
-        backend = ("triton" if x.is_cuda and _TRITON and x.dim() == 2 and x.stride(-1) == 1
-                   else "reference")
+        use_triton = x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and triton_available()
+        backend = "triton" if use_triton else "reference"
     if backend == "triton":
         from kernels import elementwise_triton
 

@@ -8,12 +8,11 @@ tensors where Triton is installed, else "reference". Triton vs reference: bf16 w
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from kernels.backends import triton_available
+
 BACKENDS = ("reference", "triton")
-_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -28,7 +27,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
         [num_tokens, num_heads, head_dim], a new contiguous tensor of x's dtype.
     """
     if backend == "auto":
-        backend = "triton" if x.is_cuda and _TRITON and x.stride(-1) == 1 else "reference"
+        use_triton = x.is_cuda and x.stride(-1) == 1 and triton_available()
+        backend = "triton" if use_triton else "reference"
     if backend == "triton":
         from kernels import elementwise_triton
 

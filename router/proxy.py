@@ -254,6 +254,12 @@ class Proxy:
 
     async def _disaggregated(self, path: str, payload: dict[str, Any], headers: dict[str, str],
                              features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:
+        if not any(r.healthy for r in self.registry.replicas("decode")):
+            # no decode worker to hand the prompt to: do not spend a prefill on a request
+            # that can only end in 503
+            raise NoReplicaError("No healthy decode worker is available right now (all "
+                                 "ejected or still starting); retry shortly.",
+                                 reason="no_replica")
         params = await self._prefill(path, payload, headers, features)
         body = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
         if params is None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from engine.kv_cache.spec import MLAAttentionSpec
 from engine.models.fp8 import dequantize_fp8_weights, fp8_block_size
+from engine.models.layers.decoder import PreNormDecoderLayer
 from engine.models.layers.linear import Linear
 from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.moe import MoE
@@ -184,7 +185,7 @@ class DeepseekMoEBlock(nn.Module):
         return out
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, hf_config, layer_idx: int, routing: RoutingConfig | None,
                  dtype: torch.dtype, *, interleaved_rope: bool) -> None:
         super().__init__()
@@ -207,20 +208,6 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             targets.update(self.mlp.checkpoint_targets(f"{prefix}mlp."))
         return targets
-
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                residual: torch.Tensor | None, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden, residual: [T, hidden_size] (residual None at the first layer). Returns
-        (mlp output, residual stream); the next layer adds them in its first norm."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekMTPLayer(nn.Module):

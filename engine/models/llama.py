@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.kv_cache.spec import FullAttentionSpec
 from engine.models.layers.attention import PagedAttention
+from engine.models.layers.decoder import PreNormDecoderLayer
 from engine.models.layers.linear import Linear
 from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.rms_norm import RMSNorm
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, hf_config, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
@@ -71,20 +72,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
                             bias=getattr(hf_config, "mlp_bias", False), dtype=dtype)
-
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                residual: torch.Tensor | None, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden, residual: [T, hidden_size] (residual None at the first layer).
-        Returns (mlp output, residual stream): the next layer adds them in its first norm."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):

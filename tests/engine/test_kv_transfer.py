@@ -17,6 +17,7 @@ from engine.outputs import KVBlocks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from kvstore import MemoryKVStore
+from tests.tiny_models import save_tiny_llama
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -28,19 +29,8 @@ PROMPTS = [list(range(100, 170)),          # 70 tokens: 17 blocks may load, a pa
 @pytest.fixture(scope="module")
 def other_llama_dir(tmp_path_factory, smollm2_tokenizer):
     """The tiny Llama's twin: same config.json, other random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama-other")
-    tok = smollm2_tokenizer
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=0.2,
-                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id)
-    torch.manual_seed(1)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-other"), smollm2_tokenizer,
+                           seed=1)
 
 
 def make_core(model_dir, *, kv_store="memory", role="both", num_blocks=256) -> EngineCore:

@@ -272,3 +272,14 @@ def test_disaggregated_prefill_then_decode(workers, router_factory):
     assert len(prefill.bodies) == 2 and "kv_transfer_params" not in decode.bodies[-1]
     assert router.client.get("/health").json()["healthy_replicas"] == 1
 
+
+
+def test_disaggregated_no_decode_worker_skips_the_prefill(workers, router_factory):
+    prefill, decode = workers
+    decode.healthy = False  # ejected at the start-up check
+    router = router_factory(backends=(), prefill=(prefill.url,), decode=(decode.url,))
+    reply = router.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "no_healthy_replica"
+    assert prefill.bodies == []  # no prefill spent on a request that cannot be decoded
+    assert router.metric("deepinfer_router:rejected_requests_total", reason="no_replica") == 1

@@ -6,30 +6,18 @@ import asyncio
 
 import httpx
 import pytest
-import torch
 
 from engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
                            SchedulerConfig)
 from server.app import build_app
+from tests.tiny_models import save_tiny_llama
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a block store. " * 4}]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama-server")
-    tok = smollm2_tokenizer
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=0.2,
-                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-server"), smollm2_tokenizer)
 
 
 def engine(model_dir, role: str, kv_store: str):

@@ -1,0 +1,60 @@
+"""Backend choice shared by the public ops in kernels/ (STYLE.md #6).
+
+Each op (paged attention, MLA attention, MoE experts) lists its backends as module paths; a
+backend module is imported on first use only, so a CPU-only install never imports Triton.
+`backend="auto"` asks the op's own rule which backend suits the tensors' device.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True if the `triton` package is importable (it is absent on CPU-only installs)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def load_module(path: str) -> ModuleType:
+    return importlib.import_module(path)
+
+
+class Backends:
+    """The backends of one op.
+
+    Args:
+        op: the op's name, for error messages ("paged attention").
+        modules: backend name -> module path, e.g. {"torch": "kernels.paged_attention_torch"}.
+        auto: device -> backend name that "auto" means there; default: always "torch".
+    """
+
+    def __init__(self, op: str, modules: dict[str, str],
+                 auto: Callable[[torch.device], str] | None = None) -> None:
+        self.op = op
+        self.modules = dict(modules)
+        self.names = tuple(modules)
+        self._auto = auto or (lambda device: "torch")
+
+    def load(self, name: str) -> ModuleType:
+        return load_module(self.modules[name])
+
+    def get(self, backend: str, device: torch.device) -> ModuleType:
+        """The module of `backend` ("auto" resolved for `device`).
+
+        Raises:
+            ValueError: `backend` is neither "auto" nor one of `names`.
+        """
+        if backend == "auto":
+            backend = self._auto(device)
+        if backend not in self.modules:
+            raise ValueError(f"{self.op} backend={backend!r} is unknown; use 'auto' or one of "
+                             f"{self.names}.")
+        return self.load(backend)
