@@ -100,6 +100,18 @@ class EngineCoreOutput:
 
 
 @dataclass
+class CompletionOutput:
+    """One finished sequence, in the shape vLLM's offline API returns (`RequestOutput.outputs`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
 class RequestMetrics:
     """Monotonic timestamps in seconds (time.monotonic)."""
 
@@ -129,6 +141,15 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # prefill/decode disaggregation: what a do_remote_decode request stored (final output only)
     kv_transfer_params: dict | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's spelling of the finished generation: `out.outputs[0].text` (one sequence per
+        request here; empty until the request has finished)."""
+        if self.text is None:
+            return []
+        return [CompletionOutput(0, self.text, list(self.token_ids or []), self.logprobs,
+                                 self.finish_reason, self.stop_reason)]
 
 
 @dataclass

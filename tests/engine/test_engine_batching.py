@@ -41,9 +41,13 @@ def alone_outputs(tiny_llama_dir):
 
 def test_greedy_alone_equals_inside_a_batch_of_8(tiny_llama_dir, alone_outputs):
     llm = make_llm(tiny_llama_dir, budget=48)  # chunked prefill of the long prompts too
-    batched = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    assert batched == alone_outputs
-    assert all(len(t) == 24 for t in batched)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == alone_outputs
+    # vLLM's spelling of the same result
+    assert [o.outputs[0].token_ids for o in outputs] == alone_outputs
+    assert [o.outputs[0].text for o in outputs] == [o.text for o in outputs]
+    assert {o.outputs[0].finish_reason for o in outputs} == {"length"}
+    assert all(len(t) == 24 for t in alone_outputs)
 
 
 def test_greedy_equal_after_preemption(tiny_llama_dir, alone_outputs):
