@@ -46,14 +46,19 @@ def build_client(config: RouterConfig) -> httpx.AsyncClient:
 
 
 async def _models(client: httpx.AsyncClient, replica: Replica,
-                  headers: dict[str, str]) -> list[dict[str, Any]]:
+                  headers: dict[str, str]) -> tuple[list[dict[str, Any]], Response | None]:
+    """The replica's model cards, and its answer when it refused the client (a 4xx such as a
+    missing API key: the client's error, relayed as is when no replica lists models)."""
     try:
         response = await client.get(replica.url + "/v1/models", headers=headers,
                                     timeout=MODELS_TIMEOUT_S)
+        if 400 <= response.status_code < 500:
+            return [], Response(response.content, status_code=response.status_code,
+                                media_type=response.headers.get("content-type"))
         data = response.json().get("data") if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError):
-        return []
-    return [card for card in data or [] if isinstance(card, dict) and "id" in card]
+        return [], None
+    return [card for card in data or [] if isinstance(card, dict) and "id" in card], None
 
 
 def _lifespan(registry: Registry, client: httpx.AsyncClient, config: RouterConfig):
@@ -114,27 +119,36 @@ def build_app(config: RouterConfig) -> FastAPI:
 
 
 def _add_model_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient) -> None:
-    async def model_cards(request: Request) -> list[dict[str, Any]]:
+    async def model_cards(request: Request) -> tuple[list[dict[str, Any]], Response | None]:
+        """The union by id of the healthy replicas' cards; else a replica's 4xx (the client's
+        error) or a 503 when none answered."""
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         healthy = [r for r in registry.all if r.healthy]
-        lists = await asyncio.gather(*(_models(client, r, headers) for r in healthy))
+        answers = await asyncio.gather(*(_models(client, r, headers) for r in healthy))
         union: dict[str, dict[str, Any]] = {}
-        for cards in lists:
+        for cards, _ in answers:
             for card in cards:
                 union.setdefault(card["id"], card)
-        return list(union.values())
+        if union:
+            return list(union.values()), None
+        refusal = next((refused for _, refused in answers if refused is not None), None)
+        return [], refusal or error_response("No healthy worker listed its models; retry "
+                                             "shortly.", status_code=503,
+                                             code="no_healthy_replica")
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        cards = await model_cards(request)
-        if not cards:
-            return error_response("No healthy worker listed its models; retry shortly.",
-                                  status_code=503, code="no_healthy_replica")
+        cards, failure = await model_cards(request)
+        if failure is not None:
+            return failure
         return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> Response:
-        for card in await model_cards(request):
+        cards, failure = await model_cards(request)
+        if failure is not None:
+            return failure
+        for card in cards:
             if card["id"] == model_id:
                 return JSONResponse(card)
         return error_response(f"The model `{model_id}` does not exist on any healthy worker.",

@@ -55,6 +55,11 @@ _DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encodi
 # fields of the client's body the prefill step replaces or drops
 _PREFILL_DROP = ("stream_options", "max_completion_tokens", "min_tokens", "best_of")
 
+# how often a prefill step in flight checks that its worker was not ejected meanwhile
+PREFILL_EJECTION_POLL_S = 0.25
+# deeper client JSON is forwarded unparsed (no policy features, no prefill step)
+MAX_JSON_DEPTH = 128
+
 T = TypeVar("T")
 
 
@@ -68,6 +73,29 @@ class NoReplicaError(Exception):
 
 def relayed_headers(upstream: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deeply lists and dicts nest in `value` (iterative: no recursion to overflow)."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            depth = max(depth, level)
+            stack.extend((child, level + 1)
+                         for child in (item.values() if isinstance(item, dict) else item))
+    return depth
+
+
+def parse_body(body: bytes) -> Any:
+    """The client's JSON body, or None when it does not parse or nests deeper than
+    `MAX_JSON_DEPTH` (the router re-encodes and hashes bodies recursively; Python's json
+    raises RecursionError around 1000 levels). A None body is forwarded as is."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return payload if _nesting_depth(payload) <= MAX_JSON_DEPTH else None
 
 
 class UpstreamResponse(StreamingResponse):
@@ -155,10 +183,7 @@ class Proxy:
 
     async def _answer(self, request: Request, path: str) -> Response:
         body = await request.body()
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            payload = None  # the worker answers the client's malformed JSON with its 400
+        payload = parse_body(body)  # None: the worker answers the malformed JSON with its 400
         features = request_features(next(self._seq), path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
         # raw bytes are relayed: the worker may compress only as the client accepts
@@ -212,12 +237,13 @@ class Proxy:
                         headers=relayed_headers(upstream))
 
     async def _open(self, role: str, path: str, content: bytes, headers: dict[str, str],
-                    features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:
+                    features: RequestFeatures, tried: list[Replica] | None = None
+                    ) -> tuple[httpx.Response, Replica, float]:
         """Send the request to a `role` replica chosen by the policy and return its answer with
         the header read (the body not yet). The replica's `outstanding` stays incremented until
         the caller closes the answer. Connection failures before the first byte move the
         request to another replica. Raises NoReplicaError when none could take it."""
-        tried: list[Replica] = []
+        tried = [] if tried is None else tried  # the caller may watch where it went
         while len(tried) < self.config.max_attempts:
             candidates = [r for r in self.registry.replicas(role) if r not in tried]
             replica = self.policy(features, candidates)
@@ -275,9 +301,32 @@ class Proxy:
         body = {k: v for k, v in payload.items() if k not in _PREFILL_DROP}
         body.update(kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False,
                     n=1)
+        # a prefill worker that hangs (stopped, wedged) answers nothing until the long
+        # --request-timeout-s: give up on it as soon as the health checks eject it
+        tried: list[Replica] = []
+        opening = asyncio.ensure_future(self._open(
+            "prefill", path, json.dumps(body).encode(), headers, features, tried))
         try:
-            upstream, replica, sent_at = await self._open(
-                "prefill", path, json.dumps(body).encode(), headers, features)
+            while not opening.done():
+                await asyncio.wait({opening}, timeout=PREFILL_EJECTION_POLL_S)
+                if not opening.done() and tried and not tried[-1].healthy:
+                    opening.cancel()
+                    await asyncio.wait({opening})
+                    if opening.cancelled():
+                        logger.warning("prefill worker %s was ejected while prefilling; the "
+                                       "decode worker recomputes", tried[-1].url)
+                        return None
+        except BaseException:  # the client left: close the prefill worker's connection too
+            opening.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({opening})
+                if not opening.cancelled() and opening.exception() is None:
+                    upstream, replica, _ = opening.result()
+                    await upstream.aclose()
+                    replica.outstanding -= 1
+            raise
+        try:
+            upstream, replica, sent_at = opening.result()
         except (NoReplicaError, httpx.HTTPError) as exc:
             logger.warning("prefill step failed (%s); the decode worker recomputes", exc)
             return None

@@ -2,8 +2,8 @@
 
 `HAND_WRITTEN` covers the JSON-schema features the issue names; `bench_sample()` takes a
 deterministic sample of JSONSchemaBench (Geng et al. 2025, arXiv 2501.10868) from
-`../shared/data/jsonschemabench/`. `is_exact(schema)` says whether XGrammar represents a schema
-exactly: it approximates `not`, `allOf`, `oneOf`, `if`/`then`, `dependencies` (it warns and
+`tests/data/jsonschemabench/` (a copy of the team's shared data, so a bare clone has it).
+`is_exact(schema)` says whether XGrammar represents a schema exactly: it approximates `not`, `allOf`, `oneOf`, `if`/`then`, `dependencies` (it warns and
 falls back to a looser grammar), so outputs under those may not validate and are left out of
 the must-validate tests (the benchmark still counts them).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
+BENCH_DIR = Path(__file__).resolve().parents[1] / "data" / "jsonschemabench"  # vendored copy
 BENCH_SPLITS = ("Glaiveai2K", "Github_trivial", "Github_easy", "Kubernetes")
 
 HAND_WRITTEN: dict[str, dict] = {

@@ -129,8 +129,8 @@ class FakeWorker:
 
         async def generate(request: Request) -> Response:
             raw = await request.body()
-            body = json.loads(raw)
             self.raw_bodies.append(raw)
+            body = json.loads(raw)
             self.bodies.append(body)
             if body.get("user") == "bad":
                 return JSONResponse({"error": {"message": "bad temperature", "type":
@@ -150,7 +150,11 @@ class FakeWorker:
                             status_code=200 if self.healthy else 503)
 
         @app.get("/v1/models")
-        async def models() -> Response:
+        async def models(request: Request) -> Response:
+            if self.mode == "auth" and request.headers.get("authorization") != "Bearer key":
+                return JSONResponse({"error": {"message": "no API key", "type":
+                                               "invalid_request_error", "param": None,
+                                               "code": "invalid_api_key"}}, status_code=401)
             return JSONResponse({"object": "list", "data": [
                 {"id": m, "object": "model", "owned_by": self.name} for m in self.models]})
 

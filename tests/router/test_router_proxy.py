@@ -8,6 +8,8 @@ cannot answer set `healthy` directly.
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -283,3 +285,64 @@ def test_disaggregated_no_decode_worker_skips_the_prefill(workers, router_factor
     assert reply.json()["error"]["code"] == "no_healthy_replica"
     assert prefill.bodies == []  # no prefill spent on a request that cannot be decoded
     assert router.metric("deepinfer_router:rejected_requests_total", reason="no_replica") == 1
+
+
+@pytest.mark.parametrize("depth", [100_000, 900])
+def test_absurdly_nested_json_is_forwarded_not_a_500(workers, router_factory, depth):
+    """json.loads raises RecursionError (not ValueError) on deep nesting: the router must
+    forward such a body unparsed, never answer 500 itself."""
+    nested = b"[" * depth + b"]" * depth
+    prefill, decode = workers
+    for config in ({}, {"backends": (), "prefill": (prefill.url,), "decode": (decode.url,)}):
+        router = router_factory(policy="prefix_affinity", **config)
+        for path, body in (("/v1/completions", b'{"prompt":' + nested + b'}'),
+                           ("/v1/chat/completions", b'{"messages":[{"role":"user","x":'
+                            + nested + b'}]}')):
+            prefill.raw_bodies.clear()
+            decode.raw_bodies.clear()
+            router.client.post(path, content=body, headers={"content-type": "application/json"})
+            # whatever the fake worker makes of it, the router relayed the body unchanged
+            assert (prefill.raw_bodies + decode.raw_bodies)[-1] == body
+            if config:  # disaggregated: no prefill step for a body the router cannot parse
+                assert prefill.raw_bodies == []
+
+
+def test_models_relay_a_workers_401_not_503(workers, router_factory):
+    for worker in workers:
+        worker.mode = "auth"  # /v1/models needs "Authorization: Bearer key"
+    router = router_factory()
+    for path in ("/v1/models", "/v1/models/fake-model"):
+        reply = router.client.get(path)
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+        assert router.client.get(path, headers={"Authorization": "Bearer key"}).status_code == 200
+    workers[0].healthy = workers[1].healthy = False
+    router = router_factory()  # nobody admitted: 503, whatever the model
+    assert router.client.get("/v1/models/fake-model").status_code == 503
+
+
+def test_disaggregated_hung_prefill_worker_falls_back_once_ejected(workers, router_factory):
+    prefill, decode = workers
+    prefill.mode = "slow"  # answers a JSON request only after ~10 s
+    router = router_factory(backends=(), prefill=(prefill.url,), decode=(decode.url,))
+    replica = router.replicas[0]
+    threading.Timer(0.5, lambda: setattr(replica, "healthy", False)).start()  # ejected
+    started = time.monotonic()
+    reply = router.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["worker"] == "w1"
+    assert time.monotonic() - started < 5  # not the prefill worker's whole hang
+    assert "kv_transfer_params" not in decode.bodies[-1]
+    assert router.metric("deepinfer_router:disagg_fallbacks_total") == 1
+    assert wait_for(lambda: prefill.aborted == 1)  # its connection was closed
+    assert replica.outstanding == 0
+
+
+def test_client_disconnect_during_the_prefill_step_aborts_the_prefill(workers, router_factory):
+    prefill, decode = workers
+    prefill.mode = "slow"
+    router = router_factory(backends=(), prefill=(prefill.url,), decode=(decode.url,))
+    with pytest.raises(httpx.ReadTimeout):
+        router.client.post("/v1/chat/completions", json=CHAT, timeout=0.6)
+    assert wait_for(lambda: prefill.aborted == 1)
+    assert wait_for(lambda: router.replicas[0].outstanding == 0
+                    and router.app.state.proxy.in_flight == 0)
+    assert decode.bodies == []
