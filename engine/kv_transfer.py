@@ -167,7 +167,8 @@ class KVTransfer:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill") and params.get("model_fingerprint") not in (
                 None, self.fingerprint_hex):
-            logger.warning("request %s was prefilled by a worker with model fingerprint %s, "
+            # %.40r: the value comes from the client's body, which may hold megabytes
+            logger.warning("request %s was prefilled by a worker with model fingerprint %.40r, "
                            "this one has %s (another model, dtype or block size): its blocks "
                            "cannot be used, the prompt is recomputed", request.request_id,
                            params.get("model_fingerprint"), self.fingerprint_hex)

@@ -48,6 +48,12 @@ class RouterConfig:
         for url in (*self.backends, *self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        for flag, urls in (("--backend", self.backends), ("--prefill", self.prefill),
+                           ("--decode", self.decode)):
+            seen = [url.rstrip("/") for url in urls]
+            duplicate = next((url for i, url in enumerate(seen) if url in seen[:i]), None)
+            if duplicate is not None:
+                raise ValueError(f"{flag} {duplicate} is given twice; list each worker once")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy={self.policy!r} is unknown; use one of "
                              f"{', '.join(POLICY_NAMES)}")

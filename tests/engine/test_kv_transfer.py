@@ -271,3 +271,16 @@ def test_handoff_answer_waits_for_its_saves(core, abort):
     assert len(finals) == 1 and len(store) == 17
     assert finals[0].kv_transfer_params["num_stored_tokens"] == (0 if abort else 68)
     assert free_blocks(core) == 256
+
+
+def test_foreign_fingerprint_log_is_bounded(core, cold, caplog):
+    """`kv_transfer_params` come from the client: a megabyte fingerprint is not logged whole,
+    and the prompt is still served (recomputed or loaded under this worker's own keys)."""
+    huge = {"do_remote_prefill": True, "model_fingerprint": "A" * 1_000_000,
+            "num_stored_tokens": 10 ** 30, "block_size": "x"}
+    with caplog.at_level("WARNING", logger="engine.kv_transfer"):
+        tokens, _ = run(fresh(core, MemoryKVStore()), PROMPTS[:1], kv_transfer_params=huge)
+    assert tokens == cold[:1]
+    warnings = [r.getMessage() for r in caplog.records if "fingerprint" in r.getMessage()]
+    assert warnings and all(len(message) < 1000 for message in warnings)
+    assert free_blocks(core) == 256

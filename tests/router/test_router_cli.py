@@ -47,6 +47,9 @@ def test_flags_become_the_config():
     ([], "no workers"),
     (["--backend", "http://a", "--prefill", "http://p"], "not both"),
     (["--backend", "http://a", "--max-concurrent-requests", "0"], "must be >= 1"),
+    # one worker twice would double its duplicate-labelled metrics series
+    (["--backend", "http://a:1", "--backend", "http://a:1/"],
+     "--backend http://a:1 is given twice"),
 ])
 def test_bad_flags_exit_2_with_the_fix(argv, message, capsys):
     assert main(argv) == 2
