@@ -175,6 +175,10 @@ def check_kv_transfer_params(req: SamplingFields, num_choices: int) -> dict[str,
     """The request's `kv_transfer_params` (prefill/decode disaggregation), checked: a prefill
     hand-off (`do_remote_decode`) answers with one JSON body for one choice."""
     params = req.kv_transfer_params
+    for flag in ("do_remote_decode", "do_remote_prefill"):
+        if params and not isinstance(params.get(flag, False), bool):
+            raise APIError(f"kv_transfer_params.{flag}={params[flag]!r} must be true or false "
+                           "(a JSON boolean).", param="kv_transfer_params")
     if params and params.get("do_remote_decode"):
         if num_choices != 1:
             raise APIError(f"kv_transfer_params.do_remote_decode needs exactly one choice, got "

@@ -83,6 +83,12 @@ def test_handoff_needs_one_choice_and_no_stream(workers):
         response = call(workers["prefill"], "/v1/chat/completions", {**body, **extra})
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "kv_transfer_params"
+    # a string is not a flag: "false" must not start a hand-off
+    for flags in ({"do_remote_decode": "false"}, {"do_remote_prefill": 1}):
+        response = call(workers["prefill"], "/v1/chat/completions",
+                        {**body, "kv_transfer_params": flags})
+        assert response.status_code == 400
+        assert "must be true or false" in response.json()["error"]["message"]
 
 
 def test_kv_store_metrics_are_exported(workers):
