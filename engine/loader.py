@@ -261,10 +261,23 @@ def load_hf_config(model_dir: str | Path):
     return AutoConfig.from_pretrained(model_dir)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
 def load_tokenizer(model_dir: str | Path):
-    """The directory's tokenizer (transformers `AutoTokenizer`)."""
+    """The directory's tokenizer (transformers `AutoTokenizer`).
+
+    Raises:
+        FileNotFoundError: the directory holds no tokenizer file (a checkpoint saved without
+            its tokenizer), with the fix.
+    """
     from transformers import AutoTokenizer
 
+    model_dir = Path(model_dir)
+    if model_dir.is_dir() and not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{model_dir} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); save the "
+            "tokenizer next to the weights, e.g. tokenizer.save_pretrained(dir).")
     return AutoTokenizer.from_pretrained(model_dir)
 
 

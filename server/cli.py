@@ -156,7 +156,11 @@ def serve(args: argparse.Namespace) -> int:
     from engine.async_llm import AsyncLLM
     from server.app import build_app
 
-    engine = AsyncLLM(config)
+    try:
+        engine = AsyncLLM(config)
+    except (FileNotFoundError, ValueError) as exc:   # no model, no tokenizer, unsupported arch
+        print(f"deepinfer: cannot load the model: {exc}", file=sys.stderr)
+        return 2
     # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, drain), then re-raises the
     # signal it caught; these no-op handlers receive it so that the engine is shut down below
     # instead of the process dying mid-cleanup.

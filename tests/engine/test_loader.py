@@ -195,6 +195,15 @@ def test_path_that_is_no_model_is_refused(tmp_path):
         resolve_model_dir(str(tmp_path / "nothing-here"), None)
 
 
+def test_checkpoint_without_tokenizer_is_refused_with_the_fix(tiny_gguf, tmp_path):
+    gguf_path, _ = tiny_gguf
+    model_dir = resolve_model_dir(str(gguf_path), str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (model_dir / name).unlink(missing_ok=True)
+    with pytest.raises(FileNotFoundError, match=r"holds no tokenizer.*save_pretrained"):
+        loader.load_tokenizer(model_dir)
+
+
 @pytest.mark.slow
 def test_smollm2_conversion_round_trip(smollm2_dir):
     config = loader.load_hf_config(smollm2_dir)
