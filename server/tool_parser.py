@@ -51,9 +51,10 @@ class ToolCallStreamer:
 
     @property
     def content(self) -> str | None:
-        """Content outside tool calls, stripped; None when empty (only calls were made)."""
-        text = "".join(self.content_parts).strip()
-        return text or None
+        """Content outside tool calls, exactly as streamed (so a stream's concatenated content
+        equals the body's); None when it is only whitespace (only calls were made)."""
+        text = "".join(self.content_parts)
+        return text if text.strip() else None
 
     def _content(self, text: str) -> list[dict[str, Any]]:
         if not text:
