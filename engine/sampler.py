@@ -54,6 +54,7 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _NOISE_CHUNK_ELEMENTS = 1 << 16  # on CPU, rows * vocab per noise chunk: temporaries stay in L2
 _CANDIDATES = 256                # top logits a top-k / top-p row is sampled among
+_NUCLEUS_WIDTH = 2048            # top logits searched for a wider nucleus before a full sort
 
 
 def _signed64(value: int) -> int:
@@ -221,13 +222,36 @@ def _filter_full_vocabulary(scaled: torch.Tensor, top_k: torch.Tensor | None,
             kth.masked_fill_(~k_on[:, None], float("-inf"))
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if top_p is not None and bool((top_p < 1.0).any()):
-        sorted_values = scaled.sort(dim=-1, descending=True).values      # [R, V]
-        probs = sorted_values.softmax(dim=-1)
-        num_kept = ((probs.cumsum(dim=-1) - probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)
-        smallest_kept = sorted_values.gather(1, (num_kept - 1)[:, None])  # [R, 1]
+        smallest_kept = _nucleus_threshold(scaled, top_p)                 # [R, 1]
         smallest_kept.masked_fill_((top_p >= 1.0)[:, None], float("-inf"))
         scaled = scaled.masked_fill(scaled < smallest_kept, float("-inf"))
     return scaled
+
+
+def _nucleus_threshold(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] logits, [R] p -> [R, 1]: the smallest logit inside each row's top-p nucleus.
+
+    A row whose top `_NUCLEUS_WIDTH` logits hold mass >= p reads its nucleus from them (a top-k
+    is ~6x cheaper than sorting 50k values on CPU); the other rows sort the whole row. Both
+    give the same descending values, and which path a row takes depends on that row alone, so
+    the result does not depend on the batch.
+    """
+    log_total = scaled.logsumexp(dim=-1, keepdim=True)                    # [R, 1]
+    top_values = scaled.topk(min(scaled.shape[-1], _NUCLEUS_WIDTH), dim=-1).values  # [R, W]
+    threshold = _last_kept(top_values, log_total, top_p)
+    wide = (~((top_values - log_total).exp().sum(dim=-1) >= top_p)).nonzero()[:, 0]
+    if len(wide):
+        sorted_values = scaled[wide].sort(dim=-1, descending=True).values  # [N, V]
+        threshold[wide] = _last_kept(sorted_values, log_total[wide], top_p[wide])
+    return threshold
+
+
+def _last_kept(values: torch.Tensor, log_total: torch.Tensor, top_p: torch.Tensor
+               ) -> torch.Tensor:
+    """[R, W] descending logits -> [R, 1]: the last value whose preceding mass is < p."""
+    probs = (values - log_total).exp()
+    num_kept = ((probs.cumsum(dim=-1) - probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)
+    return values.gather(1, (num_kept - 1)[:, None])
 
 
 def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:

@@ -191,6 +191,23 @@ def test_candidate_filter_matches_a_full_sort_reference():
     assert within.tolist() == [False, True]
 
 
+def test_full_vocabulary_nucleus_matches_the_reference_alone_and_batched():
+    from engine.sampler import _filter_full_vocabulary
+
+    torch.manual_seed(9)
+    # nuclei of ~300 tokens (inside the 2,048 top-k tier) and of ~4,000 (a full sort)
+    logits = torch.cat([torch.randn(2, 8000) * 2.5, torch.randn(2, 8000) * 0.3])
+    top_p = torch.tensor([0.9, 0.8, 0.9, 0.6])
+    batched = _filter_full_vocabulary(logits, None, top_p)
+    for row in range(4):
+        kept = set((batched[row] > float("-inf")).nonzero()[:, 0].tolist())
+        assert kept == reference_nucleus(logits[row], top_p[row].item())
+        alone = _filter_full_vocabulary(logits[row:row + 1], None, top_p[row:row + 1])
+        assert torch.equal(alone[0], batched[row])          # bitwise: no batch dependence
+    sizes = [(batched[row] > float("-inf")).sum().item() for row in range(4)]
+    assert 256 < min(sizes[:2]) and max(sizes[:2]) < 2048 < min(sizes[2:])
+
+
 def test_top_k_larger_than_the_candidates_stays_in_the_top_k():
     torch.manual_seed(8)
     logits = torch.randn(1000) * 0.1
