@@ -34,20 +34,6 @@ STARTUP_TIMEOUT_S = 900  # the first run on a machine converts the GGUF model in
 BLOCK_SIZE = 16
 
 
-def worker_roles_supported() -> bool:
-    import contextlib
-    import io
-
-    from server.cli import build_parser
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            build_parser().parse_args(["serve", "--role", "decode", "--kv-store", "memory"])
-    except SystemExit:
-        return False
-    return True
-
-
 class Proc:
     """A `python -m server.cli ...` process with its log; killed with its process group."""
 
@@ -106,20 +92,17 @@ def cluster(tmp_path_factory):
     try:
         procs["w1"] = Proc("w1", worker_args(), tmp)
         procs["w2"] = Proc("w2", worker_args(), tmp)
-        if worker_roles_supported():
-            redis = RedisServer().start()
-            for role in ("prefill", "decode"):
-                procs[role] = Proc(role, worker_args("--role", role, "--kv-store", redis.url),
-                                   tmp)
+        redis = RedisServer().start()
+        for role in ("prefill", "decode"):
+            procs[role] = Proc(role, worker_args("--role", role, "--kv-store", redis.url), tmp)
         for proc in procs.values():
             proc.wait_ready()
         procs["dp"] = Proc("dp", router_args("--backend", procs["w1"].url, "--backend",
                                              procs["w2"].url, "--policy", "prefix_affinity"),
                            tmp).wait_ready(60)
-        if redis is not None:
-            procs["pd"] = Proc("pd", router_args("--prefill", procs["prefill"].url,
-                                                 "--decode", procs["decode"].url),
-                               tmp).wait_ready(60)
+        procs["pd"] = Proc("pd", router_args("--prefill", procs["prefill"].url,
+                                             "--decode", procs["decode"].url),
+                           tmp).wait_ready(60)
         yield {**procs, "redis": redis, "tmp": tmp}
     finally:
         for proc in procs.values():
@@ -130,8 +113,6 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def disagg(cluster):
-    if cluster["redis"] is None:
-        pytest.skip("the worker has no --role/--kv-store flags yet (kvstore side of issue 5)")
     return cluster
 
 

@@ -123,3 +123,5 @@ def test_cli_flags_and_environment_map_to_kv_transfer_config():
             ["serve", "--role", "decode", "--kv-store", "none"]), {})
     with pytest.raises(ValueError, match="not supported"):
         build_engine_config(build_parser().parse_args(["serve", "--kv-store", "s3://x"]), {})
+    with pytest.raises(ValueError, match="private to this process"):   # nothing would cross
+        build_engine_config(build_parser().parse_args(["serve", "--role", "prefill"]), {})
