@@ -288,16 +288,16 @@ class Proxy:
                                  reason="no_replica")
         params = await self._prefill(path, payload, headers, features)
         body = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
-        if params is None:
-            self.metrics.disagg_fallbacks.inc()
-        else:
+        if params is not None:
             body["kv_transfer_params"] = params
         return await self._open("decode", path, json.dumps(body).encode(), headers, features)
 
     async def _prefill(self, path: str, payload: dict[str, Any], headers: dict[str, str],
                        features: RequestFeatures) -> dict[str, Any] | None:
         """The prefill step: the `kv_transfer_params` a prefill worker returns for the prompt,
-        or None if it failed in any way (then the decode worker recomputes)."""
+        or None if it failed in any way (then the decode worker recomputes; counted as a
+        fallback unless the prefill worker found the request itself invalid: a 4xx, which
+        the decode worker then answers the client in the same words)."""
         body = {k: v for k, v in payload.items() if k not in _PREFILL_DROP}
         body.update(kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False,
                     n=1)
@@ -315,7 +315,7 @@ class Proxy:
                     if opening.cancelled():
                         logger.warning("prefill worker %s was ejected while prefilling; the "
                                        "decode worker recomputes", tried[-1].url)
-                        return None
+                        return self._fallback()
         except BaseException:  # the client left: close the prefill worker's connection too
             opening.cancel()
             with anyio.CancelScope(shield=True):
@@ -329,23 +329,29 @@ class Proxy:
             upstream, replica, sent_at = opening.result()
         except (NoReplicaError, httpx.HTTPError) as exc:
             logger.warning("prefill step failed (%s); the decode worker recomputes", exc)
-            return None
+            return self._fallback()
         try:
             data = await upstream.aread()
         except httpx.HTTPError as exc:
             logger.warning("prefill worker %s failed mid-answer (%r)", replica.url, exc)
-            return None
+            return self._fallback()
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
             replica.outstanding -= 1
             self.metrics.duration.labels(replica.url).observe(time.perf_counter() - sent_at)
+        if 400 <= upstream.status_code < 500:
+            return None   # the client's own error: the decode worker gives the same 4xx
         if upstream.status_code != 200:
             logger.warning("prefill worker %s answered %d: %s", replica.url,
                            upstream.status_code, data[:200])
-            return None
+            return self._fallback()
         try:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
-        return params if isinstance(params, dict) else None
+        return params if isinstance(params, dict) else self._fallback()
+
+    def _fallback(self) -> None:
+        self.metrics.disagg_fallbacks.inc()
+        return None

@@ -273,6 +273,10 @@ def test_disaggregated_prefill_then_decode(workers, router_factory):
     assert router.metric("deepinfer_router:disagg_fallbacks_total") == 2
     assert len(prefill.bodies) == 2 and "kv_transfer_params" not in decode.bodies[-1]
     assert router.client.get("/health").json()["healthy_replicas"] == 1
+    router.replicas[0].healthy = True   # an invalid request: the same 4xx, not a fallback
+    reply = router.client.post("/v1/completions", json={"prompt": "x", "user": "bad"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "temperature"
+    assert router.metric("deepinfer_router:disagg_fallbacks_total") == 2
 
 
 
