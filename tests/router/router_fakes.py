@@ -130,7 +130,12 @@ class FakeWorker:
         async def generate(request: Request) -> Response:
             raw = await request.body()
             self.raw_bodies.append(raw)
-            body = json.loads(raw)
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError):   # as a real worker: a 400, not a crash
+                return JSONResponse({"error": {"message": "bad JSON", "type":
+                                               "invalid_request_error", "param": None,
+                                               "code": "invalid_json"}}, status_code=400)
             self.bodies.append(body)
             if body.get("user") == "bad":
                 return JSONResponse({"error": {"message": "bad temperature", "type":

@@ -304,9 +304,12 @@ def test_absurdly_nested_json_is_forwarded_not_a_500(workers, router_factory, de
                             + nested + b'}]}')):
             prefill.raw_bodies.clear()
             decode.raw_bodies.clear()
-            router.client.post(path, content=body, headers={"content-type": "application/json"})
-            # whatever the fake worker makes of it, the router relayed the body unchanged
+            reply = router.client.post(path, content=body,
+                                       headers={"content-type": "application/json"})
+            # the router relayed the body unchanged, and the worker's answer: 200 where the
+            # fake worker parses it (depth 900), its 400 where it cannot; never a 500
             assert (prefill.raw_bodies + decode.raw_bodies)[-1] == body
+            assert reply.status_code == (400 if depth > 1000 else 200)
             if config:  # disaggregated: no prefill step for a body the router cannot parse
                 assert prefill.raw_bodies == []
 
