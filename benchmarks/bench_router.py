@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +30,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.processes import ServerProcess, deepinfer  # noqa: E402
 SYSTEM = ("You are a meticulous assistant for a garden centre. You know every plant, tool and "
           "fertiliser we sell, our opening hours (nine to six, closed on Mondays), our return "
           "policy (thirty days with a receipt) and our delivery area (ten miles). Answer in one "
@@ -42,42 +41,11 @@ GARDEN = ("My garden faces north, the soil is heavy clay, a tall beech hedge sha
           "lavender, two apple trees and a climbing hydrangea on the shed. ")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Proc:
-    """`deepinfer ARGS --port P` (or `python bench_router.py --serve-null P` when `args` is
-    None) as a process of its own."""
-
-    def __init__(self, args: list[str] | None, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = ([sys.executable, "-m", "server.cli", *args, "--port", str(self.port)]
-                   if args is not None else
-                   [sys.executable, __file__, "--serve-null", str(self.port)])
-        self.proc = subprocess.Popen(command, cwd=ROOT, stdout=open(log, "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float = 900) -> "Proc":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.proc.args} not healthy after {timeout_s}s")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def start(args: list[str] | None, log: Path) -> ServerProcess:
+    """`deepinfer ARGS --port P`, or this file's null upstream when `args` is None."""
+    command = (deepinfer(*args) if args is not None
+               else lambda port: [sys.executable, __file__, "--serve-null", str(port)])
+    return ServerProcess(log.stem, command, log)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -184,16 +152,16 @@ def main() -> None:
         return
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     worker_args = ["serve", "--max-num-seqs", "16", "--log-level", "warning"]
-    procs = [Proc(worker_args, logs / f"bench_router_w{i}.log") for i in range(2)]
+    procs = [start(worker_args, logs / f"bench_router_w{i}.log") for i in range(2)]
     try:
         workers = [p.wait_ready().url for p in procs]
         router_args = ["router", "--log-level", "warning"]
-        single = Proc([*router_args, "--backend", workers[0]], logs / "bench_router_r0.log")
-        null = Proc(None, logs / "bench_router_null.log")
-        null_router = Proc([*router_args, "--backend", null.url],
+        single = start([*router_args, "--backend", workers[0]], logs / "bench_router_r0.log")
+        null = start(None, logs / "bench_router_null.log")
+        null_router = start([*router_args, "--backend", null.url],
                            logs / "bench_router_rnull.log")
         procs.extend([single, null, null_router])
-        pair = {policy: Proc([*router_args, "--policy", policy, "--backend", workers[0],
+        pair = {policy: start([*router_args, "--policy", policy, "--backend", workers[0],
                               "--backend", workers[1]], logs / f"bench_router_{policy}.log")
                 for policy in ("round_robin", "prefix_affinity")}
         procs.extend(pair.values())

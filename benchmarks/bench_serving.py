@@ -15,9 +15,8 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tests.processes import ServerProcess, deepinfer  # noqa: E402
 
 PROMPTS = [
     "The history of the Roman Empire began", "Write a short poem about the sea.",
@@ -58,32 +58,6 @@ def hf_throughput(model_dir: Path, prompts: list[str], new_tokens: int) -> float
         elapsed = time.perf_counter() - start
     generated = (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
     return generated / elapsed
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model: str | None, port: int, max_num_seqs: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
-           "--max-num-seqs", str(max_num_seqs)]
-    if model:
-        cmd.insert(4, model)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited during start-up")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy in 600 s")
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str,
@@ -124,14 +98,15 @@ def main() -> None:
 
     model_dir = resolve_model_dir(args.model, None)
     prompts = (PROMPTS * 4)[:args.concurrency]
-    port = free_port()
-    proc = start_server(args.model, port, max(args.concurrency, 1))
+    server = ServerProcess("server", deepinfer(
+        "serve", *([args.model] if args.model else []),
+        "--max-num-seqs", str(max(args.concurrency, 1))), Path(tempfile.gettempdir()) / "bench_serving.log")
     try:
-        ours_1 = asyncio.run(server_throughput(port, prompts[:1], args.new_tokens))
-        ours_n = asyncio.run(server_throughput(port, prompts, args.new_tokens))
+        server.wait_ready(600)
+        ours_1 = asyncio.run(server_throughput(server.port, prompts[:1], args.new_tokens))
+        ours_n = asyncio.run(server_throughput(server.port, prompts, args.new_tokens))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.kill()
     hf_1 = hf_throughput(model_dir, prompts[:1], args.new_tokens)
     hf_n = hf_throughput(model_dir, prompts, args.new_tokens)
     print(f"model: {model_dir.name}  new tokens: {args.new_tokens}  torch threads: "

@@ -46,11 +46,9 @@ class RedisServer:
     """
 
     def __init__(self) -> None:
-        import socket
+        from tests.processes import free_port
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process = None
 

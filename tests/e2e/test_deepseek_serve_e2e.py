@@ -5,16 +5,13 @@ line are what is checked."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.processes import ServerProcess, deepinfer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,36 +42,15 @@ def tiny_deepseek_checkpoint(tmp_path_factory, smollm2_tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_deepseek_checkpoint, tmp_path_factory):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("ds-e2e") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", str(tiny_deepseek_checkpoint),
-             "--port", str(port), "--served-model-name", "tiny-deepseek", "--dtype", "float32",
-             "--device", "cpu", "--num-kv-blocks", "256", "--log-level", "info"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc = ServerProcess("server", deepinfer(
+        "serve", str(tiny_deepseek_checkpoint), "--served-model-name", "tiny-deepseek",
+        "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--log-level", "info"),
+        tmp_path_factory.mktemp("ds-e2e") / "server.log")
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n"
-                                   f"{log_path.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy:\n{log_path.read_text()}")
-            time.sleep(0.5)
-        yield url, log_path
+        proc.wait_ready(STARTUP_TIMEOUT_S)
+        yield proc.url, proc.log_path
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        proc.kill()
 
 
 def test_chat_completion_from_a_tiny_deepseek(server):

@@ -11,12 +11,7 @@ One module, processes shared by all its tests and started in parallel at the fir
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,53 +19,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import RedisServer
-from tests.router.router_fakes import free_port, wait_for
+from tests.processes import ServerProcess, deepinfer
+from tests.router.router_fakes import wait_for
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-router-e2e"
 STARTUP_TIMEOUT_S = 900  # the first run on a machine converts the GGUF model into the cache
 BLOCK_SIZE = 16
 
 
-class Proc:
-    """A `python -m server.cli ...` process with its log; killed with its process group."""
-
-    def __init__(self, name: str, args: list[str], tmp: Path) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # four workers share two cores
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", *args, "--port", str(self.port)], cwd=ROOT,
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Proc":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                   f"{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not healthy after {timeout_s}s:\n{self.log()}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        self._log.close()
+def start(name: str, args: list[str], tmp: Path) -> ServerProcess:
+    return ServerProcess(name, deepinfer(*args), tmp / f"{name}.log",
+                         env={"OMP_NUM_THREADS": "1"})   # four workers share two cores
 
 
 def worker_args(*extra: str) -> list[str]:
@@ -87,20 +48,20 @@ def router_args(*extra: str) -> list[str]:
 def cluster(tmp_path_factory):
     """All worker processes, launched together (the slow part is each one's start-up)."""
     tmp = tmp_path_factory.mktemp("router-e2e")
-    procs: dict[str, Proc] = {}
+    procs: dict[str, ServerProcess] = {}
     redis = None
     try:
-        procs["w1"] = Proc("w1", worker_args(), tmp)
-        procs["w2"] = Proc("w2", worker_args(), tmp)
+        procs["w1"] = start("w1", worker_args(), tmp)
+        procs["w2"] = start("w2", worker_args(), tmp)
         redis = RedisServer().start()
         for role in ("prefill", "decode"):
-            procs[role] = Proc(role, worker_args("--role", role, "--kv-store", redis.url), tmp)
+            procs[role] = start(role, worker_args("--role", role, "--kv-store", redis.url), tmp)
         for proc in procs.values():
-            proc.wait_ready()
-        procs["dp"] = Proc("dp", router_args("--backend", procs["w1"].url, "--backend",
+            proc.wait_ready(STARTUP_TIMEOUT_S)
+        procs["dp"] = start("dp", router_args("--backend", procs["w1"].url, "--backend",
                                              procs["w2"].url, "--policy", "prefix_affinity"),
                            tmp).wait_ready(60)
-        procs["pd"] = Proc("pd", router_args("--prefill", procs["prefill"].url,
+        procs["pd"] = start("pd", router_args("--prefill", procs["prefill"].url,
                                              "--decode", procs["decode"].url),
                            tmp).wait_ready(60)
         yield {**procs, "redis": redis, "tmp": tmp}
@@ -286,7 +247,7 @@ def test_redis_down_mid_run_still_answers_the_same(disagg, smollm2_tokenizer):
 def test_killed_worker_is_ejected_and_later_requests_succeed(cluster):
     """Must stay last: it kills w2."""
     w1, w2 = cluster["w1"], cluster["w2"]
-    router = Proc("rr", router_args("--backend", w2.url, "--backend", w1.url, "--policy",
+    router = start("rr", router_args("--backend", w2.url, "--backend", w1.url, "--policy",
                                     "round_robin"), cluster["tmp"])
     try:
         router.wait_ready(60)

@@ -8,12 +8,8 @@ and checks that an in-flight stream still finishes before the process exits.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,61 +21,26 @@ import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.processes import ServerProcess, deepinfer
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-e2e"
 STARTUP_TIMEOUT_S = 900  # the first run converts the GGUF model into the cache
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / "server.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port),
-             "--served-model-name", MODEL, "--max-num-seqs", "8", "--log-level", "info",
-             "--graceful-shutdown-s", "60"],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        self._log.close()
+def start_server(tmp: Path) -> ServerProcess:
+    return ServerProcess("server", deepinfer(
+        "serve", "--served-model-name", MODEL, "--max-num-seqs", "8", "--log-level", "info",
+        "--graceful-shutdown-s", "60"), tmp / "server.log")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("e2e"))
+    srv = start_server(tmp_path_factory.mktemp("e2e"))
     try:
-        srv.wait_ready()
+        srv.wait_ready(STARTUP_TIMEOUT_S)
         yield srv
     finally:
         srv.kill()
@@ -91,13 +52,13 @@ def client(server):
                          timeout=300)
 
 
-def metrics(server: Server) -> dict[tuple[str, tuple], float]:
+def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def metric(server: Server, name: str, **labels: str) -> float:
+def metric(server: ServerProcess, name: str, **labels: str) -> float:
     wanted = {"model_name": MODEL, **labels}
     return sum(v for (n, lbls), v in metrics(server).items()
                if n == name and wanted.items() <= dict(lbls).items())

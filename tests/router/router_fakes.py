@@ -20,14 +20,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tests.processes import free_port
+
 STORED = {"do_remote_prefill": True, "num_stored_tokens": 32, "block_size": 16,
           "model_fingerprint": "fake-fp"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> bool:

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import build_app
 from router.config import RouterConfig
-from tests.router.router_fakes import (STORED, FakeWorker, HangUpServer, ServerThread,
-                                       free_port, wait_for)
+from tests.processes import free_port
+from tests.router.router_fakes import STORED, FakeWorker, HangUpServer, ServerThread, wait_for
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 4}

@@ -1,0 +1,80 @@
+"""Real server processes for e2e tests and benchmarks: start, wait for /health, read the log,
+kill the process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def deepinfer(*args: str) -> Callable[[int], list[str]]:
+    """The command line `deepinfer ARGS --port P` (run as `python -m server.cli`)."""
+    return lambda port: [sys.executable, "-m", "server.cli", *args, "--port", str(port)]
+
+
+class ServerProcess:
+    """`command(port)` run in its own process group on a free port, output to `log_path`.
+
+    Args:
+        name: for error messages.
+        command: port -> argv.
+        log_path: the process's stdout and stderr.
+        env: extra environment variables.
+    """
+
+    def __init__(self, name: str, command: Callable[[int], list[str]], log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(command(self.port), cwd=ROOT,
+                                     env={**os.environ, **(env or {})}, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout_s: float = 900) -> "ServerProcess":
+        """Block until GET /health answers 200 (the first run on a machine converts the GGUF
+        model and builds the C++ kernels, hence the long default).
+
+        Raises:
+            RuntimeError: the process exited, or is not healthy after timeout_s; with its log.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   f"{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s}s:\n{self.log()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
