@@ -64,6 +64,11 @@ class ModelRunner:
             logger.warning("CUDA graphs are off: Triton is not installed, and the torch "
                            "attention backend cannot be captured. Install triton for speed.")
             return
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            logger.warning("CUDA graphs are off: %s reads values back to the host inside its "
+                           "forward pass (torch MLA/MoE paths); decode runs eagerly.",
+                           type(self.model).__name__)
+            return
         runner = CudaGraphRunner(self.model, self.kv_caches, self.block_size,
                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         runner.capture()

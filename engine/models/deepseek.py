@@ -267,6 +267,10 @@ class DeepseekForCausalLM(nn.Module):
     num_mtp_layers, vocab_size, dtype, config.
     """
 
+    # the torch MLA and MoE paths read slot and expert counts back to the host (a sync that a
+    # CUDA graph capture cannot hold): decode runs eagerly until capture-safe kernels exist
+    supports_cuda_graphs = False
+
     default_scoring_func = "softmax"
     default_topk_method = "greedy"
     interleaved_rope_default = True
