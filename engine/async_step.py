@@ -31,7 +31,6 @@ Ownership: the step loop (EngineCore) owns `AsyncStepper`; `AsyncRunnerOutput` i
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,21 +38,21 @@ import numpy as np
 import torch
 
 from engine.input_batch import CachedRequestState, _packed_to_device
+from engine.kv_transfer import IDLE_WAIT_S
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprobs
-from engine.request import Request, RequestStatus
+from engine.request import Request
+from engine.sampling_metadata import uses_penalty
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
 
-_STORE_WAIT_S = 0.005  # idle wait while only KV store traffic is in flight (as EngineCore's)
 
 
 def needs_sync_steps(params: SamplingParams) -> bool:
     """True when a request needs each token on the host before the next step is built: a
     grammar (bitmask after accepting the token) or penalties (counts of output tokens)."""
-    return (params.so_args is not None or params.repetition_penalty != 1.0
-            or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0)
+    return params.so_args is not None or uses_penalty(params)
 
 
 @dataclass
@@ -171,7 +170,7 @@ class AsyncStepper:
         previous, self.in_flight = self.in_flight, launched
         outputs = self._finish(previous) if previous is not None else []
         if all(s is None or s.scheduler_output.is_empty for s in (previous, launched)):
-            core.kv_transfer.wait(_STORE_WAIT_S)  # only KV store traffic: do not spin
+            core.kv_transfer.wait(IDLE_WAIT_S)  # only KV store traffic: do not spin
         return core.kv_transfer.hold_finished(outputs)
 
     def _launch(self) -> _InFlight:
@@ -204,10 +203,4 @@ class AsyncStepper:
         result = ModelRunnerOutput(req_ids=[result.req_ids[i] for i in keep],
                                    sampled_token_ids=[result.sampled_token_ids[i] for i in keep],
                                    logprobs=[result.logprobs[i] for i in keep])
-        core_outputs = scheduler.update_from_output(step.scheduler_output, result)
-        request_outputs, stopped_ids = core.output_processor.process(core_outputs,
-                                                                     time.monotonic())
-        scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
-        for request in scheduler.take_preempted():
-            core._fetch_remote_kv(request)  # what preemption evicted may be in the store
-        return request_outputs
+        return core.finish_step(step.scheduler_output, result)

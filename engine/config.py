@@ -167,9 +167,9 @@ class KVTransferConfig:
                or self.kv_store.startswith(("redis://", "rediss://")),
                f"kv_store={self.kv_store!r} is not supported; use memory, none, "
                "redis://[:password@]host:port/db or rediss://...")
-        _check(self.role == "both" or self.kv_store != "none",
-               f"role={self.role} hands KV blocks over through a store; give --kv-store "
-               "redis://... (or memory for a single process).")
+        _check(self.role == "both" or self.kv_store.startswith(("redis://", "rediss://")),
+               f"role={self.role} hands KV blocks to another worker through a shared store, "
+               f"and kv_store={self.kv_store} is not one; give --kv-store redis://host:port/db.")
         _check(self.memory_store_bytes >= 1, "memory_store_bytes must be >= 1.")
         _check(self.ttl_s >= 0, f"ttl_s={self.ttl_s} must be >= 0 (0 = no expiry).")
         _check(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0.")

@@ -20,11 +20,11 @@ from engine.async_step import AsyncStepper
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import PromptTooLongError
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
+from engine.kv_transfer import IDLE_WAIT_S, KVTransfer, NoKVTransfer, model_fingerprint
 from engine.kv_cache.spec import num_blocks_for_budget
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput, SchedulerStats
+from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -32,7 +32,6 @@ from engine.structured.manager import xgrammar_manager
 
 logger = logging.getLogger(__name__)
 
-_STORE_WAIT_S = 0.005  # idle wait of the step loop while only KV store traffic is in flight
 
 
 def resolve_device_dtype(config: ModelConfig) -> tuple[torch.device, torch.dtype]:
@@ -252,21 +251,29 @@ class EngineCore:
             return self.async_steps.step()
         self.scheduler.remote_kv_ready(self.kv_transfer.finished_loads())
         if not self.scheduler.has_work():
-            self.kv_transfer.wait(_STORE_WAIT_S)  # only block saves of a hand-off in flight
+            self.kv_transfer.wait(IDLE_WAIT_S)  # only block saves of a hand-off in flight
             return self.kv_transfer.hold_finished([])
         scheduler_output = self.scheduler.schedule()
         self.kv_transfer.load_blocks(scheduler_output.kv_loads)
         runner_output = self.model_runner.execute(scheduler_output)
         self.kv_transfer.save_blocks(scheduler_output.kv_saves)
+        request_outputs = self.finish_step(scheduler_output, runner_output)
+        if scheduler_output.is_empty:
+            self.kv_transfer.wait(IDLE_WAIT_S)  # only fetches in flight: do not spin
+        return self.kv_transfer.hold_finished(request_outputs)
+
+    def finish_step(self, scheduler_output: SchedulerOutput,
+                    runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """A step's end, shared by the sync and the async step: the scheduler takes the
+        sampled tokens, the output processor detokenizes and applies stop strings, and what
+        preemption evicted is looked up in the KV store again."""
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
         for request in self.scheduler.take_preempted():
-            self._fetch_remote_kv(request)  # what preemption evicted may be in the store
-        if scheduler_output.is_empty:
-            self.kv_transfer.wait(_STORE_WAIT_S)  # only fetches in flight: do not spin
-        return self.kv_transfer.hold_finished(request_outputs)
+            self._fetch_remote_kv(request)
+        return request_outputs
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()

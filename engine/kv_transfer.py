@@ -51,6 +51,7 @@ FETCH_BATCH_BLOCKS = 32          # keys per store round trip when fetching a pre
 STORE_DOWN_BACKOFF_S = 1.0       # after a store error, skip the store this long
 MAX_SAVE_BACKLOG_BYTES = 1 << 30  # saves beyond this many bytes in flight are dropped
 FETCH_GRACE_S = 0.002           # a step waits this long for fetches that have just started
+IDLE_WAIT_S = 0.005             # the step loop's wait while only store traffic is in flight
 
 
 def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int) -> bytes:

@@ -109,7 +109,8 @@ def min_tokens_masked_ids(params: SamplingParams, num_output_tokens: int,
     return masked or None
 
 
-def _uses_penalty(params: SamplingParams) -> bool:
+def uses_penalty(params: SamplingParams) -> bool:
+    """True if the request applies a repetition, presence or frequency penalty."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0)
 
@@ -125,7 +126,7 @@ def build_sampling_metadata(states: Sequence[SamplingState], device: torch.devic
     """
     params = [s.sampling_params for s in states]
     random_rows = [r for r, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
-    penalized = any(_uses_penalty(p) for p in params)
+    penalized = any(uses_penalty(p) for p in params)
     masked = [min_tokens_masked_ids(p, len(s.token_ids) - s.num_prompt_tokens, eos_token_ids)
               if p.min_tokens else None for p, s in zip(params, states)]
     any_masked = any(m is not None for m in masked)

@@ -31,25 +31,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a --role prefill worker (repeat for each)")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a --role decode worker (repeat for each)")
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="least_outstanding",
+    parser.add_argument("--policy", choices=POLICY_NAMES, default=RouterConfig.policy,
                         help="how to pick a replica (default: %(default)s)")
-    parser.add_argument("--max-imbalance", type=int, default=4,
+    parser.add_argument("--max-imbalance", type=int, default=RouterConfig.max_imbalance,
                         help="prefix_affinity's load guard: skip the preferred replica when "
                              "it has more than this many requests above the least-loaded one "
                              "(default: %(default)s)")
-    parser.add_argument("--health-interval-s", type=float, default=2.0,
+    parser.add_argument("--health-interval-s", type=float, default=RouterConfig.health_interval_s,
                         help="seconds between health checks of each worker (%(default)s)")
-    parser.add_argument("--health-timeout-s", type=float, default=5.0,
+    parser.add_argument("--health-timeout-s", type=float, default=RouterConfig.health_timeout_s,
                         help="a health check slower than this fails (%(default)s)")
-    parser.add_argument("--max-failures", type=int, default=3,
+    parser.add_argument("--max-failures", type=int, default=RouterConfig.max_failures,
                         help="failed checks in a row that eject a worker (%(default)s)")
-    parser.add_argument("--max-concurrent-requests", type=int, default=512,
+    parser.add_argument("--max-concurrent-requests", type=int,
+                        default=RouterConfig.max_concurrent_requests,
                         help="requests in flight before new ones get HTTP 429 (%(default)s)")
-    parser.add_argument("--connect-timeout-s", type=float, default=5.0,
+    parser.add_argument("--connect-timeout-s", type=float, default=RouterConfig.connect_timeout_s,
                         help="connect timeout to a worker (%(default)s)")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+    parser.add_argument("--request-timeout-s", type=float, default=RouterConfig.request_timeout_s,
                         help="longest wait for a worker's next byte (%(default)s)")
-    parser.add_argument("--max-attempts", type=int, default=3,
+    parser.add_argument("--max-attempts", type=int, default=RouterConfig.max_attempts,
                         help="workers tried when connections fail before the answer "
                              "(%(default)s)")
     parser.add_argument("--log-level", default="info",

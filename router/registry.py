@@ -34,7 +34,6 @@ class Replica:
     healthy: bool = False
     outstanding: int = 0
     consecutive_failures: int = 0
-    ejections: int = 0
 
 
 class Registry:
@@ -70,7 +69,6 @@ class Registry:
         if replica.healthy and (unreachable
                                 or replica.consecutive_failures >= self.max_failures):
             replica.healthy = False
-            replica.ejections += 1
             logger.warning("replica %s (%s) ejected after %d failure(s): %s", replica.url,
                            replica.role, replica.consecutive_failures, reason)
             if self.on_eject is not None:

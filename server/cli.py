@@ -126,14 +126,7 @@ def engine_sections(args: argparse.Namespace,
 def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
     from engine.config import EngineConfig
 
-    config = EngineConfig().replace(**engine_sections(args, environ))
-    transfer = config.kv_transfer
-    if transfer.role != "both" and not transfer.kv_store.startswith(("redis://", "rediss://")):
-        # a worker process's memory store is its own: nothing reaches the other role
-        raise ValueError(f"--role {transfer.role} hands KV blocks to another worker through a "
-                         f"shared store, and --kv-store {transfer.kv_store} is private to this "
-                         "process; give --kv-store redis://host:port/db.")
-    return config
+    return EngineConfig().replace(**engine_sections(args, environ))
 
 
 async def _serve_http(app: Any, args: argparse.Namespace) -> None:

@@ -65,7 +65,7 @@ class ChoiceState:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
-            self.kv_transfer_params = getattr(out, "kv_transfer_params", None)
+            self.kv_transfer_params = out.kv_transfer_params
 
     @property
     def text(self) -> str:
@@ -109,10 +109,9 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
     async def pump(sub: SubRequest) -> None:
         tracker = metrics.tracker()
         try:
-            extra = ({"kv_transfer_params": sub.kv_transfer_params}
-                     if sub.kv_transfer_params is not None else {})
             stream = engine.generate(sub.prompt_token_ids, sub.params,
-                                     f"{request_id}-{sub.index}", **extra)
+                                     f"{request_id}-{sub.index}",
+                                     kv_transfer_params=sub.kv_transfer_params)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     tracker.observe(out)

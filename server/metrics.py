@@ -83,7 +83,7 @@ class _EngineStatsCollector:
         yield self._counter("deepinfer:num_preemptions",
                             "Requests preempted (recomputed later) for lack of KV blocks.",
                             stats.num_preemptions)
-        kv_store = getattr(stats, "kv_store", None)
+        kv_store = stats.kv_store
         if kv_store is not None:
             yield from self._kv_store_metrics(kv_store)
 

@@ -59,7 +59,7 @@ def test_ejected_after_max_failures_then_readmitted(setup):
         check(registry, workers)
         assert a.healthy and a.consecutive_failures == expected_failures
     check(registry, workers)
-    assert not a.healthy and a.ejections == 1 and ejected == [A]
+    assert not a.healthy and ejected == [A]   # on_eject ran once
     check(registry, workers)  # still failing: ejected once, not again
     assert ejected == [A]
     workers.answer["a"] = 200

@@ -99,7 +99,7 @@ class ScriptedEngine:
         return self.reply[shift:] + self.reply[:shift]
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str):
+                       request_id: str, kv_transfer_params: dict | None = None):
         if self.queue_full:
             raise QueueFullError("waiting queue holds 2 requests (max_waiting_requests=2).")
         self.requests[request_id] = (list(prompt_token_ids), sampling_params)

@@ -118,10 +118,10 @@ def test_cli_flags_and_environment_map_to_kv_transfer_config():
         "prefill", "rediss://:pw@cache:6380/2", 60, 0.25)   # flags win over the environment
     default = build_engine_config(build_parser().parse_args(["serve"]), {}).kv_transfer
     assert (default.role, default.kv_store) == ("both", "memory")
-    with pytest.raises(ValueError, match="through a store"):
+    with pytest.raises(ValueError, match="through a shared store"):
         build_engine_config(build_parser().parse_args(
             ["serve", "--role", "decode", "--kv-store", "none"]), {})
     with pytest.raises(ValueError, match="not supported"):
         build_engine_config(build_parser().parse_args(["serve", "--kv-store", "s3://x"]), {})
-    with pytest.raises(ValueError, match="private to this process"):   # nothing would cross
+    with pytest.raises(ValueError, match="kv_store=memory is not one"):   # nothing would cross
         build_engine_config(build_parser().parse_args(["serve", "--role", "prefill"]), {})
