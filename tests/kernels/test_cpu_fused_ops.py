@@ -163,9 +163,33 @@ def test_auto_picks_cpu_kernel_for_float32_decode(monkeypatch):
                                                     backend="reference"), atol=1e-5, rtol=0)
 
 
-def test_cpu_backend_hands_non_decode_and_bf16_batches_to_torch():
+def test_cpu_backend_hands_non_decode_and_bf16_batches_to_torch(monkeypatch):
+    import dataclasses
+
+    import kernels.paged_attention_cpu as cpu_backend
+
+    calls = []
+
+    class Spy:  # the C++ kernel must not be called for these batches
+        def paged_decode_attention(self, *args):
+            calls.append(args[0].shape)
+            raise AssertionError("the C++ decode kernel took a batch it does not cover")
+
+    monkeypatch.setattr(cpu_backend, "_extension", lambda: Spy())
     kv_cache, metadata = make_decode_batch([5, 9], 4, 2, 16, seed=2)
     query = torch.randn(2, 4, 16, dtype=torch.bfloat16)
     got = paged_attention(query, kv_cache.bfloat16(), metadata, 0.25, backend="cpu")
     expected = paged_attention(query, kv_cache.bfloat16(), metadata, 0.25, backend="torch")
     torch.testing.assert_close(got, expected)
+    # a prefill chunk: all 5 tokens of one sequence are queries
+    kv_cache, decode = make_decode_batch([5], 4, 2, 16, seed=3)
+    prefill = dataclasses.replace(
+        decode, query_start_loc=torch.tensor([0, 5], dtype=torch.int32), max_query_len=5,
+        query_lens_cpu=[5],
+        slot_mapping=torch.tensor([int(decode.block_tables[0, p // 4]) * 4 + p % 4
+                                   for p in range(5)], dtype=torch.int64))
+    query = torch.randn(5, 4, 16)
+    got = paged_attention(query, kv_cache, prefill, 0.25, backend="cpu")
+    torch.testing.assert_close(got, paged_attention(query, kv_cache, prefill, 0.25,
+                                                    backend="reference"), atol=1e-5, rtol=0)
+    assert calls == []
