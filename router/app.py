@@ -5,9 +5,10 @@ Routes: POST /v1/chat/completions and /v1/completions (proxied, SSE included), G
 at least one replica that answers requests is admitted, else 503), GET /metrics (the router's
 own Prometheus metrics). Errors of the router itself have OpenAI's error shape.
 
-The app owns its httpx client (one connection pool for all workers) and the health-check task:
-both start and stop with the app's lifespan; the first round of checks runs before the app
-serves, so replicas that are already up take traffic at once.
+The app owns its httpx client (one connection pool for all workers), the health-check task and,
+with `discovery="dns"`, the discovery task: they start and stop with the app's lifespan; the
+first resolution and the first round of checks run before the app serves, so replicas that are
+already up take traffic at once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from router.config import RouterConfig
+from router.discovery import Resolver, Service, ServiceDiscovery, resolve_dns
 from router.errors import error_response
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
@@ -31,11 +33,29 @@ from router.registry import Registry, Replica
 MODELS_TIMEOUT_S = 10.0
 
 
+def _pools(config: RouterConfig) -> list[tuple[str, str]]:
+    """(URL, role) of every --backend, --prefill and --decode given."""
+    return ([(url.rstrip("/"), "both") for url in config.backends]
+            + [(url.rstrip("/"), "prefill") for url in config.prefill]
+            + [(url.rstrip("/"), "decode") for url in config.decode])
+
+
 def build_registry(config: RouterConfig) -> Registry:
-    replicas = ([Replica(url.rstrip("/"), "both") for url in config.backends]
-                + [Replica(url.rstrip("/"), "prefill") for url in config.prefill]
-                + [Replica(url.rstrip("/"), "decode") for url in config.decode])
+    """The registry: the static replicas, or none yet when discovery finds them."""
+    replicas = ([] if config.discovery == "dns"
+                else [Replica(url, role) for url, role in _pools(config)])
     return Registry(replicas, max_failures=config.max_failures)
+
+
+def build_discovery(config: RouterConfig, registry: Registry, metrics: RouterMetrics,
+                    resolve: Resolver) -> ServiceDiscovery | None:
+    """DNS discovery of every pool the config names, or None in static mode."""
+    if config.discovery != "dns":
+        return None
+    return ServiceDiscovery(registry, [Service.from_url(url, role) for url, role in
+                                       _pools(config)],
+                            resolve=resolve, timeout_s=config.health_timeout_s,
+                            on_failure=lambda url: metrics.discovery_failures.labels(url).inc())
 
 
 def build_client(config: RouterConfig) -> httpx.AsyncClient:
@@ -61,31 +81,45 @@ async def _models(client: httpx.AsyncClient, replica: Replica,
     return [card for card in data or [] if isinstance(card, dict) and "id" in card], None
 
 
-def _lifespan(registry: Registry, client: httpx.AsyncClient, config: RouterConfig):
+def _lifespan(registry: Registry, discovery: ServiceDiscovery | None,
+              client: httpx.AsyncClient, config: RouterConfig):
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if discovery is not None:
+            await discovery.refresh()
         await registry.check_all(client, config.health_timeout_s)
-        checks = asyncio.create_task(registry.run_health_checks(
-            client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s))
+        tasks = [asyncio.create_task(registry.run_health_checks(
+            client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s))]
+        if discovery is not None:
+            tasks.append(asyncio.create_task(discovery.run(
+                client, interval_s=config.discovery_interval_s,
+                health_timeout_s=config.health_timeout_s)))
         try:
             yield
         finally:
-            checks.cancel()
+            for task in tasks:
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await checks
+                await asyncio.gather(*tasks)
             await client.aclose()
     return lifespan
 
 
-def build_app(config: RouterConfig) -> FastAPI:
+def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns) -> FastAPI:
+    """The router app for `config`; `resolve` looks up the pools' addresses (DNS discovery;
+    tests give a fake)."""
     registry = build_registry(config)
     client = build_client(config)
-    metrics = RouterMetrics(lambda: registry.all, lambda: proxy.in_flight)
+    metrics = RouterMetrics(registry.known, lambda: proxy.in_flight)
     registry.on_eject = lambda replica: metrics.ejections.labels(replica.url).inc()
+    registry.on_forget = lambda replica: metrics.forget_backend(replica.url)
+    discovery = build_discovery(config, registry, metrics, resolve)
     proxy = Proxy(config, registry, metrics, client)
 
-    app = FastAPI(title="deepinfer router", lifespan=_lifespan(registry, client, config))
+    app = FastAPI(title="deepinfer router",
+                  lifespan=_lifespan(registry, discovery, client, config))
     app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
+    app.state.discovery = discovery
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -2,6 +2,8 @@
 
     deepinfer router --backend http://w1:8000 --backend http://w2:8000 --policy prefix_affinity
     deepinfer router --prefill http://p1:8000 --decode http://d1:8000 --decode http://d2:8000
+    deepinfer router --discovery dns --prefill http://deepinfer-prefill-headless:8000 \
+        --decode http://deepinfer-decode-headless:8000      # Kubernetes headless Services
 
 `server.cli.main` hands `deepinfer router ...` to `main` here before anything heavy loads; this
 module imports FastAPI and uvicorn only when serving, and never torch.
@@ -14,7 +16,7 @@ import logging
 import sys
 from typing import Sequence
 
-from router.config import POLICY_NAMES, RouterConfig
+from router.config import DISCOVERY_MODES, POLICY_NAMES, RouterConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,11 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="port to bind (%(default)s)")
     parser.add_argument("--backend", action="append", default=[], metavar="URL",
-                        help="a worker that serves whole requests (repeat for each)")
+                        help="a worker that serves whole requests, or a pool of them with --discovery dns "
+                             "(repeat for each)")
     parser.add_argument("--prefill", action="append", default=[], metavar="URL",
-                        help="a --role prefill worker (repeat for each)")
+                        help="a --role prefill worker or pool (repeat for each)")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
-                        help="a --role decode worker (repeat for each)")
+                        help="a --role decode worker or pool (repeat for each)")
+    parser.add_argument("--discovery", choices=DISCOVERY_MODES, default=RouterConfig.discovery,
+                        help="static: each URL is one worker; dns: each URL names a pool (a "
+                             "Kubernetes headless Service) whose host is re-resolved every "
+                             "--discovery-interval-s, one worker per A/AAAA address "
+                             "(default: %(default)s)")
+    parser.add_argument("--discovery-interval-s", type=float,
+                        default=RouterConfig.discovery_interval_s,
+                        help="seconds between DNS resolutions of each pool (%(default)s)")
     parser.add_argument("--policy", choices=POLICY_NAMES, default=RouterConfig.policy,
                         help="how to pick a replica (default: %(default)s)")
     parser.add_argument("--max-imbalance", type=int, default=RouterConfig.max_imbalance,
@@ -66,7 +77,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
         max_failures=args.max_failures, max_concurrent_requests=args.max_concurrent_requests,
         connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
-        max_attempts=args.max_attempts)
+        max_attempts=args.max_attempts, discovery=args.discovery,
+        discovery_interval_s=args.discovery_interval_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     mode = (f"prefill {list(config.prefill)} -> decode {list(config.decode)}"
             if config.disaggregated else f"backends {list(config.backends)}")
+    if config.discovery == "dns":
+        mode += f" (DNS pools, re-resolved every {config.discovery_interval_s:g} s)"
     print(f"deepinfer router: http://{args.host}:{args.port}/v1 -> {mode}, policy "
           f"{config.policy}", flush=True)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.discovery import Service
+
 POLICY_NAMES = ("round_robin", "least_outstanding", "prefix_affinity")
+DISCOVERY_MODES = ("static", "dns")
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,10 @@ class RouterConfig:
     and `decode` (disaggregated: a prefill worker computes the prompt's KV blocks into the
     shared store, a decode worker loads them and generates) must be given, as base URLs such
     as `http://10.0.0.5:8000`.
+
+    `discovery` says what a URL is: `static`, one worker; `dns`, a pool of workers behind one
+    name (a Kubernetes headless Service) whose host is re-resolved every
+    `discovery_interval_s` seconds, each A/AAAA address one replica (`router.discovery`).
     """
 
     backends: tuple[str, ...] = ()
@@ -36,6 +43,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     # replicas tried per request when connections fail before the first byte
     max_attempts: int = 3
+    discovery: str = "static"
+    # seconds between DNS resolutions of each pool (discovery="dns")
+    discovery_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.backends and (self.prefill or self.decode):
@@ -54,6 +64,13 @@ class RouterConfig:
             duplicate = next((url for i, url in enumerate(seen) if url in seen[:i]), None)
             if duplicate is not None:
                 raise ValueError(f"{flag} {duplicate} is given twice; list each worker once")
+        if self.discovery not in DISCOVERY_MODES:
+            raise ValueError(f"discovery={self.discovery!r} is unknown; use static (each URL "
+                             "is one worker) or dns (each URL names a pool, resolved to all "
+                             "its addresses)")
+        if self.discovery == "dns":
+            for url in (*self.backends, *self.prefill, *self.decode):
+                Service.from_url(url, "both")  # raises ValueError with the fix
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy={self.policy!r} is unknown; use one of "
                              f"{', '.join(POLICY_NAMES)}")
@@ -63,7 +80,7 @@ class RouterConfig:
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance={self.max_imbalance} must be >= 0")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
-                     "request_timeout_s"):
+                     "request_timeout_s", "discovery_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
 

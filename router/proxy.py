@@ -215,8 +215,8 @@ class Proxy:
                      sent_at: float) -> Response:
         """The client's answer from the worker's (header read, body not yet)."""
         def release_replica() -> None:
-            replica.outstanding -= 1
             self.metrics.duration.labels(replica.url).observe(time.perf_counter() - sent_at)
+            self.registry.release(replica)
 
         if "text/event-stream" in upstream.headers.get("content-type", ""):
             def on_close() -> None:
@@ -257,18 +257,18 @@ class Proxy:
             try:
                 upstream = await self.client.send(request, stream=True)
             except RETRYABLE_ERRORS as exc:
-                replica.outstanding -= 1
                 self.registry.record_failure(replica, unreachable=isinstance(
                     exc, UNREACHABLE_ERRORS), reason=repr(exc))
                 self.metrics.retries.labels(replica.url).inc()
+                self.registry.release(replica)
                 logger.warning("%s failed before answering (%r); trying another replica",
                                replica.url, exc)
                 continue
             except BaseException:
-                replica.outstanding -= 1
+                self.registry.release(replica)
                 raise
             self.metrics.first_byte.labels(replica.url).observe(time.perf_counter() - sent_at)
-            self.metrics.requests.labels(replica.url, str(upstream.status_code)).inc()
+            self.metrics.count_answer(replica.url, upstream.status_code)
             return upstream, replica, sent_at
         kind = "" if role == "both" else f"{role} "
         if tried:
@@ -323,7 +323,7 @@ class Proxy:
                 if not opening.cancelled() and opening.exception() is None:
                     upstream, replica, _ = opening.result()
                     await upstream.aclose()
-                    replica.outstanding -= 1
+                    self.registry.release(replica)
             raise
         try:
             upstream, replica, sent_at = opening.result()
@@ -338,8 +338,8 @@ class Proxy:
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
-            replica.outstanding -= 1
             self.metrics.duration.labels(replica.url).observe(time.perf_counter() - sent_at)
+            self.registry.release(replica)
         if 400 <= upstream.status_code < 500:
             return None   # the client's own error: the decode worker gives the same 4xx
         if upstream.status_code != 200:

@@ -6,6 +6,12 @@ count; anything else counts a failure, and `max_failures` consecutive failures e
 refused connection ejects at once, from a health check or from a proxied request. Replicas start
 ejected and join at their first good check, so a worker still loading its model gets no traffic.
 
+Membership: static replicas stay for the router's life. Discovered ones (`router.discovery`)
+come and go through `sync(source, role, urls)`: a new URL joins ejected; a URL that left is
+dropped from selection and health checks at once (moved to `draining`) and forgotten when its
+last outstanding request is released (`release`), so no request in flight is lost; a draining
+URL that comes back rejoins with its count intact. `on_forget` runs when a replica is forgotten.
+
 The registry is the single owner of replica state; it runs in the router's one event loop, so
 the proxy's `outstanding` increments and the checks never race.
 """
@@ -34,20 +40,31 @@ class Replica:
     healthy: bool = False
     outstanding: int = 0
     consecutive_failures: int = 0
+    # the discovered service URL this replica is an address of; None for a static replica
+    source: str | None = None
+    # left the pool while requests were in flight: not selected, not checked, forgotten at 0
+    draining: bool = False
 
 
 class Registry:
     """Replicas by role, with failure accounting and the periodic health check."""
 
     def __init__(self, replicas: Iterable[Replica], *, max_failures: int = 3,
-                 on_eject: Callable[[Replica], None] | None = None) -> None:
+                 on_eject: Callable[[Replica], None] | None = None,
+                 on_forget: Callable[[Replica], None] | None = None) -> None:
         self.all = list(replicas)
+        self.draining: list[Replica] = []
         for replica in self.all:
             if replica.role not in ROLES:
                 raise ValueError(f"replica {replica.url} has role {replica.role!r}; use one "
                                  f"of {ROLES}")
         self.max_failures = max_failures
         self.on_eject = on_eject
+        self.on_forget = on_forget
+
+    def known(self) -> list[Replica]:
+        """Every replica with state worth reporting: the pool and those still draining."""
+        return self.all + self.draining
 
     def replicas(self, role: str) -> list[Replica]:
         """Replicas that can take `role` work: a role-`both` replica does any."""
@@ -74,21 +91,68 @@ class Registry:
             if self.on_eject is not None:
                 self.on_eject(replica)
 
+    def release(self, replica: Replica) -> None:
+        """One request of `replica` finished; a draining replica is forgotten at zero."""
+        replica.outstanding -= 1
+        if replica.draining and replica.outstanding <= 0:
+            self.draining.remove(replica)
+            self._forget(replica)
+
+    def sync(self, source: str, role: str, urls: Iterable[str]) -> list[Replica]:
+        """Make the replicas discovered from `source` (with `role`) exactly `urls`; returns
+        the replicas added (ejected until their first good health check). A URL another
+        source already holds is skipped (one replica per URL keeps metrics labels unique)."""
+        wanted = list(dict.fromkeys(urls))
+        for replica in [r for r in self.all if r.source == source and r.url not in wanted]:
+            self.all.remove(replica)
+            logger.info("replica %s (%s) left %s", replica.url, replica.role, source)
+            if replica.outstanding > 0:
+                replica.draining = True
+                self.draining.append(replica)
+            else:
+                self._forget(replica)
+        held = {r.url: r for r in self.all}
+        added = []
+        for url in wanted:
+            if url in held:
+                if held[url].source != source:
+                    logger.warning("%s from %s is already a replica (%s); skipped", url,
+                                   source, held[url].source or "static")
+                continue
+            replica = next((r for r in self.draining if r.url == url), None)
+            if replica is not None:  # came back before its last request finished
+                self.draining.remove(replica)
+                replica.draining, replica.source, replica.role = False, source, role
+            else:
+                replica = Replica(url, role, source=source)
+            self.all.append(replica)
+            added.append(replica)
+            logger.info("replica %s (%s) found in %s", url, role, source)
+        return added
+
+    def _forget(self, replica: Replica) -> None:
+        replica.healthy = False
+        if self.on_forget is not None:
+            self.on_forget(replica)
+
     async def check(self, client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
-        """One health check of `replica`: GET /health must answer 200 within `timeout_s`."""
+        """One health check of `replica`: GET /health must answer 200 within `timeout_s`.
+        A replica that left the pool meanwhile is not updated."""
+        reason, unreachable = None, False
         try:
             response = await client.get(replica.url + "/health", timeout=timeout_s)
+            if response.status_code != 200:
+                reason = f"/health answered {response.status_code}"
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            self.record_failure(replica, unreachable=True, reason=f"{type(exc).__name__}")
-            return
+            reason, unreachable = type(exc).__name__, True
         except httpx.HTTPError as exc:
-            self.record_failure(replica, unreachable=False, reason=f"{type(exc).__name__}")
+            reason = type(exc).__name__
+        if replica not in self.all:  # discovery removed it during the check
             return
-        if response.status_code == 200:
+        if reason is None:
             self.record_success(replica)
         else:
-            self.record_failure(replica, unreachable=False,
-                                reason=f"/health answered {response.status_code}")
+            self.record_failure(replica, unreachable=unreachable, reason=reason)
 
     async def check_all(self, client: httpx.AsyncClient, timeout_s: float) -> None:
         await asyncio.gather(*(self.check(client, r, timeout_s) for r in self.all))

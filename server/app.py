@@ -1,6 +1,7 @@
 """`build_app(engine)`: the FastAPI app serving one engine through the OpenAI API.
 
-Routes: GET /health (200 while the step loop lives, else 503), GET /metrics (Prometheus text),
+Routes: GET /health (200 while the step loop lives, else 503; the Kubernetes startup,
+readiness and liveness probes in deploy/ call it), GET /metrics (Prometheus text),
 GET /v1/models, GET /v1/models/{model}, POST /v1/chat/completions, POST /v1/completions.
 With `api_key`, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health
 and /metrics stay open for probes and scrapers. The app does not own the engine: whoever made
@@ -47,6 +48,36 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class HTTPMetricsMiddleware:
+    """Counts every HTTP answer in `deepinfer:http_requests_total` by route template and status.
+
+    The route label is the matched route's path template (`/v1/models/{model_id:path}`), or
+    `unmatched` when no route was reached (a 404 on an unknown path, or a 401 from the API-key
+check, which runs before routing), so clients cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]  # an exception before the answer started is a 500 to the client
+
+        async def send_and_record(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self._metrics.http_response(route, status[0])
+
+
 def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
     """The app for `engine` (an `AsyncLLM` or anything with its public surface)."""
     metrics = ServerMetrics(engine.get_stats, engine.model_name, engine.max_model_len)
@@ -61,6 +92,7 @@ def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # outermost: sees 401s too
 
     def model_card() -> ModelCard:
         return ModelCard(id=engine.model_name, root=engine.model_name, created=created,

@@ -4,6 +4,8 @@ Two sources:
 - The engine's gauges and counters (running/waiting requests, KV cache usage, prefix cache,
   preemptions) are read from `engine.get_stats()` at scrape time by a custom collector: no
   polling thread, never stale.
+- `deepinfer:http_requests_total{route,status_code}`: every HTTP answer, counted by
+  `HTTPMetricsMiddleware` in `server.app` (the error-rate alert's numerator).
 - Per-request counters and histograms (tokens, finish reasons, TTFT, inter-token latency,
   end-to-end latency, prompt/generation lengths) are recorded by a `RequestTracker` as the
   server consumes each engine request's outputs.
@@ -127,6 +129,9 @@ class ServerMetrics:
         self._success = Counter("deepinfer:request_success", "Finished requests by reason.",
                                 labels + ["finished_reason"], registry=reg)
         self._model_name = model_name
+        # route = the matched path template (never the raw path: bounded label values)
+        self._http = Counter("deepinfer:http_requests", "HTTP answers by route and status code.",
+                             labels + ["route", "status_code"], registry=reg)
         self.ttft = Histogram("deepinfer:time_to_first_token_seconds",
                               "Time to first token (arrival to first sampled token).", labels,
                               buckets=TTFT_BUCKETS_S, registry=reg).labels(model_name)
@@ -146,6 +151,9 @@ class ServerMetrics:
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(self._model_name, finished_reason).inc()
+
+    def http_response(self, route: str, status_code: int) -> None:
+        self._http.labels(self._model_name, route, str(status_code)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

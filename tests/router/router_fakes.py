@@ -2,8 +2,8 @@
 
 A `FakeWorker` answers /health, /v1/models, /v1/chat/completions and /v1/completions the way a
 deepinfer worker does (JSON, or SSE ending `data: [DONE]`), records every body it receives, and
-can be told to misbehave (`mode`): "ok", "slow" (a long stream, 20 ms per event, or a long
-wait before a JSON answer), "break" (answer 200, send one piece, then drop the connection).
+can be told to misbehave (`mode`): "ok", "slow" (a long stream of `slow_events` events, 20 ms
+apart, or a long wait before a JSON answer), "break" (answer 200, send one piece, then drop the connection).
 It also plays a prefill worker: a body with `kv_transfer_params.do_remote_decode` gets the
 `kv_transfer_params` a prefill worker returns.
 """
@@ -36,12 +36,13 @@ def wait_for(condition, timeout_s: float = 10.0) -> bool:
 
 
 class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1 in a daemon thread."""
+    """uvicorn serving `app` on `host` (a loopback address: 127.0.0.1, 127.0.0.2, ... are all
+    this machine on Linux) in a daemon thread."""
 
-    def __init__(self, app, port: int | None = None) -> None:
+    def __init__(self, app, port: int | None = None, host: str = "127.0.0.1") -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning",
                                 lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -60,17 +61,19 @@ class ServerThread:
 
 
 class FakeWorker:
-    def __init__(self, name: str, models: tuple[str, ...] = ("fake-model",)) -> None:
+    def __init__(self, name: str, models: tuple[str, ...] = ("fake-model",), *,
+                 host: str = "127.0.0.1", port: int | None = None) -> None:
         self.name = name
         self.models = models
         self.mode = "ok"
+        self.slow_events = 500
         self.healthy = True
         self.bodies: list[dict] = []
         self.raw_bodies: list[bytes] = []
         self.aborted = 0
         self.completed = 0
         self.app = self._build()
-        self.thread = ServerThread(self.app)
+        self.thread = ServerThread(self.app, port, host)
         self.url = self.thread.url
 
     def start(self) -> "FakeWorker":
@@ -81,13 +84,13 @@ class FakeWorker:
         self.thread.stop()
 
     def reset(self) -> None:
-        self.mode, self.healthy = "ok", True
+        self.mode, self.healthy, self.slow_events = "ok", True, 500
         self.bodies.clear()
         self.raw_bodies.clear()
         self.aborted = self.completed = 0
 
     async def _events(self, body: dict):
-        count = 500 if self.mode == "slow" else 3
+        count = self.slow_events if self.mode == "slow" else 3
         try:
             for i in range(count):
                 event = {"worker": self.name, "i": i, "model": body.get("model")}

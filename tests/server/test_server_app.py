@@ -232,3 +232,28 @@ def test_metrics_move_with_requests(client):
     assert 'deepinfer:prompt_tokens_total{model_name="test-model"} 3.0' in text
     assert ('deepinfer:request_success_total{finished_reason="length",model_name="test-model"} '
             '1.0') in text
+
+
+def test_http_requests_are_counted_by_route_template_and_status(engine):
+    client = TestClient(build_app(engine, api_key="k"), raise_server_exceptions=False)
+    auth = {"Authorization": "Bearer k"}
+    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=auth)
+    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": -1}, headers=auth)
+    client.get("/v1/models/test-model", headers=auth)
+    client.get("/v1/models/other", headers=auth)
+    client.get("/v1/models")                       # no key: refused before routing
+    client.get("/no/such/path/1")
+    client.get("/no/such/path/2")
+    engine.queue_full = True
+    client.post("/v1/completions", json={"prompt": "ab"}, headers=auth)
+    text = client.get("/metrics").text
+
+    def count(route: str, status: int) -> str:
+        return (f'deepinfer:http_requests_total{{model_name="test-model",route="{route}",'
+                f'status_code="{status}"}}')
+
+    for route, status, n in (("/v1/completions", 200, 1), ("/v1/completions", 400, 1),
+                             ("/v1/completions", 429, 1), ("/v1/models/{model_id:path}", 200, 1),
+                             ("/v1/models/{model_id:path}", 404, 1), ("unmatched", 401, 1),
+                             ("unmatched", 404, 2)):
+        assert f"{count(route, status)} {float(n)}" in text, (route, status, text)
