@@ -2,8 +2,10 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (proxied, SSE included), GET /v1/models
 (the union by id of the healthy workers' lists), GET /v1/models/{model}, GET /health (200 while
-at least one replica that answers requests is admitted, else 503), GET /metrics (the router's
-own Prometheus metrics). Errors of the router itself have OpenAI's error shape.
+at least one replica that answers requests is admitted, else 503: the Kubernetes readiness
+probe), GET /liveness (200 while the router serves, whatever its workers do: the startup and
+liveness probes, so a router is never restarted for its workers' sake), GET /metrics (the
+router's own Prometheus metrics). Errors of the router itself have OpenAI's error shape.
 
 The app owns its httpx client (one connection pool for all workers), the health-check task and,
 with `discovery="dns"`, the discovery task: they start and stop with the app's lifespan; the
@@ -143,6 +145,10 @@ def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns) -> FastA
             return error_response("No replica that answers requests is healthy.",
                                   status_code=503, code="no_healthy_replica")
         return JSONResponse({"status": "ok", "healthy_replicas": len(serving)})
+
+    @app.get("/liveness")
+    async def liveness() -> Response:
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

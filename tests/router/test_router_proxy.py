@@ -206,6 +206,7 @@ def test_no_healthy_replica_is_an_openai_503(workers, router_factory):
     error = reply.json()["error"]
     assert error["code"] == "no_healthy_replica" and "No healthy worker" in error["message"]
     assert router.client.get("/health").status_code == 503
+    assert router.client.get("/liveness").status_code == 200   # not restarted for its workers
     assert router.client.get("/v1/models").status_code == 503
 
 
