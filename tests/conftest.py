@@ -45,11 +45,12 @@ class RedisServer:
     down) and `start()` brings a fresh, empty one back on the same port.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, extra_args: tuple[str, ...] = ()) -> None:
         from tests.processes import free_port
 
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.extra_args = list(extra_args)   # e.g. a deployment's own flags (later ones win)
         self.process = None
 
     def start(self) -> "RedisServer":
@@ -61,14 +62,14 @@ class RedisServer:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
+             "--appendonly", "no", "--protected-mode", "no", *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
                     conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
+                    if conn.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (password set)
                         return self
             except OSError:
                 time.sleep(0.02)
