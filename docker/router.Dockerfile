@@ -28,8 +28,9 @@ RUN pip install --no-cache-dir --no-deps /tmp/deepinfer \
 USER 10001:10001
 WORKDIR /home/deepinfer
 EXPOSE 8080
-# /health is 200 while at least one worker that answers requests is admitted
+# /liveness is 200 while the router serves (/health also needs an admitted worker: a router
+# waiting for its workers is not unhealthy)
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/health', timeout=4)"]
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/liveness', timeout=4)"]
 ENTRYPOINT ["deepinfer"]
 CMD ["router", "--host", "0.0.0.0", "--port", "8080"]

@@ -115,9 +115,10 @@ def test_healthcheck_asks_a_served_route_on_the_cmd_port(name):
 
 class _Health(BaseHTTPRequestHandler):
     status = 200
+    paths = ("/health", "/liveness")   # the worker's and the router's probe routes
 
     def do_GET(self):
-        self.send_response(self.status if self.path == "/health" else 404)
+        self.send_response(self.status if self.path in self.paths else 404)
         self.end_headers()
 
     def log_message(self, *args):
