@@ -11,9 +11,12 @@ model, so both run the same weights), then measures in one process:
 3. deepinfer's `EngineCore` (KV cache sized by the profiling pass, CUDA graphs for decode):
    decode tokens/s at batch 1, 8, 64, 256 (128-token prompts, 128 new tokens; the timed window
    starts once every request has its first token) and prefill tokens/s of 2,048-token prompts;
-4. where a decode step's time goes at batch 1 and 64: graph replay alone, the same forward
-   eagerly, the LM head + argmax, and the rest of the engine step (scheduler, input building,
-   output processing: host time the GPU waits through).
+4. the same decode runs at b=1, 8, 64 with every linear on cuBLAS (the Triton skinny GEMM off,
+   graphs recaptured): that kernel's share, measured on the same machine;
+5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
+   LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
+   argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
+   eager step (torch.profiler).
 
 Rooflines: decode step = max(bytes / bandwidth, FLOPs / matmul rate), bytes = every weight but
 the embedding table (only B rows of it are read) + the KV cache the step reads (B sequences x
@@ -221,6 +224,37 @@ def set_async_scheduling(core, enabled: bool) -> None:
     core.async_steps = AsyncStepper(core) if enabled else None
 
 
+def recapture_graphs(core) -> None:
+    """Drop the engine's CUDA graphs and capture them again (after a kernel switch changed)."""
+    runner = core.model_runner
+    runner.cuda_graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.capture_cuda_graphs(core.config.scheduler.max_num_seqs, core.max_model_len)
+
+
+def cublas_only_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dict,
+                       context: float) -> dict:
+    """Decode at b=1, 8, 64 with every linear on cuBLAS (the Triton skinny GEMM off, graphs
+    recaptured), same process and machine: the skinny GEMM's share of the decode numbers."""
+    from kernels import linear as kernels_linear
+
+    saved = kernels_linear.SKINNY_MAX_ROWS
+    kernels_linear.SKINNY_MAX_ROWS = 0
+    results = {}
+    try:
+        recapture_graphs(core)
+        for batch in (1, 8, 64):
+            run = engine_decode(core, batch, vocab, new_tokens)
+            run["roofline_tok_s"] = decode_roofline(costs, ceilings, batch, context)
+            results[f"decode_b{batch}_cublas_linears"] = run
+            print(f"decode b={batch} cuBLAS linears: {run}", flush=True)
+    finally:
+        kernels_linear.SKINNY_MAX_ROWS = saved
+        recapture_graphs(core)
+    return results
+
+
 def engine_prefill(core, vocab: int, num_prompts: int) -> float:
     """Prefill tokens/s: 2,048-token prompts, one new token each (8,192-token steps)."""
     from engine.sampling_params import SamplingParams
@@ -291,9 +325,10 @@ def gemm_only_ms(model, batch: int) -> float:
 
 @torch.inference_mode()
 def kernel_profile(core, batch: int, top: int = 10) -> dict:
-    """GPU time per kernel of one eager decode forward at `batch` (torch.profiler), the sum of
-    all kernels, and the heaviest `top` kernels: (name, launches, ms) per forward. Graph replay
-    minus the kernel sum is the time between kernels."""
+    """GPU time per kernel of one eager decode step at `batch` (the graph's work: forward, LM
+    head, argmax; torch.profiler), the sum of all kernels, and the heaviest `top` kernels:
+    (name, launches, ms) per step. Graph replay minus the kernel sum is the time between
+    kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs = core.model_runner.cuda_graphs
@@ -301,7 +336,7 @@ def kernel_profile(core, batch: int, top: int = 10) -> dict:
     repeats = 3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
-            graphs._forward(size)
+            graphs.step(size)
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if _device_us(e) > 0]
     events.sort(key=_device_us, reverse=True)
@@ -334,19 +369,32 @@ def _device_us(event) -> float:
 
 @torch.inference_mode()
 def step_breakdown(core, batch: int, context: int) -> dict:
-    """Milliseconds of a decode step's parts at `batch` (see the module docstring, point 4)."""
+    """Milliseconds of a decode step's parts at `batch` (see the module docstring, point 5)."""
     runner = core.model_runner
     graphs = runner.cuda_graphs
     size = min(s for s in graphs.batch_sizes if s >= batch)
     graphs.slot_mapping[:size].fill_(-1)          # write nothing
     graphs.seq_lens[:size].fill_(context)         # read `context` tokens (blocks stay valid)
     replay_s = _timed(graphs.graphs[size].replay, 20)
-    eager_s = _timed(lambda: graphs._forward(size), 10)
-    hidden = graphs.outputs[size][:batch]
+    eager_s = _timed(lambda: graphs.step(size), 10)
+    hidden = graphs.outputs[size].hidden[:batch]
     head_s = _timed(lambda: runner.model.compute_logits(hidden).argmax(dim=-1), 20)
-    return {"graph_replay_ms": 1e3 * replay_s, "eager_forward_ms": 1e3 * eager_s,
-            "lm_head_argmax_ms": 1e3 * head_s,
-            "gemm_only_ms (layers + lm_head)": gemm_only_ms(runner.model, batch)}
+    return {"graph_replay_ms (layers + lm_head + argmax)": 1e3 * replay_s,
+            "eager_step_ms": 1e3 * eager_s, "lm_head_argmax_eager_ms": 1e3 * head_s,
+            "gemm_only_ms (layers + lm_head)": gemm_only_ms(runner.model, batch),
+            "gemm_only_cublas_ms": _cublas_only(lambda: gemm_only_ms(runner.model, batch))}
+
+
+def _cublas_only(fn):
+    """fn() with every linear on cuBLAS (the Triton skinny GEMM off), for comparison."""
+    from kernels import linear as kernels_linear
+
+    saved = kernels_linear.SKINNY_MAX_ROWS
+    kernels_linear.SKINNY_MAX_ROWS = 0
+    try:
+        return fn()
+    finally:
+        kernels_linear.SKINNY_MAX_ROWS = saved
 
 
 def diagnostics(core, context: int, vocab: int, profile: bool) -> dict:
@@ -429,6 +477,12 @@ def main() -> int:
     rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))
     results["prefill"] = {"tok_s": prefill, "roofline_tok_s": roof}
     results.update(diagnostics(core, int(context), hf_config.vocab_size, args.profile))
+    cublas = cublas_only_decode(core, hf_config.vocab_size, new_tokens, costs, ceilings, context)
+    results.update(cublas)
+    for name, run in cublas.items():
+        batch = name.split("_")[1]
+        rows.append((f"decode {batch.replace('b', 'b=')} (cuBLAS linears)", run["tok_s"],
+                     run["roofline_tok_s"], None))
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

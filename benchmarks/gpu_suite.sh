@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU test suite (-m gpu), then the H200 benchmark. Logs under $OUT (or ./out).
-# Usage: bash benchmarks/gpu_suite.sh [tests|bench|all]
+# Usage: bash benchmarks/gpu_suite.sh [tests|bench|sweep|all]  (sweep: benchmarks/gemv_sweep.py)
 # tests/e2e/test_gpu_server.py needs fastapi, starlette, uvicorn and pydantic: where they are
 # missing, install them first (the device image lacks them; carry wheels, see the device README).
 set -o pipefail
@@ -10,9 +10,15 @@ what=${1:-all}
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.log"
+if [ "$what" = sweep ]; then
+  timeout 240 python3 benchmarks/gemv_sweep.py --write-configs --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log"
+  cp kernels/configs/skinny_linear_*.json "$OUT/" 2>/dev/null
+  exit
+fi
 if [ "$what" != bench ]; then
   timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
     tests/kernels/test_paged_attention_triton.py tests/kernels/test_elementwise_triton.py \
+    tests/kernels/test_linear_triton.py \
     tests/engine/test_gpu_engine.py tests/e2e/test_gpu_server.py 2>&1 | tee "$OUT/tests.log"
 fi
 if [ "$what" != tests ]; then

@@ -9,6 +9,11 @@ shape, so the runner owns static input buffers sized for the largest captured ba
   max_blocks_per_seq = ceil(max_model_len / block_size): a fixed width, whatever the batch holds;
 - `query_start_loc` = 0..max_batch (one token per sequence).
 
+Each graph holds the whole decode step on the device: the layers, the LM head over every row
+(`model.compute_logits`, float32 [batch, vocab]) and the greedy choice (argmax per row), so a
+greedy batch's step is one graph launch; sampling that needs more (temperature, penalties,
+logprobs) reads the graph's logits.
+
 A step with n sequences replays the graph of the smallest captured size >= n: the first n rows
 are copied in, the padding rows get slot -1 (their K/V write is skipped) and seq_len 0 (their
 attention reads nothing and returns zeros); their outputs are dropped. The captured
@@ -24,16 +29,31 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from engine.input_batch import StepInputs
+from engine.sampler import greedy_argmax
 from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class GraphOutputs(NamedTuple):
+    """A replayed step's static outputs, views valid until the next replay.
+
+    hidden: [num_seqs, hidden_size] final-norm hidden states, model dtype.
+    logits: [num_seqs, vocab_size] float32 (`model.compute_logits` of every row).
+    greedy_ids: [num_seqs] int64, `greedy_argmax(logits)` (the sampler's greedy rule).
+    """
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    greedy_ids: torch.Tensor
 
 
 class CudaGraphRunner:
@@ -67,7 +87,7 @@ class CudaGraphRunner:
                                         device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, GraphOutputs] = {}
 
     def _metadata(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -81,6 +101,12 @@ class CudaGraphRunner:
         return self.model(self.input_ids[:batch_size], self.positions[:batch_size],
                           self.kv_caches, self._metadata(batch_size))
 
+    def step(self, batch_size: int) -> GraphOutputs:
+        """The captured work, run eagerly: forward, LM head, argmax."""
+        hidden = self._forward(batch_size)
+        logits = self.model.compute_logits(hidden)
+        return GraphOutputs(hidden, logits, greedy_argmax(logits))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (later graphs reuse the first one's memory pool).
@@ -90,11 +116,11 @@ class CudaGraphRunner:
         start = time.perf_counter()
         pool = None
         for batch_size in reversed(self.batch_sizes):
-            self._forward(batch_size)
+            self.step(batch_size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch_size] = self._forward(batch_size)
+                self.outputs[batch_size] = self.step(batch_size)
             pool = graph.pool()
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
@@ -108,12 +134,12 @@ class CudaGraphRunner:
                 and metadata.num_seqs <= self.batch_sizes[-1]
                 and metadata.block_tables.shape[1] <= self.max_blocks_per_seq)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs) -> GraphOutputs:
         """Replay the graph of the nearest captured size >= the batch.
 
         Returns:
-            [num_seqs, hidden_size] final hidden states, a view of the graph's static output
-            (valid until the next replay).
+            The first num_seqs rows of the graph's static outputs (valid until the next
+            replay).
         """
         metadata = inputs.attn_metadata
         num_seqs = metadata.num_seqs
@@ -128,4 +154,4 @@ class CudaGraphRunner:
             self.slot_mapping[num_seqs:batch_size].fill_(-1)
             self.seq_lens[num_seqs:batch_size].fill_(0)
         self.graphs[batch_size].replay()
-        return self.outputs[batch_size][:num_seqs]
+        return GraphOutputs(*(output[:num_seqs] for output in self.outputs[batch_size]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from engine.sampler import Sampler
 from engine.sampling_metadata import build_sampling_metadata
 from engine.structured.manager import StructuredOutputManager
 from kernels.cpu_extension import cpu_extension
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import GraphOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +109,10 @@ class ModelRunner:
             return ModelRunnerOutput()
         num_scheduled = [scheduler_output.num_scheduled_tokens[s.request_id] for s in states]
         inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device)
-        hidden = self._forward(inputs)
+        hidden, graph_outputs = self._forward(inputs)
         sampled: dict[str, tuple[list[int], list | None]] = {}
         if inputs.sampling_states:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self._logits(inputs, hidden, graph_outputs)
             metadata = build_sampling_metadata(inputs.sampling_states, self.device,
                                                eos_token_ids=self.eos_token_ids)
             if any(s.grammar is not None for s in inputs.sampling_states):
@@ -132,13 +136,31 @@ class ModelRunner:
             sampled_token_ids=[sampled.get(s.request_id, ([], None))[0] for s in states],
             logprobs=[sampled.get(s.request_id, ([], None))[1] for s in states])
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """[num_tokens, hidden_size]: a captured graph's replay for a decode step it covers,
-        else the eager forward."""
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, GraphOutputs | None]:
+        """(hidden [num_tokens, hidden_size], the graph's outputs): a captured graph's replay
+        for a decode step it covers (hidden, logits and greedy ids of every row), else the
+        eager forward (and None)."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs):
-            return self.cuda_graphs.run(inputs)
+            outputs = self.cuda_graphs.run(inputs)
+            return outputs.hidden, outputs
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                          inputs.attn_metadata)
+                          inputs.attn_metadata), None
+
+    @staticmethod
+    def _graph_rows_sample(inputs: StepInputs, graph_outputs: GraphOutputs | None) -> bool:
+        """True when a replayed graph's rows are the sampled rows: every sequence of the
+        decode step samples (then logits_indices is 0..n-1). A 1-token chunk in the middle of
+        a prompt is a decode-shaped row that does not sample."""
+        return (graph_outputs is not None
+                and len(inputs.sampling_states) == inputs.attn_metadata.num_seqs)
+
+    def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
+                graph_outputs: GraphOutputs | None) -> torch.Tensor:
+        """[num_sampling, vocab_size] float32 logits of the rows that sample: the graph's own
+        when they are its rows, else the LM head over `hidden[logits_indices]`."""
+        if self._graph_rows_sample(inputs, graph_outputs):
+            return graph_outputs.logits
+        return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
     def execute_async(self, scheduler_output: SchedulerOutput,
@@ -154,13 +176,16 @@ class ModelRunner:
         inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device)
         if previous is not None:
             previous.feed_input_ids(states, num_scheduled, inputs.input_ids)
-        hidden = self._forward(inputs)
+        hidden, graph_outputs = self._forward(inputs)
         token_ids = logprobs = None
         if inputs.sampling_states:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self._logits(inputs, hidden, graph_outputs)
             metadata = build_sampling_metadata(inputs.sampling_states, self.device,
                                                eos_token_ids=self.eos_token_ids)
-            token_ids, logprobs = self.sampler.sample_on_device(logits, metadata)
+            if metadata.argmax_only and self._graph_rows_sample(inputs, graph_outputs):
+                token_ids = graph_outputs.greedy_ids   # argmax ran inside the graph
+            else:
+                token_ids, logprobs = self.sampler.sample_on_device(logits, metadata)
             for state in inputs.sampling_states:
                 state.token_ids.append(-1)  # a placeholder until the step is resolved
         for state, num_tokens in zip(states, num_scheduled):

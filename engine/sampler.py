@@ -46,7 +46,7 @@ from engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "build_sampling_metadata",
            "apply_penalties", "filter_candidates", "request_key", "random_bits",
-           "exponential_noise"]
+           "exponential_noise", "greedy_argmax"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -55,6 +55,7 @@ _MIX2 = 0x94D049BB133111EB
 _NOISE_CHUNK_ELEMENTS = 1 << 16  # on CPU, rows * vocab per noise chunk: temporaries stay in L2
 _CANDIDATES = 256                # top logits a top-k / top-p row is sampled among
 _NUCLEUS_WIDTH = 2048            # top logits searched for a wider nucleus before a full sort
+_TWO_PASS_MAX_ROWS = 32          # greedy_argmax: fewer CUDA rows than this take two passes
 
 
 def _signed64(value: int) -> int:
@@ -116,6 +117,31 @@ def exponential_noise(keys: list[int], counters: torch.Tensor) -> torch.Tensor:
     top23 = _shift_right_logical(random_bits(keys, counters), 41)
     uniform = top23.to(torch.float32).mul_(2.0 ** -23).add_(2.0 ** -24)   # (2k + 1) / 2^24
     return uniform.log_().neg_()
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: `logits.argmax(dim=-1)`, the first maximal index of each row.
+
+    On CUDA, fewer than _TWO_PASS_MAX_ROWS rows of a vocabulary that splits evenly are reduced
+    in two passes (the maximum of each of C chunks, then the first chunk holding the row's
+    maximum): torch's one-pass argmax reduces a row in one thread block, which took ~28 us for
+    one row of 128,256 logits on an H200 (benchmarks/RESULTS.md). Same result: both passes
+    keep the first maximal index (NaN counts as the maximum, as in torch.argmax).
+    """
+    rows, vocab = logits.shape
+    chunks = next((c for c in (256, 128, 64) if vocab % c == 0), 0)
+    if not (logits.is_cuda and rows < _TWO_PASS_MAX_ROWS and chunks):
+        return logits.argmax(dim=-1)
+    return two_pass_argmax(logits, chunks)
+
+
+def two_pass_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
+    """`greedy_argmax`'s two passes: logits [B, V] with V % chunks == 0 -> [B] int64."""
+    rows, vocab = logits.shape
+    width = vocab // chunks
+    values, index = logits.reshape(rows, chunks, width).max(dim=-1)   # [B, C] each
+    chunk = values.argmax(dim=-1, keepdim=True)                       # [B, 1] first best chunk
+    return (chunk * width + index.gather(1, chunk)).squeeze(1)
 
 
 def _padded_ids(rows: list[tuple[Sequence[int], ...]],
@@ -289,7 +315,7 @@ class Sampler:
         caller need not wait for the device (async scheduling, engine/async_step.py). The
         argmax-only path never synchronizes; the random, penalty and logprob paths still do."""
         if metadata.argmax_only:                                     # the batch-1 decode path
-            return logits.argmax(dim=-1), None
+            return greedy_argmax(logits), None
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.num_logprobs is not None else None
         logits = self._mask_tokens(logits, metadata.masked_token_ids)
@@ -299,7 +325,7 @@ class Sampler:
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         if metadata.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy_argmax(logits)
         else:
             token_ids = self._sample_random_rows(logits, metadata)
         logprobs = None

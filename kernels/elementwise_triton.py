@@ -1,5 +1,6 @@
 """Triton kernels for the small per-token ops of a decoder layer (the "triton" backends of
-`kernels/rms_norm.py`, `kernels/rotary.py` and `kernels/activation.py`).
+`kernels/rms_norm.py`, `kernels/rotary.py` and `kernels/activation.py`), and rotary fused with
+the KV-cache write (`apply_rotary_write_kv`: one kernel per layer instead of two).
 
 At decode each op moves a few kilobytes per token, so its cost is the launch, not the bytes: one
 fused kernel replaces the 2-4 torch ops of the reference (add + norm; mul + flip + addcmul; silu +
@@ -115,3 +116,67 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), intermediate, BLOCK=block,
             num_warps=4)
     return out
+
+
+@triton.jit
+def _rotary_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, cache_ptr, slot_ptr,
+                            qkv_stride_t, cos_stride_t, sin_stride_t, v_offset,
+                            NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                            HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+                            BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    head_dim = 2 * HALF
+    heads = tl.arange(0, BLOCK_H)[:, None]                    # q heads, then k heads
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    d_ok = dims < HALF
+    mask = (heads < NUM_Q_HEADS + NUM_KV_HEADS) & d_ok
+    src = qkv_ptr + token * qkv_stride_t + heads * head_dim + dims
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    cos1 = tl.load(cos_ptr + token * cos_stride_t + dims, mask=d_ok, other=0.0)
+    cos2 = tl.load(cos_ptr + token * cos_stride_t + HALF + dims, mask=d_ok, other=0.0)
+    sin1 = tl.load(sin_ptr + token * sin_stride_t + dims, mask=d_ok, other=0.0)   # -sin
+    sin2 = tl.load(sin_ptr + token * sin_stride_t + HALF + dims, mask=d_ok, other=0.0)
+    dtype = q_out_ptr.dtype.element_ty
+    # the rounding steps of _rotary_kernel (and of the torch reference)
+    out1 = ((x1 * cos1).to(dtype).to(tl.float32) + x2.to(tl.float32) * sin1.to(tl.float32)
+            ).to(dtype)
+    out2 = ((x2 * cos2).to(dtype).to(tl.float32) + x1.to(tl.float32) * sin2.to(tl.float32)
+            ).to(dtype)
+    q_dst = q_out_ptr + token * (NUM_Q_HEADS * head_dim) + heads * head_dim + dims
+    is_q = mask & (heads < NUM_Q_HEADS)
+    tl.store(q_dst, out1, mask=is_q)
+    tl.store(q_dst + HALF, out2, mask=is_q)
+    k_dst = cache_ptr + slot * (NUM_KV_HEADS * head_dim) + (heads - NUM_Q_HEADS) * head_dim + dims
+    is_k = mask & (heads >= NUM_Q_HEADS) & ((slot + 0 * heads) >= 0)   # [H, 1]: slot -1 skips
+    tl.store(k_dst, out1, mask=is_k)
+    tl.store(k_dst + HALF, out2, mask=is_k)
+    kv_heads = tl.arange(0, BLOCK_KV)[:, None]
+    full_dims = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+    v_mask = (kv_heads < NUM_KV_HEADS) & (full_dims < head_dim) & ((slot + 0 * kv_heads) >= 0)
+    value = tl.load(qkv_ptr + token * qkv_stride_t + (NUM_Q_HEADS + NUM_KV_HEADS) * head_dim
+                    + kv_heads * head_dim + full_dims, mask=v_mask)
+    tl.store(cache_ptr + v_offset + slot * (NUM_KV_HEADS * head_dim) + kv_heads * head_dim
+             + full_dims, value, mask=v_mask)
+
+
+def apply_rotary_write_kv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                          cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`kernels.rotary.apply_rotary_write_kv`'s contract: qkv [T, (Hq + 2 Hkv) * D] (unit
+    stride on the last dim), cos / signed_sin [T, 1, D], kv_cache [2, N, B, Hkv, D] contiguous,
+    slot_mapping [T] int64 (-1: no write); returns the rotated query [T, Hq, D], contiguous."""
+    num_tokens = qkv.shape[0]
+    head_dim = kv_cache.shape[-1]
+    query = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_write_kv_kernel[(num_tokens,)](
+            qkv, cos, signed_sin, query, kv_cache, slot_mapping, qkv.stride(0), cos.stride(0),
+            signed_sin.stride(0), kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads,
+            NUM_KV_HEADS=num_kv_heads, HALF=half,
+            BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return query

@@ -7,6 +7,10 @@ time; `linear` uses it when given. The reference is plain `F.linear` (the packed
 against it). Packing returns None where it does not apply (other devices, other dtypes, torch
 built without oneDNN), and `linear` then falls back to `F.linear`.
 
+On CUDA, bf16 / fp16 inputs of at most `SKINNY_MAX_ROWS` rows (decode batches) run the Triton
+skinny GEMM (`kernels/linear_triton.py`) for the shapes where a sweep on that device measured it
+faster than cuBLAS (its tuned-config file); every other CUDA call uses `F.linear`.
+
 Weights that are exactly the dequantized values of ggml Q4_1 / Q8_0 blocks (GGUF checkpoints)
 also get a `QuantizedWeight` (`quantize_linear_weight`): up to `QUANTIZED_MAX_ROWS` input rows,
 `linear` then runs the AVX2 block-quantized kernel (`kernels/quantized_linear.py`), which reads
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.backends import triton_available
 from kernels.quantized_linear import QuantizedWeight, cpu_kernel_available, quantized_linear
 from kernels.quantized_linear import recover_quantized
 
@@ -26,6 +31,10 @@ from kernels.quantized_linear import recover_quantized
 # GEMM (2-core AVX2 machine, SmolLM2-135M shapes: 1.25x at 64 rows); larger inputs (prefill
 # chunks) were not measured and stay on the float32 GEMM.
 QUANTIZED_MAX_ROWS = 64
+
+# Up to this many input rows CUDA bf16/fp16 linears may run the Triton skinny GEMM, where its
+# tuned-config file says so (benchmarks/gemv_sweep.py). 0 turns it off (benchmarks compare).
+SKINNY_MAX_ROWS = 64
 
 
 def _onednn_packing_available() -> bool:
@@ -62,6 +71,19 @@ def quantize_linear_weight(weight: torch.Tensor) -> QuantizedWeight | None:
     return recover_quantized(weight)
 
 
+def _skinny_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """The Triton skinny GEMM's tuned config for this call, or None (use F.linear): CUDA
+    bf16/fp16 2-D x of at most SKINNY_MAX_ROWS rows with unit stride on the last dim, a
+    contiguous weight of x's dtype, and a shape the device's sweep found faster than cuBLAS."""
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.stride(-1) == 1 and weight.is_contiguous() and triton_available()):
+        return None
+    from kernels import linear_triton
+
+    return linear_triton.tuned_config(x.shape[0], weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None,
            quantized: QuantizedWeight | None = None) -> torch.Tensor:
@@ -77,6 +99,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [..., out_features], x's dtype.
     """
+    if x.is_cuda:
+        config = _skinny_config(x, weight)
+        if config is not None:
+            from kernels import linear_triton
+
+            return linear_triton.linear(x, weight, bias, config=config)
     if (quantized is not None and x.numel() <= QUANTIZED_MAX_ROWS * x.shape[-1]
             and cpu_kernel_available()):
         return quantized_linear(x, quantized, bias, backend="cpu_avx2")

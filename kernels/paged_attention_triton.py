@@ -48,7 +48,7 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, key_stride_t, key_
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (slot >= 0)
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & ((slot + 0 * heads) >= 0)  # [H, D]
     key = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
     value = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
     dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims

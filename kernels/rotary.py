@@ -4,6 +4,10 @@ Backends: "reference" (`kernels/reference/rotary.py`, torch ops, any device) and
 (`kernels/elementwise_triton.py`, one kernel on CUDA). `backend="auto"` takes "triton" for CUDA
 tensors where Triton is installed, else "reference". Triton vs reference: bf16 within one ulp
 (same rounding steps), float32 ~1e-6.
+
+`apply_rotary_write_kv` rotates q and k of a fused q|k|v projection and stores k and v in the
+paged KV cache (layout of `kernels/paged_attention.py`): one Triton kernel on CUDA; elsewhere
+`apply_rotary` + `write_kv` (the reference, and the CPU path).
 """
 
 from __future__ import annotations
@@ -39,3 +43,42 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     from kernels.reference.rotary import apply_rotary as reference
 
     return reference(x, cos, signed_sin)
+
+
+def apply_rotary_write_kv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                          cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Rotate q and k of a fused projection, write k and v into the paged cache, return q.
+
+    Args:
+        qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim], row blocks q | k | v,
+            kv_cache's dtype, unit stride on the last dim.
+        cos, signed_sin: [num_tokens, 1, head_dim] from `RotaryEmbedding.forward`.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous; the rotated
+            k and v of token t land at slot_mapping[t] (K at index 0, V at 1).
+        slot_mapping: [num_tokens] int64, block_id * block_size + offset; -1 = no write.
+        backend: "auto", "reference" (apply_rotary + write_kv, each "auto") or "triton".
+    Returns:
+        query [num_tokens, num_q_heads, head_dim], rotated, qkv's dtype (a new tensor, or a
+        view of one).
+    """
+    if backend == "auto":
+        use_triton = qkv.is_cuda and qkv.stride(-1) == 1 and triton_available()
+        backend = "triton" if use_triton else "reference"
+    if backend == "triton":
+        from kernels import elementwise_triton
+
+        return elementwise_triton.apply_rotary_write_kv(qkv, num_q_heads, num_kv_heads, cos,
+                                                        signed_sin, kv_cache, slot_mapping)
+    if backend != "reference":
+        raise ValueError(f"rotary backend={backend!r} is unknown; use 'auto' or one of "
+                         f"{BACKENDS}.")
+    from kernels.paged_attention import write_kv
+
+    num_tokens, head_dim = qkv.shape[0], kv_cache.shape[-1]
+    qk_end = (num_q_heads + num_kv_heads) * head_dim
+    # q and k are adjacent: rotate both in one pass -> [T, Hq + Hkv, D]
+    qk = apply_rotary(qkv[:, :qk_end].view(num_tokens, -1, head_dim), cos, signed_sin)
+    value = qkv[:, qk_end:].view(num_tokens, num_kv_heads, head_dim)
+    write_kv(qk[:, num_q_heads:], value, kv_cache, slot_mapping)
+    return qk[:, :num_q_heads]

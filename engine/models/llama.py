@@ -19,8 +19,9 @@ from engine.models.layers.decoder import PreNormDecoderLayer
 from engine.models.layers.linear import Linear
 from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.rms_norm import RMSNorm
-from engine.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from kernels.attention_metadata import AttentionMetadata
+from kernels.rotary import apply_rotary_write_kv
 
 # HF checkpoint projection -> (our fused parameter, shard)
 _FUSED_SHARDS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -52,14 +53,11 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]; rope from `RotaryEmbedding.forward`."""
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 kv_size]
-        qk_end = self.q_size + self.kv_size
-        # q and k are adjacent: rotate both heads' blocks in one pass -> [T, H_q + H_kv, D]
-        qk = apply_rotary(qkv[:, :qk_end].view(num_tokens, -1, self.head_dim), *rope)
-        value = qkv[:, qk_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads:], value, kv_cache,
-                        attn_metadata)  # [T, q_size]
+        # rotate q and k, store k and v in the cache: one kernel on CUDA
+        query = apply_rotary_write_kv(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache,
+                                      attn_metadata.slot_mapping)  # [T, H_q, D]
+        out = self.attn.attend(query, kv_cache, attn_metadata)  # [T, q_size]
         return self.o_proj(out)
 
 

@@ -297,3 +297,22 @@ def test_negative_and_large_seeds_are_accepted():
             Row(SamplingParams(temperature=1.0), seed=2**64 - 1)]
     out = sample(logits, rows).sampled_token_ids
     assert out == sample(logits, rows).sampled_token_ids and all(0 <= t < 10 for t in out)
+
+
+@pytest.mark.parametrize("chunks", [4, 8])
+def test_two_pass_argmax_is_argmax_with_first_index_on_ties_and_nan(chunks):
+    """The CUDA greedy path's two passes (chunk maxima, then the best chunk) against
+    torch.argmax: random rows, ties across and inside chunks, a NaN row."""
+    from engine.sampler import two_pass_argmax
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 64, generator=gen)
+    logits[1, [9, 40]] = 50.0           # tie across chunks: 9 wins
+    logits[2, [17, 18]] = 50.0          # tie inside a chunk: 17 wins
+    logits[3] = 1.0                     # all equal: 0
+    logits[4, [5, 33]] = float("nan")   # NaN is the maximum, first NaN wins
+    logits[5, 63] = 50.0                # last column
+    expected = logits.argmax(dim=-1)
+    assert expected.tolist()[1:] == [9, 17, 0, 5, 63]
+    assert torch.equal(two_pass_argmax(logits, chunks), expected)
+    assert torch.equal(sampler_module.greedy_argmax(logits), expected)   # CPU: one pass

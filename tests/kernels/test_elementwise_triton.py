@@ -62,3 +62,37 @@ def test_silu_and_mul(dtype):
     expected = activation.silu_and_mul(gate_up)
     assert got.shape == (3, 1500)
     assert relative_error(got, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_rotary_write_kv_matches_rotary_then_write_kv(dtype, head_dim):
+    """The fused kernel against the reference pair (apply_rotary, then write_kv): query and
+    written slots within the rotary tolerance, bit-equal to the unfused Triton rotary kernel
+    (same rounding steps); slot -1 and unaddressed slots keep their old values exactly."""
+    from kernels.rotary import apply_rotary_write_kv
+
+    num_q, num_kv, num_tokens = 4, 2, 5
+    qkv = _randn(num_tokens, (num_q + 2 * num_kv) * head_dim, dtype=dtype, seed=7)
+    table = _randn(num_tokens, 2, head_dim, dtype=dtype, seed=8)
+    cos, sin = table[:, 0:1], table[:, 1:2]
+    cache = _randn(2, 6, 4, num_kv, head_dim, dtype=dtype, seed=9)     # 6 blocks of 4 slots
+    slots = torch.tensor([3, 17, -1, 0, 22], dtype=torch.int64, device=DEVICE)
+    expected_cache = cache.clone()
+    expected = apply_rotary_write_kv(qkv, num_q, num_kv, cos, sin, expected_cache, slots,
+                                     backend="reference")
+    before = cache.clone()
+    got = apply_rotary_write_kv(qkv, num_q, num_kv, cos, sin, cache, slots, backend="triton")
+    assert got.shape == (num_tokens, num_q, head_dim) and got.is_contiguous()
+    assert relative_error(got, expected) < TOLERANCE[dtype]
+    assert relative_error(cache, expected_cache) < TOLERANCE[dtype]
+    unfused = _triton().apply_rotary(qkv[:, :(num_q + num_kv) * head_dim].view(
+        num_tokens, -1, head_dim), cos, sin)                           # [T, Hq + Hkv, D]
+    assert torch.equal(got, unfused[:, :num_q])
+    flat = cache.view(2, -1, num_kv, head_dim)                         # [2, slots, Hkv, D]
+    written = [3, 17, 0, 22]
+    assert torch.equal(flat[0, written], unfused[[0, 1, 3, 4], num_q:])
+    assert torch.equal(flat[1, written], qkv[[0, 1, 3, 4], (num_q + num_kv) * head_dim:].view(
+        4, num_kv, head_dim))
+    untouched = [s for s in range(flat.shape[1]) if s not in written]
+    assert torch.equal(flat[:, untouched], before.view(2, -1, num_kv, head_dim)[:, untouched])

@@ -38,6 +38,13 @@ class PagedAttention(nn.Module):
             [num_tokens, num_heads * head_dim], query's dtype.
         """
         write_kv(key, value, kv_cache, attn_metadata.slot_mapping, backend=self.backend)
+        return self.attend(query, kv_cache, attn_metadata)
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """`forward` for a step whose K/V are already in kv_cache (written by a fused kernel,
+        e.g. `kernels.rotary.apply_rotary_write_kv`). query: [num_tokens, num_heads, head_dim]
+        -> [num_tokens, num_heads * head_dim]."""
         out = paged_attention(query, kv_cache, attn_metadata, self.scale, backend=self.backend)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 

@@ -1,0 +1,131 @@
+"""Decode-shaped linears inside CUDA graphs: cuBLAS (F.linear) against the Triton skinny GEMM
+(kernels/linear_triton.py) over a grid of tile configs; Llama-3-8B shapes, bf16. Writes the
+tuned-config file the engine reads (`kernels/configs/skinny_linear_<device>.json`).
+
+Why in graphs: a decode step replays its linears back to back inside one CUDA graph, where a
+kernel's ramp and tail overlap its neighbours'; timing one call alone adds launch latency that
+hides differences of a few microseconds. So each candidate is captured as a graph of calls over
+distinct weight copies (>= 1 GB in all, so nothing is served from the 50 MB L2) and timed by
+replay (median, CUDA events); time per call = replay / calls.
+
+For each row bucket of the kernel (16: measured at 1 and 16 rows, summed; 64: at 64 rows) and
+shape: every config is checked against F.linear (relative error < 1e-2), the best is kept, and
+`triton_faster` is set when it beats cuBLAS by more than 1%: only those shapes run in Triton.
+
+Run: python3 benchmarks/gemv_sweep.py [--json PATH] [--write-configs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336), "lm_head": (128256, 4096)}
+BUCKETS = {16: (1, 16), 64: (64,)}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); the first sweep (isolated calls) ranked these
+# near the top for some shape
+CONFIGS = {
+    16: [(16, 128, 4, 6), (16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 8), (32, 128, 4, 5),
+         (32, 128, 4, 8), (32, 256, 4, 4), (32, 512, 8, 3), (64, 128, 4, 4), (64, 256, 4, 3),
+         (64, 256, 8, 3), (64, 128, 8, 5), (64, 128, 4, 6), (128, 128, 8, 3), (64, 64, 4, 8),
+         (128, 64, 4, 6)],
+    64: [(32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 6), (64, 128, 4, 4), (128, 64, 8, 4),
+         (128, 128, 8, 3), (128, 64, 4, 5), (256, 64, 8, 3)],
+}
+
+
+def graph_us_per_call(fn, weights: list[torch.Tensor]) -> float:
+    """Median replay time of a graph calling fn(w) for each w, per call, in microseconds."""
+    import triton
+
+    for w in weights:   # compile / pick kernels outside the capture
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
+    del graph
+    return 1e3 * ms / len(weights)
+
+
+def sweep_shape(name: str, bucket: int, out_features: int, in_features: int) -> dict:
+    from kernels import linear_triton
+
+    weight_bytes = out_features * in_features * 2
+    copies = max(4, min(32, -(-(1 << 30) // weight_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(bucket)
+    weights = [(torch.randn(out_features, in_features, device="cuda", generator=gen)
+                * in_features ** -0.5).to(torch.bfloat16) for _ in range(copies)]
+    xs = {m: torch.randn(m, in_features, device="cuda", generator=gen).to(torch.bfloat16)
+          for m in BUCKETS[bucket]}
+    cublas_us = sum(graph_us_per_call(lambda w, x=x: F.linear(x, w), weights)
+                    for x in xs.values())
+    results = []
+    for block_n, block_k, warps, stages in CONFIGS[bucket]:
+        config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
+                  "num_stages": stages}
+        try:
+            for x in xs.values():
+                ref = F.linear(x.float(), weights[0].float())
+                out = linear_triton.linear(x, weights[0], config=config).float()
+                error = float((out - ref).norm() / ref.norm())
+                if not error < 1e-2:
+                    raise ValueError(f"relative error {error:.2e}")
+            us = sum(graph_us_per_call(
+                lambda w, x=x: linear_triton.linear(x, w, config=config), weights)
+                for x in xs.values())
+            results.append((config, us, None))
+        except Exception as exc:  # shared memory exceeded, wrong result
+            results.append((config, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
+    timed = [r for r in results if r[1] is not None]
+    best_config, best_us = min(((c, u) for c, u, _ in timed), key=lambda r: r[1])
+    rows_text = "+".join(str(m) for m in BUCKETS[bucket])
+    print(f"{name:8s} rows {rows_text:5s}: cuBLAS {cublas_us:7.2f} us | triton best "
+          f"{best_us:7.2f} us ({best_us / cublas_us:.3f}x) {best_config}", flush=True)
+    del weights
+    torch.cuda.empty_cache()
+    return {"shape": name, "block_m": bucket, "rows_measured": list(BUCKETS[bucket]),
+            "out_features": out_features, "in_features": in_features,
+            "config": best_config, "triton_us": round(best_us, 2),
+            "cublas_us": round(cublas_us, 2), "triton_faster": best_us < 0.99 * cublas_us,
+            "all": [(c, None if u is None else round(u, 2), e) for c, u, e in results]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, default=None, help="all timings here")
+    parser.add_argument("--write-configs", action="store_true",
+                        help="write kernels/configs/skinny_linear_<device>.json")
+    args = parser.parse_args()
+    from kernels import linear_triton
+
+    entries = [sweep_shape(name, bucket, *shape) for bucket in BUCKETS
+               for name, shape in SHAPES.items()]
+    if args.json:
+        args.json.write_text(json.dumps(entries, indent=1))
+    if args.write_configs:
+        device = torch.cuda.get_device_name()
+        path = linear_triton.config_path(device)
+        path.parent.mkdir(exist_ok=True)
+        keep = ("shape", "block_m", "out_features", "in_features", "config", "triton_us",
+                "cublas_us", "triton_faster")
+        path.write_text(json.dumps({
+            "device": device, "torch": torch.__version__,
+            "made_by": "benchmarks/gemv_sweep.py --write-configs",
+            "entries": [{k: e[k] for k in keep} for e in entries]}, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

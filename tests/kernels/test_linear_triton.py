@@ -1,0 +1,94 @@
+"""Triton skinny GEMM (kernels/linear_triton.py) against F.linear in float64.
+
+Tolerances (relative error ||out - ref|| / ||ref||, float64 reference on the same inputs):
+float32 1e-5 (IEEE dot products, another summation order); bfloat16 1e-2 (the output is
+rounded to bf16: ~4e-3). Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (float32 only there).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_common import DEVICE, relative_error, requires_triton
+
+pytestmark = [pytest.mark.gpu, requires_triton]
+
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+SMALL = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+LARGE = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def _reference(x, weight, bias=None):
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_rows, out_features, in_features, with_bias", [
+    (1, 64, 128, False),    # even tiles
+    (3, 40, 200, True),     # ragged N and K, bias
+    (17, 96, 64, False),    # two row tiles of 16
+])
+@pytest.mark.parametrize("config", [SMALL, LARGE], ids=["small", "large"])
+def test_skinny_linear_matches_f_linear(dtype, num_rows, out_features, in_features,
+                                        with_bias, config):
+    from kernels.linear_triton import linear
+
+    x = _randn(num_rows, in_features, dtype=dtype, seed=1)
+    weight = _randn(out_features, in_features, dtype=dtype, seed=2, scale=in_features ** -0.5)
+    bias = _randn(out_features, dtype=dtype, seed=3) if with_bias else None
+    got = linear(x, weight, bias, config=config)
+    assert got.shape == (num_rows, out_features) and got.dtype == dtype
+    assert relative_error(got, _reference(x, weight, bias)) < TOLERANCE[dtype]
+
+
+def test_skinny_linear_reads_strided_rows():
+    from kernels.linear_triton import linear
+
+    dtype = DTYPES[-1]
+    wide = _randn(4, 256, dtype=dtype, seed=6)
+    x = wide[:, :128]                                          # row stride 256
+    weight = _randn(32, 128, dtype=dtype, seed=7, scale=128 ** -0.5)
+    got = linear(x, weight, config=SMALL)
+    assert relative_error(got, _reference(x, weight)) < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="dispatch to Triton happens on CUDA only")
+def test_linear_dispatch_takes_triton_for_tuned_decode_shapes_only(monkeypatch, tmp_path):
+    """kernels.linear.linear: bf16 CUDA inputs of <= SKINNY_MAX_ROWS rows go to the skinny
+    kernel where the device's config file marks the shape faster than cuBLAS; other shapes,
+    more rows and float32 go to F.linear."""
+    import json
+
+    from kernels import linear as linear_module
+    from kernels import linear_triton
+
+    name = torch.cuda.get_device_name()
+    monkeypatch.setattr(linear_triton, "CONFIG_DIR", tmp_path)
+    entries = [{"block_m": 16, "out_features": 64, "in_features": 128, "config": SMALL,
+                "triton_faster": True},
+               {"block_m": 16, "out_features": 32, "in_features": 128, "config": SMALL,
+                "triton_faster": False}]
+    linear_triton.config_path(name).write_text(json.dumps({"entries": entries}))
+    linear_triton._tuned_table.cache_clear()
+    calls = []
+    real = linear_triton.linear
+    monkeypatch.setattr(linear_triton, "linear",
+                        lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    try:
+        weight = _randn(64, 128, dtype=torch.bfloat16, seed=8, scale=128 ** -0.5)
+        x = _randn(16, 128, dtype=torch.bfloat16, seed=9)
+        got = linear_module.linear(x, weight)
+        assert calls == [(64, 128)]
+        assert relative_error(got, _reference(x, weight)) < 1e-2
+        linear_module.linear(x, weight[:32])                       # cuBLAS was faster
+        linear_module.linear(_randn(17, 128, dtype=torch.bfloat16, seed=10), weight)  # bucket 32
+        linear_module.linear(x.float(), weight.float())
+        assert calls == [(64, 128)]
+    finally:
+        linear_triton._tuned_table.cache_clear()
