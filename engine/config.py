@@ -20,6 +20,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DEEPINFER_DTYPE": ("model", "dtype"),
     "DEEPINFER_DEVICE": ("model", "device"),
     "DEEPINFER_MAX_MODEL_LEN": ("model", "max_model_len"),
+    "DEEPINFER_SERVED_MODEL_NAME": ("model", "served_model_name"),
     "DEEPINFER_SEED": ("model", "seed"),
     "DEEPINFER_BLOCK_SIZE": ("cache", "block_size"),
     "DEEPINFER_NUM_KV_BLOCKS": ("cache", "num_blocks"),
@@ -37,6 +38,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DEEPINFER_KV_STORE_TTL_S": ("kv_transfer", "ttl_s"),
     "DEEPINFER_KV_STORE_TIMEOUT_S": ("kv_transfer", "timeout_s"),
 }
+
+# Environment variable -> `deepinfer serve` setting that is not engine config. The API key is
+# read here so that a deployment can pass it from a secret without putting it on the command line.
+SERVER_ENV_VARS: dict[str, str] = {"DEEPINFER_API_KEY": "api_key"}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -224,3 +229,9 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
                                  f"fix or unset it.") from None
             sections.setdefault(section, {})[name] = value
     return sections
+
+
+def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The `deepinfer serve` settings given by `SERVER_ENV_VARS` (set and non-empty only)."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[var] for var, name in SERVER_ENV_VARS.items() if environ.get(var)}

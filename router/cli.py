@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Sequence
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-attempts", type=int, default=RouterConfig.max_attempts,
                         help="workers tried when connections fail before the answer "
                              "(%(default)s)")
+    parser.add_argument("--graceful-shutdown-s", type=int, default=30,
+                        help="on SIGTERM, how long relayed requests (streams included) may run "
+                             "before they are cut (%(default)s)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     return parser
@@ -100,8 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode += f" (DNS pools, re-resolved every {config.discovery_interval_s:g} s)"
     print(f"deepinfer router: http://{args.host}:{args.port}/v1 -> {mode}, policy "
           f"{config.policy}", flush=True)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal it caught: these no-op
+    # handlers receive it, so the router exits 0 after a clean drain
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30)
+                timeout_graceful_shutdown=args.graceful_shutdown_s)
     print("deepinfer router: stopped", flush=True)
     return 0
 

@@ -12,7 +12,9 @@ Per backend (label `backend` = the worker's base URL):
   scrape time (a replica that left a discovered pool stays, healthy 0, while it drains).
 A replica that leaves a discovered pool for good takes its series with it (`forget_backend`), so
 pod churn does not grow the label sets without bound.
-Router-wide: `deepinfer_router:rejected_requests_total{reason}` (overloaded, no_replica,
+Router-wide: `deepinfer_router:client_requests_total{route,status_code}` (answers given to
+clients: worker answers relayed, and the router's own 429/502/503/504; the error-rate alert's
+source), `deepinfer_router:rejected_requests_total{reason}` (overloaded, no_replica,
 unreachable), `deepinfer_router:disagg_fallbacks_total` (prefill step failed, the decode worker
 recomputed), `deepinfer_router:requests_in_flight`, `deepinfer_router:discovery_failures_total{service}`
 (DNS resolutions that failed or answered nothing; the pool kept its last known replicas).
@@ -73,6 +75,9 @@ class RouterMetrics:
                                ["backend"], registry=reg)
         self.ejections = Counter("deepinfer_router:ejections",
                                  "healthy -> ejected transitions", ["backend"], registry=reg)
+        self.client_requests = Counter("deepinfer_router:client_requests",
+                                       "answers given to clients, by route and status code",
+                                       ["route", "status_code"], registry=reg)
         self.rejected = Counter("deepinfer_router:rejected_requests",
                                 "client requests refused by the router", ["reason"],
                                 registry=reg)

@@ -164,6 +164,11 @@ class Proxy:
 
     async def handle(self, request: Request, path: str) -> Response:
         """Answer one client POST to `path` (/v1/chat/completions or /v1/completions)."""
+        response = await self._handle(request, path)
+        self.metrics.client_requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    async def _handle(self, request: Request, path: str) -> Response:
         if self.in_flight >= self.config.max_concurrent_requests:
             self.metrics.rejected.labels("overloaded").inc()
             return error_response(

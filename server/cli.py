@@ -92,7 +92,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--kv-store-ttl-s", type=int, default=keep,
                        help="expiry of blocks stored in Redis, seconds; 0 = never (default 86400)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
+                            "$DEEPINFER_API_KEY; unset or empty = no authentication)")
     serve.add_argument("--graceful-shutdown-s", type=int, default=30,
                        help="on SIGTERM, how long in-flight requests may run (default 30)")
     serve.add_argument("--log-level", default="info",
@@ -123,6 +124,13 @@ def engine_sections(args: argparse.Namespace,
     return sections
 
 
+def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
+    """--api-key, else DEEPINFER_API_KEY; None (no authentication) when both are empty."""
+    from engine.config import server_env
+
+    return args.api_key or server_env(environ).get("api_key") or None
+
+
 def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
     from engine.config import EngineConfig
 
@@ -145,6 +153,10 @@ async def _serve_http(app: Any, args: argparse.Namespace) -> None:
     await serving
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -153,21 +165,28 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"deepinfer: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    from engine.async_llm import AsyncLLM
-    from server.app import build_app
-
+    # SIGTERM while loading (a pod deleted during a long load) exits at once with 143; the
+    # default disposition would be ignored where the server runs as a container's PID 1.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
     try:
+        from engine.async_llm import AsyncLLM
+        from server.app import build_app
+
         engine = AsyncLLM(config)
     except (FileNotFoundError, ValueError) as exc:   # no model, no tokenizer, unsupported arch
         print(f"deepinfer: cannot load the model: {exc}", file=sys.stderr)
         return 2
+    except SystemExit:
+        print("deepinfer: stopped while loading", flush=True)
+        raise
     # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, drain), then re-raises the
     # signal it caught; these no-op handlers receive it so that the engine is shut down below
     # instead of the process dying mid-cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        asyncio.run(_serve_http(build_app(engine, api_key=args.api_key), args))
+        asyncio.run(_serve_http(build_app(engine, api_key=api_key(args)), args))
     finally:
         engine.shutdown()
     print("deepinfer: stopped", flush=True)

@@ -124,8 +124,9 @@ def _targets(objects: list[Obj], kind: str, name: str) -> list[Obj]:
 
 
 def _merge(original: Any, patch: Any, field: str = "") -> Any:
-    """Strategic merge: maps merge key by key, keyed lists merge item by item (items only in
-    the patch first, as kustomize orders them), other lists and scalars are replaced."""
+    """Strategic merge: maps merge key by key, keyed lists merge item by item (the patch's
+    items first, in its order, merged with their originals; then the other originals, as
+    kustomize orders them), other lists and scalars are replaced."""
     if isinstance(original, dict) and isinstance(patch, dict):
         out = dict(original)
         for key, value in patch.items():
@@ -134,11 +135,11 @@ def _merge(original: Any, patch: Any, field: str = "") -> Any:
         return out
     if isinstance(original, list) and isinstance(patch, list) and field in MERGE_KEYS:
         key = MERGE_KEYS[field]
-        by_key = {item[key]: item for item in patch}
-        existing = {item[key] for item in original}
-        new = [copy.deepcopy(item) for item in patch if item[key] not in existing]
-        return new + [_merge(item, by_key[item[key]], field) if item[key] in by_key else item
-                      for item in original]
+        by_key = {item[key]: item for item in original}
+        patched = {item[key] for item in patch}
+        return [_merge(by_key[item[key]], item, field) if item[key] in by_key else
+                copy.deepcopy(item) for item in patch] + \
+            [item for item in original if item[key] not in patched]
     return copy.deepcopy(patch)
 
 

@@ -24,6 +24,12 @@ KUBERNETES_VERSION = "1.32"  # the oldest release we support: preStop `sleep` is
 
 Obj = dict[str, Any]
 
+# The Secret deploy/README.md tells users to create (not shipped, so re-applying the manifests
+# never resets it), with values for the tests to resolve references against.
+USER_SECRET: Obj = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                    "metadata": {"name": "deepinfer-secrets", "namespace": "deepinfer"},
+                    "stringData": {"api-key": "test-api-key", "redis-password": "0123abcdef"}}
+
 
 def kubectl_render(directory: Path) -> list[Obj]:
     out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True,
@@ -86,7 +92,8 @@ def selected_pods(objects: list[Obj], selector: Obj, namespace: str) -> list[Obj
 
 def container_env(objects: list[Obj], container: Obj, namespace: str) -> dict[str, str]:
     """The container's environment as Kubernetes builds it: envFrom ConfigMaps, then `env`
-    (values from Secrets resolved, `$(VAR)` references expanded in order)."""
+    (values from Secrets resolved, `USER_SECRET` standing for the one the user creates; CPU
+    limits from the container's resources; `$(VAR)` references expanded in order)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         config_map = find(objects, "ConfigMap", source["configMapRef"]["name"])
@@ -95,9 +102,13 @@ def container_env(objects: list[Obj], container: Obj, namespace: str) -> dict[st
     for item in container.get("env", []):
         if "value" in item:
             env[item["name"]] = expand(item["value"], env)
+        elif "resourceFieldRef" in item["valueFrom"]:
+            field = item["valueFrom"]["resourceFieldRef"]
+            assert field["resource"] == "limits.cpu" and field["divisor"] == "1"
+            env[item["name"]] = container["resources"]["limits"]["cpu"]
         else:
             ref = item["valueFrom"]["secretKeyRef"]
-            secret = find(objects, "Secret", ref["name"])
+            secret = find(objects + [USER_SECRET], "Secret", ref["name"])
             env[item["name"]] = {**secret.get("stringData", {}), **secret.get("data", {})}[
                 ref["key"]]
     return env

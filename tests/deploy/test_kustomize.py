@@ -16,8 +16,9 @@ import pytest
 
 from crd_schemas import SCHEMAS
 from kustomize import render
-from manifests import (DEPLOY, KUBERNETES_VERSION, OVERLAYS, ROOT, container_env, containers,
-                       expand, find, key, kubectl_render, render_overlay, selected_pods)
+from manifests import (DEPLOY, KUBERNETES_VERSION, OVERLAYS, ROOT, USER_SECRET, container_env,
+                       containers, expand, find, key, kubectl_render, render_overlay,
+                       selected_pods)
 
 EACH_OVERLAY = pytest.mark.parametrize("overlay", OVERLAYS)
 
@@ -37,7 +38,7 @@ def test_python_renderer_equals_kubectl_kustomize(overlay):
 def test_every_object_validates_offline(overlay):
     objects = render_overlay(overlay)
     kinds = {o["kind"] for o in objects}
-    assert {"Namespace", "ConfigMap", "Secret", "Deployment", "Service", "PodDisruptionBudget",
+    assert {"Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget",
             "PodMonitor", "PrometheusRule"} <= kinds
     for obj in objects:
         if obj["kind"] in SCHEMAS:
@@ -104,7 +105,7 @@ def _args(objects, workload, container) -> list[str]:
 @EACH_OVERLAY
 def test_worker_command_line_and_settings_are_accepted(overlay):
     from engine.config import EngineConfig
-    from server.cli import build_engine_config, build_parser
+    from server.cli import api_key, build_engine_config, build_parser
 
     objects = render_overlay(overlay)
     workers = [(w, c) for w, c in _deepinfer_containers(objects) if c["args"][0] == "serve"]
@@ -115,6 +116,9 @@ def test_worker_command_line_and_settings_are_accepted(overlay):
         assert (args.host, args.port) == ("0.0.0.0", container["ports"][0]["containerPort"])
         config = build_engine_config(args, env)     # DEEPINFER_* parsed and range-checked
         assert isinstance(config, EngineConfig)
+        assert api_key(args, env) == USER_SECRET["stringData"]["api-key"]
+        assert not any("key" in arg or "password" in arg for arg in container["args"])
+        assert env["OMP_NUM_THREADS"] == container["resources"]["limits"]["cpu"]
         role = config.kv_transfer.role
         if overlay == "disaggregated":
             assert role == workload["metadata"]["labels"]["app.kubernetes.io/component"]
@@ -142,6 +146,23 @@ def test_gpu_pools_request_gpus_and_the_cpu_worker_none(overlay):
         assert resources["requests"]["memory"] and resources["limits"]["memory"]
     hpas = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
     assert len(hpas) == (2 if overlay == "disaggregated" else 0)
+    for hpa in hpas:   # a replicas field would reset the autoscaled pool on every apply
+        assert "replicas" not in find(objects, "Deployment", hpa["spec"]["scaleTargetRef"]["name"])[
+            "spec"]
+
+
+@EACH_OVERLAY
+def test_credentials_are_not_shipped(overlay):
+    """Re-applying the manifests must not reset credentials: no Secret is rendered, and only
+    the single-CPU overlay may start without the user's Secret (its API is then open)."""
+    objects = render_overlay(overlay)
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    workers = [(w, c) for w, c in _deepinfer_containers(objects) if c["args"][0] == "serve"]
+    for workload, container in workers:
+        refs = [e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})]
+        assert refs and {r["name"] for r in refs} == {"deepinfer-secrets"}
+        assert all(r.get("optional", False) is (overlay == "single") for r in refs), refs
 
 
 def test_router_reaches_both_pools_through_their_headless_services():

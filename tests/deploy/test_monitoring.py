@@ -184,8 +184,8 @@ def prometheus(stack):
                 up = query(url, "count_over_time(up[10s]) >= 3 and up == 1")
                 if len(up) == 2:
                     break
-            except (httpx.TransportError, AssertionError):
-                pass
+            except (httpx.TransportError, AssertionError, ValueError):
+                pass   # not listening yet, or 503 "Service Unavailable" while it starts
             time.sleep(0.5)
         else:
             raise RuntimeError(f"Prometheus did not scrape both targets:\n"

@@ -54,3 +54,52 @@ def test_flags_become_the_config():
 def test_bad_flags_exit_2_with_the_fix(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace_s, finishes", [(30, True), (1, False)])
+def test_sigterm_lets_relayed_streams_finish_within_the_grace(grace_s, finishes, tmp_path):
+    """SIGTERM stops the router accepting; a stream in flight (about 3 s of events) runs to
+    `[DONE]` within --graceful-shutdown-s, and is cut when the grace is shorter."""
+    import signal
+    import threading
+
+    import httpx
+
+    from tests.processes import ServerProcess, deepinfer
+    from tests.router.router_fakes import FakeWorker
+
+    worker = FakeWorker("w").start()
+    worker.mode, worker.slow_events = "slow", 150
+    router = ServerProcess("router", deepinfer(
+        "router", "--backend", worker.url, "--graceful-shutdown-s", str(grace_s),
+        "--log-level", "warning"), tmp_path / "router.log")
+    lines: list[str] = []
+    try:
+        router.wait_ready(60)
+        started = threading.Event()
+
+        def read() -> None:
+            body = {"model": "fake-model", "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            try:
+                with httpx.stream("POST", router.url + "/v1/chat/completions", json=body,
+                                  timeout=60) as reply:
+                    for line in reply.iter_lines():
+                        lines.append(line)
+                        started.set()
+            except httpx.HTTPError:
+                lines.append("cut")
+            started.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(30)
+        router.proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert router.proc.wait(timeout=60) == 0
+        assert ("data: [DONE]" in lines) is finishes, lines[-3:]
+        assert "deepinfer router: stopped" in router.log()
+    finally:
+        router.kill()
+        worker.stop()

@@ -196,6 +196,10 @@ def test_edge_cap_answers_429_when_overloaded(workers, router_factory):
     assert wait_for(lambda: router.app.state.proxy.in_flight == 0)
     assert router.client.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert router.metric("deepinfer_router:rejected_requests_total", reason="overloaded") == 1
+    answers = {code: router.metric("deepinfer_router:client_requests_total",
+                                   route="/v1/chat/completions", status_code=code)
+               for code in ("200", "429")}
+    assert answers == {"200": 2, "429": 1}   # the held stream, the refusal, the last request
 
 
 def test_no_healthy_replica_is_an_openai_503(workers, router_factory):

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from server.cli import build_engine_config, build_parser, main
 
 
@@ -58,3 +60,38 @@ def test_help_does_not_import_torch():
                             timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr
     assert "--max-num-batched-tokens" in result.stdout and "--api-key" in result.stdout
+
+
+def test_api_key_comes_from_the_flag_else_the_environment():
+    from server.cli import api_key
+
+    assert api_key(parse(), environ={}) is None
+    assert api_key(parse(), environ={"DEEPINFER_API_KEY": ""}) is None   # empty: no auth
+    assert api_key(parse(), environ={"DEEPINFER_API_KEY": "from-env"}) == "from-env"
+    assert api_key(parse("--api-key", "flag"), environ={"DEEPINFER_API_KEY": "env"}) == "flag"
+
+
+def test_served_model_name_from_the_environment():
+    config = build_engine_config(parse(), environ={"DEEPINFER_SERVED_MODEL_NAME": "prod-llm"})
+    assert config.model.served_model_name == "prod-llm"
+
+
+@pytest.mark.slow
+def test_sigterm_while_loading_exits_at_once(tmp_path):
+    """A pod deleted while its model loads: SIGTERM ends the process with 143 (a handler of
+    its own, so it also works as a container's PID 1, where the default is to ignore it)."""
+    import signal
+    import time
+
+    from tests.processes import ServerProcess, deepinfer
+
+    server = ServerProcess("server", deepinfer("serve"), tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "deepinfer: loading" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert "deepinfer: stopped while loading" in server.log()
+    finally:
+        server.kill()
