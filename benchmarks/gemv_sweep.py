@@ -12,7 +12,7 @@ For each row bucket of the kernel (16: measured at 1 and 16 rows, summed; 64: at
 shape: every config is checked against F.linear (relative error < 1e-2), the best is kept, and
 `triton_faster` is set when it beats cuBLAS by more than 1%: only those shapes run in Triton.
 
-Run: python3 benchmarks/gemv_sweep.py [--json PATH] [--write-configs]
+Run: python3 benchmarks/gemv_sweep.py [--json PATH] [--write-configs] [--shapes qkv,o,down]
 """
 
 from __future__ import annotations
@@ -30,15 +30,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 BUCKETS = {16: (1, 16), 64: (64,)}
-# (BLOCK_N, BLOCK_K, num_warps, num_stages); the first sweep (isolated calls) ranked these
-# near the top for some shape
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split 1: the configs the first sweep
+# (isolated calls) ranked near the top for some shape. Split > 1 (run 10): more programs for
+# the short weights, and at 64 rows wide N tiles that re-read fewer x rows per weight byte
+# (run 10 swept qkv, o and down with the split-K configs plus the run-9 winners
+# (64,128,4,6), (32,128,4,8), (64,256,4,3) / (64,128,4,4), (32,256,4,3), (128,128,8,4)).
 CONFIGS = {
-    16: [(16, 128, 4, 6), (16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 8), (32, 128, 4, 5),
-         (32, 128, 4, 8), (32, 256, 4, 4), (32, 512, 8, 3), (64, 128, 4, 4), (64, 256, 4, 3),
-         (64, 256, 8, 3), (64, 128, 8, 5), (64, 128, 4, 6), (128, 128, 8, 3), (64, 64, 4, 8),
-         (128, 64, 4, 6)],
-    64: [(32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 6), (64, 128, 4, 4), (128, 64, 8, 4),
-         (128, 128, 8, 3), (128, 64, 4, 5), (256, 64, 8, 3)],
+    16: [(16, 128, 4, 6, 1), (16, 256, 4, 4, 1), (16, 512, 4, 3, 1), (16, 128, 4, 8, 1),
+         (32, 128, 4, 5, 1), (32, 128, 4, 8, 1), (32, 256, 4, 4, 1), (32, 512, 8, 3, 1),
+         (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (64, 256, 8, 3, 1), (64, 128, 8, 5, 1),
+         (64, 128, 4, 6, 1), (128, 128, 8, 3, 1), (64, 64, 4, 8, 1), (128, 64, 4, 6, 1),
+         (64, 128, 4, 6, 2), (32, 128, 4, 8, 2), (64, 256, 4, 3, 2), (128, 128, 8, 4, 4)],
+    64: [(32, 128, 4, 4, 1), (32, 256, 4, 3, 1), (64, 64, 4, 6, 1), (64, 128, 4, 4, 1),
+         (128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (128, 64, 4, 5, 1), (256, 64, 8, 3, 1),
+         (128, 128, 8, 4, 1), (64, 128, 4, 4, 2), (128, 64, 4, 4, 2), (128, 64, 4, 5, 4),
+         (128, 128, 8, 3, 4), (256, 64, 8, 3, 4), (128, 64, 4, 6, 8)],
 }
 
 
@@ -71,9 +77,9 @@ def sweep_shape(name: str, bucket: int, out_features: int, in_features: int) -> 
     cublas_us = sum(graph_us_per_call(lambda w, x=x: F.linear(x, w), weights)
                     for x in xs.values())
     results = []
-    for block_n, block_k, warps, stages in CONFIGS[bucket]:
+    for block_n, block_k, warps, stages, split_k in CONFIGS[bucket]:
         config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
-                  "num_stages": stages}
+                  "num_stages": stages, "SPLIT_K": split_k}
         try:
             for x in xs.values():
                 ref = F.linear(x.float(), weights[0].float())
@@ -106,11 +112,15 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="all timings here")
     parser.add_argument("--write-configs", action="store_true",
                         help="write kernels/configs/skinny_linear_<device>.json")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help="comma-separated subset of " + ",".join(SHAPES) + "; with "
+                             "--write-configs the other shapes keep their entries")
     args = parser.parse_args()
     from kernels import linear_triton
 
-    entries = [sweep_shape(name, bucket, *shape) for bucket in BUCKETS
-               for name, shape in SHAPES.items()]
+    names = args.shapes.split(",")
+    entries = [sweep_shape(name, bucket, *SHAPES[name]) for bucket in BUCKETS
+               for name in names]
     if args.json:
         args.json.write_text(json.dumps(entries, indent=1))
     if args.write_configs:
@@ -119,10 +129,15 @@ def main() -> int:
         path.parent.mkdir(exist_ok=True)
         keep = ("shape", "block_m", "out_features", "in_features", "config", "triton_us",
                 "cublas_us", "triton_faster")
+        swept = {(e["shape"], e["block_m"]) for e in entries}
+        kept = [e for e in (json.loads(path.read_text())["entries"] if path.exists() else [])
+                if (e["shape"], e["block_m"]) not in swept]
         path.write_text(json.dumps({
             "device": device, "torch": torch.__version__,
             "made_by": "benchmarks/gemv_sweep.py --write-configs",
-            "entries": [{k: e[k] for k in keep} for e in entries]}, indent=1) + "\n")
+            "entries": sorted(kept + [{k: e[k] for k in keep} for e in entries],
+                              key=lambda e: (e["block_m"], list(SHAPES).index(e["shape"])))},
+            indent=1) + "\n")
         print(f"wrote {path}")
     return 0
 

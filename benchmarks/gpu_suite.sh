@@ -19,7 +19,7 @@ if [ "$what" != bench ]; then
   timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
     tests/kernels/test_paged_attention_triton.py tests/kernels/test_elementwise_triton.py \
     tests/kernels/test_linear_triton.py \
-    tests/engine/test_gpu_engine.py tests/e2e/test_gpu_server.py 2>&1 | tee "$OUT/tests.log"
+    tests/engine/test_gpu_engine.py tests/engine/test_kv_transfer_gpu.py tests/e2e/test_gpu_server.py 2>&1 | tee "$OUT/tests.log"
 fi
 if [ "$what" != tests ]; then
   timeout 330 python3 benchmarks/gpu_decode.py --profile --json "$OUT/results.json" 2>&1 | tee "$OUT/bench.log"

@@ -8,10 +8,13 @@ in the cache dtype (see `ModelRunner.read_kv_blocks`). Anything wrong with the s
 slow, a missing or corrupt value — is a miss: the tokens are recomputed, never an error.
 
 Threads: the step loop calls every public method of `KVTransfer`; the store's coroutines run on
-one background thread with its own asyncio loop. The step loop copies blocks out of the cache
-synchronously (the copy must precede any reuse of the block), and hands encoding and the store
-round trip to the background; fetched blocks are decoded there into one staging tensor and copied
-into freshly allocated blocks by the step loop right before the forward pass that needs them.
+one background thread with its own asyncio loop. The step loop queues the copy of saved blocks
+out of the cache right after the step that wrote them (the copy must precede any reuse of the
+block: on CUDA one stream orders it before later steps' writes, and the host does not wait for
+it: `ModelRunner.start_read_kv_blocks` returns pinned memory and an event), and hands waiting
+for the copy, encoding and the store round trip to the background; fetched blocks are decoded
+there into one staging tensor and copied into freshly allocated blocks by the step loop right
+before the forward pass that needs them.
 Fetching before allocating means a request waiting for the store (WAITING_FOR_REMOTE_KV) holds no
 KV blocks, so an abort or a preemption meanwhile has nothing to leak, and a store that answers
 late costs staging memory, not cache capacity. A preempted request fetches again whatever of its
@@ -112,7 +115,8 @@ class _Stats:
 class KVTransfer:
     """Args:
         config: the store URL, role and timeouts.
-        runner: the model runner (owner of the KV tensors: read_kv_blocks / write_kv_blocks).
+        runner: the model runner (owner of the KV tensors: start_read_kv_blocks /
+            write_kv_blocks).
         fingerprint: `model_fingerprint(...)`, also the block hashes' `extra`.
         block_size: tokens per block.
         store: an already built store (tests share one); None opens `config.kv_store`.
@@ -233,13 +237,14 @@ class KVTransfer:
         them) and send them to the store in the background."""
         if not saves or self._store_down() or self._save_backlog_bytes > MAX_SAVE_BACKLOG_BYTES:
             return  # a hand-off then reports fewer stored tokens; the decode side recomputes
-        data = self.runner.read_kv_blocks([i for save in saves for i in save.block_ids])
+        data, ready = self.runner.start_read_kv_blocks(
+            [i for save in saves for i in save.block_ids])
         offset = 0
         for save in saves:
             blocks = data[offset:offset + len(save.block_ids)]
             offset += len(save.block_ids)
             self._add_backlog(blocks.numel() * blocks.element_size())
-            future = self._submit(self._put(save.block_hashes, blocks))
+            future = self._submit(self._put(save.block_hashes, blocks, ready))
             self._saves_in_flight.add(future)
             future.add_done_callback(self._saves_in_flight.discard)
             if save.request_id in self._handoffs:
@@ -360,11 +365,17 @@ class KVTransfer:
             flat[row] = np.frombuffer(payload, dtype=np.uint8)  # a plain memoryview is 7x slower
         return blocks
 
-    async def _put(self, hashes: list[int], blocks: torch.Tensor) -> bool:
-        """Encode and store blocks [n, num_layers, *block_shape]; True when all were stored."""
+    async def _put(self, hashes: list[int], blocks: torch.Tensor,
+                   ready: torch.cuda.Event | None = None) -> bool:
+        """Encode and store blocks [n, num_layers, *block_shape] (CPU); True when all were
+        stored. `ready`: a CUDA event after whose completion `blocks` hold their values (the
+        device-to-host copy of `start_read_kv_blocks`), waited for on a worker thread so that
+        this loop's other fetches and saves go on meanwhile; None: the values are there."""
         started = time.monotonic()
         num_bytes = blocks.numel() * blocks.element_size()
         try:
+            if ready is not None:
+                await asyncio.to_thread(ready.synchronize)
             raw = blocks.view(len(hashes), -1).view(torch.uint8).numpy()
             items = {self.key(h): encode_block(self.header, raw[i]) for i, h in enumerate(hashes)}
             await asyncio.wait_for(self.store.put_many(items), self.config.timeout_s * 4)

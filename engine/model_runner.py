@@ -211,10 +211,41 @@ class ModelRunner:
             block_shape is one layer's tensor shape without its block axis (e.g. [2,
             block_size, num_kv_heads, head_dim] for K/V, [block_size, latent_dim] for MLA).
         """
-        axis = self.kv_block_dim
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self._gather_kv_blocks(index).cpu()
+
+    @torch.inference_mode()
+    def start_read_kv_blocks(self, block_ids: list[int]
+                             ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """`read_kv_blocks` without waiting for the device: on CUDA the gather and the copy to
+        the host are queued on the current stream behind the work already launched (a step in
+        flight), and the host returns at once.
+
+        Returns:
+            (blocks, ready). blocks: [len(block_ids), num_layers, *block_shape] on CPU in the
+            cache dtype (pinned memory on CUDA). ready: on CUDA, an event recorded after the
+            copy; the blocks hold their values only once it has completed (`ready.query()` /
+            `ready.synchronize()`, which sleeps rather than spins). None on CPU, where the
+            blocks are already there.
+        """
+        if self.device.type != "cuda":
+            return self.read_kv_blocks(block_ids), None
+        # pinned source: a copy from pageable memory would wait for the step in flight
+        index = torch.tensor(block_ids, dtype=torch.int64).pin_memory()
+        index = index.to(self.device, non_blocking=True)
+        gathered = self._gather_kv_blocks(index)
+        blocks = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        blocks.copy_(gathered, non_blocking=True)
+        ready = torch.cuda.Event(blocking=True)
+        ready.record()
+        return blocks, ready
+
+    def _gather_kv_blocks(self, index: torch.Tensor) -> torch.Tensor:
+        """[len(index), num_layers, *block_shape] on the cache's device: the blocks `index`
+        (int64 on that device) of every layer."""
+        axis = self.kv_block_dim
         per_layer = [kv.index_select(axis, index).movedim(axis, 0) for kv in self.kv_caches]
-        return torch.stack(per_layer, dim=1).cpu()
+        return torch.stack(per_layer, dim=1)
 
     @torch.inference_mode()
     def write_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:

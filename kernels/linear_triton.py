@@ -5,10 +5,16 @@ At decode a linear layer reads its whole weight to multiply a handful of rows, s
 weight bytes over memory bandwidth. cuBLAS runs the Llama-3-8B decode GEMVs at 3.0-4.1 TB/s on
 an H200 (copy bandwidth 4.27) and splits K on some shapes, adding a reduce kernel per call.
 
-Design: program (n tile, m tile) streams a [BLOCK_N, K] slab of the weight in [BLOCK_N, BLOCK_K]
-tiles, software-pipelined `num_stages` deep, and multiplies each with `tl.dot` against a
-[BLOCK_M, BLOCK_K] tile of x (rows past M masked). No split-K: each output element is one
-program's float32 sum, rounded once (no reduce kernel; the result does not depend on timing).
+Design: program (n tile, m tile, k split) streams a [BLOCK_N, K / SPLIT_K] slab of the weight
+in [BLOCK_N, BLOCK_K] tiles, software-pipelined `num_stages` deep, and multiplies each with
+`tl.dot` against a [BLOCK_M, BLOCK_K] tile of x (rows past M masked). SPLIT_K = 1: each output
+element is one program's float32 sum, rounded once. SPLIT_K > 1 (more programs for short
+weights, fewer x rows re-read per weight byte at 64 rows): each split stores its float32 partial
+tile, then counts itself in on a per-tile arrival counter; the split that arrives last sums the
+SPLIT_K partials in split order (0, 1, ...) and writes the output, so the result is the same
+whichever split finishes last (deterministic), with no reduce kernel; it resets the counter to 0
+for the next call. The counters are one int32 per output tile (`_arrival_counters`), zero
+between calls; calls on one stream run one after another, so they share them.
 
 Where it runs: only for (row bucket, out_features, in_features) shapes that a sweep on this
 device found faster than cuBLAS inside a CUDA graph (`benchmarks/gemv_sweep.py` writes
@@ -33,36 +39,61 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_stride, w_stride,
-                          out_stride, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                          EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
+                          k_per_split, x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split            # a multiple of BLOCK_K: splits never overlap
+    k_end = tl.minimum(k_start + k_per_split, K)
+    ks = k_start + tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]      # [BM, BK]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]      # [BN, BK]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         else:
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & ((k + ks) < K)[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & ((k - k_start + ks) < K)[None, :],
+                        other=0.0)
         if EVEN_N and EVEN_K:
             w = tl.load(w_ptrs)
         else:
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & ((k + ks) < K)[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & ((k - k_start + ks) < K)[None, :],
+                        other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        tile_offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]          # [BM, BN]
+        tl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=tile_ok)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:   # the last split of this tile: sum all, in split order
+            tl.debug_barrier()
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                acc += tl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
+                               other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+            tl.atomic_xchg(counter, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
 def block_m(num_rows: int) -> int:
@@ -95,6 +126,22 @@ def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
     return table.get((block_m(num_rows), *weight.shape)) if table else None
 
 
+MAX_TILES = 1 << 16   # output tiles one split-K call may have (arrival counters per device)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """[MAX_TILES] int32 zeros on `device`, shared by every split-K call there (each call's
+    last splits leave them at zero). Made on the first split-K call, which must not be inside
+    a CUDA graph capture (the engine runs each graph's work eagerly before capturing it)."""
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K skinny GEMM's first call on a device is inside a "
+                               "CUDA graph capture; call it once eagerly before capturing")
+        _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict) -> torch.Tensor:
     """`x @ weight.T + bias`.
@@ -103,7 +150,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x: [M, in_features], weight's dtype, unit stride on the last dim.
         weight: [out_features, in_features], contiguous.
         bias: [out_features] or None.
-        config: launch parameters BLOCK_N, BLOCK_K, num_warps, num_stages (`tuned_config`).
+        config: launch parameters BLOCK_N, BLOCK_K, num_warps, num_stages and optionally
+            SPLIT_K (default 1) (`tuned_config`).
     Returns:
         [M, out_features], x's dtype.
     """
@@ -114,12 +162,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.is_contiguous() else weight.contiguous()
+    config = dict(config)
+    split_k = config.pop("SPLIT_K", 1)
+    block_k = config["BLOCK_K"]
+    # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
+    k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k
     rows_per_program = block_m(num_rows)
-    grid = (triton.cdiv(out_features, config["BLOCK_N"]), triton.cdiv(num_rows, rows_per_program))
+    grid = (triton.cdiv(out_features, config["BLOCK_N"]), triton.cdiv(num_rows, rows_per_program),
+            split_k)
+    if split_k > 1:
+        if grid[0] * grid[1] > MAX_TILES:
+            raise ValueError(f"{grid[0] * grid[1]} output tiles exceed the {MAX_TILES} arrival "
+                             "counters of the split-K skinny GEMM; use SPLIT_K=1 or larger tiles")
+        partial = torch.empty((split_k, num_rows, out_features), dtype=torch.float32,
+                              device=x.device)   # [SPLIT_K, M, N] float32 partial sums
+        counters = _arrival_counters(x.device)
+    else:
+        partial = counters = out   # unused
     _skinny_linear_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, num_rows, out_features,
-        in_features, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=rows_per_program, EVEN_N=out_features % config["BLOCK_N"] == 0,
-        EVEN_K=in_features % config["BLOCK_K"] == 0,
+        x, weight, bias if bias is not None else weight, out, partial, counters, num_rows,
+        out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=rows_per_program, SPLIT_K=split_k,
+        EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **config)
     return out

@@ -202,6 +202,8 @@ class FakeRunner:
 
     kv_block_dim = ModelRunner.kv_block_dim
     read_kv_blocks = ModelRunner.read_kv_blocks
+    start_read_kv_blocks = ModelRunner.start_read_kv_blocks
+    _gather_kv_blocks = ModelRunner._gather_kv_blocks
     write_kv_blocks = ModelRunner.write_kv_blocks
 
     def __init__(self, spec, num_blocks, dtype, seed):

@@ -17,6 +17,7 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 SMALL = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
 LARGE = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+SPLIT = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "SPLIT_K": 3}
 
 
 def _randn(*shape, dtype, seed, scale=1.0):
@@ -34,7 +35,7 @@ def _reference(x, weight, bias=None):
     (3, 40, 200, True),     # ragged N and K, bias
     (17, 96, 64, False),    # two row tiles of 16
 ])
-@pytest.mark.parametrize("config", [SMALL, LARGE], ids=["small", "large"])
+@pytest.mark.parametrize("config", [SMALL, LARGE, SPLIT], ids=["small", "large", "split_k"])
 def test_skinny_linear_matches_f_linear(dtype, num_rows, out_features, in_features,
                                         with_bias, config):
     from kernels.linear_triton import linear
@@ -45,6 +46,51 @@ def test_skinny_linear_matches_f_linear(dtype, num_rows, out_features, in_featur
     got = linear(x, weight, bias, config=config)
     assert got.shape == (num_rows, out_features) and got.dtype == dtype
     assert relative_error(got, _reference(x, weight, bias)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_rows, in_features, split_k", [
+    (64, 512, 4),     # even splits, one 64-row tile
+    (5, 200, 4),      # ragged K: the last split gets a partial tile, ... 
+    (2, 64, 3),       # ... or no tile at all (it adds zeros)
+])
+def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(num_rows, in_features,
+                                                                   split_k):
+    """The split arriving last sums the partials in split order: repeated calls give the same
+    bits; every call leaves the arrival counters at zero for the next one."""
+    from kernels import linear_triton
+
+    dtype = DTYPES[-1]
+    config = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "SPLIT_K": split_k}
+    x = _randn(num_rows, in_features, dtype=dtype, seed=11)
+    weight = _randn(96, in_features, dtype=dtype, seed=12, scale=in_features ** -0.5)
+    bias = _randn(96, dtype=dtype, seed=13)
+    first = linear_triton.linear(x, weight, bias, config=config)
+    assert relative_error(first, _reference(x, weight, bias)) < TOLERANCE[dtype]
+    for _ in range(3):
+        assert torch.equal(linear_triton.linear(x, weight, bias, config=config), first)
+    assert not linear_triton._arrival_counters(x.device).any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_split_k_replays_in_a_cuda_graph():
+    """Captured once, replayed on new inputs: the counters reset by the last split keep every
+    replay right (bf16, the 64-row decode shape of o_proj, scaled down)."""
+    from kernels import linear_triton
+
+    config = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SPLIT_K": 4}
+    x = _randn(64, 1024, dtype=torch.bfloat16, seed=14)
+    weight = _randn(1024, 1024, dtype=torch.bfloat16, seed=15, scale=1024 ** -0.5)
+    linear_triton.linear(x, weight, config=config)   # compile, counters: outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_triton.linear(x, weight, config=config)
+    for seed in range(16, 20):
+        x.copy_(_randn(64, 1024, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        assert relative_error(out, _reference(x, weight)) < 1e-2
+    torch.cuda.synchronize()
+    assert not linear_triton._arrival_counters(x.device).any()
 
 
 def test_skinny_linear_reads_strided_rows():
