@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="port to bind (%(default)s)")
     parser.add_argument("--backend", action="append", default=[], metavar="URL",
-                        help="a worker that serves whole requests, or a pool of them with --discovery dns "
-                             "(repeat for each)")
+                        help="a worker that serves whole requests, or a pool of them with "
+                             "--discovery dns (repeat for each)")
     parser.add_argument("--prefill", action="append", default=[], metavar="URL",
                         help="a --role prefill worker or pool (repeat for each)")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",

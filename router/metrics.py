@@ -16,8 +16,9 @@ Router-wide: `deepinfer_router:client_requests_total{route,status_code}` (answer
 clients: worker answers relayed, and the router's own 429/502/503/504; the error-rate alert's
 source), `deepinfer_router:rejected_requests_total{reason}` (overloaded, no_replica,
 unreachable), `deepinfer_router:disagg_fallbacks_total` (prefill step failed, the decode worker
-recomputed), `deepinfer_router:requests_in_flight`, `deepinfer_router:discovery_failures_total{service}`
-(DNS resolutions that failed or answered nothing; the pool kept its last known replicas).
+recomputed), `deepinfer_router:requests_in_flight`,
+`deepinfer_router:discovery_failures_total{service}` (DNS resolutions that failed or answered
+nothing; the pool kept its last known replicas).
 """
 
 from __future__ import annotations

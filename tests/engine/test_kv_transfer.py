@@ -12,10 +12,10 @@ from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConf
 from engine.engine_core import EngineCore
 from engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
 from engine.kv_transfer import KVTransfer
-from engine.model_runner import ModelRunner
 from engine.outputs import KVBlocks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from kv_runner_fake import FakeRunner
 from kvstore import MemoryKVStore
 from tests.tiny_models import save_tiny_llama
 
@@ -197,22 +197,6 @@ def test_preemption_after_loading_gives_the_cold_tokens(tiny_llama_dir, core, co
     assert free_blocks(small) == 24
 
 
-class FakeRunner:
-    """Just the KV tensors of a runner and its block read/write methods (no model)."""
-
-    kv_block_dim = ModelRunner.kv_block_dim
-    read_kv_blocks = ModelRunner.read_kv_blocks
-    start_read_kv_blocks = ModelRunner.start_read_kv_blocks
-    _gather_kv_blocks = ModelRunner._gather_kv_blocks
-    write_kv_blocks = ModelRunner.write_kv_blocks
-
-    def __init__(self, spec, num_blocks, dtype, seed):
-        self.kv_cache_spec, self.block_size, self.device = spec, BLOCK, torch.device("cpu")
-        generator = torch.Generator().manual_seed(seed)
-        self.kv_caches = [torch.randn(spec.kv_cache_shape(num_blocks, BLOCK), generator=generator)
-                          .to(dtype) for _ in range(spec.num_layers)]
-
-
 @pytest.mark.parametrize("layout", ["full", "mla"])
 def test_blocks_round_trip_bitwise_for_any_layout(layout):
     """Save blocks 3 and 5 of one cache, load them into blocks 0 and 7 of another: the same
@@ -221,7 +205,8 @@ def test_blocks_round_trip_bitwise_for_any_layout(layout):
                    (MLAAttentionSpec(3, kv_lora_rank=16, qk_rope_head_dim=8, dtype_bytes=2),
                     torch.bfloat16))
     store = MemoryKVStore()
-    source, target = FakeRunner(spec, 8, dtype, seed=0), FakeRunner(spec, 8, dtype, seed=1)
+    source, target = (FakeRunner(spec, 8, dtype, seed=0, block_size=BLOCK),
+                      FakeRunner(spec, 8, dtype, seed=1, block_size=BLOCK))
     saver = KVTransfer(KVTransferConfig(), source, b"\x01" * 8, BLOCK, store=store)
     saver.save_blocks([KVBlocks("a", [3, 5], [11, 12])])
     saver.flush()

@@ -14,8 +14,8 @@ import torch
 from engine.config import KVTransferConfig
 from engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
 from engine.kv_transfer import KVTransfer
-from engine.model_runner import ModelRunner
 from engine.outputs import KVBlocks
+from kv_runner_fake import FakeRunner
 from kvstore import MemoryKVStore
 
 pytestmark = [pytest.mark.gpu,
@@ -25,32 +25,14 @@ BLOCK = 4
 SLEEP_CYCLES = 500_000_000  # torch.cuda._sleep: ~0.25 s at the H200's ~2 GHz clock
 
 
-class FakeRunner:
-    """Just the KV tensors of a runner on CUDA and its block read/write methods (no model).
-    (tests/engine/test_kv_transfer.py has the CPU twin; it imports redis, which the GPU
-    machine lacks.)"""
-
-    kv_block_dim = ModelRunner.kv_block_dim
-    read_kv_blocks = ModelRunner.read_kv_blocks
-    start_read_kv_blocks = ModelRunner.start_read_kv_blocks
-    _gather_kv_blocks = ModelRunner._gather_kv_blocks
-    write_kv_blocks = ModelRunner.write_kv_blocks
-
-    def __init__(self, spec, num_blocks, dtype, seed):
-        self.kv_cache_spec, self.block_size, self.device = spec, BLOCK, torch.device("cuda")
-        generator = torch.Generator().manual_seed(seed)
-        self.kv_caches = [torch.randn(spec.kv_cache_shape(num_blocks, BLOCK), generator=generator)
-                          .to(device="cuda", dtype=dtype) for _ in range(spec.num_layers)]
-
-
 @pytest.mark.parametrize("layout", ["full", "mla"])
 def test_save_returns_before_the_step_ends_and_stores_its_blocks(layout):
     spec, dtype = ((FullAttentionSpec(4, 2, 64, 2), torch.bfloat16) if layout == "full" else
                    (MLAAttentionSpec(4, kv_lora_rank=64, qk_rope_head_dim=16, dtype_bytes=2),
                     torch.bfloat16))
     store = MemoryKVStore()
-    source = FakeRunner(spec, 16, dtype, seed=0)
-    target = FakeRunner(spec, 16, dtype, seed=1)
+    source = FakeRunner(spec, 16, dtype, seed=0, block_size=BLOCK, device="cuda")
+    target = FakeRunner(spec, 16, dtype, seed=1, block_size=BLOCK, device="cuda")
     saver = KVTransfer(KVTransferConfig(), source, b"\x02" * 8, BLOCK, store=store)
     loader = KVTransfer(KVTransferConfig(), target, b"\x02" * 8, BLOCK, store=store)
     axis = source.kv_block_dim

@@ -3,7 +3,8 @@
 A `FakeWorker` answers /health, /v1/models, /v1/chat/completions and /v1/completions the way a
 deepinfer worker does (JSON, or SSE ending `data: [DONE]`), records every body it receives, and
 can be told to misbehave (`mode`): "ok", "slow" (a long stream of `slow_events` events, 20 ms
-apart, or a long wait before a JSON answer), "break" (answer 200, send one piece, then drop the connection).
+apart, or a long wait before a JSON answer), "break" (answer 200, send one piece, then drop the
+connection).
 It also plays a prefill worker: a body with `kv_transfer_params.do_remote_decode` gets the
 `kv_transfer_params` a prefill worker returns.
 """
