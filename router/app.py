@@ -33,6 +33,12 @@ from router.proxy import Proxy
 from router.registry import Registry, Replica
 
 MODELS_TIMEOUT_S = 10.0
+# Idle connections to workers are dropped after this many seconds, well before a worker closes
+# them (server.cli.KEEP_ALIVE_S): a request sent on a connection the worker is closing fails
+# before its first byte and would count as a failure of a healthy replica.
+WORKER_IDLE_EXPIRY_S = 30.0
+# the router's own idle keep-alive towards clients and ingresses (as a worker's)
+CLIENT_KEEP_ALIVE_S = 75
 
 
 def _pools(config: RouterConfig) -> list[tuple[str, str]]:
@@ -63,7 +69,8 @@ def build_discovery(config: RouterConfig, registry: Registry, metrics: RouterMet
 def build_client(config: RouterConfig) -> httpx.AsyncClient:
     timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.request_timeout_s,
                             write=config.request_timeout_s, pool=config.request_timeout_s)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                          keepalive_expiry=WORKER_IDLE_EXPIRY_S)
     return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 

@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from router.app import build_app
+    from router.app import CLIENT_KEEP_ALIVE_S, build_app
 
     mode = (f"prefill {list(config.prefill)} -> decode {list(config.decode)}"
             if config.disaggregated else f"backends {list(config.backends)}")
@@ -109,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.graceful_shutdown_s)
+                timeout_graceful_shutdown=args.graceful_shutdown_s,
+                timeout_keep_alive=CLIENT_KEEP_ALIVE_S)
     print("deepinfer router: stopped", flush=True)
     return 0
 

@@ -41,6 +41,13 @@ ENGINE_FLAGS: dict[str, tuple[str, str, Any]] = {
 }
 
 
+# Idle keep-alive connections are closed after this many seconds: longer than the router's pool
+# keeps them (router.app.WORKER_IDLE_EXPIRY_S) and than common load balancers' idle timeouts
+# (60 s), so a client never sends on a connection the server is closing (uvicorn's default, 5 s,
+# races the default pool expiry of most clients).
+KEEP_ALIVE_S = 75
+
+
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve", help="serve a model through the OpenAI API",
@@ -141,7 +148,8 @@ async def _serve_http(app: Any, args: argparse.Namespace) -> None:
     import uvicorn
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_shutdown_s)
+                            timeout_graceful_shutdown=args.graceful_shutdown_s,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():

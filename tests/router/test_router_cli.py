@@ -103,3 +103,16 @@ def test_sigterm_lets_relayed_streams_finish_within_the_grace(grace_s, finishes,
     finally:
         router.kill()
         worker.stop()
+
+
+def test_the_router_drops_idle_worker_connections_before_workers_close_them():
+    """A request sent on a connection the worker is closing fails before its first byte and
+    counts against a healthy replica; the router's pool expiry stays below the workers'
+    keep-alive (and the router's own keep-alive above common load balancers' 60 s)."""
+    from router.app import CLIENT_KEEP_ALIVE_S, WORKER_IDLE_EXPIRY_S, build_client
+    from router.config import RouterConfig
+    from server.cli import KEEP_ALIVE_S
+
+    assert WORKER_IDLE_EXPIRY_S < KEEP_ALIVE_S and CLIENT_KEEP_ALIVE_S > 60
+    client = build_client(RouterConfig(backends=("http://w:1",)))
+    assert client._transport._pool._keepalive_expiry == WORKER_IDLE_EXPIRY_S
