@@ -358,7 +358,10 @@ class KVTransfer:
 
     def _to_tensor(self, payloads: list[memoryview]) -> torch.Tensor:
         sample = self.runner.kv_caches[0]
-        blocks = torch.empty((len(payloads), *self.header.shape), dtype=sample.dtype)
+        # pinned on CUDA: write_kv_blocks then copies it to the device without waiting for the
+        # step in flight
+        blocks = torch.empty((len(payloads), *self.header.shape), dtype=sample.dtype,
+                             pin_memory=sample.is_cuda)
         block_numel = math.prod(self.header.shape)
         flat = blocks.view(len(payloads), block_numel).view(torch.uint8).numpy()  # [n, bytes]
         for row, payload in enumerate(payloads):

@@ -230,15 +230,20 @@ class ModelRunner:
         """
         if self.device.type != "cuda":
             return self.read_kv_blocks(block_ids), None
-        # pinned source: a copy from pageable memory would wait for the step in flight
-        index = torch.tensor(block_ids, dtype=torch.int64).pin_memory()
-        index = index.to(self.device, non_blocking=True)
-        gathered = self._gather_kv_blocks(index)
+        gathered = self._gather_kv_blocks(self._device_index(block_ids))
         blocks = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
         blocks.copy_(gathered, non_blocking=True)
         ready = torch.cuda.Event(blocking=True)
         ready.record()
         return blocks, ready
+
+    def _device_index(self, block_ids: list[int]) -> torch.Tensor:
+        """block_ids as int64 on the cache's device; on CUDA through pinned memory, because a
+        copy from pageable memory would wait for the step in flight."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     def _gather_kv_blocks(self, index: torch.Tensor) -> torch.Tensor:
         """[len(index), num_layers, *block_shape] on the cache's device: the blocks `index`
@@ -257,7 +262,7 @@ class ModelRunner:
                 `read_kv_blocks` returns), on any device.
         """
         axis = self.kv_block_dim
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        blocks = blocks.to(self.device, non_blocking=True)
+        index = self._device_index(block_ids)
+        blocks = blocks.to(self.device, non_blocking=True)  # async from pinned staging memory
         for layer, kv in enumerate(self.kv_caches):
             kv.index_copy_(axis, index, blocks[:, layer].movedim(0, axis))

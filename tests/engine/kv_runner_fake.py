@@ -16,6 +16,7 @@ class FakeRunner:
     read_kv_blocks = ModelRunner.read_kv_blocks
     start_read_kv_blocks = ModelRunner.start_read_kv_blocks
     _gather_kv_blocks = ModelRunner._gather_kv_blocks
+    _device_index = ModelRunner._device_index
     write_kv_blocks = ModelRunner.write_kv_blocks
 
     def __init__(self, spec, num_blocks: int, dtype: torch.dtype, seed: int, *,
