@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.errors import EngineDeadError, QueueFullError
+from engine.errors import EngineDeadError, EngineShuttingDownError, QueueFullError
 from engine.outputs import RequestOutput, SchedulerStats
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -111,6 +111,16 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight: each one's stream raises `EngineShuttingDownError`
+        (reason) and its KV blocks are freed. Returns how many were aborted. Thread-safe."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(request_id, EngineShuttingDownError(reason))
+            self._commands.put(("abort", request_id))
+        return len(request_ids)
 
     def get_stats(self) -> SchedulerStats:
         return self._stats

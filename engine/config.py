@@ -232,6 +232,6 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
 
 
 def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The `deepinfer serve` settings given by `SERVER_ENV_VARS` (set and non-empty only)."""
+    """The `deepinfer serve` settings given by `SERVER_ENV_VARS` (those set, empty included)."""
     environ = os.environ if environ is None else environ
-    return {name: environ[var] for var, name in SERVER_ENV_VARS.items() if environ.get(var)}
+    return {name: environ[var] for var, name in SERVER_ENV_VARS.items() if var in environ}

@@ -39,6 +39,9 @@ def resolve_device_dtype(config: ModelConfig) -> tuple[torch.device, torch.dtype
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={config.device!r} but torch sees no CUDA device (a CPU-only "
+                         "torch build, or no GPU visible); use --device cpu or auto.")
     if config.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:

@@ -9,6 +9,11 @@ class QueueFullError(EngineError):
     """The waiting queue is at `max_waiting_requests`; the caller should retry later (HTTP 429)."""
 
 
+class EngineShuttingDownError(EngineError):
+    """The server is stopping and the request ran past its drain time; it was aborted (HTTP
+    503, the client may retry on another replica)."""
+
+
 class EngineDeadError(EngineError):
     """The step loop stopped after an internal error; the process must be restarted (HTTP 503)."""
 

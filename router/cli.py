@@ -89,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        if args.graceful_shutdown_s < 0:
+            raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
     except ValueError as exc:
         print(f"deepinfer router: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from router.discovery import Service
 
@@ -58,6 +59,9 @@ class RouterConfig:
         for url in (*self.backends, *self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+            if not urlsplit(url).hostname:
+                raise ValueError(f"worker URL {url!r} has no host; give the worker's address, "
+                                 "e.g. http://10.0.0.5:8000")
         for flag, urls in (("--backend", self.backends), ("--prefill", self.prefill),
                            ("--decode", self.decode)):
             seen = [url.rstrip("/") for url in urls]

@@ -41,8 +41,8 @@ class APIKeyMiddleware:
                     token.strip().encode(), self._key):
                 given = "a wrong API key" if token else "no API key"
                 err = APIError(f"The request has {given}; send the server's key as "
-                               "'Authorization: Bearer <key>' (the --api-key it was started "
-                               "with).", status_code=401, code="invalid_api_key")
+                               "'Authorization: Bearer <key>' (its --api-key or "
+                               "DEEPINFER_API_KEY).", status_code=401, code="invalid_api_key")
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

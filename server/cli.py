@@ -48,6 +48,24 @@ ENGINE_FLAGS: dict[str, tuple[str, str, Any]] = {
 KEEP_ALIVE_S = 75
 
 
+# seconds between aborting the requests still running at the drain deadline (they answer 503)
+# and uvicorn cancelling whatever has not answered
+ABORT_MARGIN_S = 5
+
+
+async def _abort_after_drain(server: Any, engine: Any, drain_s: float) -> None:
+    """Once shutdown starts (SIGTERM), give in-flight requests `drain_s` seconds, then abort
+    those still running: each answers an OpenAI-style 503 `server_shutting_down` (an SSE error
+    event then `[DONE]` for a stream) instead of being cut by uvicorn with a bare 500."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(drain_s)
+    aborted = engine.abort_all(f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s)")
+    if aborted:
+        logging.getLogger("deepinfer.server").warning(
+            "shutdown: aborted %d request(s) still running after %g s", aborted, drain_s)
+
+
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve", help="serve a model through the OpenAI API",
@@ -132,10 +150,20 @@ def engine_sections(args: argparse.Namespace,
 
 
 def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
-    """--api-key, else DEEPINFER_API_KEY; None (no authentication) when both are empty."""
+    """--api-key, else DEEPINFER_API_KEY; None (no authentication) when neither is given.
+
+    Raises:
+        ValueError: the key given is empty or blank (almost surely an unfilled secret, which
+            would silently serve an open API).
+    """
     from engine.config import server_env
 
-    return args.api_key or server_env(environ).get("api_key") or None
+    key = args.api_key if args.api_key is not None else server_env(environ).get("api_key")
+    if key is not None and not key.strip():
+        source = "--api-key" if args.api_key is not None else "DEEPINFER_API_KEY"
+        raise ValueError(f"{source} is set but empty; give the key, or leave it unset to "
+                         "serve without authentication")
+    return key
 
 
 def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
@@ -147,11 +175,16 @@ def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None
 async def _serve_http(app: Any, args: argparse.Namespace) -> None:
     import uvicorn
 
+    # uvicorn cuts what still runs ABORT_MARGIN_S after our own deadline, by which time every
+    # request has had its proper error answer (see _abort_after_drain)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_shutdown_s,
+                            timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
                             timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
+    deadline = asyncio.create_task(_abort_after_drain(server, app.state.engine,
+                                                      args.graceful_shutdown_s))
+    serving.add_done_callback(lambda _: deadline.cancel())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
@@ -159,6 +192,26 @@ async def _serve_http(app: Any, args: argparse.Namespace) -> None:
         print(f"deepinfer: serving {app.state.engine.model_name!r} at {url}/v1 "
               f"(health: {url}/health, metrics: {url}/metrics)", flush=True)
     await serving
+
+
+def _check_listen_address(host: str, port: int) -> None:
+    """Fail before the (long) model load when the port cannot be bound.
+
+    Raises:
+        ValueError: the port is out of range or the address is taken or not local.
+    """
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a TCP port (0-65535)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another "
+                         "--port or --host") from None
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:
@@ -170,9 +223,15 @@ def serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_engine_config(args)
+        key = api_key(args)
+        _check_listen_address(args.host, args.port)
+        if args.graceful_shutdown_s < 0:
+            raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
     except ValueError as exc:
         print(f"deepinfer: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    print(f"deepinfer: API key {'required on /v1 routes' if key else 'not set: the API is open'}",
+          flush=True)
     # SIGTERM while loading (a pod deleted during a long load) exits at once with 143; the
     # default disposition would be ignored where the server runs as a container's PID 1.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -194,7 +253,7 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        asyncio.run(_serve_http(build_app(engine, api_key=api_key(args)), args))
+        asyncio.run(_serve_http(build_app(engine, api_key=key), args))
     finally:
         engine.shutdown()
     print("deepinfer: stopped", flush=True)

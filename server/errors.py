@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, QueueFullError
+from engine.errors import EngineDeadError, EngineShuttingDownError, QueueFullError
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -54,6 +54,11 @@ def from_engine_error(exc: Exception) -> APIError | None:
     if isinstance(exc, QueueFullError):
         return APIError(f"The server is at capacity: {exc} Retry after a short wait.",
                         status_code=429, type="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, EngineShuttingDownError):
+        return APIError(f"The server is shutting down and stopped this request: {exc} Retry "
+                        "it; another replica will take it.", status_code=503,
+                        type="server_error", code="server_shutting_down",
                         headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(f"The inference engine has stopped: {exc} Restart the server.",

@@ -105,7 +105,7 @@ def _args(objects, workload, container) -> list[str]:
 @EACH_OVERLAY
 def test_worker_command_line_and_settings_are_accepted(overlay):
     from engine.config import EngineConfig
-    from server.cli import api_key, build_engine_config, build_parser
+    from server.cli import ABORT_MARGIN_S, api_key, build_engine_config, build_parser
 
     objects = render_overlay(overlay)
     workers = [(w, c) for w, c in _deepinfer_containers(objects) if c["args"][0] == "serve"]
@@ -130,7 +130,7 @@ def test_worker_command_line_and_settings_are_accepted(overlay):
             assert (role, config.kv_transfer.kv_store) == ("both", "memory")
         pod = workload["spec"]["template"]["spec"]
         drain_s = container["lifecycle"]["preStop"]["sleep"]["seconds"] + \
-            args.graceful_shutdown_s
+            args.graceful_shutdown_s + ABORT_MARGIN_S
         assert pod["terminationGracePeriodSeconds"] >= drain_s + 10, key(workload)
 
 

@@ -50,6 +50,9 @@ def test_flags_become_the_config():
     # one worker twice would double its duplicate-labelled metrics series
     (["--backend", "http://a:1", "--backend", "http://a:1/"],
      "--backend http://a:1 is given twice"),
+    (["--backend", "http://:8000"], "has no host"),
+    (["--backend", "http://a:1", "--graceful-shutdown-s", "-5"], "must be >= 0"),
+    (["--backend", "http://a:1", "--port", "70000"], "is not a TCP port"),
 ])
 def test_bad_flags_exit_2_with_the_fix(argv, message, capsys):
     assert main(argv) == 2

@@ -65,10 +65,45 @@ def test_help_does_not_import_torch():
 def test_api_key_comes_from_the_flag_else_the_environment():
     from server.cli import api_key
 
-    assert api_key(parse(), environ={}) is None
-    assert api_key(parse(), environ={"DEEPINFER_API_KEY": ""}) is None   # empty: no auth
+    assert api_key(parse(), environ={}) is None                          # unset: open API
     assert api_key(parse(), environ={"DEEPINFER_API_KEY": "from-env"}) == "from-env"
     assert api_key(parse("--api-key", "flag"), environ={"DEEPINFER_API_KEY": "env"}) == "flag"
+    # set but empty is an unfilled secret, not a wish for an open API
+    for args, env in ((parse(), {"DEEPINFER_API_KEY": ""}), (parse("--api-key", " "), {})):
+        with pytest.raises(ValueError, match="set but empty"):
+            api_key(args, environ=env)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "--port 70000 is not a TCP port"),
+    (["--graceful-shutdown-s", "-5"], "must be >= 0"),
+    (["--api-key", ""], "--api-key is set but empty"),
+    (["--device", "cuda"], None),     # checked in the engine when torch sees no GPU
+])
+def test_bad_server_flags_exit_2_before_loading_the_model(argv, message, capsys):
+    import torch
+
+    if message is None:
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+        from engine.config import ModelConfig
+        from engine.engine_core import resolve_device_dtype
+
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            resolve_device_dtype(ModelConfig(device="cuda"))
+        return
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_taken_port_exits_2_before_loading_the_model(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
 def test_served_model_name_from_the_environment():
@@ -93,5 +128,59 @@ def test_sigterm_while_loading_exits_at_once(tmp_path):
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=30) == 128 + signal.SIGTERM
         assert "deepinfer: stopped while loading" in server.log()
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
+    """SIGTERM with --graceful-shutdown-s 1 while a long request and a long stream run: after
+    the drain the request answers an OpenAI-style 503 `server_shutting_down`, the stream ends
+    with that error event and `[DONE]`, and the server exits 0 without a traceback."""
+    import json
+    import signal
+    import threading
+
+    import httpx
+
+    from tests.processes import ServerProcess, deepinfer
+
+    server = ServerProcess("server", deepinfer("serve", "--graceful-shutdown-s", "1"),
+                           tmp_path / "server.log")
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Count to a thousand."}]}
+    answers: dict[str, object] = {}
+    streaming = threading.Event()
+
+    def plain() -> None:
+        answers["plain"] = httpx.post(server.url + "/v1/chat/completions", json=body,
+                                      timeout=120)
+
+    def stream() -> None:
+        lines = []
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                          json={**body, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                lines.append(line)
+                streaming.set()
+        answers["stream"] = lines
+
+    try:
+        server.wait_ready()
+        readers = [threading.Thread(target=plain), threading.Thread(target=stream)]
+        for reader in readers:
+            reader.start()
+        assert streaming.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(60)
+        plain_reply = answers["plain"]
+        assert plain_reply.status_code == 503
+        assert plain_reply.json()["error"]["code"] == "server_shutting_down"
+        lines = [line for line in answers["stream"] if line]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
+        assert server.proc.wait(timeout=60) == 0
+        assert "Traceback" not in server.log() and "deepinfer: stopped" in server.log()
     finally:
         server.kill()
