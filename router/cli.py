@@ -12,12 +12,17 @@ module imports FastAPI and uvicorn only when serving, and never torch.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from router.config import DISCOVERY_MODES, POLICY_NAMES, RouterConfig
+
+# seconds between ending the relays still running at the drain deadline and uvicorn
+# cancelling whatever has not finished
+ABORT_MARGIN_S = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,11 +117,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     # handlers receive it, so the router exits 0 after a clean drain
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.graceful_shutdown_s,
-                timeout_keep_alive=CLIENT_KEEP_ALIVE_S)
+    app = build_app(config)
+    # uvicorn cuts what still runs ABORT_MARGIN_S after our own deadline, by which time every
+    # relay has ended with a proper answer (see _serve)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
+        timeout_keep_alive=CLIENT_KEEP_ALIVE_S))
+    asyncio.run(_serve(server, app.state.proxy, args.graceful_shutdown_s))
     print("deepinfer router: stopped", flush=True)
     return 0
+
+
+async def _serve(server: Any, proxy: Any, drain_s: float) -> None:
+    async def end_relays_after_drain() -> None:
+        """Once shutdown starts, give relays `drain_s` seconds, then end those still running:
+        a request still waiting for its worker answers 503 `router_shutting_down`, a stream
+        gets that error event and `[DONE]` (instead of being cut by uvicorn)."""
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(drain_s)
+        proxy.drain_over.set()
+
+    deadline = asyncio.create_task(end_relays_after_drain())
+    try:
+        await server.serve()
+    finally:
+        deadline.cancel()
 
 
 if __name__ == "__main__":

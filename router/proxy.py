@@ -43,6 +43,9 @@ from router.registry import Registry, Replica
 logger = logging.getLogger("deepinfer.router")
 
 # failures that happen before any byte of the answer: safe to send the request elsewhere
+SHUTTING_DOWN = ("The router is shutting down and stopped relaying this request (its "
+                 "--graceful-shutdown-s ran out); retry it, another router will take it.")
+SSE_DONE = b"data: [DONE]\n\n"
 RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                     httpx.ReadError, httpx.WriteError)
 UNREACHABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -102,9 +105,11 @@ class UpstreamResponse(StreamingResponse):
     """A worker's SSE stream relayed byte for byte. Whatever ends it (the last byte, the client
     leaving, the worker dying), the worker's connection is closed and `on_close` runs once."""
 
-    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
+    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None],
+                 drain_over: asyncio.Event) -> None:
         self._upstream = upstream
         self._on_close = on_close
+        self._drain_over = drain_over
         super().__init__(self._relay(), status_code=upstream.status_code,
                          headers=relayed_headers(upstream))
 
@@ -112,6 +117,10 @@ class UpstreamResponse(StreamingResponse):
         try:
             async for chunk in self._upstream.aiter_raw():
                 yield chunk
+                if self._drain_over.is_set():  # the router is stopping: end the stream cleanly
+                    yield sse_error_event(SHUTTING_DOWN, code="router_shutting_down")
+                    yield SSE_DONE
+                    return
         except httpx.HTTPError as exc:  # the worker is gone mid-answer: never re-send
             logger.warning("worker %s failed mid-stream: %r", self._upstream.url, exc)
             yield sse_error_event(f"The worker failed while answering ({type(exc).__name__}); "
@@ -132,19 +141,34 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
-    """Run `work` until done or until the client disconnects (then cancel it: httpx closes the
-    worker connection). Returns (finished, result)."""
+class RouterShuttingDown(Exception):
+    """The router's drain time ran out before the worker's answer began."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T],
+                              drain_over: asyncio.Event) -> tuple[bool, T | None]:
+    """Run `work` until done, until the client disconnects, or until `drain_over` is set
+    (then cancel it: httpx closes the worker connection, so the worker aborts).
+
+    Returns:
+        (finished, result); finished is False when the client left.
+    Raises:
+        RouterShuttingDown: `drain_over` was set first.
+    """
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    stopping = asyncio.ensure_future(drain_over.wait())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
+        stopping.cancel()
         if not task.done():
             task.cancel()
     await asyncio.wait({task})  # let a cancelled send close its connection
     if task.cancelled():
+        if drain_over.is_set():
+            raise RouterShuttingDown
         return False, None
     return True, task.result()  # raises the work's exception
 
@@ -161,6 +185,9 @@ class Proxy:
         self.policy = make_policy(config.policy, max_imbalance=config.max_imbalance)
         self.in_flight = 0
         self._seq = itertools.count()
+        # set when the router's drain after SIGTERM is over (router.cli): requests still
+        # waiting for a worker answer 503, relayed streams end with an error event and [DONE]
+        self.drain_over = asyncio.Event()
 
     async def handle(self, request: Request, path: str) -> Response:
         """Answer one client POST to `path` (/v1/chat/completions or /v1/completions)."""
@@ -199,7 +226,10 @@ class Proxy:
             role = "decode" if self.config.disaggregated else "both"
             work = self._open(role, path, body, headers, features)
         try:
-            finished, opened = await unless_disconnected(request, work)
+            finished, opened = await unless_disconnected(request, work, self.drain_over)
+        except RouterShuttingDown:
+            return error_response(SHUTTING_DOWN, status_code=503, code="router_shutting_down",
+                                  headers={"Retry-After": "1"})
         except NoReplicaError as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             return error_response(str(exc), status_code=503, code="no_healthy_replica",
@@ -227,7 +257,7 @@ class Proxy:
             def on_close() -> None:
                 release_replica()
                 self.in_flight -= 1
-            return UpstreamResponse(upstream, on_close)
+            return UpstreamResponse(upstream, on_close, self.drain_over)
         try:  # a JSON answer is complete once its header comes: relay it in one piece
             content = b"".join([chunk async for chunk in upstream.aiter_raw()])
         except httpx.HTTPError as exc:  # the worker is gone mid-answer: never re-send

@@ -63,7 +63,10 @@ def test_bad_flags_exit_2_with_the_fix(argv, message, capsys):
 @pytest.mark.parametrize("grace_s, finishes", [(30, True), (1, False)])
 def test_sigterm_lets_relayed_streams_finish_within_the_grace(grace_s, finishes, tmp_path):
     """SIGTERM stops the router accepting; a stream in flight (about 3 s of events) runs to
-    `[DONE]` within --graceful-shutdown-s, and is cut when the grace is shorter."""
+    `[DONE]` within --graceful-shutdown-s. With a shorter grace the stream ends with a
+    `router_shutting_down` error event and `[DONE]`, and a request still waiting for its
+    worker's answer gets a 503 with that code; either way the router exits 0."""
+    import json
     import signal
     import threading
 
@@ -73,36 +76,45 @@ def test_sigterm_lets_relayed_streams_finish_within_the_grace(grace_s, finishes,
     from tests.router.router_fakes import FakeWorker
 
     worker = FakeWorker("w").start()
+    # slow: a stream of 150 events 20 ms apart; a JSON answer after 10 s
     worker.mode, worker.slow_events = "slow", 150
     router = ServerProcess("router", deepinfer(
         "router", "--backend", worker.url, "--graceful-shutdown-s", str(grace_s),
         "--log-level", "warning"), tmp_path / "router.log")
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
     lines: list[str] = []
     try:
         router.wait_ready(60)
         started = threading.Event()
 
         def read() -> None:
-            body = {"model": "fake-model", "stream": True,
-                    "messages": [{"role": "user", "content": "hi"}]}
-            try:
-                with httpx.stream("POST", router.url + "/v1/chat/completions", json=body,
-                                  timeout=60) as reply:
-                    for line in reply.iter_lines():
-                        lines.append(line)
-                        started.set()
-            except httpx.HTTPError:
-                lines.append("cut")
-            started.set()
+            with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=60,
+                              json={**chat, "stream": True}) as reply:
+                for line in reply.iter_lines():
+                    lines.append(line)
+                    started.set()
 
-        reader = threading.Thread(target=read)
-        reader.start()
+        answers = []
+        readers = [threading.Thread(target=read), threading.Thread(
+            target=lambda: answers.append(httpx.post(router.url + "/v1/chat/completions",
+                                                     json=chat, timeout=60)))]
+        for thread in readers:
+            thread.start()
         assert started.wait(30)
         router.proc.send_signal(signal.SIGTERM)
-        reader.join(60)
+        for thread in readers:
+            thread.join(60)
         assert router.proc.wait(timeout=60) == 0
-        assert ("data: [DONE]" in lines) is finishes, lines[-3:]
-        assert "deepinfer router: stopped" in router.log()
+        events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][len("data: "):])
+        assert ("error" not in last) is finishes, events[-3:]
+        if not finishes:
+            assert last["error"]["code"] == "router_shutting_down"
+        assert answers[0].status_code == (200 if finishes else 503)
+        if not finishes:
+            assert answers[0].json()["error"]["code"] == "router_shutting_down"
+        assert "deepinfer router: stopped" in router.log() and "Traceback" not in router.log()
     finally:
         router.kill()
         worker.stop()
