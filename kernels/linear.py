@@ -99,12 +99,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [..., out_features], x's dtype.
     """
-    if x.is_cuda:
-        config = _skinny_config(x, weight)
-        if config is not None:
-            from kernels import linear_triton
+    config = _skinny_config(x, weight)
+    if config is not None:
+        from kernels import linear_triton
 
-            return linear_triton.linear(x, weight, bias, config=config)
+        return linear_triton.linear(x, weight, bias, config=config)
     if (quantized is not None and x.numel() <= QUANTIZED_MAX_ROWS * x.shape[-1]
             and cpu_kernel_available()):
         return quantized_linear(x, quantized, bias, backend="cpu_avx2")

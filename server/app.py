@@ -53,7 +53,7 @@ class HTTPMetricsMiddleware:
 
     The route label is the matched route's path template (`/v1/models/{model_id:path}`), or
     `unmatched` when no route was reached (a 404 on an unknown path, or a 401 from the API-key
-check, which runs before routing), so clients cannot grow the label set.
+    check, which runs before routing), so clients cannot grow the label set.
     """
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:

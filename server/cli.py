@@ -118,7 +118,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="expiry of blocks stored in Redis, seconds; 0 = never (default 86400)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
-                            "$DEEPINFER_API_KEY; unset or empty = no authentication)")
+                            "$DEEPINFER_API_KEY; unset = no authentication; empty is refused)")
     serve.add_argument("--graceful-shutdown-s", type=int, default=30,
                        help="on SIGTERM, how long in-flight requests may run (default 30)")
     serve.add_argument("--log-level", default="info",

@@ -78,3 +78,39 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self._log.close()
+
+
+def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,
+                   path: str = "/v1/chat/completions",
+                   timeout_s: float = 120) -> tuple[list[str], httpx.Response | None]:
+    """POST `body` streamed (and, with `plain`, also not streamed) to `process`, send SIGTERM
+    once the stream's first event arrived, and wait for both answers to end.
+
+    Returns:
+        (the stream's non-empty lines, the plain answer or None).
+    """
+    import threading
+
+    lines: list[str] = []
+    answers: list[httpx.Response] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", process.url + path, json={**body, "stream": True},
+                          timeout=timeout_s) as reply:
+            for line in reply.iter_lines():
+                if line:
+                    lines.append(line)
+                    streaming.set()
+
+    readers = [threading.Thread(target=stream)]
+    if plain:
+        readers.append(threading.Thread(target=lambda: answers.append(
+            httpx.post(process.url + path, json=body, timeout=timeout_s))))
+    for reader in readers:
+        reader.start()
+    assert streaming.wait(60), f"{process.name} streamed nothing:\n{process.log()}"
+    process.proc.send_signal(signal.SIGTERM)
+    for reader in readers:
+        reader.join(timeout_s)
+    return lines, (answers[0] if answers else None)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import ServerProcess, deepinfer
+from tests.processes import ServerProcess, deepinfer, sigterm_during
 
 pytestmark = pytest.mark.slow
 
@@ -288,24 +286,8 @@ def test_metrics_counters_moved(server):
 
 def test_sigterm_lets_the_in_flight_stream_finish(server):
     """Must stay last: it stops the module's server."""
-    events: list[str] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
-                          timeout=120) as response:
-            for line in response.iter_lines():
-                if line:
-                    events.append(line)
-                    started.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert started.wait(60)
-    server.proc.send_signal(signal.SIGTERM)
-    reader.join(120)
+    events, _ = sigterm_during(server, {"model": MODEL, "messages": QUESTION, "max_tokens": 24,
+                                        "ignore_eos": True})
     assert events[-1] == "data: [DONE]"
     assert server.proc.wait(timeout=60) == 0
     log = server.log()

@@ -67,12 +67,8 @@ def test_sigterm_lets_relayed_streams_finish_within_the_grace(grace_s, finishes,
     `router_shutting_down` error event and `[DONE]`, and a request still waiting for its
     worker's answer gets a 503 with that code; either way the router exits 0."""
     import json
-    import signal
-    import threading
 
-    import httpx
-
-    from tests.processes import ServerProcess, deepinfer
+    from tests.processes import ServerProcess, deepinfer, sigterm_during
     from tests.router.router_fakes import FakeWorker
 
     worker = FakeWorker("w").start()
@@ -82,38 +78,17 @@ def test_sigterm_lets_relayed_streams_finish_within_the_grace(grace_s, finishes,
         "router", "--backend", worker.url, "--graceful-shutdown-s", str(grace_s),
         "--log-level", "warning"), tmp_path / "router.log")
     chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
-    lines: list[str] = []
     try:
         router.wait_ready(60)
-        started = threading.Event()
-
-        def read() -> None:
-            with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=60,
-                              json={**chat, "stream": True}) as reply:
-                for line in reply.iter_lines():
-                    lines.append(line)
-                    started.set()
-
-        answers = []
-        readers = [threading.Thread(target=read), threading.Thread(
-            target=lambda: answers.append(httpx.post(router.url + "/v1/chat/completions",
-                                                     json=chat, timeout=60)))]
-        for thread in readers:
-            thread.start()
-        assert started.wait(30)
-        router.proc.send_signal(signal.SIGTERM)
-        for thread in readers:
-            thread.join(60)
+        events, answer = sigterm_during(router, chat, plain=True, timeout_s=60)
         assert router.proc.wait(timeout=60) == 0
-        events = [line for line in lines if line]
         assert events[-1] == "data: [DONE]"
         last = json.loads(events[-2][len("data: "):])
         assert ("error" not in last) is finishes, events[-3:]
+        assert answer.status_code == (200 if finishes else 503)
         if not finishes:
             assert last["error"]["code"] == "router_shutting_down"
-        assert answers[0].status_code == (200 if finishes else 503)
-        if not finishes:
-            assert answers[0].json()["error"]["code"] == "router_shutting_down"
+            assert answer.json()["error"]["code"] == "router_shutting_down"
         assert "deepinfer router: stopped" in router.log() and "Traceback" not in router.log()
     finally:
         router.kill()

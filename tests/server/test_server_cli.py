@@ -138,46 +138,18 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
     the drain the request answers an OpenAI-style 503 `server_shutting_down`, the stream ends
     with that error event and `[DONE]`, and the server exits 0 without a traceback."""
     import json
-    import signal
-    import threading
 
-    import httpx
-
-    from tests.processes import ServerProcess, deepinfer
+    from tests.processes import ServerProcess, deepinfer, sigterm_during
 
     server = ServerProcess("server", deepinfer("serve", "--graceful-shutdown-s", "1"),
                            tmp_path / "server.log")
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1000, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Count to a thousand."}]}
-    answers: dict[str, object] = {}
-    streaming = threading.Event()
-
-    def plain() -> None:
-        answers["plain"] = httpx.post(server.url + "/v1/chat/completions", json=body,
-                                      timeout=120)
-
-    def stream() -> None:
-        lines = []
-        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
-                          json={**body, "stream": True}) as reply:
-            for line in reply.iter_lines():
-                lines.append(line)
-                streaming.set()
-        answers["stream"] = lines
-
     try:
         server.wait_ready()
-        readers = [threading.Thread(target=plain), threading.Thread(target=stream)]
-        for reader in readers:
-            reader.start()
-        assert streaming.wait(60)
-        server.proc.send_signal(signal.SIGTERM)
-        for reader in readers:
-            reader.join(60)
-        plain_reply = answers["plain"]
+        lines, plain_reply = sigterm_during(server, body, plain=True)
         assert plain_reply.status_code == 503
         assert plain_reply.json()["error"]["code"] == "server_shutting_down"
-        lines = [line for line in answers["stream"] if line]
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
         assert server.proc.wait(timeout=60) == 0
