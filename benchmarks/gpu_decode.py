@@ -11,8 +11,9 @@ model, so both run the same weights), then measures in one process:
 3. deepinfer's `EngineCore` (KV cache sized by the profiling pass, CUDA graphs for decode):
    decode tokens/s at batch 1, 8, 64, 256 (128-token prompts, 128 new tokens; the timed window
    starts once every request has its first token) and prefill tokens/s of 2,048-token prompts;
-4. the same decode runs at b=1, 8, 64 with every linear on cuBLAS (the Triton skinny GEMM off,
-   graphs recaptured): that kernel's share, measured on the same machine;
+4. the same decode runs at b=1, 8, 64 with one thing switched off at a time (graphs
+   recaptured; `VARIANTS`): every linear on cuBLAS (the Triton skinny GEMM off), and no L2
+   prefetch of the weights (`kernels/l2_prefetch.py`): each one's share, on the same machine;
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -233,26 +235,30 @@ def recapture_graphs(core) -> None:
     runner.capture_cuda_graphs(core.config.scheduler.max_num_seqs, core.max_model_len)
 
 
-def cublas_only_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dict,
-                       context: float) -> dict:
-    """Decode at b=1, 8, 64 with every linear on cuBLAS (the Triton skinny GEMM off, graphs
-    recaptured), same process and machine: the skinny GEMM's share of the decode numbers."""
-    from kernels import linear as kernels_linear
-
-    saved = kernels_linear.SKINNY_MAX_ROWS
-    kernels_linear.SKINNY_MAX_ROWS = 0
+def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dict,
+                   context: float, *, label: str, module, name: str, value) -> dict:
+    """Decode at b=1, 8, 64 with `module.name` set to `value` (graphs recaptured), same process
+    and machine; `module.name` is restored (and the graphs recaptured) after. Keys
+    "decode_b{batch}_{label}"."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     results = {}
     try:
         recapture_graphs(core)
         for batch in (1, 8, 64):
             run = engine_decode(core, batch, vocab, new_tokens)
             run["roofline_tok_s"] = decode_roofline(costs, ceilings, batch, context)
-            results[f"decode_b{batch}_cublas_linears"] = run
-            print(f"decode b={batch} cuBLAS linears: {run}", flush=True)
+            results[f"decode_b{batch}_{label}"] = run
+            print(f"decode b={batch} {label}: {run}", flush=True)
     finally:
-        kernels_linear.SKINNY_MAX_ROWS = saved
+        setattr(module, name, saved)
         recapture_graphs(core)
     return results
+
+
+# same-process comparisons: (label, module, attribute, value): each switches one thing off
+VARIANTS = (("cublas_linears", "kernels.linear", "SKINNY_MAX_ROWS", 0),
+            ("no_l2_prefetch", "kernels.l2_prefetch", "PREFETCH_MAX_ROWS", 0))
 
 
 def engine_prefill(core, vocab: int, num_prompts: int) -> float:
@@ -477,12 +483,15 @@ def main() -> int:
     rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))
     results["prefill"] = {"tok_s": prefill, "roofline_tok_s": roof}
     results.update(diagnostics(core, int(context), hf_config.vocab_size, args.profile))
-    cublas = cublas_only_decode(core, hf_config.vocab_size, new_tokens, costs, ceilings, context)
-    results.update(cublas)
-    for name, run in cublas.items():
-        batch = name.split("_")[1]
-        rows.append((f"decode {batch.replace('b', 'b=')} (cuBLAS linears)", run["tok_s"],
-                     run["roofline_tok_s"], None))
+    for label, module_name, attribute, value in VARIANTS:
+        variant = variant_decode(core, hf_config.vocab_size, new_tokens, costs, ceilings,
+                                 context, label=label, module=importlib.import_module(module_name),
+                                 name=attribute, value=value)
+        results.update(variant)
+        for key, run in variant.items():
+            batch = key.split("_")[1]
+            rows.append((f"decode {batch.replace('b', 'b=')} ({label.replace('_', ' ')})",
+                         run["tok_s"], run["roofline_tok_s"], None))
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

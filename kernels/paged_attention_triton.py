@@ -109,14 +109,16 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, pa
         rows = (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
         offsets = rows[:, None] * HEAD_DIM + d[None, :]                # [N, D]
         kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
+        # KV is read once per step: evict it first, keep the L2 for prefetched weights
+        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0, eviction_policy="evict_first")
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0,
+                    eviction_policy="evict_first")
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
