@@ -10,9 +10,8 @@ shape, so the runner owns static input buffers sized for the largest captured ba
 - `query_start_loc` = 0..max_batch (one token per sequence).
 
 Each graph holds the whole decode step on the device: the layers, the LM head over every row
-(`model.compute_logits`, float32 [batch, vocab]) and the greedy choice (argmax per row), plus the
-L2 prefetches of the weights that the model asks for on a side stream, so a greedy batch's step
-is one graph launch; sampling that needs more (temperature, penalties,
+(`model.compute_logits`, float32 [batch, vocab]) and the greedy choice (argmax per row), so a
+greedy batch's step is one graph launch; sampling that needs more (temperature, penalties,
 logprobs) reads the graph's logits.
 
 A step with n sequences replays the graph of the smallest captured size >= n: the first n rows
@@ -37,7 +36,6 @@ from torch import nn
 
 from engine.input_batch import StepInputs
 from engine.sampler import greedy_argmax
-from kernels import l2_prefetch
 from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -104,14 +102,10 @@ class CudaGraphRunner:
                           self.kv_caches, self._metadata(batch_size))
 
     def step(self, batch_size: int) -> GraphOutputs:
-        """The captured work, run eagerly: forward, LM head, argmax. Up to
-        `l2_prefetch.PREFETCH_MAX_ROWS` rows the model's weights are prefetched into L2 on a
-        side stream ahead of their GEMMs (`kernels/l2_prefetch.py`)."""
-        prefetch = batch_size <= l2_prefetch.PREFETCH_MAX_ROWS
-        with l2_prefetch.weight_prefetch(self.input_ids.device, enabled=prefetch):
-            hidden = self._forward(batch_size)
-            logits = self.model.compute_logits(hidden)
-            return GraphOutputs(hidden, logits, greedy_argmax(logits))
+        """The captured work, run eagerly: forward, LM head, argmax."""
+        hidden = self._forward(batch_size)
+        logits = self.model.compute_logits(hidden)
+        return GraphOutputs(hidden, logits, greedy_argmax(logits))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -21,7 +21,6 @@ from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.rms_norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from kernels.attention_metadata import AttentionMetadata
-from kernels.l2_prefetch import prefetch_weight
 from kernels.rotary import apply_rotary_write_kv
 
 # HF checkpoint projection -> (our fused parameter, shard)
@@ -55,7 +54,6 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]; rope from `RotaryEmbedding.forward`."""
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 kv_size]
-        prefetch_weight(self.o_proj.weight)  # into L2 while rotary and attention run
         # rotate q and k, store k and v in the cache: one kernel on CUDA
         query = apply_rotary_write_kv(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache,
                                       attn_metadata.slot_mapping)  # [T, H_q, D]
@@ -140,9 +138,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            prefetch_weight(layer.self_attn.qkv_proj.weight)  # while the input norm runs
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
-        prefetch_weight(self.lm_head.weight)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -10,9 +10,7 @@ from kernels.attention_metadata import AttentionMetadata
 
 class PreNormDecoderLayer(nn.Module):
     """`h + attn(norm(h))`, then `+ mlp(norm(.))`, with each residual add fused into the next
-    RMSNorm. Subclasses set `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`;
-    an mlp with a `prefetch_weights()` method has it called as the attention's last kernel is
-    queued, so its weight can reach L2 while the norm runs (`kernels/l2_prefetch.py`).
+    RMSNorm. Subclasses set `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`.
     """
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
@@ -27,7 +25,5 @@ class PreNormDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
-        if hasattr(self.mlp, "prefetch_weights"):
-            self.mlp.prefetch_weights()
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

@@ -7,7 +7,6 @@ from torch import nn
 
 from engine.models.layers.linear import Linear
 from kernels.activation import silu_and_mul
-from kernels.l2_prefetch import prefetch_weight
 
 
 class GatedMLP(nn.Module):
@@ -24,9 +23,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden_size] -> [num_tokens, hidden_size], same dtype."""
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        prefetch_weight(self.down_proj.weight)  # into L2 while SiLU-mul runs
         return self.down_proj(silu_and_mul(gate_up))  # Triton on CUDA, torch ops elsewhere
-
-    def prefetch_weights(self) -> None:
-        """Start fetching the first projection's weight into L2 (`kernels/l2_prefetch.py`)."""
-        prefetch_weight(self.gate_up_proj.weight)
