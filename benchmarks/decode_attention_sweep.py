@@ -58,9 +58,9 @@ def main() -> int:
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 2 / (_graph_us(lambda: dst.copy_(src), 10) * 1e-6)
     del src, dst
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; default BLOCK_N={pat._DECODE_BLOCK_N} "
-          f"num_warps={pat._DECODE_NUM_WARPS} num_stages={pat._DECODE_NUM_STAGES}")
-    saved = (pat._DECODE_BLOCK_N, pat._DECODE_NUM_WARPS, pat._DECODE_NUM_STAGES)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; defaults (BLOCK_N, num_warps, "
+          f"num_stages): unsplit {pat._DECODE_CONFIG}, split {pat._DECODE_SPLIT_CONFIG}")
+    saved = (pat._DECODE_CONFIG, pat._DECODE_SPLIT_CONFIG)
     results = []
     for batch in BATCHES:
         query, kv_cache, metadata = random_paged_batch(
@@ -70,8 +70,7 @@ def main() -> int:
         kv_bytes = batch * CONTEXT * 8 * 128 * 2 * 2
         rows = []
         for block_n, warps, stages in itertools.product(BLOCK_NS, WARPS, STAGES):
-            pat._DECODE_BLOCK_N, pat._DECODE_NUM_WARPS, pat._DECODE_NUM_STAGES = (
-                block_n, warps, stages)
+            pat._DECODE_CONFIG = pat._DECODE_SPLIT_CONFIG = (block_n, warps, stages)
             try:
                 us = _graph_us(lambda: pat._decode(query, kv_cache, metadata, 0.088))
             except Exception as error:  # noqa: BLE001 - a config Triton cannot build
@@ -80,10 +79,9 @@ def main() -> int:
             rows.append({"batch": batch, "BLOCK_N": block_n, "num_warps": warps,
                          "num_stages": stages, "us": us,
                          "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bandwidth})
-        pat._DECODE_BLOCK_N, pat._DECODE_NUM_WARPS, pat._DECODE_NUM_STAGES = saved
+        pat._DECODE_CONFIG, pat._DECODE_SPLIT_CONFIG = saved
         rows.sort(key=lambda r: r["us"])
-        default = next(r for r in rows if (r["BLOCK_N"], r["num_warps"], r["num_stages"]) == saved)
-        print(f"b={batch}: default {default['us']:.1f} us; best: " + "; ".join(
+        print(f"b={batch}: best: " + "; ".join(
             f"{r['BLOCK_N']}/{r['num_warps']}/{r['num_stages']} {r['us']:.1f} us "
             f"({r['fraction_of_copy_bw']:.2f})" for r in rows[:5]), flush=True)
         results += rows

@@ -7,9 +7,6 @@ fused kernel replaces the 2-4 torch ops of the reference (add + norm; mul + flip
 mul). Rounding follows the torch references step by step (e.g. the residual sum is rounded to the
 activation dtype before it is normalised, as `x.add_(residual)` does), so bf16 results match them
 to within one bf16 ulp in most elements.
-
-On sm_90+ every kernel here is launched with Programmatic Dependent Launch (`kernels/pdl.py`):
-it starts while the previous kernel drains and waits for it before touching memory.
 """
 
 from __future__ import annotations
@@ -18,16 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import use_pdl
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride,
-                     out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                     out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -53,21 +44,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if num_tokens:
         block = triton.next_power_of_2(hidden)
         res = residual if residual is not None else x
-        pdl = use_pdl(x.device)
         _rms_norm_kernel[(num_tokens,)](
             x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
-            num_warps=min(16, max(1, block // 256)), launch_pdl=pdl)
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, x)
 
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride_t, x_stride_h, cos_stride_t,
                    sin_stride_t, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                   BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -96,21 +83,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if num_tokens:
         half = head_dim // 2
-        pdl = use_pdl(x.device)
         _rotary_kernel[(num_tokens,)](
             x, cos, signed_sin, out, x.stride(0), x.stride(1), cos.stride(0),
             signed_sin.stride(0), num_heads, HALF=half,
             BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half),
-            USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+            num_warps=4)
     return out
 
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, intermediate,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
@@ -129,10 +112,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, intermediate), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = 1024
-        pdl = use_pdl(gate_up.device)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), intermediate, BLOCK=block,
-            USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+            num_warps=4)
     return out
 
 
@@ -141,10 +123,7 @@ def _rotary_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, cache_ptr, slo
                             qkv_stride_t, cos_stride_t, sin_stride_t, v_offset,
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                            BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     head_dim = 2 * HALF
@@ -193,12 +172,11 @@ def apply_rotary_write_kv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
     query = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens:
         half = head_dim // 2
-        pdl = use_pdl(qkv.device)
         _rotary_write_kv_kernel[(num_tokens,)](
             qkv, cos, signed_sin, query, kv_cache, slot_mapping, qkv.stride(0), cos.stride(0),
             signed_sin.stride(0), kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads,
             NUM_KV_HEADS=num_kv_heads, HALF=half,
             BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
             BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
     return query

@@ -16,15 +16,6 @@ whichever split finishes last (deterministic), with no reduce kernel; it resets 
 for the next call. The counters are one int32 per output tile (`_arrival_counters`), zero
 between calls; calls on one stream run one after another, so they share them.
 
-Programmatic Dependent Launch (`kernels/pdl.py`; sm_90+, only with `pdl.PDL_WIDE_KERNELS` set,
-off by default: launched early the GEMM ran up to 1.27x slower on an H200): the programs start
-while the previous kernel (a norm, an activation) drains. Before waiting for that kernel, each
-program issues one `cp.async.bulk.prefetch.L2.global` per weight row for the first
-PREFETCH_K = 4 * BLOCK_K columns of its slab (the weight is immutable, so reading it early is
-safe; x, the output, the partials and the counters are touched only after the wait), so the
-first tiles of its pipeline come from L2 instead of DRAM. (The wait also keeps the split-K
-counters safe: a call counts in only once the previous call has completed.)
-
 Where it runs: only for (row bucket, out_features, in_features) shapes that a sweep on this
 device found faster than cuBLAS inside a CUDA graph (`benchmarks/gemv_sweep.py` writes
 `kernels/configs/skinny_linear_<device name>.json` with the best tile config per shape);
@@ -44,8 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import use_pdl
-
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -54,8 +43,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_
                           k_per_split, x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                          PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-                          PREFETCH_K: tl.constexpr):
+                          PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -63,25 +51,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = pid_k * k_per_split            # a multiple of BLOCK_K: splits never overlap
     k_end = tl.minimum(k_start + k_per_split, K)
-    col_ok = cols < N
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait...
-        tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_K > 0:
-            # ...but the weight is immutable: while the previous kernel drains, ask the L2 for
-            # this program's first PREFETCH_K columns of each of its weight rows, one bulk
-            # prefetch per row (16-byte aligned start, a multiple of 16 bytes; else none)
-            row_start = w_ptr + cols.to(tl.int64) * w_stride + k_start             # [BN]
-            first = row_start.to(tl.int64)
-            last = (row_start + (tl.minimum(k_start + PREFETCH_K, k_end) - k_start)).to(tl.int64)
-            size = ((last - first) // 16 * 16).to(tl.int32)
-            size = tl.where(col_ok & (first % 16 == 0), size, 0)   # <= 0: nothing issued
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r", [first, size], dtype=tl.int32, is_pure=False, pack=1)
-        tl.extra.cuda.gdc_wait()
     ks = k_start + tl.arange(0, BLOCK_K)
     row_ok = rows < M
+    col_ok = cols < N
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]      # [BM, BK]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]      # [BN, BK]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -207,12 +179,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         counters = _arrival_counters(x.device)
     else:
         partial = counters = out   # unused
-    pdl = use_pdl(x.device, wide=True)   # off unless pdl.PDL_WIDE_KERNELS
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, partial, counters, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=rows_per_program, SPLIT_K=split_k,
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        PREFETCH_K=4 * block_k if pdl else 0, launch_pdl=pdl, **config)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **config)
     return out

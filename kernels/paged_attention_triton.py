@@ -21,10 +21,6 @@ Numerics: scores, softmax and accumulation in float32; P is cast to the cache dt
 P @ V product (as FlashAttention does). float32 inputs use IEEE dot products (no tf32), so the
 float32 path matches the torch reference to ~1e-5.
 
-Programmatic Dependent Launch (`kernels/pdl.py`, sm_90+): the KV-write kernel starts while the
-previous kernel drains and waits for it before touching memory; the attention kernels do so only
-with `pdl.PDL_WIDE_KERNELS` set (off by default: measured slower).
-
 KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`, contiguous;
 index 0 = K, 1 = V; slot = block_id * block_size + offset.
 """
@@ -38,10 +34,12 @@ import triton
 import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.pdl import use_pdl
 
-_DECODE_BLOCK_N = 64      # context tokens per decode tile
-_DECODE_NUM_WARPS, _DECODE_NUM_STAGES = 4, 2   # decode launch (benchmarks/decode_attention_sweep)
+_DECODE_BLOCK_N = 64      # context tokens per decode tile (sets the split count)
+# decode launch (BLOCK_N, num_warps, num_stages), unsplit and split-K (benchmarks/
+# decode_attention_sweep.py on an H200, Llama-3-8B heads, context 192: unsplit at 64 sequences
+# 20.1 us against 21.7 for (64, 4, 2); split at 1 sequence 12.5 us against 18.7, noisy)
+_DECODE_CONFIG, _DECODE_SPLIT_CONFIG = (64, 4, 3), (128, 4, 2)
 _MAX_SPLITS = 32          # split-K partitions at most (a power of two)
 
 
@@ -49,10 +47,7 @@ _MAX_SPLITS = 32          # split-K partitions at most (a power of two)
 def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, key_stride_t, key_stride_h,
                      value_stride_t, value_stride_h, v_offset,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -80,12 +75,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         return
     key, value = _unit_last_stride(key), _unit_last_stride(value)
     _check_cache(kv_cache)
-    pdl = use_pdl(key.device)
     _write_kv_kernel[(num_tokens,)](
         key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), kv_cache[0].numel(), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        USE_PDL=pdl, launch_pdl=pdl)
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
 
 
 @triton.jit
@@ -94,10 +87,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, pa
                    v_offset, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,11 +141,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, pa
 @triton.jit
 def _decode_reduce_kernel(part_ptr, m_ptr, l_ptr, out_ptr, out_stride_t, out_stride_h,
                           NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                          BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -208,20 +194,18 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMeta
         l = torch.empty_like(m)
     block_d = triton.next_power_of_2(head_dim)
     block_tables = metadata.block_tables
-    pdl = use_pdl(query.device, wide=True)   # off unless pdl.PDL_WIDE_KERNELS
+    block_n, num_warps, num_stages = _DECODE_SPLIT_CONFIG if splits > 1 else _DECODE_CONFIG
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache, block_tables, metadata.seq_lens, out, part, m, l, scale,
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits,
-        PRECISION=_precision(query), USE_PDL=pdl, num_warps=_DECODE_NUM_WARPS,
-        num_stages=_DECODE_NUM_STAGES, launch_pdl=pdl)
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
+        PRECISION=_precision(query), num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             part, m, l, out, out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, USE_PDL=pdl, num_warps=4,
-            launch_pdl=pdl)
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4)
     return out
 
 
@@ -230,11 +214,7 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
                     out_ptr, scale, q_stride_t, q_stride_h, bt_stride, out_stride_t,
                     out_stride_h, v_offset, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    USE_PDL: tl.constexpr):
-    if USE_PDL:   # PDL (kernels/pdl.py): nothing is read or written before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -291,14 +271,13 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMet
     block_m = min(block_m, max(16, triton.next_power_of_2(metadata.max_query_len)))
     grid = (triton.cdiv(metadata.max_query_len, block_m), metadata.num_seqs, num_q_heads)
     block_tables = metadata.block_tables
-    pdl = use_pdl(query.device, wide=True)   # off unless pdl.PDL_WIDE_KERNELS
     _prefill_kernel[grid](
         query, kv_cache, block_tables, metadata.seq_lens, metadata.query_start_loc, out, scale,
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         kv_cache[0].numel(), NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(query), USE_PDL=pdl,
-        num_warps=8 if block_m >= 128 else 4, num_stages=2, launch_pdl=pdl)
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(query),
+        num_warps=8 if block_m >= 128 else 4, num_stages=2)
     return out
 
 
