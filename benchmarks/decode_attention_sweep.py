@@ -59,8 +59,8 @@ def main() -> int:
     bandwidth = 2 * src.numel() * 2 / (_graph_us(lambda: dst.copy_(src), 10) * 1e-6)
     del src, dst
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; defaults (BLOCK_N, num_warps, "
-          f"num_stages): unsplit {pat._DECODE_CONFIG}, split {pat._DECODE_SPLIT_CONFIG}")
-    saved = (pat._DECODE_CONFIG, pat._DECODE_SPLIT_CONFIG)
+          f"num_stages): {(pat._DECODE_BLOCK_N, *pat._DECODE_LAUNCH)}")
+    saved = (pat._DECODE_BLOCK_N, pat._DECODE_LAUNCH)
     results = []
     for batch in BATCHES:
         query, kv_cache, metadata = random_paged_batch(
@@ -70,7 +70,7 @@ def main() -> int:
         kv_bytes = batch * CONTEXT * 8 * 128 * 2 * 2
         rows = []
         for block_n, warps, stages in itertools.product(BLOCK_NS, WARPS, STAGES):
-            pat._DECODE_CONFIG = pat._DECODE_SPLIT_CONFIG = (block_n, warps, stages)
+            pat._DECODE_BLOCK_N, pat._DECODE_LAUNCH = block_n, (warps, stages)
             try:
                 us = _graph_us(lambda: pat._decode(query, kv_cache, metadata, 0.088))
             except Exception as error:  # noqa: BLE001 - a config Triton cannot build
@@ -79,7 +79,7 @@ def main() -> int:
             rows.append({"batch": batch, "BLOCK_N": block_n, "num_warps": warps,
                          "num_stages": stages, "us": us,
                          "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bandwidth})
-        pat._DECODE_CONFIG, pat._DECODE_SPLIT_CONFIG = saved
+        pat._DECODE_BLOCK_N, pat._DECODE_LAUNCH = saved
         rows.sort(key=lambda r: r["us"])
         print(f"b={batch}: best: " + "; ".join(
             f"{r['BLOCK_N']}/{r['num_warps']}/{r['num_stages']} {r['us']:.1f} us "

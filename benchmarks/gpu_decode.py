@@ -12,8 +12,8 @@ model, so both run the same weights), then measures in one process:
    decode tokens/s at batch 1, 8, 64, 256 (128-token prompts, 128 new tokens; the timed window
    starts once every request has its first token) and prefill tokens/s of 2,048-token prompts;
 4. the same decode runs at b=1, 8, 64 with one thing switched off at a time (graphs
-   recaptured; `VARIANTS`): every linear on cuBLAS (the Triton skinny GEMM off): its share,
-   measured on the same machine;
+   recaptured; `VARIANTS`): every linear on cuBLAS (the Triton skinny GEMM off), and no
+   cuBLASLt choice (`kernels/blas_choice.py`): each one's share, on the same machine;
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
@@ -257,7 +257,8 @@ def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dic
 
 
 # same-process comparisons: (label, module, attribute, value): each switches one thing off
-VARIANTS = (("cublas_linears", "kernels.linear", "SKINNY_MAX_ROWS", 0),)
+VARIANTS = (("cublas_linears", "kernels.linear", "SKINNY_MAX_ROWS", 0),
+            ("no_cublaslt", "kernels.blas_choice", "MAX_ROWS", 0))
 
 
 def engine_prefill(core, vocab: int, num_prompts: int) -> float:

@@ -9,7 +9,8 @@ built without oneDNN), and `linear` then falls back to `F.linear`.
 
 On CUDA, bf16 / fp16 inputs of at most `SKINNY_MAX_ROWS` rows (decode batches) run the Triton
 skinny GEMM (`kernels/linear_triton.py`) for the shapes where a sweep on that device measured it
-faster than cuBLAS (its tuned-config file); every other CUDA call uses `F.linear`.
+faster than cuBLAS (its tuned-config file); every other CUDA call uses `F.linear`, through
+cuBLASLt where `kernels/blas_choice.py`'s sweep file says it beat cuBLAS for that shape.
 
 Weights that are exactly the dequantized values of ggml Q4_1 / Q8_0 blocks (GGUF checkpoints)
 also get a `QuantizedWeight` (`quantize_linear_weight`): up to `QUANTIZED_MAX_ROWS` input rows,
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backends import triton_available
+from kernels.blas_choice import preferred_library, preferring
 from kernels.quantized_linear import QuantizedWeight, cpu_kernel_available, quantized_linear
 from kernels.quantized_linear import recover_quantized
 
@@ -109,4 +111,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return quantized_linear(x, quantized, bias, backend="cpu_avx2")
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if x.is_cuda and x.dim() == 2 and (library := preferred_library(x.shape[0], weight)):
+        with preferring(library):
+            return F.linear(x, weight, bias)
     return F.linear(x, weight, bias)

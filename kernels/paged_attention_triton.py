@@ -35,11 +35,8 @@ import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
 
-_DECODE_BLOCK_N = 64      # context tokens per decode tile (sets the split count)
-# decode launch (BLOCK_N, num_warps, num_stages), unsplit and split-K (benchmarks/
-# decode_attention_sweep.py on an H200, Llama-3-8B heads, context 192: unsplit at 64 sequences
-# 20.1 us against 21.7 for (64, 4, 2); split at 1 sequence 12.5 us against 18.7, noisy)
-_DECODE_CONFIG, _DECODE_SPLIT_CONFIG = (64, 4, 3), (128, 4, 2)
+_DECODE_BLOCK_N = 64      # context tokens per decode tile
+_DECODE_LAUNCH = (4, 2)   # (num_warps, num_stages): benchmarks/decode_attention_sweep.py
 _MAX_SPLITS = 32          # split-K partitions at most (a power of two)
 
 
@@ -113,16 +110,14 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, pa
         rows = (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
         offsets = rows[:, None] * HEAD_DIM + d[None, :]                # [N, D]
         kv_mask = valid[:, None] & d_ok[None, :]
-        # KV is read once per step: evict it first, keep the L2 for prefetched weights
-        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0, eviction_policy="evict_first")
+        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0,
-                    eviction_policy="evict_first")
+        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -194,14 +189,14 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMeta
         l = torch.empty_like(m)
     block_d = triton.next_power_of_2(head_dim)
     block_tables = metadata.block_tables
-    block_n, num_warps, num_stages = _DECODE_SPLIT_CONFIG if splits > 1 else _DECODE_CONFIG
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache, block_tables, metadata.seq_lens, out, part, m, l, scale,
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
-        PRECISION=_precision(query), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_SIZE=block_size, BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits,
+        PRECISION=_precision(query), num_warps=_DECODE_LAUNCH[0],
+        num_stages=_DECODE_LAUNCH[1])
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             part, m, l, out, out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads,

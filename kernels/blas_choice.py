@@ -1,0 +1,73 @@
+"""Which cuBLAS front end runs a decode-sized CUDA linear: cuBLAS or cuBLASLt.
+
+torch sends a bf16 `F.linear` to cuBLAS (`cublasGemmEx`) unless told to prefer cuBLASLt
+(`torch.backends.cuda.preferred_blas_library`); the two pick different kernels for the skinny
+shapes of decode. On an H200 (torch 2.11, Llama-3-8B shapes, 32 linears per CUDA graph) cuBLASLt
+was faster for down_proj at 64 rows (32.0 against 35.9 us) and for gate_up / down at 256 rows
+(89.7 / 49.2 against 99.4 / 53.4 us), and slower for qkv at 1 row (16.4 against 15.2 us).
+
+`benchmarks/blas_sweep.py --write-configs` times both for each (row bucket, out_features,
+in_features) of a model's linears and writes `kernels/configs/blas_library_<device name>.json`;
+`preferred_library` returns "cublaslt" for the shapes where that file says cuBLASLt was faster,
+else None (torch's default). Row buckets are powers of two up to MAX_ROWS (the CUDA graph
+runner's batch sizes); larger inputs (prefill) keep torch's default.
+
+Numerics: both are cuBLAS GEMMs with float32 accumulation; their summation order may differ
+(bf16 relative error ~1e-3 between them, as between any two GEMM kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+MAX_ROWS = 256
+
+
+def row_bucket(num_rows: int) -> int:
+    """The power of two >= num_rows (1 for 0)."""
+    return 1 << max(num_rows - 1, 0).bit_length()
+
+
+def config_path(device_name: str) -> Path:
+    """Where the sweep's choices for `device_name` ("NVIDIA H200") live."""
+    return CONFIG_DIR / f"blas_library_{device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def _choices(device_index: int) -> frozenset[tuple[int, int, int]]:
+    """{(row bucket, out_features, in_features)} where cuBLASLt was faster on this device."""
+    path = config_path(torch.cuda.get_device_name(device_index))
+    if not path.exists():
+        return frozenset()
+    return frozenset((e["rows"], e["out_features"], e["in_features"])
+                     for e in json.loads(path.read_text())["entries"]
+                     if e["library"] == "cublaslt")
+
+
+def preferred_library(num_rows: int, weight: torch.Tensor) -> str | None:
+    """"cublaslt" where the device's sweep measured it faster for x of `num_rows` rows times
+    `weight` [out_features, in_features] (CUDA), else None (torch's default)."""
+    if num_rows > MAX_ROWS:
+        return None
+    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    choices = _choices(index)
+    return "cublaslt" if (row_bucket(num_rows), *weight.shape) in choices else None
+
+
+@contextlib.contextmanager
+def preferring(library: str) -> Iterator[None]:
+    """torch's matmuls inside prefer `library` ("cublas" / "cublaslt"); restored after. A CUDA
+    graph captured inside keeps the kernels chosen there."""
+    saved = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(saved)
