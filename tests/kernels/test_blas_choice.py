@@ -1,0 +1,73 @@
+"""cuBLAS / cuBLASLt choice per decode linear shape (kernels/blas_choice.py).
+
+The lookup is checked on CPU against a sweep file written in the test (a fake device name): the
+row buckets, the shapes the file chose cuBLASLt for, the row cap, a missing file; and the context
+that switches torch's preferred library restores it. That the choice keeps the engine's greedy
+tokens equal to HF's is covered on the GPU by tests/engine/test_gpu_engine.py.
+"""
+
+import json
+
+import pytest
+import torch
+
+from kernels import blas_choice
+
+
+@pytest.mark.parametrize("rows, bucket", [(0, 1), (1, 1), (3, 4), (64, 64), (65, 128)])
+def test_row_bucket(rows, bucket):
+    assert blas_choice.row_bucket(rows) == bucket
+
+
+@pytest.fixture
+def sweep_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(blas_choice, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    blas_choice._choices.cache_clear()
+    entries = [{"shape": "down", "rows": 64, "out_features": 32, "in_features": 112,
+                "cublas_us": 35.4, "cublaslt_us": 31.9, "library": "cublaslt"},
+               {"shape": "down", "rows": 8, "out_features": 32, "in_features": 112,
+                "cublas_us": 31.6, "cublaslt_us": 34.2, "library": "cublas"}]
+    path = blas_choice.config_path("Fake GPU")
+    path.write_text(json.dumps({"entries": entries}))
+    yield path
+    blas_choice._choices.cache_clear()
+
+
+def test_chosen_shapes_get_cublaslt(sweep_file):
+    weight = torch.empty(32, 112, device="meta")
+    assert sweep_file.name == "blas_library_Fake_GPU.json"
+    assert blas_choice.preferred_library(64, weight) == "cublaslt"
+    assert blas_choice.preferred_library(33, weight) == "cublaslt"   # bucket 64
+    assert blas_choice.preferred_library(8, weight) is None           # cuBLAS was faster
+    assert blas_choice.preferred_library(16, weight) is None          # not swept
+    assert blas_choice.preferred_library(64, torch.empty(112, 32, device="meta")) is None
+
+
+def test_rows_past_the_cap_keep_the_default(sweep_file, monkeypatch):
+    monkeypatch.setattr(blas_choice, "MAX_ROWS", 32)
+    assert blas_choice.preferred_library(64, torch.empty(32, 112, device="meta")) is None
+
+
+def test_no_sweep_file_means_no_choice(sweep_file):
+    sweep_file.unlink()
+    blas_choice._choices.cache_clear()
+    assert blas_choice.preferred_library(64, torch.empty(32, 112, device="meta")) is None
+
+
+def test_preferring_restores_the_library(monkeypatch):
+    state = ["cublas"]
+
+    def preferred_blas_library(backend=None):   # CPU builds refuse cuBLASLt: a stand-in
+        if backend is not None:
+            state.append(backend)
+        return state[-1]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred_blas_library)
+    with blas_choice.preferring("cublaslt"):
+        assert state[-1] == "cublaslt"
+    assert state[-1] == "cublas"
+    with pytest.raises(ValueError), blas_choice.preferring("cublaslt"):
+        raise ValueError("a failing GEMM")
+    assert state[-1] == "cublas"
