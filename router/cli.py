@@ -103,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: with health checks every few seconds per replica that
+    # buries the router's own lines (admissions, ejections); shown with --log-level debug
+    if args.log_level.lower() != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     import uvicorn
 
     from router.app import CLIENT_KEEP_ALIVE_S, build_app

@@ -62,6 +62,10 @@ class RouterConfig:
             if not urlsplit(url).hostname:
                 raise ValueError(f"worker URL {url!r} has no host; give the worker's address, "
                                  "e.g. http://10.0.0.5:8000")
+            if urlsplit(url).path.rstrip("/").endswith("/v1"):
+                raise ValueError(f"worker URL {url!r} ends in /v1; give the worker's base URL "
+                                 f"({url.rstrip('/').removesuffix('/v1')}): the router adds "
+                                 "/v1/... and /health itself")
         for flag, urls in (("--backend", self.backends), ("--prefill", self.prefill),
                            ("--decode", self.decode)):
             seen = [url.rstrip("/") for url in urls]

@@ -101,6 +101,28 @@ def parse_body(body: bytes) -> Any:
     return payload if _nesting_depth(payload) <= MAX_JSON_DEPTH else None
 
 
+def body_problem(body: bytes, payload: Any) -> str | None:
+    """Why no worker could accept `body` (empty, not JSON, JSON but not an object), with the
+    fix, for the router to answer 400 itself; None for a JSON object, and for a body nested
+    too deeply for `parse_body` (payload None), which is forwarded for the worker to judge."""
+    if isinstance(payload, dict):
+        return None
+    if payload is not None:
+        kind = {list: "array", str: "string", bool: "boolean"}.get(type(payload), "number")
+        return (f"The request body is a JSON {kind}; send a JSON object "
+                '(e.g. {"model": ..., "messages": [...]}).')
+    if not body.strip():
+        return "The request has no body; send a JSON object with Content-Type: application/json."
+    try:
+        json.loads(body)
+    except RecursionError:
+        return None
+    except ValueError as exc:
+        return (f"The request body is not valid JSON ({exc}); send a JSON object with "
+                "Content-Type: application/json.")
+    return None
+
+
 class UpstreamResponse(StreamingResponse):
     """A worker's SSE stream relayed byte for byte. Whatever ends it (the last byte, the client
     leaving, the worker dying), the worker's connection is closed and `on_close` runs once."""
@@ -215,12 +237,16 @@ class Proxy:
 
     async def _answer(self, request: Request, path: str) -> Response:
         body = await request.body()
-        payload = parse_body(body)  # None: the worker answers the malformed JSON with its 400
+        payload = parse_body(body)
+        problem = body_problem(body, payload)
+        if problem is not None:   # answered here, healthy workers or not
+            return error_response(problem, status_code=400, type="invalid_request_error",
+                                  code="invalid_json")
         features = request_features(next(self._seq), path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
         # raw bytes are relayed: the worker may compress only as the client accepts
         headers.setdefault("accept-encoding", "identity")
-        if self.config.disaggregated and isinstance(payload, dict):
+        if self.config.disaggregated and payload is not None:
             work = self._disaggregated(path, payload, headers, features)
         else:
             role = "decode" if self.config.disaggregated else "both"

@@ -51,6 +51,9 @@ def test_flags_become_the_config():
     (["--backend", "http://a:1", "--backend", "http://a:1/"],
      "--backend http://a:1 is given twice"),
     (["--backend", "http://:8000"], "has no host"),
+    # the router adds /v1/...: a pasted OpenAI base URL would make it call /v1/v1/...
+    (["--backend", "http://a:1/v1/"], "ends in /v1; give the worker's base URL (http://a:1)"),
+    (["--prefill", "http://p:1", "--decode", "http://d:1/v1"], "ends in /v1"),
     (["--backend", "http://a:1", "--graceful-shutdown-s", "-5"], "must be >= 0"),
     (["--backend", "http://a:1", "--port", "70000"], "is not a TCP port"),
 ])
