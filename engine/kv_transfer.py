@@ -53,7 +53,7 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 FETCH_BATCH_BLOCKS = 32          # keys per store round trip when fetching a prefix
 STORE_DOWN_BACKOFF_S = 1.0       # after a store error, skip the store this long
 MAX_SAVE_BACKLOG_BYTES = 1 << 30  # saves beyond this many bytes in flight are dropped
-FETCH_GRACE_S = 0.002           # a step waits this long for fetches that have just started
+FETCH_GRACE_S = 0.002           # a step waits this long, once, for fetches that just started
 IDLE_WAIT_S = 0.005             # the step loop's wait while only store traffic is in flight
 
 
@@ -148,6 +148,7 @@ class KVTransfer:
         self._save_backlog_bytes = 0
         # request id -> (index of its first block fetched, their hashes, the fetch)
         self._loads: dict[str, tuple[int, list[int], concurrent.futures.Future]] = {}
+        self._fresh_loads: list[concurrent.futures.Future] = []  # not yet given their grace
         self._staged: dict[str, tuple[list[int], torch.Tensor]] = {}  # id -> (hashes, blocks)
         # hand-off request id -> (its full prompt block hashes, [(hashes saved, future ok)])
         self._handoffs: dict[str, tuple[list[int], list]] = {}
@@ -186,7 +187,9 @@ class KVTransfer:
         if self._store_down():
             self.stats.add(misses=len(wanted))
             return False
-        self._loads[request.request_id] = (num_local, wanted, self._submit(self._fetch(wanted)))
+        future = self._submit(self._fetch(wanted))
+        self._loads[request.request_id] = (num_local, wanted, future)
+        self._fresh_loads.append(future)
         return True
 
     def discard(self, request_ids) -> None:
@@ -201,10 +204,12 @@ class KVTransfer:
     def finished_loads(self, wait_s: float = FETCH_GRACE_S) -> dict[str, tuple[int, int]]:
         """Requests whose fetch ended since the last call: id -> (first block index, number of
         blocks staged). Staged blocks wait for `load_blocks` (or `discard`). Waits up to
-        `wait_s` for fetches in flight, so a fast store (memory, a local Redis) does not cost a
-        new request a whole step."""
-        if self._loads and wait_s > 0:
-            concurrent.futures.wait([future for _, _, future in self._loads.values()], wait_s)
+        `wait_s` for the fetches started since the last call, once each: a fast store (memory,
+        a local Redis) does not cost a new request a whole step, and a slow fetch does not
+        hold back every step of the running requests while it lasts."""
+        fresh, self._fresh_loads = self._fresh_loads, []
+        if fresh and wait_s > 0:
+            concurrent.futures.wait(fresh, wait_s)
         ready = {}
         for request_id, (first_block, wanted, future) in list(self._loads.items()):
             if not future.done():

@@ -185,6 +185,30 @@ def test_abort_while_loading_leaks_nothing(core):
     assert not core.kv_transfer._loads and not core.kv_transfer._staged
 
 
+def test_a_slow_fetch_delays_one_step_not_every_step(core, monkeypatch):
+    """The grace wait for a fetch is spent once, in the step after it started; later steps
+    only poll it (running requests keep their step rate while it lasts)."""
+    import engine.kv_transfer as kv_transfer
+
+    waits = []
+    real_wait = kv_transfer.concurrent.futures.wait
+    monkeypatch.setattr(kv_transfer.concurrent.futures, "wait",
+                        lambda futures, timeout: waits.append(len(futures))
+                        or real_wait(futures, timeout))
+    store = SlowStore()
+    fresh(core, store)
+    request = core.make_request(PROMPTS[0], GREEDY, "slow-grace")
+    core.add_request(request)
+    for _ in range(4):
+        core.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert waits == [1]
+    core.kv_transfer._loop.call_soon_threadsafe(store.release.set)
+    while core.has_unfinished_requests():
+        core.step()
+    assert waits == [1] and not core.kv_transfer._loads
+
+
 def test_preemption_after_loading_gives_the_cold_tokens(tiny_llama_dir, core, cold):
     store = MemoryKVStore()
     run(fresh(core, store), PROMPTS)
