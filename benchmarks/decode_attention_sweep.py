@@ -4,8 +4,8 @@ Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, 16-token 
 shuffled block tables) at the decode benchmark's batches and mean context (192 tokens); for each
 (BLOCK_N, num_warps, num_stages) the decode call (kernel + split reduce) is timed inside a CUDA
 graph, as the engine runs it (max_seq_len = 8192, as in a captured graph, so the split count is
-the graph's). Printed: microseconds per call and the KV bytes read over that time as a fraction
-of the measured copy bandwidth (bytes read + written, as in gpu_decode.py).
+the graph's). Printed: microseconds per call (graph replay, launch included) and the KV bytes
+read over that time in TB/s.
 
 Run: python3 benchmarks/decode_attention_sweep.py [--json PATH]
 """
@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,38 +27,19 @@ BATCHES, CONTEXT = (1, 64), 192
 BLOCK_NS, WARPS, STAGES = (32, 64, 128), (4, 8), (1, 2, 3)
 
 
-def _graph_us(fn, replays: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times[3:])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
-    from gpu_common import random_paged_batch
+    from gpu_common import random_paged_batch  # noqa: I001 (tests/kernels on sys.path)
+
+    from benchmarks.blas_sweep import graph_us
 
     from kernels import paged_attention_triton as pat
 
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() * 2 / (_graph_us(lambda: dst.copy_(src), 10) * 1e-6)
-    del src, dst
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; defaults (BLOCK_N, num_warps, "
-          f"num_stages): {(pat._DECODE_BLOCK_N, *pat._DECODE_LAUNCH)}")
+    print(f"defaults (BLOCK_N, num_warps, num_stages): "
+          f"{(pat._DECODE_BLOCK_N, *pat._DECODE_LAUNCH)}")
     saved = (pat._DECODE_BLOCK_N, pat._DECODE_LAUNCH)
     results = []
     for batch in BATCHES:
@@ -72,22 +52,21 @@ def main() -> int:
         for block_n, warps, stages in itertools.product(BLOCK_NS, WARPS, STAGES):
             pat._DECODE_BLOCK_N, pat._DECODE_LAUNCH = block_n, (warps, stages)
             try:
-                us = _graph_us(lambda: pat._decode(query, kv_cache, metadata, 0.088))
+                us = graph_us(lambda: pat._decode(query, kv_cache, metadata, 0.088))
             except Exception as error:  # noqa: BLE001 - a config Triton cannot build
                 print(f"b={batch} {block_n}/{warps}/{stages}: {type(error).__name__}")
                 continue
             rows.append({"batch": batch, "BLOCK_N": block_n, "num_warps": warps,
                          "num_stages": stages, "us": us,
-                         "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bandwidth})
+                         "kv_read_TBps": kv_bytes / (us * 1e6)})
         pat._DECODE_BLOCK_N, pat._DECODE_LAUNCH = saved
         rows.sort(key=lambda r: r["us"])
         print(f"b={batch}: best: " + "; ".join(
             f"{r['BLOCK_N']}/{r['num_warps']}/{r['num_stages']} {r['us']:.1f} us "
-            f"({r['fraction_of_copy_bw']:.2f})" for r in rows[:5]), flush=True)
+            f"({r['kv_read_TBps']:.2f} TB/s)" for r in rows[:5]), flush=True)
         results += rows
     if args.json:
-        args.json.write_text(json.dumps({"copy_bandwidth_Bps": bandwidth, "rows": results},
-                                        indent=2))
+        args.json.write_text(json.dumps({"rows": results}, indent=2))
     return 0
 
 
