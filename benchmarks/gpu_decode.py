@@ -12,8 +12,8 @@ model, so both run the same weights), then measures in one process:
    decode tokens/s at batch 1, 8, 64, 256 (128-token prompts, 128 new tokens; the timed window
    starts once every request has its first token) and prefill tokens/s of 2,048-token prompts;
 4. the same decode runs at b=1, 8, 64 with one thing switched off at a time (graphs
-   recaptured; `VARIANTS`): every linear on cuBLAS (the Triton skinny GEMM off), and no
-   cuBLASLt choice (`kernels/blas_choice.py`): each one's share, on the same machine;
+   recaptured; `VARIANTS`): every linear on cuBLAS (the Triton skinny GEMM and the cuBLASLt
+   choice of `kernels/blas_choice.py` off), and no cuBLASLt choice: each one's share;
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
@@ -30,6 +30,7 @@ Run: python3 benchmarks/gpu_decode.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
@@ -235,30 +236,45 @@ def recapture_graphs(core) -> None:
     runner.capture_cuda_graphs(core.config.scheduler.max_num_seqs, core.max_model_len)
 
 
+# every linear on cuBLAS: the Triton skinny GEMM and the cuBLASLt choice both off
+CUBLAS_ONLY = (("kernels.linear", "SKINNY_MAX_ROWS", 0), ("kernels.blas_choice", "MAX_ROWS", 0))
+# same-process comparisons: label -> the (module, attribute, value) settings it switches
+VARIANTS = {"cublas_linears": CUBLAS_ONLY,
+            "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),)}
+
+
+@contextlib.contextmanager
+def switched(settings):
+    """Module attributes set to the given values inside; restored after."""
+    saved = []
+    try:
+        for module_name, name, value in settings:
+            module = importlib.import_module(module_name)
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
 def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dict,
-                   context: float, *, label: str, module, name: str, value) -> dict:
-    """Decode at b=1, 8, 64 with `module.name` set to `value` (graphs recaptured), same process
-    and machine; `module.name` is restored (and the graphs recaptured) after. Keys
+                   context: float, *, label: str) -> dict:
+    """Decode at b=1, 8, 64 with VARIANTS[label]'s settings (graphs recaptured), same process
+    and machine; the settings are restored (and the graphs recaptured) after. Keys
     "decode_b{batch}_{label}"."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
     results = {}
     try:
-        recapture_graphs(core)
-        for batch in (1, 8, 64):
-            run = engine_decode(core, batch, vocab, new_tokens)
-            run["roofline_tok_s"] = decode_roofline(costs, ceilings, batch, context)
-            results[f"decode_b{batch}_{label}"] = run
-            print(f"decode b={batch} {label}: {run}", flush=True)
+        with switched(VARIANTS[label]):
+            recapture_graphs(core)
+            for batch in (1, 8, 64):
+                run = engine_decode(core, batch, vocab, new_tokens)
+                run["roofline_tok_s"] = decode_roofline(costs, ceilings, batch, context)
+                results[f"decode_b{batch}_{label}"] = run
+                print(f"decode b={batch} {label}: {run}", flush=True)
     finally:
-        setattr(module, name, saved)
         recapture_graphs(core)
     return results
-
-
-# same-process comparisons: (label, module, attribute, value): each switches one thing off
-VARIANTS = (("cublas_linears", "kernels.linear", "SKINNY_MAX_ROWS", 0),
-            ("no_cublaslt", "kernels.blas_choice", "MAX_ROWS", 0))
 
 
 def engine_prefill(core, vocab: int, num_prompts: int) -> float:
@@ -392,15 +408,9 @@ def step_breakdown(core, batch: int, context: int) -> dict:
 
 
 def _cublas_only(fn):
-    """fn() with every linear on cuBLAS (the Triton skinny GEMM off), for comparison."""
-    from kernels import linear as kernels_linear
-
-    saved = kernels_linear.SKINNY_MAX_ROWS
-    kernels_linear.SKINNY_MAX_ROWS = 0
-    try:
+    """fn() with every linear on cuBLAS (`CUBLAS_ONLY`), for comparison."""
+    with switched(CUBLAS_ONLY):
         return fn()
-    finally:
-        kernels_linear.SKINNY_MAX_ROWS = saved
 
 
 def diagnostics(core, context: int, vocab: int, profile: bool) -> dict:
@@ -483,10 +493,9 @@ def main() -> int:
     rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))
     results["prefill"] = {"tok_s": prefill, "roofline_tok_s": roof}
     results.update(diagnostics(core, int(context), hf_config.vocab_size, args.profile))
-    for label, module_name, attribute, value in VARIANTS:
+    for label in VARIANTS:
         variant = variant_decode(core, hf_config.vocab_size, new_tokens, costs, ceilings,
-                                 context, label=label, module=importlib.import_module(module_name),
-                                 name=attribute, value=value)
+                                 context, label=label)
         results.update(variant)
         for key, run in variant.items():
             batch = key.split("_")[1]

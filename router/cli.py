@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # httpx logs every request at INFO: with health checks every few seconds per replica that
     # buries the router's own lines (admissions, ejections); shown with --log-level debug
     if args.log_level.lower() != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     import uvicorn
 
     from router.app import CLIENT_KEEP_ALIVE_S, build_app

@@ -101,26 +101,30 @@ def parse_body(body: bytes) -> Any:
     return payload if _nesting_depth(payload) <= MAX_JSON_DEPTH else None
 
 
-def body_problem(body: bytes, payload: Any) -> str | None:
-    """Why no worker could accept `body` (empty, not JSON, JSON but not an object), with the
-    fix, for the router to answer 400 itself; None for a JSON object, and for a body nested
-    too deeply for `parse_body` (payload None), which is forwarded for the worker to judge."""
+def body_problem(body: bytes, payload: Any) -> tuple[str, str] | None:
+    """(message, code) when no worker could accept `body`, for the router to answer 400 itself
+    with the workers' codes: `invalid_json` for an empty or unparsable body, `invalid_type` for
+    JSON that is not an object. None for a JSON object, and for a body nested too deeply for
+    `parse_body` (payload None), which is forwarded for the worker to judge."""
     if isinstance(payload, dict):
         return None
-    if payload is not None:
-        kind = {list: "array", str: "string", bool: "boolean"}.get(type(payload), "number")
-        return (f"The request body is a JSON {kind}; send a JSON object "
-                '(e.g. {"model": ..., "messages": [...]}).')
-    if not body.strip():
-        return "The request has no body; send a JSON object with Content-Type: application/json."
-    try:
-        json.loads(body)
-    except RecursionError:
-        return None
-    except ValueError as exc:
-        return (f"The request body is not valid JSON ({exc}); send a JSON object with "
-                "Content-Type: application/json.")
-    return None
+    if payload is None:
+        if not body.strip():
+            return ("The request has no body; send a JSON object with Content-Type: "
+                    "application/json.", "invalid_json")
+        try:
+            payload = json.loads(body)
+        except RecursionError:
+            return None
+        except ValueError as exc:
+            return (f"The request body is not valid JSON ({exc}); send a JSON object with "
+                    "Content-Type: application/json.", "invalid_json")
+        if payload is not None:
+            return None   # valid, nested deeper than MAX_JSON_DEPTH: the worker decides
+    kind = {type(None): "null", list: "array", str: "string", bool: "boolean"}.get(
+        type(payload), "number")
+    return (f"The request body is JSON {kind}; send a JSON object "
+            '(e.g. {"model": ..., "messages": [...]}).', "invalid_type")
 
 
 class UpstreamResponse(StreamingResponse):
@@ -240,8 +244,9 @@ class Proxy:
         payload = parse_body(body)
         problem = body_problem(body, payload)
         if problem is not None:   # answered here, healthy workers or not
-            return error_response(problem, status_code=400, type="invalid_request_error",
-                                  code="invalid_json")
+            message, code = problem
+            return error_response(message, status_code=400, type="invalid_request_error",
+                                  code=code)
         features = request_features(next(self._seq), path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
         # raw bytes are relayed: the worker may compress only as the client accepts

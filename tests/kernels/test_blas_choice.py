@@ -2,8 +2,9 @@
 
 The lookup is checked on CPU against a sweep file written in the test (a fake device name): the
 row buckets, the shapes the file chose cuBLASLt for, the row cap, a missing file; and the context
-that switches torch's preferred library restores it. That the choice keeps the engine's greedy
-tokens equal to HF's is covered on the GPU by tests/engine/test_gpu_engine.py.
+that switches torch's preferred library restores it. On a GPU, a linear of a shape the file
+chooses runs through cuBLASLt and matches cuBLAS's F.linear (bf16 tolerance), leaving torch's
+preference as it was.
 """
 
 import json
@@ -12,6 +13,10 @@ import pytest
 import torch
 
 from kernels import blas_choice
+
+
+def bf16(*shape):
+    return torch.empty(*shape, device="meta", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("rows, bucket", [(0, 1), (1, 1), (3, 4), (64, 64), (65, 128)])
@@ -36,24 +41,25 @@ def sweep_file(tmp_path, monkeypatch):
 
 
 def test_chosen_shapes_get_cublaslt(sweep_file):
-    weight = torch.empty(32, 112, device="meta")
+    weight = bf16(32, 112)
     assert sweep_file.name == "blas_library_Fake_GPU.json"
     assert blas_choice.preferred_library(64, weight) == "cublaslt"
     assert blas_choice.preferred_library(33, weight) == "cublaslt"   # bucket 64
     assert blas_choice.preferred_library(8, weight) is None           # cuBLAS was faster
     assert blas_choice.preferred_library(16, weight) is None          # not swept
-    assert blas_choice.preferred_library(64, torch.empty(112, 32, device="meta")) is None
+    assert blas_choice.preferred_library(64, bf16(112, 32)) is None       # other shape
+    assert blas_choice.preferred_library(64, torch.empty(32, 112, device="meta")) is None  # fp32
 
 
 def test_rows_past_the_cap_keep_the_default(sweep_file, monkeypatch):
     monkeypatch.setattr(blas_choice, "MAX_ROWS", 32)
-    assert blas_choice.preferred_library(64, torch.empty(32, 112, device="meta")) is None
+    assert blas_choice.preferred_library(64, bf16(32, 112)) is None
 
 
 def test_no_sweep_file_means_no_choice(sweep_file):
     sweep_file.unlink()
     blas_choice._choices.cache_clear()
-    assert blas_choice.preferred_library(64, torch.empty(32, 112, device="meta")) is None
+    assert blas_choice.preferred_library(64, bf16(32, 112)) is None
 
 
 def test_preferring_restores_the_library(monkeypatch):
@@ -71,3 +77,31 @@ def test_preferring_restores_the_library(monkeypatch):
     with pytest.raises(ValueError), blas_choice.preferring("cublaslt"):
         raise ValueError("a failing GEMM")
     assert state[-1] == "cublas"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chosen_shape_runs_on_cublaslt_on_the_gpu(tmp_path, monkeypatch):
+    from kernels import linear as kernels_linear
+
+    monkeypatch.setattr(blas_choice, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(kernels_linear, "SKINNY_MAX_ROWS", 0)   # cuBLAS(Lt), not Triton
+    blas_choice._choices.cache_clear()
+    blas_choice.config_path(torch.cuda.get_device_name()).write_text(json.dumps({"entries": [
+        {"rows": 8, "out_features": 96, "in_features": 64, "library": "cublaslt"}]}))
+    calls = []
+    real = blas_choice.preferring
+    monkeypatch.setattr(kernels_linear, "preferring",
+                        lambda library: calls.append(library) or real(library))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16).cuda()
+    weight = torch.randn(96, 64, generator=gen).to(torch.bfloat16).cuda()
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        out = kernels_linear.linear(x, weight)
+    finally:
+        blas_choice._choices.cache_clear()
+    assert calls == ["cublaslt"]
+    assert torch.backends.cuda.preferred_blas_library() == before
+    reference = torch.nn.functional.linear(x.double(), weight.double())
+    assert float((out.double() - reference).norm() / reference.norm()) < 1e-2

@@ -214,15 +214,18 @@ def test_no_healthy_replica_is_an_openai_503(workers, router_factory):
     assert router.client.get("/v1/models").status_code == 503
 
 
-@pytest.mark.parametrize("body, message", [
-    (b"", "The request has no body"),
-    (b'{"model": ', "not valid JSON (Expecting value: line 1 column 11"),
-    (b"[1, 2]", "is a JSON array; send a JSON object"),
-    (b'"hi"', "is a JSON string"),
-    (b"3.5", "is a JSON number"),
+@pytest.mark.parametrize("body, code, message", [
+    (b"", "invalid_json", "The request has no body"),
+    (b'{"model": ', "invalid_json", "not valid JSON (Expecting value: line 1 column 11"),
+    (b"[1, 2]", "invalid_type", "is JSON array; send a JSON object"),
+    (b'"hi"', "invalid_type", "is JSON string"),
+    (b"3.5", "invalid_type", "is JSON number"),
+    (b"null", "invalid_type", "is JSON null"),
+    (b"true", "invalid_type", "is JSON boolean"),
 ])
 def test_bodies_no_worker_could_accept_are_400_even_without_workers(workers, router_factory,
-                                                                    body, message):
+                                                                    body, code, message):
+    """The same codes as a worker's answer to these bodies (tests/server/test_server_app.py)."""
     workers[0].healthy = workers[1].healthy = False
     router = router_factory()
     for path in ("/v1/chat/completions", "/v1/completions"):
@@ -230,7 +233,7 @@ def test_bodies_no_worker_could_accept_are_400_even_without_workers(workers, rou
                                    headers={"content-type": "application/json"})
         assert reply.status_code == 400
         error = reply.json()["error"]
-        assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_json")
+        assert (error["type"], error["code"]) == ("invalid_request_error", code)
         assert message in error["message"]
     assert workers[0].raw_bodies == workers[1].raw_bodies == []
     assert router.metric("deepinfer_router:client_requests_total",
