@@ -62,10 +62,19 @@ class RouterConfig:
             if not urlsplit(url).hostname:
                 raise ValueError(f"worker URL {url!r} has no host; give the worker's address, "
                                  "e.g. http://10.0.0.5:8000")
-            if urlsplit(url).path.rstrip("/").endswith("/v1"):
+            parts = urlsplit(url)
+            try:
+                port_ok = parts.port != 0   # raises ValueError on a non-number or > 65535
+            except ValueError:
+                port_ok = False
+            if not port_ok:
+                raise ValueError(f"worker URL {url!r} has an invalid port; write it as "
+                                 "http://host:8000 (a port from 1 to 65535)")
+            path = parts.path.rstrip("/")
+            if path.lower().endswith("/v1"):
+                base = f"{parts.scheme}://{parts.netloc}{path[:-3]}"
                 raise ValueError(f"worker URL {url!r} ends in /v1; give the worker's base URL "
-                                 f"({url.rstrip('/').removesuffix('/v1')}): the router adds "
-                                 "/v1/... and /health itself")
+                                 f"({base}): the router adds /v1/... and /health itself")
         for flag, urls in (("--backend", self.backends), ("--prefill", self.prefill),
                            ("--decode", self.decode)):
             seen = [url.rstrip("/") for url in urls]

@@ -104,8 +104,9 @@ def parse_body(body: bytes) -> Any:
 def body_problem(body: bytes, payload: Any) -> tuple[str, str] | None:
     """(message, code) when no worker could accept `body`, for the router to answer 400 itself
     with the workers' codes: `invalid_json` for an empty or unparsable body, `invalid_type` for
-    JSON that is not an object. None for a JSON object, and for a body nested too deeply for
-    `parse_body` (payload None), which is forwarded for the worker to judge."""
+    JSON that is not an object. None for a JSON object, also one nested too deeply for
+    `parse_body` (payload None), and for a body too deep for Python's json to parse at all:
+    those are forwarded for the worker to judge."""
     if isinstance(payload, dict):
         return None
     if payload is None:
@@ -119,8 +120,8 @@ def body_problem(body: bytes, payload: Any) -> tuple[str, str] | None:
         except ValueError as exc:
             return (f"The request body is not valid JSON ({exc}); send a JSON object with "
                     "Content-Type: application/json.", "invalid_json")
-        if payload is not None:
-            return None   # valid, nested deeper than MAX_JSON_DEPTH: the worker decides
+        if isinstance(payload, dict):
+            return None   # an object nested deeper than MAX_JSON_DEPTH: the worker decides
     kind = {type(None): "null", list: "array", str: "string", bool: "boolean"}.get(
         type(payload), "number")
     return (f"The request body is JSON {kind}; send a JSON object "

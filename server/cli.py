@@ -60,7 +60,7 @@ async def _abort_after_drain(server: Any, engine: Any, drain_s: float) -> None:
     while not server.should_exit:
         await asyncio.sleep(0.1)
     await asyncio.sleep(drain_s)
-    aborted = engine.abort_all(f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s)")
+    aborted = engine.abort_all(f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
     if aborted:
         logging.getLogger("deepinfer.server").warning(
             "shutdown: aborted %d request(s) still running after %g s", aborted, drain_s)

@@ -54,6 +54,11 @@ def test_flags_become_the_config():
     # the router adds /v1/...: a pasted OpenAI base URL would make it call /v1/v1/...
     (["--backend", "http://a:1/v1/"], "ends in /v1; give the worker's base URL (http://a:1)"),
     (["--prefill", "http://p:1", "--decode", "http://d:1/v1"], "ends in /v1"),
+    (["--backend", "http://a:1/V1?x=1"], "ends in /v1; give the worker's base URL (http://a:1)"),
+    (["--backend", "http://a:1/api/v1"], "base URL (http://a:1/api)"),
+    (["--backend", "http://127.0.0.1:abc"], "has an invalid port"),
+    (["--backend", "http://127.0.0.1:99999"], "has an invalid port"),
+    (["--backend", "http://127.0.0.1:0"], "has an invalid port"),
     (["--backend", "http://a:1", "--graceful-shutdown-s", "-5"], "must be >= 0"),
     (["--backend", "http://a:1", "--port", "70000"], "is not a TCP port"),
 ])

@@ -222,6 +222,7 @@ def test_no_healthy_replica_is_an_openai_503(workers, router_factory):
     (b"3.5", "invalid_type", "is JSON number"),
     (b"null", "invalid_type", "is JSON null"),
     (b"true", "invalid_type", "is JSON boolean"),
+    (b"[" * 129 + b"]" * 129, "invalid_type", "is JSON array"),   # deeper than MAX_JSON_DEPTH
 ])
 def test_bodies_no_worker_could_accept_are_400_even_without_workers(workers, router_factory,
                                                                     body, code, message):
