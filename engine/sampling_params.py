@@ -1,7 +1,8 @@
 """`SamplingParams`: how one request samples and when it stops. DeepInfer-compatible names.
 
 Pure module: no torch import. Validation raises `ValueError` with the value, the consequence and
-the fix, so the server can return it as a 400 as is.
+the fix, so the server can return it as a 400 as is; a field out of range raises its subclass
+`SamplingParamsError`, whose `param` names the field.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _SO_SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
+
+
+class SamplingParamsError(ValueError):
+    """A SamplingParams field out of range; `param` names it (the OpenAI request field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -79,35 +88,39 @@ class SamplingParams:
         return self.seed if self.seed is not None else secrets.randbits(64)
 
     def _validate(self) -> None:
+        """Raises SamplingParamsError (a ValueError) naming the first bad field."""
         checks = [
-            (self.temperature >= 0.0, f"temperature={self.temperature} must be >= 0."),
-            (0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]."),
-            (self.top_k == -1 or self.top_k >= 0, f"top_k={self.top_k} must be -1 (off) or >= 0."),
-            (0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]."),
-            (self.repetition_penalty > 0.0,
+            ("temperature", self.temperature >= 0.0,
+             f"temperature={self.temperature} must be >= 0."),
+            ("top_p", 0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]."),
+            ("top_k", self.top_k == -1 or self.top_k >= 0,
+             f"top_k={self.top_k} must be -1 (off) or >= 0."),
+            ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]."),
+            ("repetition_penalty", self.repetition_penalty > 0.0,
              f"repetition_penalty={self.repetition_penalty} must be > 0."),
-            (-2.0 <= self.presence_penalty <= 2.0,
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
              f"presence_penalty={self.presence_penalty} must be in [-2, 2]."),
-            (-2.0 <= self.frequency_penalty <= 2.0,
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
              f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]."),
-            (self.max_tokens is None or self.max_tokens >= 1,
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
              f"max_tokens={self.max_tokens} must be >= 1."),
-            (self.min_tokens >= 0, f"min_tokens={self.min_tokens} must be >= 0."),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            ("min_tokens", self.min_tokens >= 0, f"min_tokens={self.min_tokens} must be >= 0."),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}."),
-            (all(isinstance(s, str) and s for s in self.stop),
+            ("stop", all(isinstance(s, str) and s for s in self.stop),
              "stop strings must be non-empty strings."),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers."),
-            (self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
-             f"seed={self.seed} must be an integer that fits in 64 bits."),
-            (self.logprobs is None or 0 <= self.logprobs <= 20,
+            ("seed", self.seed is None or (isinstance(self.seed, int)
+                                           and -(2**63) <= self.seed < 2**64),
+             f"seed={self.seed} (seq_seed) must be an integer that fits in 64 bits."),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs={self.logprobs} must be between 0 and 20."),
-            (self.n >= 1, f"n={self.n} must be >= 1."),
+            ("n", self.n >= 1, f"n={self.n} must be >= 1."),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise SamplingParamsError(message, param)
         if self.so_args is not None:
             kind = self.so_args.get("schema_type") if isinstance(self.so_args, dict) else None
             if kind not in _SO_SCHEMA_TYPES:

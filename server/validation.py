@@ -158,8 +158,9 @@ def build_params(kwargs: dict[str, Any], max_tokens: int) -> SamplingParams:
                                code="invalid_value")
     try:
         return SamplingParams(max_tokens=max_tokens, **kwargs)
-    except ValueError as exc:
-        raise APIError(f"{exc} Fix the value and retry.", code="invalid_value") from None
+    except ValueError as exc:   # SamplingParamsError names the field
+        raise APIError(f"{exc} Fix the value and retry.", param=getattr(exc, "param", None),
+                       code="invalid_value") from None
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:

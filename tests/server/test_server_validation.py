@@ -74,11 +74,15 @@ def test_response_format_text_is_accepted():
     assert build_params(kwargs, 4).so_args is None
 
 
-def test_sampling_params_own_checks_become_400():
-    kwargs, _ = chat_kwargs(chat(min_p=1.5))
+@pytest.mark.parametrize("field, value", [("min_p", 1.5), ("top_k", -5),
+                                          ("repetition_penalty", 0), ("stop", [""]),
+                                          ("stop_token_ids", [-1]), ("seed", 2**64)])
+def test_sampling_params_own_checks_become_400_naming_the_field(field, value):
+    kwargs, _ = chat_kwargs(chat(**{field: value}))
     with pytest.raises(APIError) as info:
         build_params(kwargs, 8)
-    assert info.value.status_code == 400 and "min_p=1.5" in info.value.message
+    err = info.value
+    assert (err.status_code, err.param, err.code) == (400, field, "invalid_value")
 
 
 def test_unknown_model_is_404_model_not_found():
