@@ -128,6 +128,11 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"Unrecognized request argument supplied: '{param}'; remove it "
                         "(see the OpenAI API reference for the accepted fields).",
                         param=param, code="unknown_parameter")
+    if param is None and isinstance(first.get("input"), (bytes, str)):
+        # the body arrived as bytes: sent without Content-Type: application/json
+        return APIError(f"The request body was not read as JSON ({_short(first.get('input'))}); "
+                        "send a JSON object with Content-Type: application/json.",
+                        code="invalid_type")
     same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
     reasons = "; or ".join(dict.fromkeys(e.get("msg", "invalid") for e in same))
     where = param or "the request body"

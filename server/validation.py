@@ -39,7 +39,7 @@ def check_model(requested: str | None, served: str) -> None:
 def _seed(seed: int | None, seq_seed: int | None) -> int | None:
     if seed is not None and seq_seed is not None and seed != seq_seed:
         raise APIError(f"seed={seed} and seq_seed={seq_seed} disagree; send only one of them.",
-                       param="seq_seed")
+                       param="seq_seed", code="invalid_value")
     return seed if seed is not None else seq_seed
 
 
@@ -54,7 +54,7 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
                        param="logit_bias", code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true; set stream=true or "
-                       "remove stream_options.", param="stream_options")
+                       "remove stream_options.", param="stream_options", code="invalid_value")
     return {
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
@@ -90,7 +90,7 @@ def chat_kwargs(req: ChatCompletionRequest) -> tuple[dict[str, Any], int | None]
     _in_range("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(f"top_logprobs={req.top_logprobs} needs logprobs=true; set logprobs=true "
-                       "or remove top_logprobs.", param="top_logprobs")
+                       "or remove top_logprobs.", param="top_logprobs", code="invalid_value")
     kwargs["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return kwargs, asked
@@ -111,13 +111,15 @@ def completion_kwargs(req: CompletionRequest) -> tuple[dict[str, Any], int | Non
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise APIError(f"best_of={req.best_of} differs from n={n}; this server does not rank "
-                       "candidates, so send best_of equal to n or omit it.", param="best_of")
+                       "candidates, so send best_of equal to n or omit it.", param="best_of",
+                       code="unsupported_value")
     if req.suffix:
         raise APIError("suffix (fill-in-the-middle) is not supported by this model; remove it.",
                        param="suffix", code="unsupported_parameter")
     if req.echo and req.logprobs is not None:
         raise APIError("echo with logprobs needs prompt logprobs, which this server does not "
-                       "compute; drop echo or logprobs.", param="echo")
+                       "compute; drop echo or logprobs.", param="echo",
+                       code="unsupported_parameter")
     kwargs["logprobs"] = req.logprobs
     return kwargs, req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
 

@@ -184,6 +184,9 @@ def test_malformed_and_missing_bodies_are_openai_400s(client):
     assert error["type"] == "invalid_request_error"
     assert_error(client.post("/v1/completions"), 400, None, "invalid_json", "has no body")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, None, "invalid_type")
+    assert_error(client.post("/v1/chat/completions", content=b'{"messages": []}',
+                             headers={"content-type": "text/plain"}),
+                 400, None, "invalid_type", "Content-Type: application/json")
     assert_error(client.post("/v1/completions", json={"prompt": [1, 10**6]}), 400, "prompt",
                  "invalid_value", "outside the vocabulary")
 

@@ -67,6 +67,7 @@ def test_chat_bad_values_are_400_naming_the_param(fields, param, text):
     assert info.value.status_code == 400
     assert info.value.param == param
     assert text in info.value.message
+    assert info.value.code is not None   # every 400 names its kind, for clients to branch on
 
 
 def test_response_format_text_is_accepted():
