@@ -81,10 +81,13 @@ class ServerProcess:
 
 
 def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,
-                   path: str = "/v1/chat/completions",
-                   timeout_s: float = 120) -> tuple[list[str], httpx.Response | None]:
+                   path: str = "/v1/chat/completions", timeout_s: float = 120,
+                   in_flight: Callable[[], bool] | None = None
+                   ) -> tuple[list[str], httpx.Response | None]:
     """POST `body` streamed (and, with `plain`, also not streamed) to `process`, send SIGTERM
-    once the stream's first event arrived, and wait for both answers to end.
+    once the stream's first event arrived and `in_flight()` (if given) is true, and wait for
+    both answers to end. With `plain`, pass an `in_flight` that sees the plain request taken
+    (otherwise it may not have connected before the SIGTERM stops the listener).
 
     Returns:
         (the stream's non-empty lines, the plain answer or None).
@@ -110,6 +113,10 @@ def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,
     for reader in readers:
         reader.start()
     assert streaming.wait(60), f"{process.name} streamed nothing:\n{process.log()}"
+    deadline = time.monotonic() + 60
+    while in_flight is not None and not in_flight():
+        assert time.monotonic() < deadline, f"{process.name}: requests not in flight"
+        time.sleep(0.05)
     process.proc.send_signal(signal.SIGTERM)
     for reader in readers:
         reader.join(timeout_s)

@@ -88,7 +88,8 @@ def test_sigterm_lets_relayed_streams_finish_within_the_grace(grace_s, finishes,
     chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
     try:
         router.wait_ready(60)
-        events, answer = sigterm_during(router, chat, plain=True, timeout_s=60)
+        events, answer = sigterm_during(router, chat, plain=True, timeout_s=60,
+                                        in_flight=lambda: len(worker.bodies) >= 2)
         assert router.proc.wait(timeout=60) == 0
         assert events[-1] == "data: [DONE]"
         last = json.loads(events[-2][len("data: "):])

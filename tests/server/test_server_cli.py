@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from server.cli import build_engine_config, build_parser, main
@@ -132,6 +133,14 @@ def test_sigterm_while_loading_exits_at_once(tmp_path):
         server.kill()
 
 
+def _requests_in(server) -> float:
+    """Requests the server holds (running + waiting), from its /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[-1]) for line in text.splitlines()
+               if line.startswith(("deepinfer:num_requests_running",
+                                   "deepinfer:num_requests_waiting")))
+
+
 @pytest.mark.slow
 def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
     """SIGTERM with --graceful-shutdown-s 1 while a long request and a long stream run: after
@@ -147,7 +156,8 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
             "messages": [{"role": "user", "content": "Count to a thousand."}]}
     try:
         server.wait_ready()
-        lines, plain_reply = sigterm_during(server, body, plain=True)
+        lines, plain_reply = sigterm_during(server, body, plain=True,
+                                            in_flight=lambda: _requests_in(server) >= 2)
         assert plain_reply.status_code == 503
         assert plain_reply.json()["error"]["code"] == "server_shutting_down"
         assert lines[-1] == "data: [DONE]"
