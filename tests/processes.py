@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,6 +79,14 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self._log.close()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`, scraped from
+    `url`/metrics (a worker or a router)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,

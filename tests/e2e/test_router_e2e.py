@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import RedisServer
-from tests.processes import ServerProcess, deepinfer
+from tests.processes import ServerProcess, deepinfer, metric
 from tests.router.router_fakes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -103,12 +103,6 @@ def stream(base: str, path: str, body: dict) -> tuple[str, list[dict]]:
 def answer(reply: dict) -> str:
     choice = reply["choices"][0]
     return choice["text"] if "text" in choice else choice["message"]["content"]
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and labels.items() <= s.labels.items())
 
 
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],

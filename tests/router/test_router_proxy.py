@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import build_app
 from router.config import RouterConfig
-from tests.processes import free_port
+from tests.processes import free_port, metric
 from tests.router.router_fakes import STORED, FakeWorker, HangUpServer, ServerThread, wait_for
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
@@ -46,9 +46,7 @@ class Router:
         return self.app.state.registry.all
 
     def metric(self, name: str, **labels: str) -> float:
-        text = self.client.get("/metrics").text
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == name and labels.items() <= s.labels.items())
+        return metric(self.url, name, **labels)
 
     def close(self) -> None:
         self.client.close()

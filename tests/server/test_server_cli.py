@@ -4,7 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from server.cli import build_engine_config, build_parser, main
@@ -133,14 +132,6 @@ def test_sigterm_while_loading_exits_at_once(tmp_path):
         server.kill()
 
 
-def _requests_in(server) -> float:
-    """Requests the server holds (running + waiting), from its /metrics."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[-1]) for line in text.splitlines()
-               if line.startswith(("deepinfer:num_requests_running",
-                                   "deepinfer:num_requests_waiting")))
-
-
 @pytest.mark.slow
 def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
     """SIGTERM with --graceful-shutdown-s 1 while a long request and a long stream run: after
@@ -148,7 +139,11 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
     with that error event and `[DONE]`, and the server exits 0 without a traceback."""
     import json
 
-    from tests.processes import ServerProcess, deepinfer, sigterm_during
+    from tests.processes import ServerProcess, deepinfer, metric, sigterm_during
+
+    def requests_in() -> float:   # running + waiting
+        return sum(metric(server.url, f"deepinfer:num_requests_{state}")
+                   for state in ("running", "waiting"))
 
     server = ServerProcess("server", deepinfer("serve", "--graceful-shutdown-s", "1"),
                            tmp_path / "server.log")
@@ -157,7 +152,7 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
     try:
         server.wait_ready()
         lines, plain_reply = sigterm_during(server, body, plain=True,
-                                            in_flight=lambda: _requests_in(server) >= 2)
+                                            in_flight=lambda: requests_in() >= 2)
         assert plain_reply.status_code == 503
         assert plain_reply.json()["error"]["code"] == "server_shutting_down"
         assert lines[-1] == "data: [DONE]"
