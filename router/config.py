@@ -59,10 +59,10 @@ class RouterConfig:
         for url in (*self.backends, *self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
-            if not urlsplit(url).hostname:
+            parts = urlsplit(url)
+            if not parts.hostname:
                 raise ValueError(f"worker URL {url!r} has no host; give the worker's address, "
                                  "e.g. http://10.0.0.5:8000")
-            parts = urlsplit(url)
             try:
                 port_ok = parts.port != 0   # raises ValueError on a non-number or > 65535
             except ValueError:

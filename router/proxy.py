@@ -42,10 +42,10 @@ from router.registry import Registry, Replica
 
 logger = logging.getLogger("deepinfer.router")
 
-# failures that happen before any byte of the answer: safe to send the request elsewhere
 SHUTTING_DOWN = ("The router is shutting down and stopped relaying this request (its "
                  "--graceful-shutdown-s ran out); retry it, another router will take it.")
 SSE_DONE = b"data: [DONE]\n\n"
+# failures that happen before any byte of the answer: safe to send the request elsewhere
 RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                     httpx.ReadError, httpx.WriteError)
 UNREACHABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
