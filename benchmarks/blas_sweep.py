@@ -53,7 +53,8 @@ def main() -> int:
     parser.add_argument("--write-configs", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    from kernels.blas_choice import config_path, preferring
+    from kernels.backends import device_config_path
+    from kernels.blas_choice import CONFIG_KIND, preferring
 
     entries = []
     for name, (out_features, in_features) in SHAPES.items():
@@ -78,7 +79,7 @@ def main() -> int:
     table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
              "made_by": "benchmarks/blas_sweep.py --write-configs", "entries": entries}
     if args.write_configs:
-        path = config_path(torch.cuda.get_device_name())
+        path = device_config_path(CONFIG_KIND, torch.cuda.get_device_name())
         path.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {path}")
     if args.json:

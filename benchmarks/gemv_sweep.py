@@ -117,6 +117,7 @@ def main() -> int:
                              "--write-configs the other shapes keep their entries")
     args = parser.parse_args()
     from kernels import linear_triton
+    from kernels.backends import device_config_path
 
     names = args.shapes.split(",")
     entries = [sweep_shape(name, bucket, *SHAPES[name]) for bucket in BUCKETS
@@ -125,7 +126,7 @@ def main() -> int:
         args.json.write_text(json.dumps(entries, indent=1))
     if args.write_configs:
         device = torch.cuda.get_device_name()
-        path = linear_triton.config_path(device)
+        path = device_config_path(linear_triton.CONFIG_KIND, device)
         path.parent.mkdir(exist_ok=True)
         keep = ("shape", "block_m", "out_features", "in_features", "config", "triton_us",
                 "cublas_us", "triton_faster")

@@ -10,10 +10,28 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import torch
+
+# per-device tuning files that the sweeps in benchmarks/ write (configs/<kind>_<device>.json)
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def device_config_path(kind: str, device_name: str) -> Path:
+    """Where a sweep of `kind` ("skinny_linear", "blas_library") keeps its choices for
+    `device_name` ("NVIDIA H200")."""
+    return CONFIG_DIR / f"{kind}_{device_name.replace(' ', '_')}.json"
+
+
+def device_config_entries(kind: str, device: torch.device) -> list[dict]:
+    """The `entries` of the `kind` file of CUDA `device`'s model name; [] without one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    path = device_config_path(kind, torch.cuda.get_device_name(index))
+    return json.loads(path.read_text())["entries"] if path.exists() else []
 
 
 @functools.cache

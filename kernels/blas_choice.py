@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+from kernels.backends import device_config_entries
+
+CONFIG_KIND = "blas_library"   # kernels/configs/blas_library_<device name>.json
 MAX_ROWS = 256
 
 
@@ -37,19 +37,11 @@ def row_bucket(num_rows: int) -> int:
     return 1 << max(num_rows - 1, 0).bit_length()
 
 
-def config_path(device_name: str) -> Path:
-    """Where the sweep's choices for `device_name` ("NVIDIA H200") live."""
-    return CONFIG_DIR / f"blas_library_{device_name.replace(' ', '_')}.json"
-
-
 @functools.cache
-def _choices(device_index: int) -> frozenset[tuple[int, int, int]]:
-    """{(row bucket, out_features, in_features)} where cuBLASLt was faster on this device."""
-    path = config_path(torch.cuda.get_device_name(device_index))
-    if not path.exists():
-        return frozenset()
+def _choices(device: torch.device) -> frozenset[tuple[int, int, int]]:
+    """{(row bucket, out_features, in_features)} where cuBLASLt was faster on `device`."""
     return frozenset((e["rows"], e["out_features"], e["in_features"])
-                     for e in json.loads(path.read_text())["entries"]
+                     for e in device_config_entries(CONFIG_KIND, device)
                      if e["library"] == "cublaslt")
 
 
@@ -58,9 +50,7 @@ def preferred_library(num_rows: int, weight: torch.Tensor) -> str | None:
     `weight` [out_features, in_features] (CUDA, bf16), else None (torch's default)."""
     if num_rows > MAX_ROWS or weight.dtype != torch.bfloat16:   # the sweep times bf16
         return None
-    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    choices = _choices(index)
-    return "cublaslt" if (row_bucket(num_rows), *weight.shape) in choices else None
+    return "cublaslt" if (row_bucket(num_rows), *weight.shape) in _choices(weight.device) else None
 
 
 @contextlib.contextmanager

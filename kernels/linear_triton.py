@@ -28,14 +28,14 @@ differs: relative error ~1e-3 in bf16. float32 inputs use IEEE dot products (no 
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+from kernels.backends import device_config_entries
+
+CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.json
 
 
 @triton.jit
@@ -101,28 +101,18 @@ def block_m(num_rows: int) -> int:
     return 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
 
 
-def config_path(device_name: str) -> Path:
-    """Where the sweep's tuned configs for `device_name` ("NVIDIA H200") live."""
-    return CONFIG_DIR / f"skinny_linear_{device_name.replace(' ', '_')}.json"
-
-
 @functools.cache
-def _tuned_table(device_index: int) -> dict[tuple[int, int, int], dict]:
+def _tuned_table(device: torch.device) -> dict[tuple[int, int, int], dict]:
     """{(block_m, out_features, in_features): launch config} of the shapes where the sweep
-    found this kernel faster than cuBLAS on this device; {} without a config file."""
-    path = config_path(torch.cuda.get_device_name(device_index))
-    if not path.exists():
-        return {}
-    entries = json.loads(path.read_text())["entries"]
+    found this kernel faster than cuBLAS on `device`; {} without a config file."""
     return {(e["block_m"], e["out_features"], e["in_features"]): e["config"]
-            for e in entries if e["triton_faster"]}
+            for e in device_config_entries(CONFIG_KIND, device) if e["triton_faster"]}
 
 
 def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
     """The tuned launch config for x of `num_rows` rows times `weight` [N, K] on weight's CUDA
     device, or None where cuBLAS is as fast or the shape was not swept."""
-    table = _tuned_table(weight.device.index if weight.device.index is not None
-                         else torch.cuda.current_device())
+    table = _tuned_table(weight.device)
     return table.get((block_m(num_rows), *weight.shape)) if table else None
 
 

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from kernels import blas_choice
+from kernels import backends, blas_choice
 
 
 def bf16(*shape):
@@ -26,7 +26,7 @@ def test_row_bucket(rows, bucket):
 
 @pytest.fixture
 def sweep_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(blas_choice, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     blas_choice._choices.cache_clear()
@@ -34,7 +34,7 @@ def sweep_file(tmp_path, monkeypatch):
                 "cublas_us": 35.4, "cublaslt_us": 31.9, "library": "cublaslt"},
                {"shape": "down", "rows": 8, "out_features": 32, "in_features": 112,
                 "cublas_us": 31.6, "cublaslt_us": 34.2, "library": "cublas"}]
-    path = blas_choice.config_path("Fake GPU")
+    path = backends.device_config_path(blas_choice.CONFIG_KIND, "Fake GPU")
     path.write_text(json.dumps({"entries": entries}))
     yield path
     blas_choice._choices.cache_clear()
@@ -84,10 +84,10 @@ def test_preferring_restores_the_library(monkeypatch):
 def test_chosen_shape_runs_on_cublaslt_on_the_gpu(tmp_path, monkeypatch):
     from kernels import linear as kernels_linear
 
-    monkeypatch.setattr(blas_choice, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(kernels_linear, "SKINNY_MAX_ROWS", 0)   # cuBLAS(Lt), not Triton
     blas_choice._choices.cache_clear()
-    blas_choice.config_path(torch.cuda.get_device_name()).write_text(json.dumps({"entries": [
+    backends.device_config_path(blas_choice.CONFIG_KIND, torch.cuda.get_device_name()).write_text(json.dumps({"entries": [
         {"rows": 8, "out_features": 96, "in_features": 64, "library": "cublaslt"}]}))
     calls = []
     real = blas_choice.preferring

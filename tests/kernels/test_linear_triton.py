@@ -111,16 +111,17 @@ def test_linear_dispatch_takes_triton_for_tuned_decode_shapes_only(monkeypatch, 
     more rows and float32 go to F.linear."""
     import json
 
+    from kernels import backends, linear_triton
     from kernels import linear as linear_module
-    from kernels import linear_triton
 
     name = torch.cuda.get_device_name()
-    monkeypatch.setattr(linear_triton, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
     entries = [{"block_m": 16, "out_features": 64, "in_features": 128, "config": SMALL,
                 "triton_faster": True},
                {"block_m": 16, "out_features": 32, "in_features": 128, "config": SMALL,
                 "triton_faster": False}]
-    linear_triton.config_path(name).write_text(json.dumps({"entries": entries}))
+    backends.device_config_path(linear_triton.CONFIG_KIND, name).write_text(
+        json.dumps({"entries": entries}))
     linear_triton._tuned_table.cache_clear()
     calls = []
     real = linear_triton.linear
