@@ -128,7 +128,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"Unrecognized request argument supplied: '{param}'; remove it "
                         "(see the OpenAI API reference for the accepted fields).",
                         param=param, code="unknown_parameter")
-    if param is None and isinstance(first.get("input"), (bytes, str)):
+    if param is None and isinstance(first.get("input"), bytes):
         # the body arrived as bytes: sent without Content-Type: application/json
         return APIError(f"The request body was not read as JSON ({_short(first.get('input'))}); "
                         "send a JSON object with Content-Type: application/json.",

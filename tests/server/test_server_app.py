@@ -187,6 +187,8 @@ def test_malformed_and_missing_bodies_are_openai_400s(client):
     assert_error(client.post("/v1/chat/completions", content=b'{"messages": []}',
                              headers={"content-type": "text/plain"}),
                  400, None, "invalid_type", "Content-Type: application/json")
+    error = assert_error(client.post("/v1/completions", json="hi"), 400, None, "invalid_type")
+    assert "Content-Type" not in error["message"]   # it was JSON: a string, not an object
     assert_error(client.post("/v1/completions", json={"prompt": [1, 10**6]}), 400, "prompt",
                  "invalid_value", "outside the vocabulary")
 
