@@ -12,8 +12,10 @@ model, so both run the same weights), then measures in one process:
    decode tokens/s at batch 1, 8, 64, 256 (128-token prompts, 128 new tokens; the timed window
    starts once every request has its first token) and prefill tokens/s of 2,048-token prompts;
 4. the same decode runs at b=1, 8, 64 with one thing switched off at a time (graphs
-   recaptured; `VARIANTS`): every linear on cuBLAS (the Triton skinny GEMM and the cuBLASLt
-   choice of `kernels/blas_choice.py` off), and no cuBLASLt choice: each one's share;
+   recaptured; `VARIANTS`): no fused GEMMs (`kernels/fused_linear.py`: RMSNorm, SiLU-mul and
+   the residual adds as their own kernels), every linear on cuBLAS (also the Triton skinny
+   GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), and no cuBLASLt choice:
+   each one's share;
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
@@ -236,10 +238,12 @@ def recapture_graphs(core) -> None:
     runner.capture_cuda_graphs(core.config.scheduler.max_num_seqs, core.max_model_len)
 
 
-# every linear on cuBLAS: the Triton skinny GEMM and the cuBLASLt choice both off
-CUBLAS_ONLY = (("kernels.linear", "SKINNY_MAX_ROWS", 0), ("kernels.blas_choice", "MAX_ROWS", 0))
+# every linear on cuBLAS: the fused and plain Triton skinny GEMMs and the cuBLASLt choice off
+CUBLAS_ONLY = (("kernels.linear", "SKINNY_MAX_ROWS", 0), ("kernels.blas_choice", "MAX_ROWS", 0),
+               ("kernels.fused_linear", "ENABLED", False))
 # same-process comparisons: label -> the (module, attribute, value) settings it switches
-VARIANTS = {"cublas_linears": CUBLAS_ONLY,
+VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
+            "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),)}
 
 

@@ -39,8 +39,39 @@ CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.js
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
-                          k_per_split, x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr,
+def _epilogue(acc, acc_up, sum_squares, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
+              residual_ptr, residual_stride, out_ptr, out_stride, HAS_BIAS: tl.constexpr,
+              NORM: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Scale by the rows' inverse RMS (NORM), add the bias, apply SiLU(gate) * up (GATED) or
+    add the residual (HAS_RESIDUAL), round to the output dtype and store one [BM, BN] tile."""
+    dtype = out_ptr.dtype.element_ty
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    if NORM:
+        inv_rms = tl.rsqrt(sum_squares / K + eps)[:, None]                    # [BM, 1]
+        acc = acc * inv_rms
+        if GATED:
+            acc_up = acc_up * inv_rms
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:   # the rounding steps of elementwise_triton's silu_and_mul on rounded gate / up
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        result = silu * acc_up.to(dtype)
+    elif HAS_RESIDUAL:   # as `y + residual` in the dtype: y rounded, the sum rounded once
+        residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride
+                           + cols[None, :], mask=tile_ok, other=0.0)
+        result = acc.to(dtype).to(tl.float32) + residual.to(tl.float32)
+    else:
+        result = acc
+    out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out, result.to(dtype), mask=tile_ok)
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr,
+                          counter_ptr, M, N, K, k_per_split, x_stride, w_stride, residual_stride,
+                          out_stride, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                          GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr):
@@ -56,23 +87,35 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_
     col_ok = cols < N
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]      # [BM, BK]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]      # [BN, BK]
+    up_offset = N.to(tl.int64) * w_stride    # GATED: the up rows follow the N gate rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sum_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs, mask=row_ok[:, None] & ((k - k_start + ks) < K)[None, :],
                         other=0.0)
+        w_mask = col_ok[:, None] & ((k - k_start + ks) < K)[None, :]
         if EVEN_N and EVEN_K:
             w = tl.load(w_ptrs)
         else:
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & ((k - k_start + ks) < K)[None, :],
-                        other=0.0)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if GATED:
+            if EVEN_N and EVEN_K:
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        if NORM:   # x itself goes to tl.dot untouched; its row sums of squares on the side
+            x_f32 = x.to(tl.float32)
+            sum_squares += tl.sum(x_f32 * x_f32, axis=1)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    tile_ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K > 1:
+    if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
+        tile_ok = row_ok[:, None] & col_ok[None, :]
         tile_offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]          # [BM, BN]
         tl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=tile_ok)
         tl.debug_barrier()  # every thread's partial is written before the arrival is counted
@@ -84,16 +127,14 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_
             for split in tl.static_range(SPLIT_K):
                 acc += tl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
                                other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+            _epilogue(acc, acc_up, sum_squares, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
+                      residual_ptr, residual_stride, out_ptr, out_stride, HAS_BIAS, NORM, GATED,
+                      HAS_RESIDUAL)
             tl.atomic_xchg(counter, 0)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+        _epilogue(acc, acc_up, sum_squares, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
+                  residual_ptr, residual_stride, out_ptr, out_stride, HAS_BIAS, NORM, GATED,
+                  HAS_RESIDUAL)
 
 
 def block_m(num_rows: int) -> int:
@@ -133,27 +174,52 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           config: dict) -> torch.Tensor:
-    """`x @ weight.T + bias`.
+           config: dict, norm_eps: float | None = None, gated: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias`, optionally with x RMS-normalised, SiLU-gated or a residual added.
 
     Args:
         x: [M, in_features], weight's dtype, unit stride on the last dim.
-        weight: [out_features, in_features], contiguous.
-        bias: [out_features] or None.
+        weight: [out_features, in_features], contiguous ([2 I, in_features] when gated: the
+            I gate rows, then the I up rows).
+        bias: [out_features] or None (None when gated).
         config: launch parameters BLOCK_N, BLOCK_K, num_warps, num_stages and optionally
             SPLIT_K (default 1) (`tuned_config`).
+        norm_eps: if given, compute `(x / rms(x)) @ weight.T`, rms(x) = sqrt(mean(x^2) + eps)
+            over each row of x (RMSNorm with a unit weight: fold the norm weight into `weight`
+            first). The sums of squares are taken in the K loop and the accumulator scaled in
+            the epilogue, so x reaches tl.dot unchanged. Needs one K split.
+        gated: compute `silu(x @ gate.T) * (x @ up.T)` ([M, I]) with gate / up the two row
+            halves of weight, rounded as `kernels.activation.silu_and_mul` on the rounded
+            halves. Needs one K split and no bias.
+        residual: [M, out_features] of x's dtype, unit stride on the last dim, or None: if
+            given, the result `residual + x @ weight.T (+ bias)` (the product rounded to the
+            dtype first, the sum rounded once) is written into `residual` in place and
+            `residual` is returned.
     Returns:
-        [M, out_features], x's dtype.
+        [M, out_features] ([M, I] when gated), x's dtype.
+    Raises:
+        ValueError: norm_eps or gated with SPLIT_K > 1, gated with a bias, or too many output
+            tiles for the split-K arrival counters.
     """
     out_features, in_features = weight.shape
+    if gated:
+        if bias is not None:
+            raise ValueError("the gated skinny GEMM takes no bias")
+        out_features //= 2
     num_rows = x.shape[0]
-    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        out = residual
+    else:
+        out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.is_contiguous() else weight.contiguous()
     config = dict(config)
     split_k = config.pop("SPLIT_K", 1)
+    if split_k > 1 and (norm_eps is not None or gated):
+        raise ValueError("norm_eps and gated need SPLIT_K=1 (each program must see all of K)")
     block_k = config["BLOCK_K"]
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k
@@ -170,9 +236,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         partial = counters = out   # unused
     _skinny_linear_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, partial, counters, num_rows,
+        x, weight, bias if bias is not None else weight, out, out, partial, counters, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=rows_per_program, SPLIT_K=split_k,
+        out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
+        NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
+        BLOCK_M=rows_per_program, SPLIT_K=split_k,
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **config)
     return out

@@ -21,6 +21,7 @@ from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.rms_norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fused_linear import add_norm_linear, fold_norm_weight, linear_add
 from kernels.rotary import apply_rotary_write_kv
 
 # HF checkpoint projection -> (our fused parameter, shard)
@@ -54,14 +55,24 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]; rope from `RotaryEmbedding.forward`."""
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 kv_size]
+        return self.o_proj(self.attend(rope, qkv, kv_cache, attn_metadata))
+
+    def attend(self, rope: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor,
+               kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """qkv: [T, q_size + 2 kv_size] -> attention output [T, q_size] (o_proj's input)."""
         # rotate q and k, store k and v in the cache: one kernel on CUDA
         query = apply_rotary_write_kv(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache,
                                       attn_metadata.slot_mapping)  # [T, H_q, D]
-        out = self.attn.attend(query, kv_cache, attn_metadata)  # [T, q_size]
-        return self.o_proj(out)
+        return self.attn.attend(query, kv_cache, attn_metadata)  # [T, q_size]
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
+    """With `norms_folded` (set by `LlamaForCausalLM.load_weights` on CUDA) the two RMSNorm
+    weights live in qkv_proj / gate_up_proj (`kernels.fused_linear.fold_norm_weight`) and the
+    layer runs `forward_folded`; otherwise the pre-norm block of `PreNormDecoderLayer`."""
+
+    norms_folded = False
+
     def __init__(self, hf_config, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
@@ -70,6 +81,36 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
                             bias=getattr(hf_config, "mlp_bias", False), dtype=dtype)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor | None,
+                residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """`PreNormDecoderLayer.forward`'s contract; when folded, the returned hidden may be
+        None, meaning the residual stream already holds the MLP output."""
+        if not self.norms_folded:
+            return super().forward(rope, hidden, residual, kv_cache, attn_metadata)
+        if residual is None:           # the first layer: the embeddings are the stream
+            hidden, residual = None, hidden
+        return self.forward_folded(rope, hidden, residual, kv_cache, attn_metadata)
+
+    def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
+                       pending: torch.Tensor | None, residual: torch.Tensor,
+                       kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The layer over the stream residual + pending ([T, hidden_size] each; pending None
+        when already added), with RMSNorm, SiLU-mul and the residual adds folded into the
+        linears where `kernels.fused_linear` runs fused kernels. Returns (pending, residual)."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
+                                        attn.qkv_proj.weight, attn.qkv_proj.bias)
+        out = attn.attend(rope, qkv, kv_cache, attn_metadata)   # [T, q_size]
+        pending, residual = linear_add(out, attn.o_proj.weight, attn.o_proj.bias, residual)
+        act, residual = add_norm_linear(pending, residual, norm2.weight, norm2.eps,
+                                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                        gated=True)   # silu(gate) * up: [T, intermediate]
+        return linear_add(act, mlp.down_proj.weight, mlp.down_proj.bias, residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        if hidden is None:             # folded layers added their last output already
+            return self.norm(residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -175,6 +218,22 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        # on CUDA the decode GEMMs apply the norms; on CPU the GGUF weights keep their exact
+        # quantized form (folding would scale them off the Q4_1 / Q8_0 grid)
+        if self.embed_tokens.weight.is_cuda and self.dtype in (torch.bfloat16, torch.float16):
+            self.fold_norms()
+
+    def fold_norms(self) -> None:
+        """Fold each layer's two RMSNorm weights into qkv_proj / gate_up_proj (the norms keep
+        all-ones weights) and switch the layers to `LlamaDecoderLayer.forward_folded`. Same
+        function, rounded differently (`kernels.fused_linear`). Called once, after loading."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fold_norm_weight(layer.input_layernorm.weight, attn.qkv_proj.weight)
+            fold_norm_weight(layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight)
+            attn.qkv_proj.pack()
+            mlp.gate_up_proj.pack()
+            layer.norms_folded = True
 
     @staticmethod
     def _fused_target(name: str) -> tuple[str, str]:

@@ -22,11 +22,13 @@ MAX_NEW_TOKENS = 32
 class PagedDriver:
     """Stand-in for the model runner: block allocation, metadata, one forward per step."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, seed: int = 0) -> None:
-        self.model, self.block_size = model, block_size
+    def __init__(self, model, num_blocks: int, block_size: int, seed: int = 0,
+                 device: str = "cpu") -> None:
+        self.model, self.block_size, self.device = model, block_size, device
         spec = model.kv_cache_spec(model.dtype.itemsize)  # the model's per-layer KV layout
         self.kv_caches = [torch.zeros(spec.kv_cache_shape(num_blocks, block_size),
-                                      dtype=model.dtype) for _ in range(spec.num_layers)]
+                                      dtype=model.dtype, device=device)
+                          for _ in range(spec.num_layers)]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: dict[int, list[int]] = {}
@@ -66,8 +68,12 @@ class PagedDriver:
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        if self.device != "cpu":
+            for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+                setattr(metadata, name, getattr(metadata, name).to(self.device))
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions),
+            hidden = self.model(torch.tensor(input_ids, device=self.device),
+                                torch.tensor(positions, device=self.device),
                                 self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden[starts[1:] - 1])
         return dict(zip(chunks, logits))
@@ -230,3 +236,20 @@ def test_smollm2_matches_hf_gguf_reference(smollm2_dir):
     hf_model = load_hf_reference(AutoModelForCausalLM, gguf_path.parent,
                                  gguf_file=gguf_path.name)
     _assert_matches_hf(hf_model, prompts, tokens, logits, atol=1e-3)
+
+
+def test_tiny_model_with_folded_norms_matches_hf(tiny_pair, tmp_path):
+    """`fold_norms` (what CUDA bf16 loads do): the RMSNorm weights moved into qkv / gate_up and
+    the layers on `forward_folded` (the residual stream as (pending, residual)); on CPU every
+    op takes its unfused form, so this checks the folding and the stream, in float32."""
+    _, hf_model = tiny_pair
+    hf_model.save_pretrained(tmp_path)
+    folded = load_model(tmp_path, torch.float32, "cpu")
+    folded.fold_norms()
+    assert all(layer.norms_folded for layer in folded.layers)
+    assert all(torch.equal(layer.input_layernorm.weight, torch.ones_like(
+        layer.input_layernorm.weight)) for layer in folded.layers)
+    prompts = _tiny_prompts()
+    driver = PagedDriver(folded, num_blocks=96, block_size=4, seed=3)
+    tokens, logits = generate_greedy(driver, prompts, chunk_size=5, stagger=True)
+    _assert_matches_hf(hf_model, prompts, tokens, logits, atol=1e-4)

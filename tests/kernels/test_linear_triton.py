@@ -139,3 +139,58 @@ def test_linear_dispatch_takes_triton_for_tuned_decode_shapes_only(monkeypatch, 
         assert calls == [(64, 128)]
     finally:
         linear_triton._tuned_table.cache_clear()
+
+
+def _rms_normed(x, eps):
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_rows, in_features", [(1, 128), (3, 200), (17, 64)])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_norm_and_gated_epilogues_match_the_unfused_ops(dtype, num_rows, in_features, gated):
+    """norm_eps: (x / rms(x)) @ W.T with the sums of squares taken in the K loop (ragged K and
+    two row tiles included); gated: silu(x @ gate.T) * (x @ up.T) from one [2I, K] weight."""
+    from kernels.linear_triton import linear
+
+    eps = 1e-5
+    x = _randn(num_rows, in_features, dtype=dtype, seed=21, scale=3.0)
+    weight = _randn(2 * 48, in_features, dtype=dtype, seed=22, scale=in_features ** -0.5)
+    got = linear(x, weight, config=SMALL, norm_eps=eps, gated=gated)
+    product = F.linear(_rms_normed(x, eps), weight.double())              # [M, 96]
+    if gated:
+        gate, up = product[:, :48], product[:, 48:]
+        product = F.silu(gate) * up
+    assert got.shape == product.shape and got.dtype == dtype
+    assert relative_error(got, product) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["one_split", "split_k"])
+def test_residual_epilogue_adds_into_the_residual_in_place(dtype, config):
+    """residual + x @ W.T (+ bias) is written into `residual`, which is returned; split-K adds
+    it once, in the split that arrives last."""
+    from kernels.linear_triton import linear
+
+    x = _randn(5, 200, dtype=dtype, seed=31)
+    weight = _randn(40, 200, dtype=dtype, seed=32, scale=200 ** -0.5)
+    bias = _randn(40, dtype=dtype, seed=33)
+    residual = _randn(5, 40, dtype=dtype, seed=34)
+    expected = residual.double() + _reference(x, weight, bias)
+    got = linear(x, weight, bias, config=config, residual=residual)
+    assert got.data_ptr() == residual.data_ptr()
+    assert relative_error(residual, expected) < TOLERANCE[dtype]
+
+
+def test_norm_and_gated_refuse_split_k_and_gated_refuses_a_bias():
+    from kernels.linear_triton import linear
+
+    x = _randn(2, 64, dtype=DTYPES[-1], seed=41)
+    weight = _randn(64, 64, dtype=DTYPES[-1], seed=42)
+    with pytest.raises(ValueError, match="SPLIT_K=1"):
+        linear(x, weight, config=SPLIT, norm_eps=1e-6)
+    with pytest.raises(ValueError, match="SPLIT_K=1"):
+        linear(x, weight, config=SPLIT, gated=True)
+    with pytest.raises(ValueError, match="no bias"):
+        linear(x, weight, weight[:, 0], config=SMALL, gated=True)

@@ -1,0 +1,195 @@
+"""Decode layer boundaries inside CUDA graphs: the fused GEMMs of `kernels/fused_linear.py`
+against the unfused ops the engine runs otherwise; Llama-3-8B shapes, bf16. Writes the config
+file the engine reads (`kernels/configs/fused_linear_<device>.json`).
+
+A Llama layer has two boundaries where a residual add and an RMSNorm sit between two linears:
+- attn_to_mlp: o_proj -> add + RMSNorm -> gate_up_proj -> SiLU-mul, against o_proj with the
+  residual added in its epilogue -> gate_up_proj with the norm and SiLU-mul in its epilogue;
+- mlp_to_attn: down_proj -> add + RMSNorm -> qkv_proj, against down_proj with the residual
+  add -> qkv_proj with the norm.
+For each row bucket (16: measured at 1 and 16 rows, summed; 64: at 64 rows), each fused kernel's
+tile config is picked from CANDIDATES (each checked against the unfused ops: relative error
+< 1e-2), then both chains are timed over distinct weight copies (>= 1 GB, so nothing is served
+from L2) in one graph each (median replay / calls, as `gemv_sweep.py`). A boundary whose fused
+chain is at least 1% faster marks both its kernels `fused_faster`: only those run fused.
+
+Run: python3 benchmarks/fused_linear_sweep.py [--json PATH] [--write-configs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gemv_sweep import BUCKETS, SHAPES, graph_us_per_call  # noqa: E402
+
+EPS = 1e-5
+# boundary -> (first linear, its fusion, second linear, its fusion)
+BOUNDARIES = {"attn_to_mlp": ("o", "residual", "gate_up", "norm_gated"),
+              "mlp_to_attn": ("down", "residual", "qkv", "norm")}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): gemv_sweep's winners per bucket and their
+# neighbours; norm fusions skip SPLIT_K > 1, gated ones halve BLOCK_N (two weight tiles per step)
+CANDIDATES = {
+    16: [(16, 128, 4, 6, 1), (32, 128, 4, 8, 1), (32, 256, 4, 4, 1), (64, 128, 4, 4, 1),
+         (64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (128, 128, 8, 3, 1), (32, 128, 4, 8, 2)],
+    64: [(64, 128, 4, 4, 1), (64, 64, 4, 6, 1), (128, 64, 8, 4, 1), (128, 128, 8, 3, 1),
+         (128, 64, 4, 5, 1), (256, 64, 8, 3, 1), (64, 128, 4, 4, 2), (128, 64, 4, 4, 2)],
+}
+
+
+def unfused_boundary(x, first, second, residual, ones, fusion):
+    """The engine's ops without fusion (kernels.linear dispatch, Triton add + RMSNorm with the
+    folded norm's all-ones weight `ones`, SiLU-mul)."""
+    from kernels.activation import silu_and_mul
+    from kernels.linear import linear
+    from kernels.rms_norm import rms_norm
+
+    normed, _ = rms_norm(linear(x, first), ones, EPS, residual)
+    out = linear(normed, second)
+    return silu_and_mul(out) if fusion == "norm_gated" else out
+
+
+def fused_call(fusion: str, x, weight, residual, config: dict):
+    from kernels import linear_triton
+
+    if fusion == "residual":
+        return linear_triton.linear(x, weight, config=config, residual=residual)
+    return linear_triton.linear(x, weight, config=config, norm_eps=EPS,
+                                gated=fusion == "norm_gated")
+
+
+def candidate_configs(fusion: str, bucket: int) -> list[dict]:
+    configs = []
+    for block_n, block_k, warps, stages, split_k in CANDIDATES[bucket]:
+        if fusion != "residual" and split_k > 1:
+            continue
+        if fusion == "norm_gated":
+            block_n = max(16, block_n // 2)
+        config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
+                  "num_stages": stages, "SPLIT_K": split_k}
+        if config not in configs:
+            configs.append(config)
+    return configs
+
+
+def reference(fusion: str, x, weight, residual) -> torch.Tensor:
+    """float32 result of the fused op on one weight (the residual not modified)."""
+    import torch.nn.functional as F
+
+    if fusion == "residual":
+        return residual.float() + F.linear(x.float(), weight.float())
+    xf = x.float()
+    out = F.linear(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS), weight.float())
+    if fusion == "norm_gated":
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out
+
+
+def pick_config(fusion: str, bucket: int, weights, inputs) -> tuple[dict, float, list]:
+    """The fastest correct candidate config: (config, us summed over the bucket's rows, all)."""
+    results = []
+    for config in candidate_configs(fusion, bucket):
+        try:
+            for x, residual in inputs:
+                ref = reference(fusion, x, weights[0], residual)
+                out = fused_call(fusion, x, weights[0], residual.clone(), config).float()
+                error = float((out - ref).norm() / ref.norm())
+                if not error < 1e-2:
+                    raise ValueError(f"relative error {error:.2e}")
+            us = sum(graph_us_per_call(
+                lambda w, x=x, r=residual: fused_call(fusion, x, w, r, config), weights)
+                for x, residual in inputs)
+            results.append((config, round(us, 2), None))
+        except Exception as exc:  # shared memory exceeded, wrong result
+            results.append((config, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
+    config, us = min(((c, u) for c, u, _ in results if u is not None), key=lambda r: r[1])
+    return config, us, results
+
+
+def _weights(name: str, copies: int, gen) -> list[torch.Tensor]:
+    out_features, in_features = SHAPES[name]
+    return [(torch.randn(out_features, in_features, device="cuda", generator=gen)
+             * in_features ** -0.5).to(torch.bfloat16) for _ in range(copies)]
+
+
+def sweep_boundary(label: str, bucket: int) -> list[dict]:
+    first, first_fusion, second, second_fusion = BOUNDARIES[label]
+    hidden = SHAPES[first][0]
+    pair_bytes = 2 * (SHAPES[first][0] * SHAPES[first][1] + SHAPES[second][0] * SHAPES[second][1])
+    copies = max(4, min(32, -(-(1 << 30) // pair_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(bucket)
+    first_w, second_w = _weights(first, copies, gen), _weights(second, copies, gen)
+
+    def rows(in_features: int):
+        return [(torch.randn(m, in_features, device="cuda", generator=gen).to(torch.bfloat16),
+                 torch.randn(m, hidden, device="cuda", generator=gen).to(torch.bfloat16))
+                for m in BUCKETS[bucket]]
+
+    first_inputs = rows(SHAPES[first][1])
+    second_inputs = [(residual, residual) for _, residual in first_inputs]
+    first_config, first_us, first_all = pick_config(first_fusion, bucket, first_w, first_inputs)
+    second_config, second_us, second_all = pick_config(second_fusion, bucket, second_w,
+                                                       second_inputs)
+    pairs = list(zip(first_w, second_w))
+    ones = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    unfused_us = fused_us = 0.0
+    for x, residual in first_inputs:
+        unfused_us += graph_us_per_call(lambda p, x=x, r=residual: unfused_boundary(
+            x, p[0], p[1], r, ones, second_fusion), pairs)
+        fused_us += graph_us_per_call(
+            lambda p, x=x, r=residual: fused_call(
+                second_fusion, fused_call(first_fusion, x, p[0], r, first_config), p[1], None,
+                second_config), pairs)
+    faster = fused_us < 0.99 * unfused_us
+    rows_text = "+".join(str(m) for m in BUCKETS[bucket])
+    print(f"{label:11s} rows {rows_text:5s}: unfused {unfused_us:7.2f} us | fused {fused_us:7.2f} "
+          f"us ({fused_us / unfused_us:.3f}x) {first}: {first_config} ({first_us:.2f} us) "
+          f"{second}: {second_config} ({second_us:.2f} us)", flush=True)
+    del first_w, second_w, pairs
+    torch.cuda.empty_cache()
+    common = {"block_m": bucket, "rows_measured": list(BUCKETS[bucket]), "boundary": label,
+              "boundary_unfused_us": round(unfused_us, 2),
+              "boundary_fused_us": round(fused_us, 2), "fused_faster": faster}
+    return [{"fusion": fusion, "shape": name, "out_features": SHAPES[name][0],
+             "in_features": SHAPES[name][1], "config": config, "fused_us": us, **common,
+             "all": results}
+            for name, fusion, config, us, results in (
+                (first, first_fusion, first_config, first_us, first_all),
+                (second, second_fusion, second_config, second_us, second_all))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, default=None, help="all timings here")
+    parser.add_argument("--write-configs", action="store_true",
+                        help="write kernels/configs/fused_linear_<device>.json")
+    args = parser.parse_args()
+    from kernels import fused_linear
+    from kernels.backends import device_config_path
+
+    entries = [entry for bucket in BUCKETS for label in BOUNDARIES
+               for entry in sweep_boundary(label, bucket)]
+    if args.json:
+        args.json.write_text(json.dumps(entries, indent=1))
+    if args.write_configs:
+        device = torch.cuda.get_device_name()
+        path = device_config_path(fused_linear.CONFIG_KIND, device)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({
+            "device": device, "torch": torch.__version__,
+            "made_by": "benchmarks/fused_linear_sweep.py --write-configs",
+            "entries": [{k: v for k, v in e.items() if k != "all"} for e in entries]},
+            indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Llama on CUDA in bf16 with its RMSNorm weights folded into qkv / gate_up and the decode
+linears fused (`kernels/fused_linear.py`), against the same model with fusion off and against
+HF transformers (unfolded weights).
+
+The norm weights are randomised (HF initialises them to ones, which would make the fold a
+no-op). A config file naming the tiny model's shapes makes every decode linear run fused. Greedy
+tokens of a bf16 run can flip on one rounding, so the check is on logits: decode steps fed the
+same tokens (HF greedy's) on both sides, relative error of each step's logits against the unfused
+engine < 1e-2 and against HF bf16 < 3e-2.
+"""
+
+import json
+
+import pytest
+import torch
+from test_llama_parity import PagedDriver
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+NEW_TOKENS = 8
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture
+def tiny_bf16_dir(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=0.1,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def fused_everywhere(monkeypatch, tmp_path_factory):
+    """A fused_linear config file with the tiny model's shapes at 16 rows, all fused."""
+    from kernels import backends, fused_linear
+
+    config = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "SPLIT_K": 1}
+    shapes = [("norm", 256 + 2 * 64, 256), ("norm_gated", 1024, 256),   # qkv, gate_up
+              ("residual", 256, 256), ("residual", 256, 512)]           # o, down
+    entries = [{"fusion": fusion, "block_m": 16, "out_features": n, "in_features": k,
+                "config": config, "fused_faster": True} for fusion, n, k in shapes]
+    directory = tmp_path_factory.mktemp("configs")
+    monkeypatch.setattr(backends, "CONFIG_DIR", directory)
+    backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
+                                ).write_text(json.dumps({"entries": entries}))
+    fused_linear._fused_table.cache_clear()
+    yield fused_linear
+    fused_linear._fused_table.cache_clear()
+
+
+def _decode_logits(model, prompts, continuations):
+    """Prefill all prompts in one step, then NEW_TOKENS decode steps fed `continuations`;
+    [NEW_TOKENS, num_prompts, vocab] float32 logits of the decode steps."""
+    driver = PagedDriver(model, num_blocks=64, block_size=16, device="cuda")
+    driver.step({seq: prompt for seq, prompt in enumerate(prompts)})
+    steps = []
+    for step in range(NEW_TOKENS):
+        rows = driver.step({seq: [tokens[step]] for seq, tokens in enumerate(continuations)})
+        steps.append(torch.stack([rows[seq] for seq in range(len(prompts))]))
+    return torch.stack(steps)
+
+
+def test_fused_folded_decode_matches_unfused_and_hf(tiny_bf16_dir, fused_everywhere):
+    from transformers import LlamaForCausalLM
+
+    from engine.loader import load_model
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 30, 12)]
+    continuations = [torch.randint(3, 512, (NEW_TOKENS,), generator=gen).tolist()
+                     for _ in prompts]
+    ours = load_model(tiny_bf16_dir, torch.bfloat16, "cuda")
+    assert all(layer.norms_folded for layer in ours.layers)
+    qkv_rows = torch.zeros(3, 256, dtype=torch.bfloat16, device="cuda")
+    assert fused_everywhere.fused_config("norm", qkv_rows, ours.layers[0].self_attn.qkv_proj
+                                         .weight) is not None
+    fused = _decode_logits(ours, prompts, continuations)
+    fused_everywhere.ENABLED = False
+    try:
+        unfused = _decode_logits(ours, prompts, continuations)
+    finally:
+        fused_everywhere.ENABLED = True
+    assert _rel(fused, unfused) < 1e-2
+    hf = LlamaForCausalLM.from_pretrained(tiny_bf16_dir, dtype=torch.bfloat16).cuda().eval()
+    for seq, (prompt, tokens) in enumerate(zip(prompts, continuations)):
+        ids = torch.tensor([prompt + tokens], device="cuda")
+        with torch.inference_mode():
+            hf_logits = hf(ids).logits[0, len(prompt):].float()        # [NEW_TOKENS, vocab]
+        assert _rel(fused[:, seq], hf_logits) < 3e-2, f"prompt {seq}"

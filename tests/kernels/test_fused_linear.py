@@ -1,0 +1,98 @@
+"""kernels/fused_linear.py: folding an RMSNorm weight into the next linear, the unfused path of
+each fused op (any device) and, on CUDA, the fused kernels chosen by the device's config file
+against the unfused ops (bf16: relative error < 1e-2, float64 references)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_common import DEVICE, relative_error, requires_triton
+from kernels import fused_linear
+from kernels.fused_linear import add_norm_linear, fold_norm_weight, linear_add
+
+EPS = 1e-5
+
+
+def _randn(*shape, dtype=torch.float32, seed, scale=1.0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def _norm(x, g=None):
+    x64 = x.double()
+    out = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
+    return out if g is None else out * g.double()
+
+
+def test_folded_norm_weight_gives_the_same_function_unfused():
+    """CPU float32: after the fold, add_norm_linear (pending added into the stream first) is
+    linear(rms_norm(residual + pending) * g); the norm weight is left all ones."""
+    g = _randn(64, seed=1) + 1.0
+    weight = _randn(48, 64, seed=2, scale=0.125)
+    expected_weight = weight.double() * g.double()
+    norm_weight = g.clone()
+    fold_norm_weight(norm_weight, weight)
+    assert torch.equal(norm_weight, torch.ones(64))
+    assert relative_error(weight, expected_weight) < 1e-6
+    pending, residual = _randn(3, 64, seed=3), _randn(3, 64, seed=4)
+    stream = pending.double() + residual.double()
+    out, new_residual = add_norm_linear(pending, residual, norm_weight, EPS, weight)
+    assert relative_error(new_residual, stream) < 1e-6
+    expected = F.linear(_norm(stream, g), (expected_weight / g.double()))
+    assert relative_error(out, expected) < 1e-5
+    gated, _ = add_norm_linear(None, new_residual, norm_weight, EPS, weight, gated=True)
+    gate, up = F.linear(_norm(stream, g), expected_weight / g.double()).chunk(2, dim=-1)
+    assert relative_error(gated, F.silu(gate) * up) < 1e-5
+
+
+def test_unfused_linear_add_leaves_the_add_pending():
+    x, weight, residual = _randn(2, 32, seed=5), _randn(16, 32, seed=6), _randn(2, 16, seed=7)
+    before = residual.clone()
+    pending, same = linear_add(x, weight, None, residual)
+    assert same is residual and torch.equal(residual, before)
+    assert relative_error(pending, F.linear(x.double(), weight.double())) < 1e-6
+
+
+@pytest.mark.gpu
+@requires_triton
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fused kernels are chosen on CUDA only")
+def test_fused_kernels_run_where_the_config_file_says_and_match_the_unfused_ops(
+        monkeypatch, tmp_path):
+    """A two-boundary chain (o -> gate_up, down -> qkv in miniature) fused against unfused:
+    the fused linear_add returns no pending output and adds into the residual in place."""
+    from kernels import backends
+
+    small = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+    shapes = {"residual": [(64, 96), (64, 128)], "norm_gated": [(256, 64)], "norm": [(96, 64)]}
+    entries = [{"fusion": fusion, "block_m": 16, "out_features": n, "in_features": k,
+                "config": dict(small, SPLIT_K=2 if fusion == "residual" else 1),
+                "fused_faster": True} for fusion, pairs in shapes.items() for n, k in pairs]
+    monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
+    backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
+                                ).write_text(json.dumps({"entries": entries}))
+    fused_linear._fused_table.cache_clear()
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    w_o, w_gu = _randn(64, 96, seed=8, scale=0.1, **bf16), _randn(256, 64, seed=9, **bf16)
+    w_down, w_qkv = _randn(64, 128, seed=10, scale=0.1, **bf16), _randn(96, 64, seed=11, **bf16)
+    ones = torch.ones(64, **bf16)
+
+    def chain(attn_out, stream):
+        pending, stream = linear_add(attn_out, w_o, None, stream)
+        act, stream = add_norm_linear(pending, stream, ones, EPS, w_gu, gated=True)
+        pending, stream = linear_add(act, w_down, None, stream)
+        qkv, stream = add_norm_linear(pending, stream, ones, EPS, w_qkv)
+        return pending, stream, qkv
+
+    try:
+        attn_out, stream = _randn(5, 96, seed=12, **bf16), _randn(5, 64, seed=13, **bf16)
+        assert fused_linear.fused_config("norm_gated", stream, w_gu) is not None
+        fused_pending, fused_stream, fused_qkv = chain(attn_out, stream.clone())
+        monkeypatch.setattr(fused_linear, "ENABLED", False)
+        pending, unfused_stream, qkv = chain(attn_out, stream.clone())
+    finally:
+        fused_linear._fused_table.cache_clear()
+    assert fused_pending is None and pending is not None
+    assert relative_error(fused_stream, unfused_stream) < 1e-2   # both hold every add
+    assert relative_error(fused_qkv, qkv) < 1e-2
