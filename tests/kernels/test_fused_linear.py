@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from gpu_common import DEVICE, relative_error, requires_triton
+
 from kernels import fused_linear
 from kernels.fused_linear import add_norm_linear, fold_norm_weight, linear_add
 
