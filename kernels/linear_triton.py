@@ -39,9 +39,9 @@ CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.js
 
 
 @triton.jit
-def _epilogue(acc, acc_up, sum_squares, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
-              residual_ptr, residual_stride, out_ptr, out_stride, HAS_BIAS: tl.constexpr,
-              NORM: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
+              out_ptr, out_stride, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+              GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """Scale by the rows' inverse RMS (NORM), add the bias, apply SiLU(gate) * up (GATED) or
     add the residual (HAS_RESIDUAL), round to the output dtype and store one [BM, BN] tile."""
     dtype = out_ptr.dtype.element_ty
@@ -58,8 +58,6 @@ def _epilogue(acc, acc_up, sum_squares, rows, cols, row_ok, col_ok, K, eps, bias
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         result = silu * acc_up.to(dtype)
     elif HAS_RESIDUAL:   # as `y + residual` in the dtype: y rounded, the sum rounded once
-        residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride
-                           + cols[None, :], mask=tile_ok, other=0.0)
         result = acc.to(dtype).to(tl.float32) + residual.to(tl.float32)
     else:
         result = acc
@@ -74,7 +72,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                           GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, SS_CHUNK: tl.constexpr,
+                          SS_CHUNKS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -91,6 +90,16 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sum_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    residual = acc
+    if HAS_RESIDUAL:   # loaded now, so its latency is not added after the K loop
+        residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride
+                           + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if NORM:   # the rows' sums of squares first, in SS_CHUNKS unrolled [BM, SS_CHUNK] loads
+        for chunk in tl.static_range(SS_CHUNKS):
+            kk = chunk * SS_CHUNK + tl.arange(0, SS_CHUNK)
+            xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + kk[None, :],
+                         mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+            sum_squares += tl.sum(xs * xs, axis=1)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -109,9 +118,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
             else:
                 w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-        if NORM:   # x itself goes to tl.dot untouched; its row sums of squares on the side
-            x_f32 = x.to(tl.float32)
-            sum_squares += tl.sum(x_f32 * x_f32, axis=1)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
@@ -127,14 +133,12 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
             for split in tl.static_range(SPLIT_K):
                 acc += tl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
                                other=0.0, cache_modifier=".cg")
-            _epilogue(acc, acc_up, sum_squares, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
-                      residual_ptr, residual_stride, out_ptr, out_stride, HAS_BIAS, NORM, GATED,
-                      HAS_RESIDUAL)
+            _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps,
+                      bias_ptr, out_ptr, out_stride, HAS_BIAS, NORM, GATED, HAS_RESIDUAL)
             tl.atomic_xchg(counter, 0)
     else:
-        _epilogue(acc, acc_up, sum_squares, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
-                  residual_ptr, residual_stride, out_ptr, out_stride, HAS_BIAS, NORM, GATED,
-                  HAS_RESIDUAL)
+        _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps,
+                  bias_ptr, out_ptr, out_stride, HAS_BIAS, NORM, GATED, HAS_RESIDUAL)
 
 
 def block_m(num_rows: int) -> int:
@@ -187,7 +191,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             SPLIT_K (default 1) (`tuned_config`).
         norm_eps: if given, compute `(x / rms(x)) @ weight.T`, rms(x) = sqrt(mean(x^2) + eps)
             over each row of x (RMSNorm with a unit weight: fold the norm weight into `weight`
-            first). The sums of squares are taken in the K loop and the accumulator scaled in
+            first). Each program reads its rows of x once before the K loop for their sums of
+            squares (unrolled wide loads: one memory latency) and scales the accumulator in
             the epilogue, so x reaches tl.dot unchanged. Needs one K split.
         gated: compute `silu(x @ gate.T) * (x @ up.T)` ([M, I]) with gate / up the two row
             halves of weight, rounded as `kernels.activation.silu_and_mul` on the rounded
@@ -224,6 +229,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k
     rows_per_program = block_m(num_rows)
+    # the norm's pre-pass loads [rows_per_program, ss_chunk] tiles of 16K elements
+    ss_chunk = min(triton.next_power_of_2(in_features), (1 << 14) // rows_per_program)
     grid = (triton.cdiv(out_features, config["BLOCK_N"]), triton.cdiv(num_rows, rows_per_program),
             split_k)
     if split_k > 1:
@@ -242,5 +249,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         BLOCK_M=rows_per_program, SPLIT_K=split_k,
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **config)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SS_CHUNK=ss_chunk, SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0,
+        **config)
     return out
