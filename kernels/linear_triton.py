@@ -229,8 +229,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k
     rows_per_program = block_m(num_rows)
-    # the norm's pre-pass loads [rows_per_program, ss_chunk] tiles of 16K elements
-    ss_chunk = min(triton.next_power_of_2(in_features), (1 << 14) // rows_per_program)
+    # the norm's pre-pass loads [rows_per_program, ss_chunk] tiles of 4K elements (32 float32
+    # registers per thread at 4 warps: 16K-element tiles measured ~4.5 us slower per call)
+    ss_chunk = min(triton.next_power_of_2(in_features), (1 << 12) // rows_per_program)
     grid = (triton.cdiv(out_features, config["BLOCK_N"]), triton.cdiv(num_rows, rows_per_program),
             split_k)
     if split_k > 1:
