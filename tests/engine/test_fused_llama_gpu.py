@@ -6,7 +6,8 @@ The norm weights are randomised (HF initialises them to ones, which would make t
 no-op). A config file naming the tiny model's shapes makes every decode linear run fused. Greedy
 tokens of a bf16 run can flip on one rounding, so the check is on logits: decode steps fed the
 same tokens on every side; the relative error of the decode logits, fused against unfused and
-each against HF bf16, must stay < 5e-2 (bf16 rounding through 3 random layers: ~1-2e-2).
+each against HF bf16, must stay < 5e-2 (bf16 rounding through 3 random layers: 0.018 fused
+against unfused, 0.034 / 0.033 fused / unfused against HF on the H200).
 """
 
 import json
