@@ -72,7 +72,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                           GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
+                          SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -93,7 +94,13 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     if HAS_RESIDUAL:   # loaded now, so its latency is not added after the K loop
         residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride
                            + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)   # NORM: x x^T, its diagonal
+    gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)   # NORM_BY_DOT: x x^T
+    if NORM and not NORM_BY_DOT:   # sums of squares first, in SS_CHUNKS unrolled wide loads
+        for chunk in tl.static_range(SS_CHUNKS):
+            kk = chunk * SS_CHUNK + tl.arange(0, SS_CHUNK)
+            xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + kk[None, :],
+                         mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+            sum_squares += tl.sum(xs * xs, axis=1)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -112,11 +119,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
             else:
                 w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-        if NORM:   # the rows' sums of squares as one more dot: x stays a pure dot operand
+        if NORM and NORM_BY_DOT:   # the sums of squares as one more dot on the same x tile
             gram = tl.dot(x, tl.trans(x), gram, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if NORM:
+    if NORM and NORM_BY_DOT:
         diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
         sum_squares = tl.sum(tl.where(diagonal, gram, 0.0), axis=1)
     if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
@@ -160,6 +167,10 @@ def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
     return table.get((block_m(num_rows), *weight.shape)) if table else None
 
 
+# From this many rows per program the norm's sums of squares come from tl.dot(x, x.T) in the K
+# loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
+# against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
+NORM_BY_DOT_ROWS = 32
 MAX_TILES = 1 << 16   # output tiles one split-K call may have (arrival counters per device)
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -190,9 +201,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             SPLIT_K (default 1) (`tuned_config`).
         norm_eps: if given, compute `(x / rms(x)) @ weight.T`, rms(x) = sqrt(mean(x^2) + eps)
             over each row of x (RMSNorm with a unit weight: fold the norm weight into `weight`
-            first). The rows' sums of squares are the diagonal of x x^T, one more tl.dot per K
-            step on the x tile already loaded (an elementwise use of that tile halved the
-            GEMM's speed), and the epilogue scales the accumulator. Needs one K split.
+            first). The rows' sums of squares come from a pre-pass over x (unrolled wide
+            loads) or, from NORM_BY_DOT_ROWS rows per program, from the diagonal of x x^T, one
+            more tl.dot per K step on the x tile already loaded (an elementwise use of that
+            tile halved the GEMM's speed); the epilogue scales the accumulator. Needs one K
+            split.
         gated: compute `silu(x @ gate.T) * (x @ up.T)` ([M, I]) with gate / up the two row
             halves of weight, rounded as `kernels.activation.silu_and_mul` on the rounded
             halves. Needs one K split and no bias.
@@ -228,6 +241,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k
     rows_per_program = block_m(num_rows)
+    # the norm's pre-pass loads [rows_per_program, ss_chunk] tiles of 4K elements (32 float32
+    # registers per thread at 4 warps: 16K-element tiles measured ~4.5 us slower per call)
+    ss_chunk = min(triton.next_power_of_2(in_features), (1 << 12) // rows_per_program)
     grid = (triton.cdiv(out_features, config["BLOCK_N"]), triton.cdiv(num_rows, rows_per_program),
             split_k)
     if split_k > 1:
@@ -246,5 +262,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         BLOCK_M=rows_per_program, SPLIT_K=split_k,
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **config)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
+        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, **config)
     return out
