@@ -53,7 +53,7 @@ def main() -> int:
     parser.add_argument("--write-configs", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    from kernels.backends import device_config_path
+    from kernels.backends import write_device_config
     from kernels.blas_choice import CONFIG_KIND, preferring
 
     entries = []
@@ -76,14 +76,13 @@ def main() -> int:
                   f"{times['cublaslt']:7.1f} us -> {choice} ({tb_s:.2f} TB/s)", flush=True)
         del weights
         torch.cuda.empty_cache()
-    table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-             "made_by": "benchmarks/blas_sweep.py --write-configs", "entries": entries}
     if args.write_configs:
-        path = device_config_path(CONFIG_KIND, torch.cuda.get_device_name())
-        path.write_text(json.dumps(table, indent=1) + "\n")
+        path = write_device_config(CONFIG_KIND, entries,
+                                   "benchmarks/blas_sweep.py --write-configs")
         print(f"wrote {path}")
     if args.json:
-        args.json.write_text(json.dumps(table, indent=2))
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "entries": entries}, indent=2))
     return 0
 
 

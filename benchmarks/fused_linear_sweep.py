@@ -172,21 +172,17 @@ def main() -> int:
                         help="write kernels/configs/fused_linear_<device>.json")
     args = parser.parse_args()
     from kernels import fused_linear
-    from kernels.backends import device_config_path
+    from kernels.backends import write_device_config
 
     entries = [entry for bucket in BUCKETS for label in BOUNDARIES
                for entry in sweep_boundary(label, bucket)]
     if args.json:
         args.json.write_text(json.dumps(entries, indent=1))
     if args.write_configs:
-        device = torch.cuda.get_device_name()
-        path = device_config_path(fused_linear.CONFIG_KIND, device)
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({
-            "device": device, "torch": torch.__version__,
-            "made_by": "benchmarks/fused_linear_sweep.py --write-configs",
-            "entries": [{k: v for k, v in e.items() if k != "all"} for e in entries]},
-            indent=1) + "\n")
+        path = write_device_config(
+            fused_linear.CONFIG_KIND, [{k: v for k, v in e.items() if k != "all"}
+                                       for e in entries],
+            "benchmarks/fused_linear_sweep.py --write-configs")
         print(f"wrote {path}")
     return 0
 

@@ -117,7 +117,7 @@ def main() -> int:
                              "--write-configs the other shapes keep their entries")
     args = parser.parse_args()
     from kernels import linear_triton
-    from kernels.backends import device_config_path
+    from kernels.backends import device_config_path, write_device_config
 
     names = args.shapes.split(",")
     entries = [sweep_shape(name, bucket, *SHAPES[name]) for bucket in BUCKETS
@@ -125,20 +125,17 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(entries, indent=1))
     if args.write_configs:
-        device = torch.cuda.get_device_name()
-        path = device_config_path(linear_triton.CONFIG_KIND, device)
-        path.parent.mkdir(exist_ok=True)
+        path = device_config_path(linear_triton.CONFIG_KIND, torch.cuda.get_device_name())
         keep = ("shape", "block_m", "out_features", "in_features", "config", "triton_us",
                 "cublas_us", "triton_faster")
         swept = {(e["shape"], e["block_m"]) for e in entries}
         kept = [e for e in (json.loads(path.read_text())["entries"] if path.exists() else [])
                 if (e["shape"], e["block_m"]) not in swept]
-        path.write_text(json.dumps({
-            "device": device, "torch": torch.__version__,
-            "made_by": "benchmarks/gemv_sweep.py --write-configs",
-            "entries": sorted(kept + [{k: e[k] for k in keep} for e in entries],
-                              key=lambda e: (e["block_m"], list(SHAPES).index(e["shape"])))},
-            indent=1) + "\n")
+        write_device_config(
+            linear_triton.CONFIG_KIND,
+            sorted(kept + [{k: e[k] for k in keep} for e in entries],
+                   key=lambda e: (e["block_m"], list(SHAPES).index(e["shape"]))),
+            "benchmarks/gemv_sweep.py --write-configs")
         print(f"wrote {path}")
     return 0
 

@@ -34,6 +34,17 @@ def device_config_entries(kind: str, device: torch.device) -> list[dict]:
     return json.loads(path.read_text())["entries"] if path.exists() else []
 
 
+def write_device_config(kind: str, entries: list[dict], made_by: str) -> Path:
+    """Write a sweep's `entries` as the `kind` file of the current CUDA device (with the
+    device name, torch version and the command that made it); returns the path."""
+    device = torch.cuda.get_device_name()
+    path = device_config_path(kind, device)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"device": device, "torch": torch.__version__,
+                                "made_by": made_by, "entries": entries}, indent=1) + "\n")
+    return path
+
+
 @functools.cache
 def triton_available() -> bool:
     """True if the `triton` package is importable (it is absent on CPU-only installs)."""
