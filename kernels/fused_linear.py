@@ -7,8 +7,9 @@ kernel of a few microseconds whose cost is the launch and the gap it leaves, not
 RESULTS.md run 10). Here they ride on the GEMMs (`kernels/linear_triton.py`):
 - `add_norm_linear`: RMSNorm then a linear. The norm's weight g is folded into the linear's
   weight once at load (`fold_norm_weight`: W' = W * g, so norm(x) * g @ W.T = norm(x) @ W'.T);
-  the GEMM takes the rows' sums of squares in its K loop and scales its accumulator by the
-  inverse RMS. With `gated`, SiLU(gate) * up is applied in the same epilogue.
+  the GEMM takes the rows' sums of squares (a pre-pass over x, or x x^T in its K loop from 32
+  rows per program) and scales its accumulator by the inverse RMS. With `gated`, SiLU(gate) *
+  up is applied in the same epilogue.
 - `linear_add`: a linear whose epilogue adds the residual stream in place.
 
 The residual stream travels as (pending, residual): the hidden state is residual + pending, and
@@ -27,7 +28,9 @@ at 64 rows (decode at batch 1: +2.8% in one process).
 
 Numerics against the unfused ops: the fused norm scales the float32 product by 1 / rms instead
 of rounding x / rms to the dtype before the GEMM; the folded weight W * g is rounded once at load.
-Both are within bf16 rounding (relative error ~4e-3 on a layer's output).
+Both are bf16 rounding: on a 3-layer random bf16 Llama the decode logits of the two paths differ
+by 0.018 relative, and each differs from HF bf16 by ~0.03 (tests/engine/test_fused_llama_gpu.py,
+H200).
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from kernels.linear import SKINNY_MAX_ROWS, linear
 from kernels.rms_norm import rms_norm
 
 CONFIG_KIND = "fused_linear"   # kernels/configs/fused_linear_<device name>.json
-FUSIONS = ("norm", "norm_gated", "residual")
 
 
 def fold_norm_weight(norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
@@ -76,7 +78,7 @@ def fused_config(fusion: str, x: torch.Tensor, weight: torch.Tensor) -> dict | N
     """The fused kernel's launch config for x [M, in_features] times weight, or None (run the
     unfused ops): CUDA bf16/fp16 2-D x of at most SKINNY_MAX_ROWS rows with unit stride on
     the last dim, a contiguous weight of x's dtype, and a (fusion, row bucket, shape) that the
-    device's sweep found faster fused. `fusion` is one of FUSIONS."""
+    device's sweep found faster fused. `fusion`: "norm", "norm_gated" or "residual"."""
     if not (ENABLED and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.is_contiguous() and triton_available()):
