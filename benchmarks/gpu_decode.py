@@ -13,7 +13,9 @@ model, so both run the same weights), then measures in one process:
    starts once every request has its first token) and prefill tokens/s of 2,048-token prompts;
 4. the same decode runs at b=1, 8, 64 with one thing switched off at a time (graphs
    recaptured; `VARIANTS`): no fused GEMMs (`kernels/fused_linear.py`: RMSNorm, SiLU-mul and
-   the residual adds as their own kernels), every linear on cuBLAS (also the Triton skinny
+   the residual adds as their own kernels), the attention unfused (rotary + KV write, decode
+   and split reduce as three kernels instead of `kernels/rotary_decode_triton.py`'s one),
+   every linear on cuBLAS (also the Triton skinny
    GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), and no cuBLASLt choice:
    each one's share;
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
@@ -243,6 +245,7 @@ CUBLAS_ONLY = (("kernels.linear", "SKINNY_MAX_ROWS", 0), ("kernels.blas_choice",
                ("kernels.fused_linear", "ENABLED", False))
 # same-process comparisons: label -> the (module, attribute, value) settings it switches
 VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
+            "unfused_attention": (("kernels.paged_attention", "FUSED_ROTARY_DECODE", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),)}
 

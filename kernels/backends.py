@@ -75,8 +75,8 @@ class Backends:
     def load(self, name: str) -> ModuleType:
         return load_module(self.modules[name])
 
-    def get(self, backend: str, device: torch.device) -> ModuleType:
-        """The module of `backend` ("auto" resolved for `device`).
+    def resolve(self, backend: str, device: torch.device) -> str:
+        """The backend name that `backend` means on `device` ("auto" resolved).
 
         Raises:
             ValueError: `backend` is neither "auto" nor one of `names`.
@@ -86,4 +86,33 @@ class Backends:
         if backend not in self.modules:
             raise ValueError(f"{self.op} backend={backend!r} is unknown; use 'auto' or one of "
                              f"{self.names}.")
-        return self.load(backend)
+        return backend
+
+    def get(self, backend: str, device: torch.device) -> ModuleType:
+        """The module of `backend` ("auto" resolved for `device`); raises as `resolve`."""
+        return self.load(self.resolve(backend, device))
+
+
+MAX_ARRIVAL_COUNTERS = 1 << 16   # per device: output tiles (or groups) one call may count in
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """[MAX_ARRIVAL_COUNTERS] int32 zeros on `device`, shared by the Triton kernels whose
+    programs count themselves in so that the last one to arrive finishes the work (split-K
+    GEMM tiles, decode-attention splits). Each call's last programs leave their counters at
+    zero, and calls on one stream run one after another, so every call may use them.
+
+    Made on the first call for a device, which must not be inside a CUDA graph capture (the
+    engine runs each graph's work eagerly before capturing it).
+
+    Raises:
+        RuntimeError: the first call for a CUDA device is inside a graph capture.
+    """
+    if device not in _arrival_counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a Triton kernel's arrival counters are first needed inside a "
+                               "CUDA graph capture; run the work once eagerly before capturing")
+        _arrival_counters[device] = torch.zeros(MAX_ARRIVAL_COUNTERS, dtype=torch.int32,
+                                                device=device)
+    return _arrival_counters[device]

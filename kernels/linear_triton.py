@@ -13,8 +13,9 @@ weights, fewer x rows re-read per weight byte at 64 rows): each split stores its
 tile, then counts itself in on a per-tile arrival counter; the split that arrives last sums the
 SPLIT_K partials in split order (0, 1, ...) and writes the output, so the result is the same
 whichever split finishes last (deterministic), with no reduce kernel; it resets the counter to 0
-for the next call. The counters are one int32 per output tile (`_arrival_counters`), zero
-between calls; calls on one stream run one after another, so they share them.
+for the next call. The counters are one int32 per output tile (`kernels.backends.
+arrival_counters`), zero between calls; calls on one stream run one after another, so they
+share them.
 
 Where it runs: only for (row bucket, out_features, in_features) shapes that a sweep on this
 device found faster than cuBLAS inside a CUDA graph (`benchmarks/gemv_sweep.py` writes
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backends import device_config_entries
+from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, device_config_entries
 
 CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.json
 
@@ -73,7 +74,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
-                          SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr):
+                          SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
+                          SS_ONE_SUM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -96,11 +98,17 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                            + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)   # NORM_BY_DOT: x x^T
     if NORM and not NORM_BY_DOT:   # sums of squares first, in SS_CHUNKS unrolled wide loads
+        squares = tl.zeros((BLOCK_M, SS_CHUNK), dtype=tl.float32)
         for chunk in tl.static_range(SS_CHUNKS):
             kk = chunk * SS_CHUNK + tl.arange(0, SS_CHUNK)
             xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + kk[None, :],
                          mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
-            sum_squares += tl.sum(xs * xs, axis=1)
+            if SS_ONE_SUM:
+                squares += xs * xs
+            else:
+                sum_squares += tl.sum(xs * xs, axis=1)
+        if SS_ONE_SUM:
+            sum_squares = tl.sum(squares, axis=1)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -171,22 +179,7 @@ def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
 # loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
 # against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
 NORM_BY_DOT_ROWS = 32
-MAX_TILES = 1 << 16   # output tiles one split-K call may have (arrival counters per device)
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """[MAX_TILES] int32 zeros on `device`, shared by every split-K call there (each call's
-    last splits leave them at zero). Made on the first split-K call, which must not be inside
-    a CUDA graph capture (the engine runs each graph's work eagerly before capturing it)."""
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split-K skinny GEMM's first call on a device is inside a "
-                               "CUDA graph capture; call it once eagerly before capturing")
-        _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
+SS_ONE_SUM = True   # EXPERIMENT: one reduction over the pre-pass's squares (vs one per chunk)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict, norm_eps: float | None = None, gated: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,12 +240,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(out_features, config["BLOCK_N"]), triton.cdiv(num_rows, rows_per_program),
             split_k)
     if split_k > 1:
-        if grid[0] * grid[1] > MAX_TILES:
-            raise ValueError(f"{grid[0] * grid[1]} output tiles exceed the {MAX_TILES} arrival "
-                             "counters of the split-K skinny GEMM; use SPLIT_K=1 or larger tiles")
+        if grid[0] * grid[1] > MAX_ARRIVAL_COUNTERS:
+            raise ValueError(f"{grid[0] * grid[1]} output tiles exceed the "
+                             f"{MAX_ARRIVAL_COUNTERS} arrival counters of the split-K skinny "
+                             "GEMM; use SPLIT_K=1 or larger tiles")
         partial = torch.empty((split_k, num_rows, out_features), dtype=torch.float32,
                               device=x.device)   # [SPLIT_K, M, N] float32 partial sums
-        counters = _arrival_counters(x.device)
+        counters = arrival_counters(x.device)
     else:
         partial = counters = out   # unused
     _skinny_linear_kernel[grid](
@@ -264,5 +258,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
-        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, **config)
+        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0,
+        SS_ONE_SUM=SS_ONE_SUM, **config)
     return out

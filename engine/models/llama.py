@@ -22,7 +22,6 @@ from engine.models.layers.rms_norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fused_linear import add_norm_linear, fold_norm_weight, linear_add
-from kernels.rotary import apply_rotary_write_kv
 
 # HF checkpoint projection -> (our fused parameter, shard)
 _FUSED_SHARDS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -60,10 +59,8 @@ class LlamaAttention(nn.Module):
     def attend(self, rope: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor,
                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """qkv: [T, q_size + 2 kv_size] -> attention output [T, q_size] (o_proj's input)."""
-        # rotate q and k, store k and v in the cache: one kernel on CUDA
-        query = apply_rotary_write_kv(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache,
-                                      attn_metadata.slot_mapping)  # [T, H_q, D]
-        return self.attn.attend(query, kv_cache, attn_metadata)  # [T, q_size]
+        # rotate q and k, store k and v in the cache, attend: one kernel at decode on CUDA
+        return self.attn.rotary_attend(qkv, rope, kv_cache, attn_metadata)  # [T, q_size]
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_common import DEVICE, relative_error, requires_triton
+from kernels.backends import arrival_counters
 
 pytestmark = [pytest.mark.gpu, requires_triton]
 
@@ -68,7 +69,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(num_rows, in_f
     assert relative_error(first, _reference(x, weight, bias)) < TOLERANCE[dtype]
     for _ in range(3):
         assert torch.equal(linear_triton.linear(x, weight, bias, config=config), first)
-    assert not linear_triton._arrival_counters(x.device).any()
+    assert not arrival_counters(x.device).any()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
@@ -90,7 +91,7 @@ def test_split_k_replays_in_a_cuda_graph():
         graph.replay()
         assert relative_error(out, _reference(x, weight)) < 1e-2
     torch.cuda.synchronize()
-    assert not linear_triton._arrival_counters(x.device).any()
+    assert not arrival_counters(x.device).any()
 
 
 def test_skinny_linear_reads_strided_rows():

@@ -1,0 +1,108 @@
+"""The one-kernel decode attention against the three unfused kernels, on one GPU.
+
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, 16-token blocks on
+shuffled block tables), 192-token contexts (the decode benchmark's mean), bf16. A CUDA graph of
+32 calls (one per layer, each on its own KV cache) is timed for:
+- unfused: `elementwise_triton.apply_rotary_write_kv`, then `paged_attention_triton._decode`
+  (the split-K decode kernel and, with several splits, its reduce kernel);
+- fused: `rotary_decode_triton.rotary_decode_attention` (one kernel), at the split count the
+  engine picks and, where it differs, at forced split counts (is a split worth it now that the
+  reduce costs no launch?).
+The graphs are captured with max_seq_len = 8192, as the engine's decode graphs are. Printed:
+microseconds per layer and fused / unfused.
+
+Run: python3 benchmarks/rotary_decode_bench.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+BATCHES, CONTEXT, LAYERS = (1, 8, 64, 256), 192, 32
+HQ, HKV, HEAD_DIM = 32, 8, 128
+
+
+def graph_us_per_layer(fn, replays: int = 20) -> float:
+    """Median replay time of a CUDA graph of fn(layer) for each layer, per layer (us)."""
+    for layer in range(LAYERS):
+        fn(layer)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(LAYERS):
+            fn(layer)
+    times = []
+    for _ in range(replays + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
+    return statistics.median(times[3:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+    from gpu_common import random_paged_batch  # noqa: I001 (tests/kernels on sys.path)
+
+    from kernels import elementwise_triton, rotary_decode_triton
+    from kernels import paged_attention_triton as pat
+
+    rows = []
+    for batch in BATCHES:
+        _, cache, metadata = random_paged_batch(
+            [1] * batch, [CONTEXT - 1] * batch, num_q_heads=HQ, num_kv_heads=HKV,
+            head_dim=HEAD_DIM, block_size=16, dtype=torch.bfloat16, seed=batch,
+            spare_blocks=64)
+        caches = [cache] + [cache.clone() for _ in range(LAYERS - 1)]
+        metadata = dataclasses.replace(metadata, max_seq_len=8192)   # as in a captured graph
+        qkv = torch.randn(batch, (HQ + 2 * HKV) * HEAD_DIM, device="cuda").to(torch.bfloat16)
+        angles = torch.rand(batch, 1, HEAD_DIM // 2, device="cuda") * 6.28
+        cos = angles.cos().repeat(1, 1, 2).to(torch.bfloat16)
+        sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(torch.bfloat16)
+        scale = HEAD_DIM ** -0.5
+
+        def unfused(layer):
+            query = elementwise_triton.apply_rotary_write_kv(qkv, HQ, HKV, cos, sin,
+                                                             caches[layer],
+                                                             metadata.slot_mapping)
+            pat._decode(query, caches[layer], metadata, scale)
+
+        def fused(layer):
+            rotary_decode_triton.rotary_decode_attention(qkv, HQ, cos, sin, caches[layer],
+                                                         metadata, scale)
+
+        engine_splits = pat.num_decode_splits(batch, HKV, 8192, pat._num_sms(0))
+        row = {"batch": batch, "splits": engine_splits,
+               "unfused_us": graph_us_per_layer(unfused), "fused_us": graph_us_per_layer(fused)}
+        row["fused_over_unfused"] = row["fused_us"] / row["unfused_us"]
+        for forced in sorted({1, 2, 4, engine_splits} - {engine_splits}):
+            rotary_decode_triton.num_decode_splits = lambda *_, n=forced: n
+            try:
+                row[f"fused_us_splits{forced}"] = graph_us_per_layer(fused)
+            finally:
+                rotary_decode_triton.num_decode_splits = pat.num_decode_splits
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                          for k, v in row.items()}), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "context": CONTEXT, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
