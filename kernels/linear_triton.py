@@ -74,8 +74,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
-                          SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
-                          SS_ONE_SUM: tl.constexpr):
+                          SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -98,17 +97,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                            + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)   # NORM_BY_DOT: x x^T
     if NORM and not NORM_BY_DOT:   # sums of squares first, in SS_CHUNKS unrolled wide loads
-        squares = tl.zeros((BLOCK_M, SS_CHUNK), dtype=tl.float32)
         for chunk in tl.static_range(SS_CHUNKS):
             kk = chunk * SS_CHUNK + tl.arange(0, SS_CHUNK)
             xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + kk[None, :],
                          mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
-            if SS_ONE_SUM:
-                squares += xs * xs
-            else:
-                sum_squares += tl.sum(xs * xs, axis=1)
-        if SS_ONE_SUM:
-            sum_squares = tl.sum(squares, axis=1)
+            sum_squares += tl.sum(xs * xs, axis=1)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -179,7 +172,6 @@ def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
 # loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
 # against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
 NORM_BY_DOT_ROWS = 32
-SS_ONE_SUM = True   # EXPERIMENT: one reduction over the pre-pass's squares (vs one per chunk)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict, norm_eps: float | None = None, gated: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,6 +250,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
-        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0,
-        SS_ONE_SUM=SS_ONE_SUM, **config)
+        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, **config)
     return out

@@ -206,13 +206,13 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         return out
     num_sms = _num_sms(qkv.device.index or 0) if qkv.is_cuda else 8
     splits = num_decode_splits(num_seqs, num_kv_heads, metadata.max_seq_len, num_sms)
-    part = m = l = counters = out      # placeholders when one split writes the output
+    counters = arrival_counters(qkv.device)   # int32 even when unused (the kernel compiles
+    part = m = l = out                        # its split path); placeholders for one split
     if splits > 1:
         rows = num_seqs * num_q_heads * splits
         part = torch.empty(rows, head_dim, dtype=torch.float32, device=qkv.device)
         m = torch.empty(rows, dtype=torch.float32, device=qkv.device)
         l = torch.empty_like(m)
-        counters = arrival_counters(qkv.device)
     group = num_q_heads // num_kv_heads
     block_tables = metadata.block_tables
     _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](

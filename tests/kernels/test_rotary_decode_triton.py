@@ -22,7 +22,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 CASES = {
     # name: (context_lens, Hq, Hkv, D, block_size, graph bound for max_seq_len or None)
-    "gqa_one_split": ([37, 5, 70], 8, 2, 32, 16, None),
+    "gqa_two_splits": ([37, 5, 70], 8, 2, 32, 16, None),
+    "many_seqs_one_split": ([20] * 40, 8, 4, 32, 16, None),
     "long_many_splits": ([700], 4, 1, 32, 16, None),
     "graph_bound_mostly_empty_splits": ([300, 70, 129, 0], 8, 2, 32, 16, 1024),
     "new_token_opens_a_tile": ([64, 127], 4, 2, 32, 8, 512),
