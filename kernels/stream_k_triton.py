@@ -10,8 +10,8 @@ in 64-row tiles is 96 programs, so 36 SMs idle; gate_up's 224 gated tiles put tw
 Schedule (Stream-K, Osama et al., PPoPP 2023, https://arxiv.org/abs/2301.03598): the work is
 U = tiles x k_iters units (one [BLOCK_N, BLOCK_K] weight tile each, taken n-tile by n-tile, K
 innermost); a grid of P persistent programs (P <= U, about a multiple of the SM count) gives
-program p the units [p U / P, (p + 1) U / P): one software-pipelined K loop per tile it
-touches (a tile's range of it: a segment). A tile whose K range one program covers is
+program p the units [p U / P, (p + 1) U / P) in one flat, software-pipelined loop, so the next
+tile's loads are in flight while a tile finishes. A tile whose K range one program covers is
 finished in that program (`linear_triton._epilogue`: norm scale, bias, SiLU-gate, residual).
 A tile split between programs p_lo..p_hi: each stores its float32 partial ([BLOCK_M, BLOCK_N],
 with the up half when gated) in its slot (slot 0: the first tile of its range, 1: the last),
@@ -78,72 +78,71 @@ def _stream_k_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     up_offset = N.to(tl.int64) * w_stride    # GATED: the up rows follow the N gate rows
     tile_size = BLOCK_M * BLOCK_N
     partial_up = num_programs * 2 * tile_size    # GATED: the up partials after the gate ones
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
-    segment_start = start   # a segment: this program's units of one tile (pipelined K loop)
-    while segment_start < end:
-        tile = segment_start // k_iters
-        tile_start = tile * k_iters
-        segment_end = tl.minimum(end, tile_start + k_iters)
+    segment_start = start                    # first unit of the tile segment in progress
+    for unit in range(start, end):
+        tile = unit // k_iters
+        k = (unit - tile * k_iters) * BLOCK_K
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        k_lo = (segment_start - tile_start) * BLOCK_K
-        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + (k_lo + ks)[None, :]
-        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + (k_lo + ks)[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_lo, (segment_end - tile_start) * BLOCK_K, BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptrs, mask=row_ok[:, None] & ((k + ks) < K)[None, :], other=0.0)
-            w_mask = col_ok[:, None] & ((k + ks) < K)[None, :]
-            if EVEN_N and EVEN_K:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-            if GATED:
-                if EVEN_N and EVEN_K:
-                    w_up = tl.load(w_ptrs + up_offset)
-                else:
-                    w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        if (segment_start == tile_start) & (segment_end == tile_start + k_iters):   # whole
-            _finish(acc, acc_up, sum_squares, residual_ptr, residual_stride, rows, cols,
-                    row_ok, col_ok, K, eps, bias_ptr, out_ptr, out_stride, HAS_BIAS, NORM,
-                    GATED, HAS_RESIDUAL)
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + (k + ks)[None, :]
+        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + (k + ks)[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         else:
-            offsets = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            slot = pid * 2 + (segment_start != start).to(tl.int32)
-            tl.store(partial_ptr + slot * tile_size + offsets, acc)
-            if GATED:
-                tl.store(partial_ptr + partial_up + slot * tile_size + offsets, acc_up)
-            tl.debug_barrier()   # the whole partial is written before the arrival counts
-            p_lo = _program_of(tile_start, num_units, num_programs)
-            p_hi = _program_of(tile_start + k_iters - 1, num_units, num_programs)
-            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == p_hi - p_lo:   # the last of the tile's programs: sum, in order
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for i in tl.static_range(MAX_PARTS):
-                    p = p_lo + i
-                    # slot 0 where this tile is p's first, else 1 (only p_lo's can be)
-                    first_tile = (p * num_units // num_programs) // k_iters
-                    other = p * 2 + (first_tile != tile).to(tl.int32)
-                    mine = (p + 0 * offsets) <= p_hi            # [BM, BN]
-                    total += tl.load(partial_ptr + other * tile_size + offsets, mask=mine,
-                                     other=0.0, cache_modifier=".cg")
-                    if GATED:
-                        total_up += tl.load(partial_ptr + partial_up + other * tile_size
-                                            + offsets, mask=mine, other=0.0,
-                                            cache_modifier=".cg")
-                _finish(total, total_up, sum_squares, residual_ptr, residual_stride, rows,
-                        cols, row_ok, col_ok, K, eps, bias_ptr, out_ptr, out_stride, HAS_BIAS,
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & ((k + ks) < K)[None, :], other=0.0)
+        w_mask = col_ok[:, None] & ((k + ks) < K)[None, :]
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if GATED:
+            if EVEN_N and EVEN_K:
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        tile_end = (tile + 1) * k_iters
+        if (unit == tile_end - 1) | (unit == end - 1):   # the segment ends: flush it
+            if (segment_start == tile * k_iters) & (unit == tile_end - 1):   # whole tile
+                _finish(acc, acc_up, sum_squares, residual_ptr, residual_stride, rows, cols,
+                        row_ok, col_ok, K, eps, bias_ptr, out_ptr, out_stride, HAS_BIAS,
                         NORM, GATED, HAS_RESIDUAL)
-                tl.atomic_xchg(counter_ptr + tile, 0)
-        segment_start = segment_end
+            else:
+                offsets = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                slot = pid * 2 + (segment_start != start).to(tl.int32)
+                tl.store(partial_ptr + slot * tile_size + offsets, acc)
+                if GATED:
+                    tl.store(partial_ptr + partial_up + slot * tile_size + offsets, acc_up)
+                tl.debug_barrier()   # the whole partial is written before the arrival counts
+                p_lo = _program_of(tile * k_iters, num_units, num_programs)
+                p_hi = _program_of(tile_end - 1, num_units, num_programs)
+                arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == p_hi - p_lo:   # the last of the tile's programs: sum, in order
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for i in tl.static_range(MAX_PARTS):   # unrolled: keeps the loop flat
+                        p = p_lo + i
+                        # slot 0 where this tile is p's first, else 1 (only p_lo's can be)
+                        first_tile = (p * num_units // num_programs) // k_iters
+                        other = p * 2 + (first_tile != tile).to(tl.int32)
+                        mine = (p + 0 * offsets) <= p_hi            # [BM, BN]
+                        total += tl.load(partial_ptr + other * tile_size + offsets, mask=mine,
+                                         other=0.0, cache_modifier=".cg")
+                        if GATED:
+                            total_up += tl.load(partial_ptr + partial_up + other * tile_size
+                                                + offsets, mask=mine, other=0.0,
+                                                cache_modifier=".cg")
+                    _finish(total, total_up, sum_squares, residual_ptr, residual_stride, rows,
+                            cols, row_ok, col_ok, K, eps, bias_ptr, out_ptr, out_stride,
+                            HAS_BIAS, NORM, GATED, HAS_RESIDUAL)
+                    tl.atomic_xchg(counter_ptr + tile, 0)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            segment_start = unit + 1
 
 
 def stream_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
