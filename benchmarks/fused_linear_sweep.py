@@ -27,24 +27,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gemv_sweep import BUCKETS, SHAPES, graph_us_per_call, launch_config  # noqa: E402
+from benchmarks.gemv_sweep import BUCKETS, SHAPES, graph_us_per_call  # noqa: E402
 
 EPS = 1e-5
 # boundary -> (first linear, its fusion, second linear, its fusion)
 BOUNDARIES = {"attn_to_mlp": ("o", "residual", "gate_up", "norm_gated"),
               "mlp_to_attn": ("down", "residual", "qkv", "norm")}
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, WAVES]) as gemv_sweep.CONFIGS: its
-# winners per bucket and their neighbours, and Stream-K grids (WAVES x the SM count programs);
-# norm fusions skip SPLIT_K > 1, gated ones halve BLOCK_N (two weight tiles per step)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): gemv_sweep's winners per bucket and their
+# neighbours; norm fusions skip SPLIT_K > 1, gated ones halve BLOCK_N (two weight tiles per step)
 CANDIDATES = {
     16: [(16, 128, 4, 6, 1), (32, 128, 4, 8, 1), (32, 256, 4, 4, 1), (64, 128, 4, 4, 1),
-         (64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (128, 128, 8, 3, 1), (32, 128, 4, 8, 2),
-         (64, 128, 4, 6, 1, 1), (64, 128, 4, 6, 1, 2), (32, 128, 4, 8, 1, 1),
-         (32, 128, 4, 8, 1, 2), (128, 128, 8, 3, 1, 1)],
+         (64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (128, 128, 8, 3, 1), (32, 128, 4, 8, 2)],
     64: [(64, 128, 4, 4, 1), (64, 64, 4, 6, 1), (128, 64, 8, 4, 1), (128, 128, 8, 3, 1),
-         (128, 64, 4, 5, 1), (256, 64, 8, 3, 1), (64, 128, 4, 4, 2), (128, 64, 4, 4, 2),
-         (64, 128, 4, 4, 1, 1), (64, 128, 4, 4, 1, 2), (128, 64, 8, 4, 1, 1),
-         (128, 128, 8, 3, 1, 1)],
+         (128, 64, 4, 5, 1), (256, 64, 8, 3, 1), (64, 128, 4, 4, 2), (128, 64, 4, 4, 2)],
 }
 
 
@@ -71,12 +66,13 @@ def fused_call(fusion: str, x, weight, residual, config: dict):
 
 def candidate_configs(fusion: str, bucket: int) -> list[dict]:
     configs = []
-    for block_n, block_k, *rest in CANDIDATES[bucket]:
-        if fusion != "residual" and rest[2] > 1:   # SPLIT_K
+    for block_n, block_k, warps, stages, split_k in CANDIDATES[bucket]:
+        if fusion != "residual" and split_k > 1:
             continue
         if fusion == "norm_gated":
             block_n = max(16, block_n // 2)
-        config = launch_config(block_n, block_k, *rest)
+        config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
+                  "num_stages": stages, "SPLIT_K": split_k}
         if config not in configs:
             configs.append(config)
     return configs

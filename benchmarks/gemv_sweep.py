@@ -30,39 +30,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 BUCKETS = {16: (1, 16), 64: (64,)}
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, WAVES]). Split 1: the configs the first
-# sweep (isolated calls) ranked near the top for some shape. Split > 1 (run 10): more programs
-# for the short weights, and at 64 rows wide N tiles that re-read fewer x rows per weight byte
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split 1: the configs the first sweep
+# (isolated calls) ranked near the top for some shape. Split > 1 (run 10): more programs for
+# the short weights, and at 64 rows wide N tiles that re-read fewer x rows per weight byte
 # (run 10 swept qkv, o and down with the split-K configs plus the run-9 winners
 # (64,128,4,6), (32,128,4,8), (64,256,4,3) / (64,128,4,4), (32,256,4,3), (128,128,8,4)).
-# WAVES > 0 (run 13): the Stream-K schedule (kernels/stream_k_triton.py) with WAVES x the SM
-# count persistent programs, so every SM streams the same share of the weight.
 CONFIGS = {
     16: [(16, 128, 4, 6, 1), (16, 256, 4, 4, 1), (16, 512, 4, 3, 1), (16, 128, 4, 8, 1),
          (32, 128, 4, 5, 1), (32, 128, 4, 8, 1), (32, 256, 4, 4, 1), (32, 512, 8, 3, 1),
          (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (64, 256, 8, 3, 1), (64, 128, 8, 5, 1),
          (64, 128, 4, 6, 1), (128, 128, 8, 3, 1), (64, 64, 4, 8, 1), (128, 64, 4, 6, 1),
-         (64, 128, 4, 6, 2), (32, 128, 4, 8, 2), (64, 256, 4, 3, 2), (128, 128, 8, 4, 4),
-         (64, 128, 4, 6, 1, 1), (64, 128, 4, 6, 1, 2), (32, 128, 4, 8, 1, 1),
-         (32, 128, 4, 8, 1, 2), (64, 256, 4, 3, 1, 1), (128, 128, 8, 3, 1, 1)],
+         (64, 128, 4, 6, 2), (32, 128, 4, 8, 2), (64, 256, 4, 3, 2), (128, 128, 8, 4, 4)],
     64: [(32, 128, 4, 4, 1), (32, 256, 4, 3, 1), (64, 64, 4, 6, 1), (64, 128, 4, 4, 1),
          (128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (128, 64, 4, 5, 1), (256, 64, 8, 3, 1),
          (128, 128, 8, 4, 1), (64, 128, 4, 4, 2), (128, 64, 4, 4, 2), (128, 64, 4, 5, 4),
-         (128, 128, 8, 3, 4), (256, 64, 8, 3, 4), (128, 64, 4, 6, 8),
-         (64, 128, 4, 4, 1, 1), (64, 128, 4, 4, 1, 2), (128, 64, 8, 4, 1, 1),
-         (64, 64, 4, 6, 1, 2), (128, 128, 8, 3, 1, 1)],
+         (128, 128, 8, 3, 4), (256, 64, 8, 3, 4), (128, 64, 4, 6, 8)],
 }
-
-
-def launch_config(block_n: int, block_k: int, warps: int, stages: int, split_k: int,
-                  waves: int = 0) -> dict:
-    """A CONFIGS tuple as `linear_triton.linear`'s config: SPLIT_K, or with waves > 0 the
-    Stream-K grid PROGRAMS = waves x this device's SM count."""
-    config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
-    if waves:
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        return {**config, "PROGRAMS": waves * sms}
-    return {**config, "SPLIT_K": split_k}
 
 
 def graph_us_per_call(fn, weights: list[torch.Tensor]) -> float:
@@ -94,8 +77,9 @@ def sweep_shape(name: str, bucket: int, out_features: int, in_features: int) -> 
     cublas_us = sum(graph_us_per_call(lambda w, x=x: F.linear(x, w), weights)
                     for x in xs.values())
     results = []
-    for candidate in CONFIGS[bucket]:
-        config = launch_config(*candidate)
+    for block_n, block_k, warps, stages, split_k in CONFIGS[bucket]:
+        config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
+                  "num_stages": stages, "SPLIT_K": split_k}
         try:
             for x in xs.values():
                 ref = F.linear(x.float(), weights[0].float())

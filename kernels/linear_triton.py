@@ -183,8 +183,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             I gate rows, then the I up rows).
         bias: [out_features] or None (None when gated).
         config: launch parameters BLOCK_N, BLOCK_K, num_warps, num_stages and optionally
-            SPLIT_K (default 1) or PROGRAMS (a Stream-K grid of that many persistent
-            programs, `kernels/stream_k_triton.py`; at most 64 rows) (`tuned_config`).
+            SPLIT_K (default 1) (`tuned_config`).
         norm_eps: if given, compute `(x / rms(x)) @ weight.T`, rms(x) = sqrt(mean(x^2) + eps)
             over each row of x (RMSNorm with a unit weight: fold the norm weight into `weight`
             first). The rows' sums of squares come from a pre-pass over x (unrolled wide
@@ -221,7 +220,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight = weight if weight.is_contiguous() else weight.contiguous()
     config = dict(config)
     split_k = config.pop("SPLIT_K", 1)
-    programs = config.pop("PROGRAMS", 0)
     if split_k > 1 and (norm_eps is not None or gated):
         raise ValueError("norm_eps and gated need SPLIT_K=1 (each program must see all of K)")
     block_k = config["BLOCK_K"]
@@ -231,12 +229,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # the norm's pre-pass loads [rows_per_program, ss_chunk] tiles of 4K elements (32 float32
     # registers per thread at 4 warps: 16K-element tiles measured ~4.5 us slower per call)
     ss_chunk = min(triton.next_power_of_2(in_features), (1 << 12) // rows_per_program)
-    if programs:   # the Stream-K schedule (kernels/stream_k_triton.py)
-        from kernels.stream_k_triton import stream_k_linear
-
-        return stream_k_linear(x, weight, bias, out, programs=programs,
-                               block_m=rows_per_program, norm_eps=norm_eps, gated=gated,
-                               residual=residual, ss_chunk=ss_chunk, config=config)
     grid = (triton.cdiv(out_features, config["BLOCK_N"]), triton.cdiv(num_rows, rows_per_program),
             split_k)
     if split_k > 1:
