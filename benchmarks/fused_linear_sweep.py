@@ -27,14 +27,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gemv_sweep import BUCKETS, SHAPES, graph_us_per_call  # noqa: E402
+from benchmarks.gemv_sweep import (BUCKETS, SHAPES, SWAP_CONFIGS,  # noqa: E402
+                                   graph_us_per_call)
+from benchmarks.gemv_sweep import candidate_configs as launch_configs  # noqa: E402
 
 EPS = 1e-5
 # boundary -> (first linear, its fusion, second linear, its fusion)
 BOUNDARIES = {"attn_to_mlp": ("o", "residual", "gate_up", "norm_gated"),
               "mlp_to_attn": ("down", "residual", "qkv", "norm")}
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): gemv_sweep's winners per bucket and their
-# neighbours; norm fusions skip SPLIT_K > 1, gated ones halve BLOCK_N (two weight tiles per step)
+# neighbours, and gemv_sweep.SWAP_CONFIGS with SWAP_AB; norm fusions skip SPLIT_K > 1, gated ones
+# halve BLOCK_N (two weight tiles per step)
 CANDIDATES = {
     16: [(16, 128, 4, 6, 1), (32, 128, 4, 8, 1), (32, 256, 4, 4, 1), (64, 128, 4, 4, 1),
          (64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (128, 128, 8, 3, 1), (32, 128, 4, 8, 2)],
@@ -65,14 +68,13 @@ def fused_call(fusion: str, x, weight, residual, config: dict):
 
 
 def candidate_configs(fusion: str, bucket: int) -> list[dict]:
+    """CANDIDATES and gemv_sweep.SWAP_CONFIGS (with SWAP_AB) as launch configs for `fusion`."""
     configs = []
-    for block_n, block_k, warps, stages, split_k in CANDIDATES[bucket]:
-        if fusion != "residual" and split_k > 1:
+    for config in launch_configs(bucket, CANDIDATES, SWAP_CONFIGS):
+        if fusion != "residual" and config["SPLIT_K"] > 1:
             continue
         if fusion == "norm_gated":
-            block_n = max(16, block_n // 2)
-        config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
-                  "num_stages": stages, "SPLIT_K": split_k}
+            config["BLOCK_N"] = max(16, config["BLOCK_N"] // 2)
         if config not in configs:
             configs.append(config)
     return configs

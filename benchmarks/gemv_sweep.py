@@ -46,6 +46,24 @@ CONFIGS = {
          (128, 128, 8, 4, 1), (64, 128, 4, 4, 2), (128, 64, 4, 4, 2), (128, 64, 4, 5, 4),
          (128, 128, 8, 3, 4), (256, 64, 8, 3, 4), (128, 64, 4, 6, 8)],
 }
+# run 13: the same tile shapes with SWAP_AB (W x^T: the weight tile as the A operand of a
+# Hopper wgmma from shared memory; without it, 16-row tiles run mma.sync with the weight
+# tile moved through registers). (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
+SWAP_CONFIGS = {
+    16: [(64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (128, 128, 4, 4, 1), (128, 128, 8, 3, 1),
+         (64, 128, 4, 8, 1), (32, 128, 4, 8, 1)],
+    64: [(64, 128, 4, 4, 1), (128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (64, 128, 4, 4, 2),
+         (64, 64, 4, 6, 1)],
+}
+
+
+def candidate_configs(bucket: int, configs: dict = CONFIGS,
+                      swap_configs: dict = SWAP_CONFIGS) -> list[dict]:
+    """The bucket's launch configs for `linear_triton.linear`: `configs` as given, then
+    `swap_configs` with SWAP_AB."""
+    names = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
+    return ([dict(zip(names, c)) for c in configs[bucket]]
+            + [{**dict(zip(names, c)), "SWAP_AB": True} for c in swap_configs[bucket]])
 
 
 def graph_us_per_call(fn, weights: list[torch.Tensor]) -> float:
@@ -77,9 +95,7 @@ def sweep_shape(name: str, bucket: int, out_features: int, in_features: int) -> 
     cublas_us = sum(graph_us_per_call(lambda w, x=x: F.linear(x, w), weights)
                     for x in xs.values())
     results = []
-    for block_n, block_k, warps, stages, split_k in CONFIGS[bucket]:
-        config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
-                  "num_stages": stages, "SPLIT_K": split_k}
+    for config in candidate_configs(bucket):
         try:
             for x in xs.values():
                 ref = F.linear(x.float(), weights[0].float())

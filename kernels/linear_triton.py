@@ -67,6 +67,16 @@ def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K,
 
 
 @triton.jit
+def _mma(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x @ w.T ([BM, BN]), or with SWAP_AB its transpose acc + w @ x.T ([BN, BM])."""
+    if SWAP_AB:
+        out = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        out = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                           counter_ptr, M, N, K, k_per_split, x_stride, w_stride, residual_stride,
                           out_stride, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
@@ -74,7 +84,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
-                          SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr):
+                          SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
+                          SWAP_AB: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -88,10 +99,14 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]      # [BM, BK]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]      # [BN, BK]
     up_offset = N.to(tl.int64) * w_stride    # GATED: the up rows follow the N gate rows
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:   # acc^T = W x^T: the weight tile is the MMA's A operand, from shared memory
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sum_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    residual = acc
+    residual = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_RESIDUAL:   # loaded now, so its latency is not added after the K loop
         residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride
                            + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
@@ -113,17 +128,20 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _mma(x, w, acc, SWAP_AB, PRECISION)
         if GATED:
             if EVEN_N and EVEN_K:
                 w_up = tl.load(w_ptrs + up_offset)
             else:
                 w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+            acc_up = _mma(x, w_up, acc_up, SWAP_AB, PRECISION)
         if NORM and NORM_BY_DOT:   # the sums of squares as one more dot on the same x tile
             gram = tl.dot(x, tl.trans(x), gram, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     if NORM and NORM_BY_DOT:
         diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
         sum_squares = tl.sum(tl.where(diagonal, gram, 0.0), axis=1)
@@ -183,7 +201,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             I gate rows, then the I up rows).
         bias: [out_features] or None (None when gated).
         config: launch parameters BLOCK_N, BLOCK_K, num_warps, num_stages and optionally
-            SPLIT_K (default 1) (`tuned_config`).
+            SPLIT_K (default 1) and SWAP_AB (default False: compute the transposed tile
+            W x^T, the weight tile as the MMA's A operand) (`tuned_config`).
         norm_eps: if given, compute `(x / rms(x)) @ weight.T`, rms(x) = sqrt(mean(x^2) + eps)
             over each row of x (RMSNorm with a unit weight: fold the norm weight into `weight`
             first). The rows' sums of squares come from a pre-pass over x (unrolled wide
@@ -220,6 +239,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight = weight if weight.is_contiguous() else weight.contiguous()
     config = dict(config)
     split_k = config.pop("SPLIT_K", 1)
+    swap_ab = config.pop("SWAP_AB", False)
     if split_k > 1 and (norm_eps is not None or gated):
         raise ValueError("norm_eps and gated need SPLIT_K=1 (each program must see all of K)")
     block_k = config["BLOCK_K"]
@@ -250,5 +270,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
-        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, **config)
+        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, SWAP_AB=swap_ab,
+        **config)
     return out

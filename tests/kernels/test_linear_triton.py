@@ -19,6 +19,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 SMALL = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
 LARGE = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 SPLIT = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "SPLIT_K": 3}
+SWAP = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "SWAP_AB": True}
+SWAP_SPLIT = {**SWAP, "SPLIT_K": 2}
 
 
 def _randn(*shape, dtype, seed, scale=1.0):
@@ -36,7 +38,8 @@ def _reference(x, weight, bias=None):
     (3, 40, 200, True),     # ragged N and K, bias
     (17, 96, 64, False),    # two row tiles of 16
 ])
-@pytest.mark.parametrize("config", [SMALL, LARGE, SPLIT], ids=["small", "large", "split_k"])
+@pytest.mark.parametrize("config", [SMALL, LARGE, SPLIT, SWAP, SWAP_SPLIT],
+                         ids=["small", "large", "split_k", "swap_ab", "swap_ab_split_k"])
 def test_skinny_linear_matches_f_linear(dtype, num_rows, out_features, in_features,
                                         with_bias, config):
     from kernels.linear_triton import linear
@@ -150,7 +153,9 @@ def _rms_normed(x, eps):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_rows, in_features", [(1, 128), (3, 200), (17, 64)])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_norm_and_gated_epilogues_match_the_unfused_ops(dtype, num_rows, in_features, gated):
+@pytest.mark.parametrize("config", [SMALL, SWAP], ids=["x_w", "swap_ab"])
+def test_norm_and_gated_epilogues_match_the_unfused_ops(dtype, num_rows, in_features, gated,
+                                                        config):
     """norm_eps: (x / rms(x)) @ W.T with the sums of squares taken in the K loop (ragged K and
     two row tiles included); gated: silu(x @ gate.T) * (x @ up.T) from one [2I, K] weight."""
     from kernels.linear_triton import linear
@@ -158,7 +163,7 @@ def test_norm_and_gated_epilogues_match_the_unfused_ops(dtype, num_rows, in_feat
     eps = 1e-5
     x = _randn(num_rows, in_features, dtype=dtype, seed=21, scale=3.0)
     weight = _randn(2 * 48, in_features, dtype=dtype, seed=22, scale=in_features ** -0.5)
-    got = linear(x, weight, config=SMALL, norm_eps=eps, gated=gated)
+    got = linear(x, weight, config=config, norm_eps=eps, gated=gated)
     product = F.linear(_rms_normed(x, eps), weight.double())              # [M, 96]
     if gated:
         gate, up = product[:, :48], product[:, 48:]
@@ -168,7 +173,8 @@ def test_norm_and_gated_epilogues_match_the_unfused_ops(dtype, num_rows, in_feat
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["one_split", "split_k"])
+@pytest.mark.parametrize("config", [SMALL, SPLIT, SWAP_SPLIT],
+                         ids=["one_split", "split_k", "swap_ab_split_k"])
 def test_residual_epilogue_adds_into_the_residual_in_place(dtype, config):
     """residual + x @ W.T (+ bias) is written into `residual`, which is returned; split-K adds
     it once, in the split that arrives last."""
