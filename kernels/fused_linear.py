@@ -23,8 +23,9 @@ Which shapes run fused: `benchmarks/fused_linear_sweep.py --write-configs` times
 and per layer boundary (o -> gate_up, down -> qkv), the fused kernels against the unfused chain
 in CUDA graphs and writes `kernels/configs/fused_linear_<device name>.json`; `fused_config`
 returns the kernel config where that file says the fused boundary was faster, else None. On
-the H200 (benchmarks/RESULTS.md run 12) both boundaries run fused up to 16 rows and down -> qkv
-at 64 rows (decode at batch 1: +2.8% in one process).
+the H200 (benchmarks/RESULTS.md run 13) both boundaries run fused up to 16 rows (SWAP_AB
+tiles) and o -> gate_up at 64 rows; decode at batch 1 ran 5% faster fused than unfused in one
+process. At 64 rows either choice is within the sweep's run-to-run noise (~1-3%).
 
 Numerics against the unfused ops: the fused norm scales the float32 product by 1 / rms instead
 of rounding x / rms to the dtype before the GEMM; the folded weight W * g is rounded once at load.

@@ -17,6 +17,15 @@ for the next call. The counters are one int32 per output tile (`kernels.backends
 arrival_counters`), zero between calls; calls on one stream run one after another, so they
 share them.
 
+Operand order: by default the tile product is x @ w^T ([BLOCK_M, BLOCK_N]); at 16 rows Triton
+then runs mma.sync with the weight tile moved from shared memory through registers. SWAP_AB
+computes the transposed tile w @ x^T ([BLOCK_N, BLOCK_M]), so a weight tile of 64+ rows is the
+A operand of a Hopper wgmma read straight from shared memory (x^T, BLOCK_M wide, is its B), and
+transposes the accumulator once before the epilogue. On the H200 this took the fused decode
+boundaries from 152.2 to 147.0 us (o -> gate_up) and 100.7 to 95.7 us (down -> qkv) at 1 + 16
+rows (benchmarks/RESULTS.md run 13); at 64 rows the sweep kept the x @ w^T order for most
+shapes. The sweep picks the order per shape.
+
 Where it runs: only for (row bucket, out_features, in_features) shapes that a sweep on this
 device found faster than cuBLAS inside a CUDA graph (`benchmarks/gemv_sweep.py` writes
 `kernels/configs/skinny_linear_<device name>.json` with the best tile config per shape);

@@ -99,7 +99,7 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
     slot = tl.load(slot_ptr + seq).to(tl.int64)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    row_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     cached_end = tl.minimum(end, new_pos)                # cached positions: [begin, cached_end)
@@ -116,7 +116,7 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
@@ -130,19 +130,19 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
         m_new = tl.maximum(m, s_new)
         alpha = tl.exp(m - m_new)
         p_new = tl.exp(s_new - m_new).to(v_new.dtype).to(tl.float32)
-        l = l * alpha + p_new
+        row_sum = row_sum * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
         m = m_new
 
     out_ptrs = out_ptr + ((seq * NUM_Q_HEADS + heads) * HEAD_DIM)[:, None] + d[None, :]
     dtype = out_ptr.dtype.element_ty
     if active <= 1:
-        tl.store(out_ptrs, (acc / tl.maximum(l, 1e-30)[:, None]).to(dtype), mask=q_mask)
+        tl.store(out_ptrs, (acc / tl.maximum(row_sum, 1e-30)[:, None]).to(dtype), mask=q_mask)
     else:
         first = (seq * NUM_Q_HEADS + heads) * NUM_SPLITS                # [G] split 0's row
         tl.store(part_ptr + (first + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
         tl.store(m_ptr + first + split, m, mask=g_ok)
-        tl.store(l_ptr + first + split, l, mask=g_ok)
+        tl.store(l_ptr + first + split, row_sum, mask=g_ok)
         tl.debug_barrier()   # every thread's partial is written before the arrival is counted
         counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -207,17 +207,17 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
     num_sms = _num_sms(qkv.device.index or 0) if qkv.is_cuda else 8
     splits = num_decode_splits(num_seqs, num_kv_heads, metadata.max_seq_len, num_sms)
     counters = arrival_counters(qkv.device)   # int32 even when unused (the kernel compiles
-    part = m = l = out                        # its split path); placeholders for one split
+    part = m = sums = out                     # its split path); placeholders for one split
     if splits > 1:
         rows = num_seqs * num_q_heads * splits
         part = torch.empty(rows, head_dim, dtype=torch.float32, device=qkv.device)
         m = torch.empty(rows, dtype=torch.float32, device=qkv.device)
-        l = torch.empty_like(m)
+        sums = torch.empty_like(m)
     group = num_q_heads // num_kv_heads
     block_tables = metadata.block_tables
     _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
         qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, block_tables, metadata.seq_lens,
-        out, part, m, l, counters, scale, qkv.stride(0), cos.stride(0), signed_sin.stride(0),
+        out, part, m, sums, counters, scale, qkv.stride(0), cos.stride(0), signed_sin.stride(0),
         block_tables.stride(0), kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
