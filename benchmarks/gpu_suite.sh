@@ -17,8 +17,7 @@ if [ "$what" = sweep ]; then
 fi
 if [ "$what" != bench ]; then
   timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
-    tests/kernels/test_paged_attention_triton.py tests/kernels/test_elementwise_triton.py \
-    tests/kernels/test_linear_triton.py \
+    tests/kernels tests/engine/test_fused_llama_gpu.py \
     tests/engine/test_gpu_engine.py tests/engine/test_kv_transfer_gpu.py tests/e2e/test_gpu_server.py 2>&1 | tee "$OUT/tests.log"
 fi
 if [ "$what" != tests ]; then
