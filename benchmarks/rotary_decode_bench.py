@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,24 +30,11 @@ BATCHES, CONTEXT, LAYERS = (1, 8, 64, 256), 192, 32
 HQ, HKV, HEAD_DIM = 32, 8, 128
 
 
-def graph_us_per_layer(fn, replays: int = 20) -> float:
+def graph_us_per_layer(fn) -> float:
     """Median replay time of a CUDA graph of fn(layer) for each layer, per layer (us)."""
-    for layer in range(LAYERS):
-        fn(layer)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
-            fn(layer)
-    times = []
-    for _ in range(replays + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return statistics.median(times[3:])
+    from benchmarks.blas_sweep import graph_us
+
+    return graph_us(lambda: [fn(layer) for layer in range(LAYERS)]) / LAYERS
 
 
 def main() -> int:

@@ -79,6 +79,37 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 
 
 @triton.jit
+def _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale, v_offset,
+                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax attention of q ([G, D], G query heads of `kv_head`) to the cached
+    positions [begin, end) read through the block table row `table`, BLOCK_N at a time.
+    Returns (running max m [G], running sum l [G], unnormalised output acc [G, D]), float32;
+    m = -inf, l = 0, acc = 0 for an empty range."""
+    m = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        offsets = rows[:, None] * HEAD_DIM + d[None, :]                # [N, D]
+        kv_mask = valid[:, None] & d_ok[None, :]
+        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] fp32
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr, m_ptr,
                    l_ptr, scale, q_stride_t, q_stride_h, bt_stride, out_stride_t, out_stride_h,
                    v_offset, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
@@ -99,27 +130,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, pa
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
                 mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0)  # [G, D]
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    for start in range(begin, end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-        offsets = rows[:, None] * HEAD_DIM + d[None, :]                # [N, D]
-        kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] fp32
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    m, l, acc = _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale,
+                                v_offset, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                PRECISION)
 
     head_ok = (g < GROUP)[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:

@@ -10,7 +10,7 @@ latency, not bytes (H200, Llama-3-8B: 1.8 + 4.2 + 2.2 us per layer, benchmarks/R
   projection and rotates them in registers (the rounding steps of the rotary kernel);
 - it attends to its slice of the cached context ("flash-decoding" split-K, Dao et al. 2023,
   https://pytorch.org/blog/flash-decoding/, with the online softmax of Milakov & Gimelshein
-  2018), exactly as `paged_attention_triton._decode_kernel`;
+  2018) with `paged_attention_triton._decode_kernel`'s loop (`_attend_context`);
 - the program whose slice holds the new token (position seq_len - 1) rotates that token's k,
   writes k and v at `slot_mapping[seq]` (skipped for slot -1), and adds the token to its
   softmax from registers: the cache is not read back, so no other program waits on the write;
@@ -38,8 +38,9 @@ import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters
-from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _check_cache,
-                                            _num_sms, _precision, num_decode_splits)
+from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_context,
+                                            _check_cache, _num_sms, _precision,
+                                            num_decode_splits)
 
 
 @triton.jit
@@ -98,28 +99,11 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
                     mask=new_mask, other=0.0)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     cached_end = tl.minimum(end, new_pos)                # cached positions: [begin, cached_end)
-    for start in range(begin, cached_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < cached_end
-        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-        offsets = rows[:, None] * HEAD_DIM + d[None, :]                # [N, D]
-        kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] fp32
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    m, row_sum, acc = _attend_context(q, cache_ptr, table, begin, cached_end, kv_head, d, d_ok,
+                                      scale, v_offset, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                      BLOCK_N, PRECISION)
     if owns_new:
         k_new = _rotate(k_new, k_partner, cos, sin)                   # [D]
         if slot >= 0:
