@@ -1,0 +1,115 @@
+"""Compile the decode kernels for an H100 / H200 (sm_90) on a machine without a GPU, and say how
+Triton lowered them: MMA kind, cp.async software pipelining, shared memory.
+
+Triton compiles for a target it is told about, GPU or not (ptxas ships with it), so questions
+like "is this K loop pipelined?" or "does this tile shape run wgmma?" cost no device time. The
+kernels are compiled as the runtime would specialise them for real shapes: pointers and the
+int arguments marked below as multiples of 16 (what the JIT infers from the tensors), so
+cp.async can be used. Run 13 used it to find that a flat Stream-K loop was not pipelined and
+that 16-row tiles run mma.sync unless SWAP_AB is set (benchmarks/RESULTS.md).
+
+For output faithful to the device use its Triton version (3.6.0), e.g. in a separate venv:
+  python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
+  PYTHONPATH=/tmp/t36/lib/python3.11/site-packages python3 benchmarks/compile_sm90.py
+
+Run: python3 benchmarks/compile_sm90.py [--ptx-dir DIR]   (DIR: write each variant's PTX)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GEMM_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "residual_ptr": "*bf16",
+             "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32",
+             "N": "i32", "K": "i32", "k_per_split": "i32", "x_stride": "i32",
+             "w_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "eps": "fp32"}
+DECODE_ARGS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16",
+               "slot_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+               "out_ptr": "*bf16", "part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+               "counter_ptr": "*i32", "scale": "fp32", "qkv_stride": "i32", "cos_stride": "i32",
+               "sin_stride": "i32", "bt_stride": "i32", "v_offset": "i32"}
+NOT_MULTIPLE_OF_16 = {"M", "eps", "scale"}   # decode row counts; float scalars
+
+# (label, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, fusion, SWAP_AB): the run-13 configs
+GEMMS = [("qkv + norm, 16 rows", 16, 64, 128, 4, 6, "norm", False),
+         ("qkv + norm, 16 rows, swapped", 16, 64, 128, 4, 6, "norm", True),
+         ("gate_up + norm + SiLU, 16 rows, swapped", 16, 64, 128, 8, 3, "norm_gated", True),
+         ("down + residual, 64 rows", 64, 64, 128, 4, 4, "residual", False),
+         ("LM head, 16 rows, swapped", 16, 128, 128, 8, 3, None, True)]
+DECODE_LABEL = "rotary decode attention, Llama-3-8B heads"
+
+
+def compile_for_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """triton.compile of `fn` for cuda:90 with the given arg types ("*bf16", "i32", ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**args, **{name: "constexpr" for name in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
+             if name not in NOT_MULTIPLE_OF_16}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def describe(kernel) -> str:
+    ttgir = kernel.asm["ttgir"]
+    mma = ("wgmma" if "warp_group_dot " in ttgir else
+           "mma.sync" if "versionMajor = 2" in ttgir else "none")
+    return (f"mma {mma:8s} cp.async copies {ttgir.count('async_copy_global_to_local'):2d}  "
+            f"shared {kernel.metadata.shared // 1024:3d} KiB")
+
+
+def variants() -> list[tuple]:
+    """(label, kernel, arg types, constexprs, num_warps, num_stages) of every variant."""
+    from kernels import linear_triton, rotary_decode_triton
+
+    out = []
+    for label, block_m, block_n, block_k, warps, stages, fusion, swap in GEMMS:
+        constexprs = dict(HAS_BIAS=False, NORM=fusion in ("norm", "norm_gated"),
+                          GATED=fusion == "norm_gated", HAS_RESIDUAL=fusion == "residual",
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1,
+                          EVEN_N=True, EVEN_K=True, PRECISION="tf32",
+                          NORM_BY_DOT=block_m >= linear_triton.NORM_BY_DOT_ROWS,
+                          SS_CHUNK=4096 // block_m, SS_CHUNKS=block_m, SWAP_AB=swap)
+        out.append((label, linear_triton._skinny_linear_kernel, GEMM_ARGS, constexprs, warps,
+                    stages))
+    decode = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128,
+                  BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=32, PRECISION="tf32")
+    out.append((DECODE_LABEL, rotary_decode_triton._rotary_decode_kernel, DECODE_ARGS, decode,
+                4, 2))
+    return out
+
+
+def compile_variant(label: str):
+    """The compiled kernel of the variant called `label`."""
+    for name, fn, arg_types, constexprs, warps, stages in variants():
+        if name == label:
+            return compile_for_sm90(fn, arg_types, constexprs, warps, stages)
+    raise KeyError(label)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ptx-dir", type=Path, default=None)
+    args = parser.parse_args()
+    import triton
+
+    print(f"Triton {triton.__version__}, target cuda:90")
+    for label, fn, arg_types, constexprs, warps, stages in variants():
+        kernel = compile_for_sm90(fn, arg_types, constexprs, warps, stages)
+        print(f"{label:42s} {describe(kernel)}", flush=True)
+        if args.ptx_dir:
+            args.ptx_dir.mkdir(parents=True, exist_ok=True)
+            name = "".join(c if c.isalnum() else "_" for c in label)
+            (args.ptx_dir / f"{name}.ptx").write_text(kernel.asm["ptx"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

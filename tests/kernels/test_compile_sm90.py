@@ -1,0 +1,32 @@
+"""The decode kernels as Triton lowers them for an H100 / H200 (sm_90), compiled on this CPU
+machine (benchmarks/compile_sm90.py): properties their speed rests on, checked without a GPU.
+SWAP_AB tiles must run Hopper wgmma from shared memory, and the skinny GEMM's and the decode
+attention's K loops must be software-pipelined (cp.async copies in flight)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="needs the triton package (compiles, runs nothing)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _copies(kernel) -> int:
+    return kernel.asm["ttgir"].count("async_copy_global_to_local")
+
+
+def test_swapped_16_row_tiles_run_pipelined_wgmma():
+    from benchmarks.compile_sm90 import compile_variant
+
+    kernel = compile_variant("qkv + norm, 16 rows, swapped")
+    assert "warp_group_dot " in kernel.asm["ttgir"]
+    assert _copies(kernel) > 0
+
+
+def test_rotary_decode_attention_loop_is_pipelined():
+    from benchmarks.compile_sm90 import DECODE_LABEL, compile_variant
+
+    assert _copies(compile_variant(DECODE_LABEL)) > 0
