@@ -52,7 +52,7 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 def from_engine_error(exc: Exception) -> APIError | None:
     """The API error for an exception `AsyncLLM.generate` raised, or None if it is a bug."""
     if isinstance(exc, QueueFullError):
-        return APIError(f"The server is at capacity: {exc} Retry after a short wait.",
+        return APIError(f"The server is at capacity: {exc}",
                         status_code=429, type="rate_limit_error", code="rate_limit_exceeded",
                         headers={"Retry-After": "1"})
     if isinstance(exc, EngineShuttingDownError):
@@ -153,13 +153,22 @@ async def _request_validation(_: Request, exc: RequestValidationError) -> JSONRe
     return validation_error(list(exc.errors())).response()
 
 
+# FastAPI's 400 for a body its JSON decoder failed on other than as malformed JSON (bytes that
+# are not UTF-8, nesting past the recursion limit)
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    message = str(exc.detail)
+    message, code = str(exc.detail), None
     if exc.status_code == 404:
         message = f"No route {request.method} {request.url.path}; see GET /v1/models."
     elif exc.status_code == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
-    err = APIError(message, status_code=exc.status_code,
+    elif exc.status_code == 400 and message == _FASTAPI_BODY_ERROR:
+        message, code = ("The request body could not be decoded as JSON (bytes that are not "
+                         "UTF-8, or nesting too deep); send a UTF-8 JSON object with "
+                         "Content-Type: application/json."), "invalid_json"
+    err = APIError(message, status_code=exc.status_code, code=code,
                    type=_HTTP_TYPES.get(exc.status_code, "invalid_request_error"))
     return JSONResponse(err.body(), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))

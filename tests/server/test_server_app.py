@@ -183,6 +183,11 @@ def test_malformed_and_missing_bodies_are_openai_400s(client):
                          400, None, "invalid_json", "not valid JSON")
     assert error["type"] == "invalid_request_error"
     assert_error(client.post("/v1/completions"), 400, None, "invalid_json", "has no body")
+    # found by black-box testing: these two were FastAPI's bare "error parsing the body"
+    for body in (b'{"prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000):
+        assert_error(client.post("/v1/completions", content=body,
+                                 headers={"content-type": "application/json"}),
+                     400, None, "invalid_json", "could not be decoded as JSON")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, None, "invalid_type")
     assert_error(client.post("/v1/chat/completions", content=b'{"messages": []}',
                              headers={"content-type": "text/plain"}),

@@ -77,6 +77,14 @@ def test_completions_take_structured_fields():
     ({"structured_outputs": {"whitespace": "x"}}, "structured_outputs", "unsupported field"),
     ({"guided_regex": "a", "guided_json": SCHEMA}, "guided_regex", "Only one structured"),
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    # found by black-box testing: 20,000 choices compiled for minutes on both CPU cores
+    ({"guided_choice": [f"choice number {i}" for i in range(20000)]}, "guided_choice",
+     "the limit is 65536"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}}},
+     "response_format.json_schema.schema", "Shorten it"),
+    ({"structured_outputs": {"grammar": "root ::= \"a\"" + " " * 70000}},
+     "structured_outputs.grammar", "characters as a constraint"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex",
      "cannot be used with it"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
