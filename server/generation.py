@@ -107,7 +107,7 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(sub: SubRequest) -> None:
-        tracker = metrics.tracker()
+        tracker, failed = metrics.tracker(), False
         try:
             stream = engine.generate(sub.prompt_token_ids, sub.params,
                                      f"{request_id}-{sub.index}",
@@ -117,9 +117,10 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
                     tracker.observe(out)
                     queue.put_nowait((sub.index, out))
         except Exception as exc:  # handed to the consumer, which maps or logs it
+            failed = True
             queue.put_nowait((sub.index, exc))
-        finally:
-            tracker.close()
+        finally:   # cancelled (client gone, another choice failed): counted as an abort
+            tracker.close(count_unstarted=not failed)
             queue.put_nowait((sub.index, _END))
 
     tasks = [asyncio.create_task(pump(sub)) for sub in subs]

@@ -166,7 +166,8 @@ class RequestTracker:
     """Records one engine request's metrics from its stream of `RequestOutput`s.
 
     `observe` every output; `close` once when the stream ends (a request that ended without a
-    finished output, e.g. a client disconnect, is counted as `abort`).
+    finished output, e.g. a client disconnect, is counted as `abort`, also one aborted while
+    it waited for its first step).
     """
 
     def __init__(self, metrics: ServerMetrics) -> None:
@@ -196,9 +197,16 @@ class RequestTracker:
         if out.finished:
             self._finish(out.finish_reason or "stop", out.metrics.finished_time or now)
 
-    def close(self) -> None:
-        if not self._done and self._arrival_time is not None:
+    def close(self, count_unstarted: bool = True) -> None:
+        """End the stream. `count_unstarted=False`: a request with no output yet is not
+        counted (the engine refused it, e.g. a full queue: it was never queued)."""
+        if self._done:
+            return
+        if self._arrival_time is not None:
             self._finish("abort", time.monotonic())
+        elif count_unstarted:   # aborted while waiting: no output, no timings to record
+            self._done = True
+            self._m.success("abort")
 
     def _finish(self, reason: str, finished_time: float) -> None:
         if self._done:

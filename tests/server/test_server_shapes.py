@@ -126,6 +126,8 @@ def test_metric_names_and_tracker():
     aborted.observe(RequestOutput("s", [1], [], "", None, 0, 0, False, None, None,
                                   RequestMetrics(arrival_time=100.0)))
     aborted.close()
+    metrics.tracker().close()                          # aborted while waiting: no output
+    metrics.tracker().close(count_unstarted=False)     # refused by the engine: not counted
     text = metrics.render().decode()
     expected = {
         'deepinfer:num_requests_running{model_name="tiny"} 3.0',
@@ -137,7 +139,7 @@ def test_metric_names_and_tracker():
         'deepinfer:prompt_tokens_total{model_name="tiny"} 4.0',
         'deepinfer:generation_tokens_total{model_name="tiny"} 3.0',
         'deepinfer:request_success_total{finished_reason="length",model_name="tiny"} 1.0',
-        'deepinfer:request_success_total{finished_reason="abort",model_name="tiny"} 1.0',
+        'deepinfer:request_success_total{finished_reason="abort",model_name="tiny"} 2.0',
         'deepinfer:time_to_first_token_seconds_count{model_name="tiny"} 1.0',
         'deepinfer:inter_token_latency_seconds_count{model_name="tiny"} 1.0',
         'deepinfer:e2e_request_latency_seconds_count{model_name="tiny"} 2.0',
