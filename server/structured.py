@@ -8,16 +8,13 @@ Accepted spellings, all mapped to `{"schema_type": "json"|"json_object"|"regex"|
   `grammar` (EBNF), `choice` (list of strings);
 - vLLM's older `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice`.
 A request may use one of them. A choice list becomes a regex that matches one choice exactly.
-A constraint longer than MAX_CONSTRAINT_CHARS (the regex, grammar, or JSON schema as text) is a
-400: compiling one grows with its size (20,000 choices held two CPU cores for minutes), and the
-compile runs before the request is queued. Whether the schema, regex or grammar compiles is
-checked by the engine (`compile_grammar`) before the request is queued; `check_compiles` turns
-its error into a 400 naming the field.
+Whether the schema, regex or grammar compiles (and is not too long to compile quickly:
+`engine.structured.backend.MAX_SCHEMA_CHARS`) is checked by the engine (`compile_grammar`)
+before the request is queued; `check_compiles` turns its error into a 400 naming the field.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from server.errors import APIError
@@ -49,8 +46,7 @@ def _from_response_format(req: SamplingFields) -> dict[str, Any] | None:
                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": "
                        "{...}}}.", param="response_format.json_schema",
                        code="missing_required_parameter")
-    return _check_size({"schema_type": "json", "schema": spec.schema_},
-                       "response_format.json_schema.schema")
+    return {"schema_type": "json", "schema": spec.schema_}
 
 
 _STRUCTURED_OUTPUT_KEYS = {"json": "json", "regex": "regex", "grammar": "ebnf",
@@ -72,27 +68,7 @@ def _from_structured_outputs(spec: dict[str, Any]) -> dict[str, Any]:
     return _so_args(_STRUCTURED_OUTPUT_KEYS[key], spec[key], f"structured_outputs.{key}")
 
 
-# characters of a constraint's text at most (a 64 KiB grammar, or ~400 choices of 160 characters,
-# compiles in about a second on one CPU core)
-MAX_CONSTRAINT_CHARS = 1 << 16
-
-
-def _check_size(so_args: dict[str, Any], param: str) -> dict[str, Any]:
-    """so_args unchanged, or a 400 naming `param` when its constraint text is too long."""
-    schema = so_args.get("schema")
-    text = schema if isinstance(schema, str) or schema is None else json.dumps(schema)
-    if text is not None and len(text) > MAX_CONSTRAINT_CHARS:
-        raise APIError(f"{param} is {len(text)} characters as a constraint; the limit is "
-                       f"{MAX_CONSTRAINT_CHARS}. Shorten it (fewer choices, a smaller schema "
-                       "or grammar).", param=param, code="invalid_value")
-    return so_args
-
-
 def _so_args(kind: str, value: Any, param: str) -> dict[str, Any]:
-    return _check_size(_so_args_unchecked(kind, value, param), param)
-
-
-def _so_args_unchecked(kind: str, value: Any, param: str) -> dict[str, Any]:
     if kind == "json_object":
         return {"schema_type": "json_object"}
     if kind == "choice":

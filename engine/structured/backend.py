@@ -19,6 +19,10 @@ import json
 from typing import Any, Protocol
 
 GrammarKey = tuple[str, str]  # (schema_type, canonical schema text)
+# characters of a constraint's canonical text at most: compiling grows with it (20,000 choices
+# as one regex held two CPU cores for minutes; 400 choices, 63.5K characters, took 0.46 s with
+# SmolLM2's tokenizer and 2 threads on a 2-core CPU machine)
+MAX_SCHEMA_CHARS = 1 << 16
 
 
 class GrammarError(ValueError):
@@ -26,6 +30,20 @@ class GrammarError(ValueError):
 
 
 def grammar_key(so_args: dict[str, Any]) -> GrammarKey:
+    """`_canonical_key`, refused when its text is longer than MAX_SCHEMA_CHARS.
+
+    Raises:
+        GrammarError: as `_canonical_key`, or the constraint is too long to compile quickly.
+    """
+    key = _canonical_key(so_args)
+    if len(key[1]) > MAX_SCHEMA_CHARS:
+        raise GrammarError(f"the constraint's text is {len(key[1])} characters; the limit is "
+                           f"{MAX_SCHEMA_CHARS}. Shorten it (fewer choices, a smaller schema or "
+                           "grammar)")
+    return key
+
+
+def _canonical_key(so_args: dict[str, Any]) -> GrammarKey:
     """The cache key of a constraint: (schema_type, canonical text of its schema).
 
     A JSON schema is re-serialized compactly (keys keep their order: it decides the order in

@@ -29,6 +29,7 @@ from engine.sampler import Sampler
 from engine.sampling_metadata import build_sampling_metadata
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarError, grammar_key
+from engine.structured.backend import MAX_SCHEMA_CHARS
 from engine.structured.manager import StructuredOutputManager
 from structured_schemas import (ARITHMETIC_EBNF, HAND_WRITTEN, REGEXES, bench_sample,
                                 is_exact)
@@ -91,6 +92,10 @@ def test_grammar_key_is_canonical_and_checks_types():
         grammar_key({"schema_type": "json", "schema": "{nope"})
     with pytest.raises(GrammarError, match="non-empty string"):
         grammar_key({"schema_type": "regex", "schema": 5})
+    longest = "a" * MAX_SCHEMA_CHARS
+    assert grammar_key({"schema_type": "regex", "schema": longest}) == ("regex", longest)
+    with pytest.raises(GrammarError, match=f"65537 characters; the limit is {MAX_SCHEMA_CHARS}"):
+        grammar_key({"schema_type": "regex", "schema": longest + "a"})
 
 
 @pytest.mark.parametrize("so_args, message", [

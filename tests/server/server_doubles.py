@@ -79,9 +79,13 @@ class ScriptedEngine:
         self.compiled: list[dict] = []
 
     async def compile_grammar(self, so_args: dict) -> None:
-        """Records the constraint; one whose schema mentions INVALID is refused, as the real
-        engine refuses a schema, regex or grammar that does not compile."""
+        """Records the constraint; refuses what the real engine's key check refuses (bad
+        shape, too long: `grammar_key`) and, standing in for the compiler, a schema that
+        mentions INVALID."""
+        from engine.structured import grammar_key
+
         self.compiled.append(so_args)
+        grammar_key(so_args)
         if "INVALID" in str(so_args.get("schema")):
             raise ValueError("invalid or unsupported regex: Regex parsing error at position 3")
 
