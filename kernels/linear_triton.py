@@ -199,6 +199,8 @@ def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
 # loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
 # against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
 NORM_BY_DOT_ROWS = 32
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict, norm_eps: float | None = None, gated: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -113,5 +113,6 @@ def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
     from kernels.rotary import apply_rotary_write_kv
 
     query = apply_rotary_write_kv(qkv, num_q_heads, num_kv_heads, cos, signed_sin, kv_cache,
-                                  metadata.slot_mapping)
+                                  metadata.slot_mapping,
+                                  backend="triton" if name == "triton" else "auto")
     return paged_attention(query, kv_cache, metadata, scale, backend=name)

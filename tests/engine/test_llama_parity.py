@@ -3,7 +3,8 @@
 A minimal paged-KV driver lives here (the real model runner is tested elsewhere): it hands out
 blocks from a shuffled free list (non-contiguous block tables, partial last blocks), builds the
 `AttentionMetadata` of each varlen step, and samples greedily. Tolerances (float32 logits):
-tiny random models atol 1e-4 / rtol 1e-4; SmolLM2 (30 layers, logits of magnitude ~20) atol 1e-3 (observed ~1e-4).
+tiny random models atol 1e-4 / rtol 1e-4; SmolLM2 (30 layers, logits of magnitude ~20) atol 1e-3
+(observed ~1e-4).
 Greedy tokens must be identical.
 """
 

@@ -54,7 +54,7 @@ def test_skinny_linear_matches_f_linear(dtype, num_rows, out_features, in_featur
 
 @pytest.mark.parametrize("num_rows, in_features, split_k", [
     (64, 512, 4),     # even splits, one 64-row tile
-    (5, 200, 4),      # ragged K: the last split gets a partial tile, ... 
+    (5, 200, 4),      # ragged K: the last split gets a partial tile, ...
     (2, 64, 3),       # ... or no tile at all (it adds zeros)
 ])
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(num_rows, in_features,
