@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GEMM_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "residual_ptr": "*bf16",
              "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32",
              "N": "i32", "K": "i32", "k_per_split": "i32", "x_stride": "i32",
-             "w_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "eps": "fp32"}
+             "w_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "eps": "fp32",
+             "prefetch_k": "i32"}
 DECODE_ARGS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16",
                "slot_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "out_ptr": "*bf16", "part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
@@ -44,7 +45,8 @@ DECODE_LABEL = "rotary decode attention, Llama-3-8B heads"
 
 
 def compile_for_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
-    """triton.compile of `fn` for cuda:90 with the given arg types ("*bf16", "i32", ...)."""
+    """triton.compile of `fn` for cuda:90 with the given arg types ("*bf16", "i32", ...),
+    launched with PDL where the kernel has a PDL constexpr set."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -54,15 +56,19 @@ def compile_for_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stage
              if name not in NOT_MULTIPLE_OF_16}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages,
+                                   "launch_pdl": bool(constexprs.get("PDL"))})
 
 
 def describe(kernel) -> str:
     ttgir = kernel.asm["ttgir"]
     mma = ("wgmma" if "warp_group_dot " in ttgir else
            "mma.sync" if "versionMajor = 2" in ttgir else "none")
+    ptx = kernel.asm["ptx"]
     return (f"mma {mma:8s} cp.async copies {ttgir.count('async_copy_global_to_local'):2d}  "
-            f"shared {kernel.metadata.shared // 1024:3d} KiB")
+            f"shared {kernel.metadata.shared // 1024:3d} KiB  "
+            f"PDL wait {ptx.count('griddepcontrol.wait')} "
+            f"L2 prefetch {ptx.count('cp.async.bulk.prefetch.L2')}")
 
 
 def variants() -> list[tuple]:
@@ -76,11 +82,13 @@ def variants() -> list[tuple]:
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1,
                           EVEN_N=True, EVEN_K=True, PRECISION="tf32",
                           NORM_BY_DOT=block_m >= linear_triton.NORM_BY_DOT_ROWS,
-                          SS_CHUNK=4096 // block_m, SS_CHUNKS=block_m, SWAP_AB=swap)
+                          SS_CHUNK=4096 // block_m, SS_CHUNKS=block_m, SWAP_AB=swap, PDL=True,
+                          PREFETCH=True, TRIGGER_AFTER_LOOP=False, W_BYTES=2)
         out.append((label, linear_triton._skinny_linear_kernel, GEMM_ARGS, constexprs, warps,
                     stages))
     decode = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128,
-                  BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=32, PRECISION="tf32")
+                  BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=32, PRECISION="tf32",
+                  PDL=True, TRIGGER_AFTER_LOOP=False)
     out.append((DECODE_LABEL, rotary_decode_triton._rotary_decode_kernel, DECODE_ARGS, decode,
                 4, 2))
     return out

@@ -247,7 +247,11 @@ CUBLAS_ONLY = (("kernels.linear", "SKINNY_MAX_ROWS", 0), ("kernels.blas_choice",
 VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "unfused_attention": (("kernels.paged_attention", "FUSED_ROTARY_DECODE", False),),
             "cublas_linears": CUBLAS_ONLY,
-            "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),)}
+            "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
+            "no_pdl": (("kernels.pdl", "ENABLED", False),),
+            "pdl_no_prefetch": (("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 0),),
+            "pdl_prefetch_4k": (("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 4096),),
+            "pdl_trigger_after_loop": (("kernels.pdl", "TRIGGER_AFTER_LOOP", True),)}
 
 
 @contextlib.contextmanager
@@ -452,6 +456,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
     parser.add_argument("--profile", action="store_true",
                         help="also list the heaviest GPU kernels of a decode forward")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated VARIANTS to run (default: all; '' for none)")
     args = parser.parse_args()
     from transformers import LlamaConfig
 
@@ -500,7 +506,7 @@ def main() -> int:
     rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))
     results["prefill"] = {"tok_s": prefill, "roofline_tok_s": roof}
     results.update(diagnostics(core, int(context), hf_config.vocab_size, args.profile))
-    for label in VARIANTS:
+    for label in filter(None, args.variants.split(",")):
         variant = variant_decode(core, hf_config.vocab_size, new_tokens, costs, ceilings,
                                  context, label=label)
         results.update(variant)

@@ -15,11 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride,
-                     out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
@@ -44,10 +49,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if num_tokens:
         block = triton.next_power_of_2(hidden)
         res = residual if residual is not None else x
+        pdl_options = pdl.launch_options(x.device)
         _rms_norm_kernel[(num_tokens,)](
             x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=bool(pdl_options),
+            num_warps=min(16, max(1, block // 256)), **pdl_options)
     return out if residual is None else (out, x)
 
 

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, device_config_entries
 
 CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.json
@@ -88,13 +89,14 @@ def _mma(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                           counter_ptr, M, N, K, k_per_split, x_stride, w_stride, residual_stride,
-                          out_stride, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                          out_stride, eps, prefetch_k, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                           GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
                           SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
-                          SWAP_AB: tl.constexpr):
+                          SWAP_AB: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                          TRIGGER_AFTER_LOOP: tl.constexpr, W_BYTES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -108,6 +110,17 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]      # [BM, BK]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]      # [BN, BK]
     up_offset = N.to(tl.int64) * w_stride    # GATED: the up rows follow the N gate rows
+    if PREFETCH:   # before the PDL wait: the first prefetch_k weights of each row, into L2
+        num_bytes = tl.minimum(prefetch_k, k_end - k_start) * W_BYTES
+        if num_bytes > 0:
+            first = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * w_stride + k_start
+            sizes = tl.full([BLOCK_N], num_bytes, tl.int32)
+            pdl.prefetch_l2(first.to(tl.int64, bitcast=True), sizes)
+            if GATED:
+                pdl.prefetch_l2((first + up_offset).to(tl.int64, bitcast=True), sizes)
+    pdl.wait(PDL)   # x, the residual, the partials and the counters: after the previous kernel
+    if not TRIGGER_AFTER_LOOP:
+        pdl.launch_dependents(PDL)
     if SWAP_AB:   # acc^T = W x^T: the weight tile is the MMA's A operand, from shared memory
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -148,6 +161,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
             gram = tl.dot(x, tl.trans(x), gram, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if TRIGGER_AFTER_LOOP:
+        pdl.launch_dependents(PDL)
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
@@ -272,15 +287,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         counters = arrival_counters(x.device)
     else:
         partial = counters = out   # unused
+    pdl_options = pdl.launch_options(x.device)
+    # the L2 prefetch needs 16-byte aligned rows and a byte count that is a multiple of 16
+    prefetch_k = pdl.PREFETCH_BYTES_PER_ROW // weight.element_size() // 8 * 8
+    prefetch = (bool(pdl_options) and prefetch_k > 0 and in_features % 8 == 0
+                and weight.data_ptr() % 16 == 0)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, partial, counters, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
+        out.stride(0), 0.0 if norm_eps is None else norm_eps, prefetch_k,
+        HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         BLOCK_M=rows_per_program, SPLIT_K=split_k,
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
         SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, SWAP_AB=swap_ab,
-        **config)
+        PDL=bool(pdl_options), PREFETCH=prefetch, TRIGGER_AFTER_LOOP=pdl.TRIGGER_AFTER_LOOP,
+        W_BYTES=weight.element_size(),
+        **pdl_options, **config)
     return out

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters
 from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_context,
@@ -60,10 +61,14 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
                           GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, PDL: tl.constexpr,
+                          TRIGGER_AFTER_LOOP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl.wait(PDL)   # everything below reads the previous kernels' outputs or writes
+    if not TRIGGER_AFTER_LOOP:
+        pdl.launch_dependents(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
@@ -104,6 +109,8 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
     m, row_sum, acc = _attend_context(q, cache_ptr, table, begin, cached_end, kv_head, d, d_ok,
                                       scale, v_offset, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                                       BLOCK_N, PRECISION)
+    if TRIGGER_AFTER_LOOP:
+        pdl.launch_dependents(PDL)
     if owns_new:
         k_new = _rotate(k_new, k_partner, cos, sin)                   # [D]
         if slot >= 0:
@@ -199,6 +206,7 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         sums = torch.empty_like(m)
     group = num_q_heads // num_kv_heads
     block_tables = metadata.block_tables
+    pdl_options = pdl.launch_options(qkv.device)
     _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
         qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, block_tables, metadata.seq_lens,
         out, part, m, sums, counters, scale, qkv.stride(0), cos.stride(0), signed_sin.stride(0),
@@ -206,5 +214,6 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_precision(qkv),
-        num_warps=_DECODE_LAUNCH[0], num_stages=_DECODE_LAUNCH[1])
+        PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.TRIGGER_AFTER_LOOP,
+        num_warps=_DECODE_LAUNCH[0], num_stages=_DECODE_LAUNCH[1], **pdl_options)
     return out

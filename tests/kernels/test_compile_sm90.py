@@ -1,7 +1,8 @@
 """The decode kernels as Triton lowers them for an H100 / H200 (sm_90), compiled on this CPU
 machine (benchmarks/compile_sm90.py): properties their speed rests on, checked without a GPU.
-SWAP_AB tiles must run Hopper wgmma from shared memory, and the skinny GEMM's and the decode
-attention's K loops must be software-pipelined (cp.async copies in flight)."""
+SWAP_AB tiles must run Hopper wgmma from shared memory, the skinny GEMM's and the decode
+attention's K loops must be software-pipelined (cp.async copies in flight), and with
+programmatic dependent launch nothing the previous kernel writes may be read before the wait."""
 
 import importlib.util
 import sys
@@ -30,3 +31,28 @@ def test_rotary_decode_attention_loop_is_pipelined():
     from benchmarks.compile_sm90 import DECODE_LABEL, compile_variant
 
     assert _copies(compile_variant(DECODE_LABEL)) > 0
+
+
+@pytest.mark.parametrize("label", ["gate_up + norm + SiLU, 16 rows, swapped",
+                                   "down + residual, 64 rows"])
+def test_gemm_prefetches_its_weights_before_the_pdl_wait_and_reads_x_after(label):
+    """Programmatic dependent launch (kernels/pdl.py): the L2 prefetch of the weight rows is
+    issued before griddepcontrol.wait, every load of x / the residual after it, and the next
+    kernel is released once (after the wait)."""
+    from benchmarks.compile_sm90 import compile_variant
+
+    lines = compile_variant(label).asm["ptx"].splitlines()
+
+    def first(text):
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    wait = first("griddepcontrol.wait")
+    assert first("cp.async.bulk.prefetch.L2") < wait < first("griddepcontrol.launch_dependents")
+    assert wait < first("ld.global") and wait < first("cp.async.cg")
+
+
+def test_rotary_decode_attention_waits_before_its_first_load():
+    from benchmarks.compile_sm90 import DECODE_LABEL, compile_variant
+
+    ptx = compile_variant(DECODE_LABEL).asm["ptx"]
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
