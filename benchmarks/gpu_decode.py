@@ -248,10 +248,20 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "unfused_attention": (("kernels.paged_attention", "FUSED_ROTARY_DECODE", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
-            "no_pdl": (("kernels.pdl", "ENABLED", False),),
-            "pdl_no_prefetch": (("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 0),),
-            "pdl_prefetch_4k": (("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 4096),),
-            "pdl_trigger_after_loop": (("kernels.pdl", "TRIGGER_AFTER_LOOP", True),)}
+            "no_pdl": (("kernels.pdl", "ENABLED", False),)}
+_NO_PREFETCH = ("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 0)
+_LATE = ("kernels.pdl", "TRIGGER_AFTER_LOOP", True)
+# PDL experiments (--variants): which kernels, when they release the next one, L2 prefetch
+PDL_VARIANTS = {
+    "pdl_early_prefetch_1k": (("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 1024),),
+    "pdl_early": (_NO_PREFETCH,),
+    "pdl_late": (_NO_PREFETCH, _LATE),
+    "pdl_late_prefetch_1k": (_LATE, ("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 1024)),
+    "pdl_linear_early": (_NO_PREFETCH, ("kernels.pdl", "FAMILIES", frozenset({"linear"}))),
+    "pdl_linear_late": (_NO_PREFETCH, _LATE,
+                        ("kernels.pdl", "FAMILIES", frozenset({"linear"}))),
+    "pdl_attention_norm": (("kernels.pdl", "FAMILIES", frozenset({"attention", "rms_norm"})),),
+}
 
 
 @contextlib.contextmanager
@@ -276,7 +286,7 @@ def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dic
     "decode_b{batch}_{label}"."""
     results = {}
     try:
-        with switched(VARIANTS[label]):
+        with switched({**VARIANTS, **PDL_VARIANTS}[label]):
             recapture_graphs(core)
             for batch in (1, 8, 64):
                 run = engine_decode(core, batch, vocab, new_tokens)
@@ -450,40 +460,11 @@ def print_table(rows: list[tuple[str, float, float, float | None]]) -> None:
         print(f"| {name} | {tok_s:.1f} | {roof:.1f} | {tok_s / roof:.2f} | {hf_text} | {ratio} |")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
-    parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
-    parser.add_argument("--profile", action="store_true",
-                        help="also list the heaviest GPU kernels of a decode forward")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated VARIANTS to run (default: all; '' for none)")
-    args = parser.parse_args()
-    from transformers import LlamaConfig
-
-    hf_config = LlamaConfig(**LLAMA3_8B)
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    results["ceilings"] = ceilings = measure_ceilings()
-    print(f"copy bandwidth {ceilings['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
-          f"{ceilings['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
-    start = time.perf_counter()
-    hf_model, ours = build_models(hf_config)
-    costs = model_costs(ours, hf_config)
-    print(f"models built in {time.perf_counter() - start:.1f} s; weights read per step "
-          f"{costs['weight_bytes'] / 1e9:.2f} GB", flush=True)
-    results["hf"] = hf = hf_throughput(hf_model, hf_config.vocab_size, args.quick)
-    print(f"HF: {json.dumps({k: round(v, 1) for k, v in hf.items()})}", flush=True)
-    del hf_model
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="llama3-8b-random-")), hf_config)
-    core = build_engine(model_dir, ours)
-    new_tokens = 32 if args.quick else NEW_TOKENS
-    engine_decode(core, 8, hf_config.vocab_size, 8)          # warm-up: prefill kernel compiles
-    engine_prefill(core, hf_config.vocab_size, 4)
+def main_measurements(core, hf_config, hf: dict, costs: dict, ceilings: dict, context: float,
+                      new_tokens: int, results: dict, profile: bool) -> list:
+    """Decode at DECODE_BATCHES (async, then sync steps), prefill and the diagnostics, into
+    `results`; returns the table's rows."""
     rows = []
-    context = PROMPT_TOKENS + new_tokens / 2                  # mean context of the timed steps
     for batch in DECODE_BATCHES:
         with StageTimer(core) as timer:
             run = engine_decode(core, batch, hf_config.vocab_size, new_tokens)
@@ -505,7 +486,52 @@ def main() -> int:
     roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
     rows.append((f"prefill {PREFILL_TOKENS}", prefill, roof, hf["prefill"]))
     results["prefill"] = {"tok_s": prefill, "roofline_tok_s": roof}
-    results.update(diagnostics(core, int(context), hf_config.vocab_size, args.profile))
+    results.update(diagnostics(core, int(context), hf_config.vocab_size, profile))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
+    parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list the heaviest GPU kernels of a decode forward")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated VARIANTS / PDL_VARIANTS to run (default: all "
+                             "VARIANTS; '' for none)")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="build the engine and run only the variants")
+    args = parser.parse_args()
+    from transformers import LlamaConfig
+
+    hf_config = LlamaConfig(**LLAMA3_8B)
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results["ceilings"] = ceilings = measure_ceilings()
+    print(f"copy bandwidth {ceilings['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
+          f"{ceilings['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    start = time.perf_counter()
+    hf_model, ours = build_models(hf_config)
+    costs = model_costs(ours, hf_config)
+    print(f"models built in {time.perf_counter() - start:.1f} s; weights read per step "
+          f"{costs['weight_bytes'] / 1e9:.2f} GB", flush=True)
+    hf = {}
+    if not args.variants_only:
+        results["hf"] = hf = hf_throughput(hf_model, hf_config.vocab_size, args.quick)
+        print(f"HF: {json.dumps({k: round(v, 1) for k, v in hf.items()})}", flush=True)
+    del hf_model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="llama3-8b-random-")), hf_config)
+    core = build_engine(model_dir, ours)
+    new_tokens = 32 if args.quick else NEW_TOKENS
+    engine_decode(core, 8, hf_config.vocab_size, 8)          # warm-up: prefill kernel compiles
+    engine_prefill(core, hf_config.vocab_size, 4)
+    rows = []
+    context = PROMPT_TOKENS + new_tokens / 2                  # mean context of the timed steps
+    if not args.variants_only:
+        rows = main_measurements(core, hf_config, hf, costs, ceilings, context, new_tokens,
+                                 results, args.profile)
     for label in filter(None, args.variants.split(",")):
         variant = variant_decode(core, hf_config.vocab_size, new_tokens, costs, ceilings,
                                  context, label=label)

@@ -287,7 +287,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         counters = arrival_counters(x.device)
     else:
         partial = counters = out   # unused
-    pdl_options = pdl.launch_options(x.device)
+    pdl_options = pdl.launch_options(x.device, "linear")
     # the L2 prefetch needs 16-byte aligned rows and a byte count that is a multiple of 16
     prefetch_k = pdl.PREFETCH_BYTES_PER_ROW // weight.element_size() // 8 * 8
     prefetch = (bool(pdl_options) and prefetch_k > 0 and in_features % 8 == 0

@@ -37,11 +37,14 @@ import triton.language as tl
 
 # False: launch every kernel without PDL (benchmarks compare the two in one process)
 ENABLED = True
+# the kernel families launched with PDL when ENABLED: "linear" (the skinny GEMM), "attention"
+# (the one-kernel rotary decode attention), "rms_norm"
+FAMILIES = frozenset({"linear", "attention", "rms_norm"})
 # True: signal dependents after the main loop (they overlap the epilogue and the drain only);
 # False: right after the wait (the next kernel's programs may start as soon as they fit)
 TRIGGER_AFTER_LOOP = False
 # bytes of its weight rows each GEMM program prefetches into L2 before the wait (0: none)
-PREFETCH_BYTES_PER_ROW = 1024
+PREFETCH_BYTES_PER_ROW = 0
 
 
 def supported(device: torch.device) -> bool:
@@ -57,10 +60,10 @@ def _hopper_or_newer(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_options(device: torch.device) -> dict:
-    """Extra launch kwargs for a PDL kernel on `device` ({} where PDL is off) and its PDL
-    constexpr: `kernel[grid](..., PDL=on, **options)`."""
-    return {"launch_pdl": True} if supported(device) else {}
+def launch_options(device: torch.device, family: str) -> dict:
+    """Extra launch kwargs for a kernel of `family` (one of FAMILIES' names) on `device`: {}
+    where PDL is off for it; `kernel[grid](..., PDL=bool(options), **options)`."""
+    return {"launch_pdl": True} if family in FAMILIES and supported(device) else {}
 
 
 @triton.jit

@@ -107,4 +107,4 @@ def test_pdl_is_off_off_hopper_and_in_the_interpreter(monkeypatch):
     assert pdl.supported(torch.device("cuda")) == expected
     assert not pdl.supported(torch.device("cpu"))
     monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch_options(torch.device("cuda")) == {}
+    assert pdl.launch_options(torch.device("cuda"), "linear") == {}
