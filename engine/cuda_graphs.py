@@ -10,9 +10,11 @@ shape, so the runner owns static input buffers sized for the largest captured ba
 - `query_start_loc` = 0..max_batch (one token per sequence).
 
 Each graph holds the whole decode step on the device: the layers, the LM head over every row
-(`model.compute_logits`, float32 [batch, vocab]) and the greedy choice (argmax per row), so a
-greedy batch's step is one graph launch; sampling that needs more (temperature, penalties,
-logprobs) reads the graph's logits.
+(`model.compute_logits`, in the model dtype [batch, vocab]) and the greedy choice (argmax per
+row, on those logits: converting them to float32 first changes no value, and at 64 rows cost 24
+us per step, plus a one-pass float32 argmax of 27 us against 19 for two passes over bf16; H200,
+benchmarks/RESULTS.md run 14), so a greedy batch's step is one graph launch; sampling that needs
+more (temperature, penalties, logprobs) reads the graph's logits as float32.
 
 A step with n sequences replays the graph of the smallest captured size >= n: the first n rows
 are copied in, the padding rows get slot -1 (their K/V write is skipped) and seq_len 0 (their
@@ -47,7 +49,8 @@ class GraphOutputs(NamedTuple):
     """A replayed step's static outputs, views valid until the next replay.
 
     hidden: [num_seqs, hidden_size] final-norm hidden states, model dtype.
-    logits: [num_seqs, vocab_size] float32 (`model.compute_logits` of every row).
+    logits: [num_seqs, vocab_size] model dtype (`model.compute_logits(float32=False)` of every
+        row).
     greedy_ids: [num_seqs] int64, `greedy_argmax(logits)` (the sampler's greedy rule).
     """
 
@@ -104,7 +107,7 @@ class CudaGraphRunner:
     def step(self, batch_size: int) -> GraphOutputs:
         """The captured work, run eagerly: forward, LM head, argmax."""
         hidden = self._forward(batch_size)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, float32=False)
         return GraphOutputs(hidden, logits, greedy_argmax(logits))
 
     @torch.inference_mode()

@@ -159,7 +159,7 @@ class ModelRunner:
         """[num_sampling, vocab_size] float32 logits of the rows that sample: the graph's own
         when they are its rows, else the LM head over `hidden[logits_indices]`."""
         if self._graph_rows_sample(inputs, graph_outputs):
-            return graph_outputs.logits
+            return graph_outputs.logits.float()
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()

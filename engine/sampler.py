@@ -55,7 +55,7 @@ _MIX2 = 0x94D049BB133111EB
 _NOISE_CHUNK_ELEMENTS = 1 << 16  # on CPU, rows * vocab per noise chunk: temporaries stay in L2
 _CANDIDATES = 256                # top logits a top-k / top-p row is sampled among
 _NUCLEUS_WIDTH = 2048            # top logits searched for a wider nucleus before a full sort
-_TWO_PASS_MAX_ROWS = 32          # greedy_argmax: fewer CUDA rows than this take two passes
+_TWO_PASS_MAX_ROWS = 64          # greedy_argmax: up to this many CUDA rows take two passes
 
 
 def _signed64(value: int) -> int:
@@ -122,15 +122,18 @@ def exponential_noise(keys: list[int], counters: torch.Tensor) -> torch.Tensor:
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B] int64: `logits.argmax(dim=-1)`, the first maximal index of each row.
 
-    On CUDA, fewer than _TWO_PASS_MAX_ROWS rows of a vocabulary that splits evenly are reduced
-    in two passes (the maximum of each of C chunks, then the first chunk holding the row's
-    maximum): torch's one-pass argmax reduces a row in one thread block, which took ~28 us for
-    one row of 128,256 logits on an H200 (benchmarks/RESULTS.md). Same result: both passes
-    keep the first maximal index (NaN counts as the maximum, as in torch.argmax).
+    On CUDA, up to _TWO_PASS_MAX_ROWS rows of a vocabulary that splits evenly are reduced in
+    two passes (the maximum of each of C chunks, then the first chunk holding the row's
+    maximum): torch's one-pass argmax reduces a row in one thread block, ~27 us for 1 to 64 rows
+    of 128,256 logits on an H200, against 11-12 us in two passes of 256 chunks at 1-8 rows and
+    19 us of 128 chunks at 64 rows (bf16); at 256 rows one pass is faster (46 against 53 us;
+    benchmarks/RESULTS.md run 14). Same result: both passes keep the first maximal index (NaN
+    counts as the maximum, as in torch.argmax).
     """
     rows, vocab = logits.shape
-    chunks = next((c for c in (256, 128, 64) if vocab % c == 0), 0)
-    if not (logits.is_cuda and rows < _TWO_PASS_MAX_ROWS and chunks):
+    widths = (256, 128, 64) if rows < 32 else (128, 64)
+    chunks = next((c for c in widths if vocab % c == 0), 0)
+    if not (logits.is_cuda and rows <= _TWO_PASS_MAX_ROWS and chunks):
         return logits.argmax(dim=-1)
     return two_pass_argmax(logits, chunks)
 

@@ -42,7 +42,7 @@ ENABLED = True
 FAMILIES = frozenset({"linear", "attention", "rms_norm"})
 # True: signal dependents after the main loop (they overlap the epilogue and the drain only);
 # False: right after the wait (the next kernel's programs may start as soon as they fit)
-TRIGGER_AFTER_LOOP = False
+TRIGGER_AFTER_LOOP = True
 # bytes of its weight rows each GEMM program prefetches into L2 before the wait (0: none)
 PREFETCH_BYTES_PER_ROW = 0
 

@@ -316,3 +316,16 @@ def test_two_pass_argmax_is_argmax_with_first_index_on_ties_and_nan(chunks):
     assert expected.tolist()[1:] == [9, 17, 0, 5, 63]
     assert torch.equal(two_pass_argmax(logits, chunks), expected)
     assert torch.equal(sampler_module.greedy_argmax(logits), expected)   # CPU: one pass
+
+
+def test_two_pass_argmax_of_bf16_logits_is_the_float32_argmax():
+    """The CUDA graph takes the greedy ids from the LM head's bf16 output (no float32 copy):
+    the conversion is exact, so the argmax is the same; many ties, as bf16 rounding makes."""
+    from engine.sampler import two_pass_argmax
+
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(64, 1024, generator=gen) * 3).to(torch.bfloat16)
+    logits[:, 500] = logits.max(dim=1).values   # ties with each row's own maximum
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(two_pass_argmax(logits, 128), expected)
+    assert torch.equal(sampler_module.greedy_argmax(logits), expected)
