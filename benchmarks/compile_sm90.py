@@ -83,7 +83,7 @@ def variants() -> list[tuple]:
                           EVEN_N=True, EVEN_K=True, PRECISION="tf32",
                           NORM_BY_DOT=block_m >= linear_triton.NORM_BY_DOT_ROWS,
                           SS_CHUNK=4096 // block_m, SS_CHUNKS=block_m, SWAP_AB=swap, PDL=True,
-                          PREFETCH=True, TRIGGER_AFTER_LOOP=False, W_BYTES=2)
+                          PREFETCH=True, TRIGGER_AFTER_LOOP=True, W_BYTES=2)
         out.append((label, linear_triton._skinny_linear_kernel, GEMM_ARGS, constexprs, warps,
                     stages))
     decode = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128,

@@ -249,18 +249,14 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),)}
-_NO_PREFETCH = ("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 0)
-_LATE = ("kernels.pdl", "TRIGGER_AFTER_LOOP", True)
-# PDL experiments (--variants): which kernels, when they release the next one, L2 prefetch
+# PDL experiments (--variants): when kernels release the next one, the o GEMM's prefetch
 PDL_VARIANTS = {
-    "pdl_early_prefetch_1k": (("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 1024),),
-    "pdl_early": (_NO_PREFETCH,),
-    "pdl_late": (_NO_PREFETCH, _LATE),
-    "pdl_late_prefetch_1k": (_LATE, ("kernels.pdl", "PREFETCH_BYTES_PER_ROW", 1024)),
-    "pdl_linear_early": (_NO_PREFETCH, ("kernels.pdl", "FAMILIES", frozenset({"linear"}))),
-    "pdl_linear_late": (_NO_PREFETCH, _LATE,
-                        ("kernels.pdl", "FAMILIES", frozenset({"linear"}))),
-    "pdl_attention_norm": (("kernels.pdl", "FAMILIES", frozenset({"attention", "rms_norm"})),),
+    "as_committed": (),
+    "pdl_no_weight_prefetch": (("kernels.pdl", "WEIGHT_PREFETCH", False),),
+    "pdl_late_no_prefetch": (("kernels.pdl", "WEIGHT_PREFETCH", False),
+                             ("kernels.pdl", "RELEASE_EARLY", frozenset({"rms_norm"}))),
+    "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY",
+                       frozenset({"linear", "attention", "rms_norm"})),),
 }
 
 

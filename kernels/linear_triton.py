@@ -218,7 +218,8 @@ NORM_BY_DOT_ROWS = 32
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict, norm_eps: float | None = None, gated: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, prefetch_weight: bool = False
+           ) -> torch.Tensor:
     """`x @ weight.T + bias`, optionally with x RMS-normalised, SiLU-gated or a residual added.
 
     Args:
@@ -243,6 +244,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             given, the result `residual + x @ weight.T (+ bias)` (the product rounded to the
             dtype first, the sum rounded once) is written into `residual` in place and
             `residual` is returned.
+        prefetch_weight: with programmatic dependent launch (`kernels.pdl`), each program
+            first prefetches its whole weight slab into L2, before waiting for the previous
+            kernel: for a GEMM that follows a latency-bound kernel (the decode attention), whose
+            runtime leaves HBM idle.
     Returns:
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
@@ -289,13 +294,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         partial = counters = out   # unused
     pdl_options = pdl.launch_options(x.device, "linear")
     # the L2 prefetch needs 16-byte aligned rows and a byte count that is a multiple of 16
-    prefetch_k = pdl.PREFETCH_BYTES_PER_ROW // weight.element_size() // 8 * 8
-    prefetch = (bool(pdl_options) and prefetch_k > 0 and in_features % 8 == 0
-                and weight.data_ptr() % 16 == 0)
+    prefetch = (prefetch_weight and pdl.WEIGHT_PREFETCH and bool(pdl_options)
+                and in_features % 8 == 0 and weight.data_ptr() % 16 == 0)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, partial, counters, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        out.stride(0), 0.0 if norm_eps is None else norm_eps, prefetch_k,
+        out.stride(0), 0.0 if norm_eps is None else norm_eps, k_per_split if prefetch else 0,
         HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         BLOCK_M=rows_per_program, SPLIT_K=split_k,
@@ -303,7 +307,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
         SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, SWAP_AB=swap_ab,
-        PDL=bool(pdl_options), PREFETCH=prefetch, TRIGGER_AFTER_LOOP=pdl.TRIGGER_AFTER_LOOP,
+        PDL=bool(pdl_options), PREFETCH=prefetch,
+        TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
         W_BYTES=weight.element_size(),
         **pdl_options, **config)
     return out

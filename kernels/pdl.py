@@ -16,8 +16,8 @@ previous kernel has completed and its memory is visible. The pattern in our kern
    into L2 (`prefetch_l2`, the bulk `cp.async.bulk.prefetch.L2` of sm_90); nothing is
    written and nothing another kernel writes is read before the wait;
 2. `wait`: from here on the program may read the previous kernel's output and write anything;
-3. `launch_dependents`, right after the wait or after the main loop (`TRIGGER_AFTER_LOOP`), so
-   at most two kernels overlap: the running one and the next one's pre-wait prologue.
+3. `launch_dependents`, right after the wait (`RELEASE_EARLY`) or after the main loop, so at
+   most two kernels overlap: the running one and the next one's pre-wait prologue.
 
 The wait is transitive (a kernel completes only after its own wait returned), so every kernel
 sees all earlier kernels' writes, as without PDL. Kernels launched without the attribute
@@ -40,11 +40,15 @@ ENABLED = True
 # the kernel families launched with PDL when ENABLED: "linear" (the skinny GEMM), "attention"
 # (the one-kernel rotary decode attention), "rms_norm"
 FAMILIES = frozenset({"linear", "attention", "rms_norm"})
-# True: signal dependents after the main loop (they overlap the epilogue and the drain only);
-# False: right after the wait (the next kernel's programs may start as soon as they fit)
-TRIGGER_AFTER_LOOP = True
-# bytes of its weight rows each GEMM program prefetches into L2 before the wait (0: none)
-PREFETCH_BYTES_PER_ROW = 0
+# families that release the next kernel right after their wait; the others release it after
+# their main loop. A GEMM released early by a GEMM lands on the SMs that happen to be free and
+# doubles up there (H200, Llama-3-8B batch 1: 204.9 tok/s against 241.3 released after the loop,
+# 237.5 without PDL; benchmarks/RESULTS.md run 14); the decode attention is latency-bound, and
+# releasing the o GEMM at its start lets o prefetch its weight meanwhile (`linear_triton.linear
+# (prefetch_weight=True)`)
+RELEASE_EARLY = frozenset({"attention", "rms_norm"})
+# False: no GEMM prefetches its weight before its wait, whatever its caller asks
+WEIGHT_PREFETCH = True
 
 
 def supported(device: torch.device) -> bool:
@@ -58,6 +62,11 @@ def _hopper_or_newer(index: int | None) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def release_after_loop(family: str) -> bool:
+    """The TRIGGER_AFTER_LOOP constexpr of a kernel of `family`."""
+    return family not in RELEASE_EARLY
 
 
 def launch_options(device: torch.device, family: str) -> dict:

@@ -214,6 +214,6 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_precision(qkv),
-        PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.TRIGGER_AFTER_LOOP,
+        PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("attention"),
         num_warps=_DECODE_LAUNCH[0], num_stages=_DECODE_LAUNCH[1], **pdl_options)
     return out

@@ -4,7 +4,8 @@ CUDA graph gives bitwise the same results with PDL as without.
 With PDL a kernel starts before the previous one ends; reading the previous kernel's output or
 writing anything before `griddepcontrol.wait` would be a race that shows as wrong bits here. The
 chain is a decode layer's kernels over 8 layers (fused norm + qkv, one-kernel rotary attention
-writing the KV cache, o + residual with split-K, norm + gated gate_up, down + residual, RMSNorm),
+writing the KV cache, o + residual with split-K prefetching its weight before its wait, norm +
+gated gate_up, down + residual, RMSNorm),
 each reading the one before, replayed many times. On CPU (the interpreter) PDL is off and there
 is nothing to compare: CUDA only.
 """
@@ -46,7 +47,7 @@ def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata):
         attn = rotary_decode_attention(qkv, HEADS, cos, signed_sin, kv_cache, metadata,
                                        HEAD_DIM ** -0.5)
         linear_triton.linear(attn.view(hidden.shape[0], -1), w["o"], config=SPLIT,
-                             residual=hidden)
+                             residual=hidden, prefetch_weight=True)
         act = linear_triton.linear(hidden, w["gate_up"], config=NORM, norm_eps=1e-5,
                                    gated=True)
         linear_triton.linear(act, w["down"], config=SPLIT, residual=hidden)
@@ -54,12 +55,12 @@ def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata):
     return elementwise_triton.rms_norm(hidden, weight, 1e-5)
 
 
-def _run(pdl_enabled, trigger_after_loop, monkeypatch, replays=6):
+def _run(pdl_enabled, release_early, monkeypatch, replays=6):
     """Per replay (new hidden input): (final norm, KV cache) after a graph of the chain."""
     from kernels import pdl
 
     monkeypatch.setattr(pdl, "ENABLED", pdl_enabled)
-    monkeypatch.setattr(pdl, "TRIGGER_AFTER_LOOP", trigger_after_loop)
+    monkeypatch.setattr(pdl, "RELEASE_EARLY", release_early)
     layers = _weights(seed=0)
     _, kv_cache, metadata = random_paged_batch(
         [1] * 4, [300, 17, 64, 129], num_q_heads=HEADS, num_kv_heads=KV_HEADS,
@@ -87,12 +88,13 @@ def _run(pdl_enabled, trigger_after_loop, monkeypatch, replays=6):
     return results
 
 
-@pytest.mark.parametrize("trigger_after_loop", [False, True], ids=["trigger_early",
-                                                                    "trigger_after_loop"])
-def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_chain_without_pdl(trigger_after_loop,
+@pytest.mark.parametrize("release_early", [frozenset(), frozenset({"attention", "rms_norm"}),
+                                           frozenset({"linear", "attention", "rms_norm"})],
+                         ids=["after_loops", "attention_early", "all_early"])
+def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_chain_without_pdl(release_early,
                                                                      monkeypatch):
-    expected = _run(False, False, monkeypatch)
-    got = _run(True, trigger_after_loop, monkeypatch)
+    expected = _run(False, frozenset(), monkeypatch)
+    got = _run(True, release_early, monkeypatch)
     for (out, cache), (want_out, want_cache) in zip(got, expected):
         assert torch.isfinite(out.float()).all()
         assert torch.equal(out, want_out)
