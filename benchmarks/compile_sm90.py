@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GEMM_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "residual_ptr": "*bf16",
              "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32",
              "N": "i32", "K": "i32", "k_per_split": "i32", "x_stride": "i32",
-             "w_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "eps": "fp32",
-             "prefetch_k": "i32"}
+             "w_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "eps": "fp32"}
 DECODE_ARGS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16",
                "slot_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "out_ptr": "*bf16", "part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
@@ -67,8 +66,7 @@ def describe(kernel) -> str:
     ptx = kernel.asm["ptx"]
     return (f"mma {mma:8s} cp.async copies {ttgir.count('async_copy_global_to_local'):2d}  "
             f"shared {kernel.metadata.shared // 1024:3d} KiB  "
-            f"PDL wait {ptx.count('griddepcontrol.wait')} "
-            f"L2 prefetch {ptx.count('cp.async.bulk.prefetch.L2')}")
+            f"PDL wait {ptx.count('griddepcontrol.wait')}")
 
 
 def variants() -> list[tuple]:
@@ -83,7 +81,7 @@ def variants() -> list[tuple]:
                           EVEN_N=True, EVEN_K=True, PRECISION="tf32",
                           NORM_BY_DOT=block_m >= linear_triton.NORM_BY_DOT_ROWS,
                           SS_CHUNK=4096 // block_m, SS_CHUNKS=block_m, SWAP_AB=swap, PDL=True,
-                          PREFETCH=True, TRIGGER_AFTER_LOOP=True, W_BYTES=2)
+                          TRIGGER_AFTER_LOOP=True)
         out.append((label, linear_triton._skinny_linear_kernel, GEMM_ARGS, constexprs, warps,
                     stages))
     decode = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128,

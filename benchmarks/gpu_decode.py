@@ -16,8 +16,9 @@ model, so both run the same weights), then measures in one process:
    the residual adds as their own kernels), the attention unfused (rotary + KV write, decode
    and split reduce as three kernels instead of `kernels/rotary_decode_triton.py`'s one),
    every linear on cuBLAS (also the Triton skinny
-   GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), and no cuBLASLt choice:
-   each one's share;
+   GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), no cuBLASLt choice, and no
+   programmatic dependent launch (`kernels/pdl.py`): each one's share (`--variants` picks
+   them, also the PDL_VARIANTS experiments; `--variants-only` skips everything else);
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
@@ -249,12 +250,9 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),)}
-# PDL experiments (--variants): when kernels release the next one, the o GEMM's prefetch
+# PDL experiments (--variants): which kernels release the next one right after their wait
 PDL_VARIANTS = {
-    "as_committed": (),
-    "pdl_no_weight_prefetch": (("kernels.pdl", "WEIGHT_PREFETCH", False),),
-    "pdl_late_no_prefetch": (("kernels.pdl", "WEIGHT_PREFETCH", False),
-                             ("kernels.pdl", "RELEASE_EARLY", frozenset({"rms_norm"}))),
+    "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset({"rms_norm"})),),
     "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY",
                        frozenset({"linear", "attention", "rms_norm"})),),
 }

@@ -125,15 +125,12 @@ def add_norm_linear(pending: torch.Tensor | None, residual: torch.Tensor,
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               residual: torch.Tensor, *, prefetch_weight: bool = False
-               ) -> tuple[torch.Tensor | None, torch.Tensor]:
+               residual: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`residual + linear(x)`, the add done in the GEMM's epilogue where the fused kernel runs.
 
     Args:
         x: [T, K]; weight: [H, K]; bias: [H] or None.
         residual: [T, H] the residual stream; overwritten by the sum when fused.
-        prefetch_weight: x comes from a latency-bound kernel (the decode attention): the fused
-            GEMM prefetches its weight into L2 while that kernel runs (`linear_triton.linear`).
     Returns:
         (pending, residual): (None, residual + x @ weight.T) when fused, else
         (x @ weight.T, residual) for the next `add_norm_linear` (or RMSNorm) to add.
@@ -142,6 +139,5 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if config is not None:
         from kernels import linear_triton
 
-        return None, linear_triton.linear(x, weight, bias, config=config, residual=residual,
-                                          prefetch_weight=prefetch_weight)
+        return None, linear_triton.linear(x, weight, bias, config=config, residual=residual)
     return linear(x, weight, bias), residual

@@ -89,14 +89,14 @@ def _mma(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                           counter_ptr, M, N, K, k_per_split, x_stride, w_stride, residual_stride,
-                          out_stride, eps, prefetch_k, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                          out_stride, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                           GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
                           SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
-                          SWAP_AB: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                          TRIGGER_AFTER_LOOP: tl.constexpr, W_BYTES: tl.constexpr):
+                          SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+                          TRIGGER_AFTER_LOOP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -110,14 +110,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]      # [BM, BK]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]      # [BN, BK]
     up_offset = N.to(tl.int64) * w_stride    # GATED: the up rows follow the N gate rows
-    if PREFETCH:   # before the PDL wait: the first prefetch_k weights of each row, into L2
-        num_bytes = tl.minimum(prefetch_k, k_end - k_start) * W_BYTES
-        if num_bytes > 0:
-            first = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * w_stride + k_start
-            sizes = tl.full([BLOCK_N], num_bytes, tl.int32)
-            pdl.prefetch_l2(first.to(tl.int64, bitcast=True), sizes)
-            if GATED:
-                pdl.prefetch_l2((first + up_offset).to(tl.int64, bitcast=True), sizes)
     pdl.wait(PDL)   # x, the residual, the partials and the counters: after the previous kernel
     if not TRIGGER_AFTER_LOOP:
         pdl.launch_dependents(PDL)
@@ -218,8 +210,7 @@ NORM_BY_DOT_ROWS = 32
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict, norm_eps: float | None = None, gated: bool = False,
-           residual: torch.Tensor | None = None, prefetch_weight: bool = False
-           ) -> torch.Tensor:
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`, optionally with x RMS-normalised, SiLU-gated or a residual added.
 
     Args:
@@ -244,10 +235,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             given, the result `residual + x @ weight.T (+ bias)` (the product rounded to the
             dtype first, the sum rounded once) is written into `residual` in place and
             `residual` is returned.
-        prefetch_weight: with programmatic dependent launch (`kernels.pdl`), each program
-            first prefetches its whole weight slab into L2, before waiting for the previous
-            kernel: for a GEMM that follows a latency-bound kernel (the decode attention), whose
-            runtime leaves HBM idle.
     Returns:
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
@@ -293,22 +280,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         partial = counters = out   # unused
     pdl_options = pdl.launch_options(x.device, "linear")
-    # the L2 prefetch needs 16-byte aligned rows and a byte count that is a multiple of 16
-    prefetch = (prefetch_weight and pdl.WEIGHT_PREFETCH and bool(pdl_options)
-                and in_features % 8 == 0 and weight.data_ptr() % 16 == 0)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, partial, counters, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        out.stride(0), 0.0 if norm_eps is None else norm_eps, k_per_split if prefetch else 0,
-        HAS_BIAS=bias is not None,
+        out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         BLOCK_M=rows_per_program, SPLIT_K=split_k,
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
         SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, SWAP_AB=swap_ab,
-        PDL=bool(pdl_options), PREFETCH=prefetch,
-        TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
-        W_BYTES=weight.element_size(),
+        PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
         **pdl_options, **config)
     return out

@@ -1,29 +1,33 @@
-"""Programmatic dependent launch (PDL) for the decode kernels on Hopper, and L2 weight prefetch.
+"""Programmatic dependent launch (PDL) for the decode kernels on Hopper.
 
-In a decode graph each kernel waits for the whole previous kernel: its launch, its programs'
-prologues and the first loads of its weights (a few microseconds of HBM latency) sit in the
-gap, while the previous kernel's last programs leave SMs idle as they drain. At batch 1 a
-Llama-3-8B step is ~170 such kernels (benchmarks/RESULTS.md run 13: kernel sum 4.14 ms for
-3.55 ms of bytes at the copy bandwidth).
+In a decode graph each kernel starts only when the previous one has ended: its launch and its
+programs' prologues sit in the gap between the two. At batch 1 a Llama-3-8B step is ~170
+kernels (benchmarks/RESULTS.md run 13: graph replay 4.28 ms for a kernel sum of 4.14 ms).
 
 PDL (CUDA programming guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA
 `griddepcontrol`) lets the next kernel start before this one ends. A kernel launched with
 `launch_pdl=True` may begin once every program of the previous kernel has executed
 `griddepcontrol.launch_dependents` (or exited); its `griddepcontrol.wait` then blocks until the
-previous kernel has completed and its memory is visible. The pattern in our kernels:
+previous kernel has completed and its memory is visible. In our kernels:
 
-1. prefetch what does not depend on the previous kernel: the program's first weight bytes,
-   into L2 (`prefetch_l2`, the bulk `cp.async.bulk.prefetch.L2` of sm_90); nothing is
-   written and nothing another kernel writes is read before the wait;
-2. `wait`: from here on the program may read the previous kernel's output and write anything;
-3. `launch_dependents`, right after the wait (`RELEASE_EARLY`) or after the main loop, so at
-   most two kernels overlap: the running one and the next one's pre-wait prologue.
+1. `wait` comes before anything that reads another kernel's output or writes memory (only
+   program ids and arguments before it);
+2. `launch_dependents` comes right after the wait for the families in RELEASE_EARLY, else
+   after the kernel's main loop (a GEMM's K loop), so at most two kernels overlap: the running
+   one and the next one's launch.
 
 The wait is transitive (a kernel completes only after its own wait returned), so every kernel
 sees all earlier kernels' writes, as without PDL. Kernels launched without the attribute
 (torch, cuBLAS) serialise as usual. CUDA graph capture keeps the launch attribute as a
 programmatic dependency edge. Off the GPU (the interpreter, CPU) the constexpr PDL flag is
 False and the kernels compile without the instructions.
+
+Measured (H200, Llama-3-8B decode, one process; benchmarks/RESULTS.md run 14): 240.6 / 1836.3
+/ 12262.8 tok/s at batch 1 / 8 / 64 against 237.3 / 1822.7 / 12096.7 without PDL. Releasing
+the next GEMM right after the wait was slower at batch 1 (204.9): its programs start on
+whichever SMs are free while the previous GEMM runs and double up there. Prefetching the o
+GEMM's weight into L2 before its wait, while the latency-bound attention ran, was slower too
+(237.3), and was removed.
 """
 
 from __future__ import annotations
@@ -40,15 +44,9 @@ ENABLED = True
 # the kernel families launched with PDL when ENABLED: "linear" (the skinny GEMM), "attention"
 # (the one-kernel rotary decode attention), "rms_norm"
 FAMILIES = frozenset({"linear", "attention", "rms_norm"})
-# families that release the next kernel right after their wait; the others release it after
-# their main loop. A GEMM released early by a GEMM lands on the SMs that happen to be free and
-# doubles up there (H200, Llama-3-8B batch 1: 204.9 tok/s against 241.3 released after the loop,
-# 237.5 without PDL; benchmarks/RESULTS.md run 14); the decode attention is latency-bound, and
-# releasing the o GEMM at its start lets o prefetch its weight meanwhile (`linear_triton.linear
-# (prefetch_weight=True)`)
+# families that release the next kernel right after their wait; the others after their main
+# loop (the attention either way: 240.6 / 240.5 tok/s at batch 1)
 RELEASE_EARLY = frozenset({"attention", "rms_norm"})
-# False: no GEMM prefetches its weight before its wait, whatever its caller asks
-WEIGHT_PREFETCH = True
 
 
 def supported(device: torch.device) -> bool:
@@ -87,17 +85,3 @@ def launch_dependents(PDL: tl.constexpr):
     """Allow the next kernel to launch once all programs got here (no-op if not PDL)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(addresses, num_bytes):
-    """Prefetch `num_bytes` (a multiple of 16) from each 16-byte aligned address into L2.
-
-    Args:
-        addresses: int64 tensor of global addresses (one bulk prefetch each; replicated
-            elements prefetch twice, which costs an instruction, not bytes).
-        num_bytes: int32 tensor of addresses' shape, the bytes from each.
-    """
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [addresses, num_bytes], dtype=tl.int32, is_pure=False,
-                              pack=1)

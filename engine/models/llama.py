@@ -103,8 +103,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         qkv, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
                                         attn.qkv_proj.weight, attn.qkv_proj.bias)
         out = attn.attend(rope, qkv, kv_cache, attn_metadata)   # [T, q_size]
-        pending, residual = linear_add(out, attn.o_proj.weight, attn.o_proj.bias, residual,
-                                       prefetch_weight=True)
+        pending, residual = linear_add(out, attn.o_proj.weight, attn.o_proj.bias, residual)
         act, residual = add_norm_linear(pending, residual, norm2.weight, norm2.eps,
                                         mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                                         gated=True)   # silu(gate) * up: [T, intermediate]

@@ -4,8 +4,7 @@ CUDA graph gives bitwise the same results with PDL as without.
 With PDL a kernel starts before the previous one ends; reading the previous kernel's output or
 writing anything before `griddepcontrol.wait` would be a race that shows as wrong bits here. The
 chain is a decode layer's kernels over 8 layers (fused norm + qkv, one-kernel rotary attention
-writing the KV cache, o + residual with split-K prefetching its weight before its wait, norm +
-gated gate_up, down + residual, RMSNorm),
+writing the KV cache, o + residual with split-K, norm + gated gate_up, down + residual, RMSNorm),
 each reading the one before, replayed many times. On CPU (the interpreter) PDL is off and there
 is nothing to compare: CUDA only.
 """
@@ -47,7 +46,7 @@ def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata):
         attn = rotary_decode_attention(qkv, HEADS, cos, signed_sin, kv_cache, metadata,
                                        HEAD_DIM ** -0.5)
         linear_triton.linear(attn.view(hidden.shape[0], -1), w["o"], config=SPLIT,
-                             residual=hidden, prefetch_weight=True)
+                             residual=hidden)
         act = linear_triton.linear(hidden, w["gate_up"], config=NORM, norm_eps=1e-5,
                                    gated=True)
         linear_triton.linear(act, w["down"], config=SPLIT, residual=hidden)
