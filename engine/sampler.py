@@ -125,7 +125,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     On CUDA, up to _TWO_PASS_MAX_ROWS rows of a vocabulary that splits evenly are reduced in
     two passes (the maximum of each of C chunks, then the first chunk holding the row's
     maximum): torch's one-pass argmax reduces a row in one thread block, ~27 us for 1 to 64 rows
-    of 128,256 logits on an H200, against 11-12 us in two passes of 256 chunks at 1-8 rows and
+    of 128,256 logits on an H200, against 11-13 us in two passes of 256 chunks at 1-8 rows and
     19 us of 128 chunks at 64 rows (bf16); at 256 rows one pass is faster (46 against 53 us;
     benchmarks/RESULTS.md run 14). Same result: both passes keep the first maximal index (NaN
     counts as the maximum, as in torch.argmax).

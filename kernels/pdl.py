@@ -23,11 +23,11 @@ programmatic dependency edge. Off the GPU (the interpreter, CPU) the constexpr P
 False and the kernels compile without the instructions.
 
 Measured (H200, Llama-3-8B decode, one process; benchmarks/RESULTS.md run 14): 240.6 / 1836.3
-/ 12262.8 tok/s at batch 1 / 8 / 64 against 237.3 / 1822.7 / 12096.7 without PDL. Releasing
-the next GEMM right after the wait was slower at batch 1 (204.9): its programs start on
-whichever SMs are free while the previous GEMM runs and double up there. Prefetching the o
-GEMM's weight into L2 before its wait, while the latency-bound attention ran, was slower too
-(237.3), and was removed.
+/ 12262.8 tok/s at batch 1 / 8 / 64 against 237.3 / 1822.7 / 12096.7 without PDL. GEMMs
+releasing the next kernel right after their wait were slower at batch 1 (219.3; every kernel
+so: 204.9): the next GEMM's programs start on whichever SMs are free while the current GEMM
+runs and double up there. Prefetching the o GEMM's weight into L2 before its wait, while the
+latency-bound attention ran, was slower too (237.3), and was removed.
 """
 
 from __future__ import annotations
@@ -51,13 +51,14 @@ RELEASE_EARLY = frozenset({"attention", "rms_norm"})
 
 def supported(device: torch.device) -> bool:
     """PDL is on for `device`: ENABLED, a CUDA device of compute capability 9.0 or newer, and
-    Triton compiling for it (not the interpreter)."""
+    a Triton that has it (`tl.extra.cuda.gdc_wait`; 3.6 on the device) compiling for it (not the
+    interpreter)."""
     return ENABLED and device.type == "cuda" and _hopper_or_newer(device.index)
 
 
 @functools.cache
 def _hopper_or_newer(index: int | None) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
