@@ -20,6 +20,9 @@ latency, not bytes (H200, Llama-3-8B: 1.8 + 4.2 + 2.2 us per layer, benchmarks/R
   combines the partials in split order 0, 1, ... (deterministic, whichever split finishes
   last), writes the output and resets the counter. No reduce kernel.
 
+On Hopper it is launched with programmatic dependent launch (`kernels/pdl.py`): it waits for
+the qkv GEMM before its first load and releases the o GEMM's launch right away.
+
 Numerics against the unfused kernels: q and the cached k are bitwise the same; the new token's
 score is an fp32 sum of exact products instead of a tensor-core dot (same values, another
 summation order), and its P is rounded to the cache dtype before P V as in the dot path. bf16
