@@ -9,15 +9,18 @@ shuffled block tables), 192-token contexts (the decode benchmark's mean), bf16. 
   engine picks and, where it differs, at forced split counts (is a split worth it now that the
   reduce costs no launch?).
 The graphs are captured with max_seq_len = 8192, as the engine's decode graphs are. Printed:
-microseconds per layer and fused / unfused.
+microseconds per layer and fused / unfused. With --sweep, the fused kernel is also timed at each
+(BLOCK_N, num_warps, num_stages) of `decode_attention_sweep.py`'s grid (the engine runs
+`paged_attention_triton._DECODE_BLOCK_N` / `_DECODE_LAUNCH`, swept for the unfused kernel).
 
-Run: python3 benchmarks/rotary_decode_bench.py [--json PATH]
+Run: python3 benchmarks/rotary_decode_bench.py [--sweep] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -37,9 +40,31 @@ def graph_us_per_layer(fn) -> float:
     return graph_us(lambda: [fn(layer) for layer in range(LAYERS)]) / LAYERS
 
 
+def sweep_launch_configs(fused) -> dict[str, float]:
+    """{"BLOCK_N/num_warps/num_stages": us per layer} of the fused kernel over the unfused
+    sweep's grid; configs Triton cannot build are left out. The defaults are restored."""
+    from benchmarks.decode_attention_sweep import BLOCK_NS, STAGES, WARPS
+    from kernels import rotary_decode_triton as fused_module
+
+    saved = fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH
+    timings = {}
+    try:
+        for block_n, warps, stages in itertools.product(BLOCK_NS, WARPS, STAGES):
+            fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH = block_n, (warps, stages)
+            try:
+                timings[f"{block_n}/{warps}/{stages}"] = graph_us_per_layer(fused)
+            except Exception as error:  # noqa: BLE001 - a config Triton cannot build
+                print(f"{block_n}/{warps}/{stages}: {type(error).__name__}", flush=True)
+    finally:
+        fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH = saved
+    return timings
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the fused kernel at every launch config of the grid")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
     from gpu_common import random_paged_batch  # noqa: I001 (tests/kernels on sys.path)
@@ -81,6 +106,8 @@ def main() -> int:
                 row[f"fused_us_splits{forced}"] = graph_us_per_layer(fused)
             finally:
                 rotary_decode_triton.num_decode_splits = pat.num_decode_splits
+        if args.sweep:
+            row["fused_us_by_config"] = sweep_launch_configs(fused)
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                           for k, v in row.items()}), flush=True)

@@ -179,12 +179,12 @@ class ModelRunner:
         hidden, graph_outputs = self._forward(inputs)
         token_ids = logprobs = None
         if inputs.sampling_states:
-            logits = self._logits(inputs, hidden, graph_outputs)
             metadata = build_sampling_metadata(inputs.sampling_states, self.device,
                                                eos_token_ids=self.eos_token_ids)
             if metadata.argmax_only and self._graph_rows_sample(inputs, graph_outputs):
                 token_ids = graph_outputs.greedy_ids   # argmax ran inside the graph
             else:
+                logits = self._logits(inputs, hidden, graph_outputs)
                 token_ids, logprobs = self.sampler.sample_on_device(logits, metadata)
             for state in inputs.sampling_states:
                 state.token_ids.append(-1)  # a placeholder until the step is resolved

@@ -21,3 +21,16 @@ def test_a_mid_prompt_one_token_chunk_or_an_eager_step_uses_the_lm_head():
     graph = SimpleNamespace(logits="graph logits", greedy_ids="graph ids")
     assert not ModelRunner._graph_rows_sample(_inputs(4, 3), graph)   # one row does not sample
     assert not ModelRunner._graph_rows_sample(_inputs(4, 4), None)    # no graph replayed
+
+
+def test_the_graph_logits_reach_the_sampler_as_float32_of_the_same_values():
+    """The graph keeps the LM head's output in the model dtype (its greedy ids come from it);
+    a sampling step gets it as float32: the same values, exactly."""
+    import torch
+
+    logits = (torch.randn(4, 50) * 4).to(torch.bfloat16)
+    graph = SimpleNamespace(logits=logits, greedy_ids=logits.argmax(-1))
+    runner = SimpleNamespace(_graph_rows_sample=ModelRunner._graph_rows_sample)
+    got = ModelRunner._logits(runner, _inputs(4, 4), None, graph)
+    assert got.dtype == torch.float32 and torch.equal(got, logits.float())
+    assert torch.equal(got.argmax(-1), graph.greedy_ids)
