@@ -224,9 +224,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = build_engine_config(args)
         key = api_key(args)
-        _check_listen_address(args.host, args.port)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
+        _check_listen_address(args.host, args.port)   # last: the flags' own errors come first
     except ValueError as exc:
         print(f"deepinfer: invalid configuration: {exc}", file=sys.stderr)
         return 2
