@@ -190,7 +190,7 @@ class EngineCore:
 
         Raises:
             PromptTooLongError: prompt (+ max_tokens) does not fit max_model_len.
-            ValueError: empty prompt or token ids outside the vocabulary.
+            ValueError: empty prompt, or prompt / stop token ids outside the vocabulary.
             GrammarError (a ValueError): `so_args` cannot be compiled (compiles it unless
                 cached; `AsyncLLM` compiles it in a worker thread first).
         """
@@ -201,6 +201,10 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size}); check the token ids.")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:   # it could never be generated: the stop would silently never fire
+            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary "
+                             f"[0, {self.vocab_size}); send ids the model's tokenizer produces.")
         max_tokens = params.max_tokens
         if num_prompt + (max_tokens or 1) > self.max_model_len:
             raise PromptTooLongError(

@@ -147,7 +147,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Await `work` (a non-stream generation), cancelling it if the client goes away first.
+    """Await `work` (a non-stream generation, or a stream's start), cancelling it if the client
+    goes away first.
 
     Returns None when the client disconnected; cancelling `work` aborts its engine requests.
     """
@@ -220,9 +221,13 @@ async def respond(raw: Request, engine: Any, metrics: ServerMetrics, request_id:
                                    AsyncIterator[bytes]],
                   body: Callable[[list[ChoiceState]], Any]) -> Response:
     """Run the sub-requests and answer: SSE built by `events`, or the JSON model `body` makes
-    from the finished choices (499 when the client left before the end)."""
+    from the finished choices. 499 when the client left before the end (non-stream) or before
+    the first output (stream: while queued or prefilling); its engine requests are aborted."""
     if stream:
-        outputs = await start_stream(engine, metrics, request_id, subs)
+        outputs = await unless_disconnected(raw, start_stream(engine, metrics, request_id,
+                                                               subs))
+        if outputs is None:
+            return Response(status_code=499)
         return StreamingResponse(sse_body(events(outputs)), media_type=MEDIA_TYPE,
                                  headers=HEADERS)
     states = await unless_disconnected(raw, collect(engine, metrics, request_id, subs))

@@ -114,5 +114,6 @@ async def check_compiles(engine: Any, so_args: dict[str, Any], param: str) -> No
     try:
         await engine.compile_grammar(so_args)
     except ValueError as exc:
-        raise APIError(f"Invalid {param}: {exc}. Fix it and retry.", param=param,
+        reason = str(exc).rstrip(". ")   # the compiler's messages may end in a full stop
+        raise APIError(f"Invalid {param}: {reason}. Fix it and retry.", param=param,
                        code="invalid_schema") from None

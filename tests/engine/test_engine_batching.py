@@ -123,3 +123,16 @@ def test_smollm2_greedy_alone_equals_batched_and_after_preemption(smollm2_dir):
     tight = make_llm(smollm2_dir, num_blocks=24, block_size=16, budget=256, caching=False)
     assert [o.token_ids for o in tight.generate(SMOLLM2_PROMPTS, params)] == alone
     assert tight.engine_core.scheduler.num_preemptions > 0
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir):
+    """A prompt id or a stop_token_id the model cannot produce is a ValueError (the server's
+    400) before anything is queued; found by black-box testing: stop_token_ids=[999999] was
+    accepted and could never fire."""
+    llm = make_llm(tiny_llama_dir)
+    vocab = llm.engine_core.vocab_size
+    with pytest.raises(ValueError, match=f"prompt token id {vocab} is outside"):
+        llm.generate([[1, vocab]], GREEDY)
+    with pytest.raises(ValueError, match="stop_token_ids holds 999999, outside the vocabulary"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2, stop_token_ids=[5, 999999]))
+    assert llm.generate([[1, 2]], GREEDY)[0].token_ids    # still serving

@@ -66,11 +66,12 @@ class ScriptedEngine:
     model_name = "test-model"
 
     def __init__(self, reply: str = "Hello world", max_model_len: int = 64,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, first_token_delay_s: float = 0.0) -> None:
         self.tokenizer = CharTokenizer()
         self.max_model_len = max_model_len
         self.reply = reply
         self.step_delay_s = step_delay_s
+        self.first_token_delay_s = first_token_delay_s   # a queue wait or a long prefill
         self.queue_full = False
         self.dead = False
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -87,7 +88,7 @@ class ScriptedEngine:
         self.compiled.append(so_args)
         grammar_key(so_args)
         if "INVALID" in str(so_args.get("schema")):
-            raise ValueError("invalid or unsupported regex: Regex parsing error at position 3")
+            raise ValueError("invalid or unsupported regex: Regex parsing error at position 3.")
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running_reqs=len(self.running), kv_cache_usage=0.25,
@@ -112,6 +113,7 @@ class ScriptedEngine:
         text = self._text(sampling_params)[:sampling_params.max_tokens]
         finished = False
         try:
+            await asyncio.sleep(self.first_token_delay_s)
             for i, ch in enumerate(text):
                 await asyncio.sleep(self.step_delay_s)
                 last = i == len(text) - 1

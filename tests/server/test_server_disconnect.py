@@ -3,6 +3,7 @@ TestClient buffers whole responses and never disconnects)."""
 
 import asyncio
 import json
+import time
 
 import httpx
 
@@ -59,6 +60,20 @@ def test_stream_disconnect_aborts_every_choice():
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert b"[DONE]" not in body
     assert len(engine.aborted) == 2 and engine.running == set()
+
+
+def test_stream_disconnect_before_the_first_token_aborts_the_request():
+    """A streaming client that leaves while its request waits in the queue (or prefills) frees
+    its place at once, not when the first token would have come."""
+    engine = ScriptedEngine(reply="z" * 10, first_token_delay_s=30)
+    app = build_app(engine)
+    start = time.monotonic()
+    sent = asyncio.run(call_then_disconnect(app, "/v1/completions",
+                                            {"prompt": "a", "stream": True}, after_s=0.15))
+    assert time.monotonic() - start < 5
+    assert sent[0]["status"] == 499
+    assert len(engine.aborted) == 1 and engine.running == set()
+    assert 'finished_reason="abort"' in asyncio.run(_get_metrics(app))
 
 
 def test_non_stream_disconnect_aborts_the_request():

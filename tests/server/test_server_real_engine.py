@@ -73,6 +73,14 @@ def test_context_window_is_enforced_with_numbers(engine):
     assert message.startswith("max_tokens=600 plus ") and "exceeds max_model_len=512" in message
 
 
+def test_a_stop_token_id_outside_the_vocabulary_is_400(engine):
+    response, = post_all(engine, {"messages": QUESTION, "max_tokens": 4,
+                                  "stop_token_ids": [999999]})
+    assert response.status_code == 400
+    assert "stop_token_ids holds 999999, outside the vocabulary [0, 49152)" in \
+        response.json()["error"]["message"]
+
+
 def test_full_queue_answers_429(engine):
     body = {"messages": QUESTION, "max_tokens": 8, "ignore_eos": True}
     responses = post_all(engine, body, body, body, body)

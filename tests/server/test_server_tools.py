@@ -4,6 +4,7 @@ tool calls come back in OpenAI's shape, streamed or not, and tool turns reach th
 
 import json
 import random
+import re
 
 import pytest
 from fastapi.testclient import TestClient
@@ -121,6 +122,8 @@ def test_bad_constraints_and_tools_are_400_before_queueing(fields, param, text):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and text in error["message"], error
+    # found by black-box testing: "send a JSON object.. Fix it" (an ellipsis is fine)
+    assert not re.search(r"(?<!\.)\.\.(?!\.)", error["message"]), error
     assert engine.requests == {}
 
 
