@@ -79,12 +79,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 
 
 @triton.jit
-def _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale, v_offset,
+def _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale, v_offset, q_pos,
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Online-softmax attention of q ([G, D], G query heads of `kv_head`) to the cached
-    positions [begin, end) read through the block table row `table`, BLOCK_N at a time.
-    Returns (running max m [G], running sum l [G], unnormalised output acc [G, D]), float32;
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                    CAUSAL: tl.constexpr):
+    """Online-softmax attention of q ([R, D] rows: a decode step's query heads of `kv_head`,
+    or a prefill tile's queries of one head) to the cached positions [begin, end) read through
+    the block table row `table`, BLOCK_N at a time. CAUSAL: row r sees positions <= q_pos[r]
+    ([R] int32; unused otherwise), and a row that sees nothing in a tile keeps m = -inf.
+    Returns (running max m [R], running sum l [R], unnormalised output acc [R, D]), float32;
     m = -inf, l = 0, acc = 0 for an empty range."""
     m = tl.full([q.shape[0]], float("-inf"), tl.float32)
     l = tl.zeros([q.shape[0]], tl.float32)
@@ -97,11 +100,18 @@ def _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale, v_
         offsets = rows[:, None] * HEAD_DIM + d[None, :]                # [N, D]
         kv_mask = valid[:, None] & d_ok[None, :]
         k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] fp32
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N] fp32
+        if CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        if CAUSAL:   # a fully masked row: exp(-inf - -inf) would be NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(s - m_ref[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -132,8 +142,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, pa
                 mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0)  # [G, D]
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     m, l, acc = _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale,
-                                v_offset, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                PRECISION)
+                                v_offset, seq_len, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                PRECISION, CAUSAL=False)
 
     head_ok = (g < GROUP)[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -242,29 +252,11 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
     q = tl.load(q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)      # [M, D]
     kv_head = head // GROUP
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     end = tl.minimum(seq_len, first_pos + (tile + 1) * BLOCK_M)        # last query pos + 1
-    for start in range(0, end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_rows = (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-        offsets = kv_rows[:, None] * HEAD_DIM + d[None, :]
-        kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    _, l, acc = _attend_context(q, cache_ptr, table, 0, end, kv_head, d, d_ok, scale, v_offset,
+                                q_pos, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+                                CAUSAL=True)
     out = acc / tl.maximum(l, 1e-30)[:, None]
     tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

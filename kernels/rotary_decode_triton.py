@@ -110,8 +110,8 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     cached_end = tl.minimum(end, new_pos)                # cached positions: [begin, cached_end)
     m, row_sum, acc = _attend_context(q, cache_ptr, table, begin, cached_end, kv_head, d, d_ok,
-                                      scale, v_offset, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                      BLOCK_N, PRECISION)
+                                      scale, v_offset, seq_len, NUM_KV_HEADS, HEAD_DIM,
+                                      BLOCK_SIZE, BLOCK_N, PRECISION, CAUSAL=False)
     if TRIGGER_AFTER_LOOP:
         pdl.launch_dependents(PDL)
     if owns_new:
