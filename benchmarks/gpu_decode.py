@@ -252,9 +252,8 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),)}
 # PDL experiments (--variants): which kernels release the next one right after their wait
 PDL_VARIANTS = {
-    "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset({"rms_norm"})),),
-    "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY",
-                       frozenset({"linear", "attention", "rms_norm"})),),
+    "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),
+    "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
 }
 
 

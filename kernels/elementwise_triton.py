@@ -49,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if num_tokens:
         block = triton.next_power_of_2(hidden)
         res = residual if residual is not None else x
-        pdl_options = pdl.launch_options(x.device, "rms_norm")
+        pdl_options = pdl.launch_options(x.device)
         _rms_norm_kernel[(num_tokens,)](
             x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=bool(pdl_options),

@@ -284,7 +284,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         counters = arrival_counters(x.device)
     else:
         partial = counters = out   # unused
-    pdl_options = pdl.launch_options(x.device, "linear")
+    pdl_options = pdl.launch_options(x.device)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, partial, counters, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),

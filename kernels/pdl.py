@@ -12,7 +12,7 @@ previous kernel has completed and its memory is visible. In our kernels:
 
 1. `wait` comes before anything that reads another kernel's output or writes memory (only
    program ids and arguments before it);
-2. `launch_dependents` comes right after the wait for the families in RELEASE_EARLY, else
+2. `launch_dependents` comes right after the wait for the kernels in RELEASE_EARLY, else
    after the kernel's main loop (a GEMM's K loop), so at most two kernels overlap: the running
    one and the next one's launch.
 
@@ -41,12 +41,11 @@ import triton.language as tl
 
 # False: launch every kernel without PDL (benchmarks compare the two in one process)
 ENABLED = True
-# the kernel families launched with PDL when ENABLED: "linear" (the skinny GEMM), "attention"
-# (the one-kernel rotary decode attention), "rms_norm"
-FAMILIES = frozenset({"linear", "attention", "rms_norm"})
-# families that release the next kernel right after their wait; the others after their main
-# loop (the attention either way: 240.6 / 240.5 tok/s at batch 1)
-RELEASE_EARLY = frozenset({"attention", "rms_norm"})
+# kernels ("linear": the skinny GEMM, "attention": the one-kernel rotary decode attention) that
+# release the next kernel right after their wait; the others after their main loop (the
+# attention either way: 240.6 / 240.5 tok/s at batch 1). The RMSNorm kernel has no loop and
+# releases right after its wait.
+RELEASE_EARLY = frozenset({"attention"})
 
 
 def supported(device: torch.device) -> bool:
@@ -63,15 +62,15 @@ def _hopper_or_newer(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def release_after_loop(family: str) -> bool:
-    """The TRIGGER_AFTER_LOOP constexpr of a kernel of `family`."""
-    return family not in RELEASE_EARLY
+def release_after_loop(kernel: str) -> bool:
+    """The TRIGGER_AFTER_LOOP constexpr of `kernel` ("linear" or "attention")."""
+    return kernel not in RELEASE_EARLY
 
 
-def launch_options(device: torch.device, family: str) -> dict:
-    """Extra launch kwargs for a kernel of `family` (one of FAMILIES' names) on `device`: {}
-    where PDL is off for it; `kernel[grid](..., PDL=bool(options), **options)`."""
-    return {"launch_pdl": True} if family in FAMILIES and supported(device) else {}
+def launch_options(device: torch.device) -> dict:
+    """Extra launch kwargs for a PDL kernel on `device` ({} where PDL is off):
+    `kernel[grid](..., PDL=bool(options), **options)`."""
+    return {"launch_pdl": True} if supported(device) else {}
 
 
 @triton.jit

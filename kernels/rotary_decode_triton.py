@@ -209,7 +209,7 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         sums = torch.empty_like(m)
     group = num_q_heads // num_kv_heads
     block_tables = metadata.block_tables
-    pdl_options = pdl.launch_options(qkv.device, "attention")
+    pdl_options = pdl.launch_options(qkv.device)
     _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
         qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, block_tables, metadata.seq_lens,
         out, part, m, sums, counters, scale, qkv.stride(0), cos.stride(0), signed_sin.stride(0),
