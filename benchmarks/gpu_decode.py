@@ -254,6 +254,12 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
 PDL_VARIANTS = {
     "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),
     "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
+    # which kernels load their inputs that no recent kernel writes before the wait
+    "no_prefetch": (("kernels.pdl", "PREFETCH", frozenset()),),
+    "prefetch_linear": (("kernels.pdl", "PREFETCH", frozenset({"linear"})),),
+    "prefetch_attention": (("kernels.pdl", "PREFETCH", frozenset({"attention"})),),
+    # the one-kernel attention's grid as (kv head, sequence, split)
+    "heads_first": (("kernels.rotary_decode_triton", "HEADS_FIRST", True),),
 }
 
 

@@ -101,7 +101,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
                           SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
                           SWAP_AB: tl.constexpr, PDL: tl.constexpr,
-                          TRIGGER_AFTER_LOOP: tl.constexpr):
+                          TRIGGER_AFTER_LOOP: tl.constexpr, PREFETCH_W: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -115,6 +115,16 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]      # [BM, BK]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]      # [BN, BK]
     up_offset = N.to(tl.int64) * w_stride    # GATED: the up rows follow the N gate rows
+    # PREFETCH_W: the first weight tile(s) are loaded before the wait (no kernel writes the
+    # weight), so their latency overlaps the previous kernel's tail; a split with no K tiles
+    # loads zeros
+    first_ok = row_ok[:, None] & (ks < k_end)[None, :]                         # [BM, BK]
+    first_w_ok = col_ok[:, None] & (ks < k_end)[None, :]                       # [BN, BK]
+    if PREFETCH_W:
+        w_first = tl.load(w_ptrs, mask=first_w_ok, other=0.0)
+        w_up_first = w_first
+        if GATED:
+            w_up_first = tl.load(w_ptrs + up_offset, mask=first_w_ok, other=0.0)
     pdl.wait(PDL)   # x, the residual, the partials and the counters: after the previous kernel
     if not TRIGGER_AFTER_LOOP:
         pdl.launch_dependents(PDL)
@@ -136,7 +146,18 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
             xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + kk[None, :],
                          mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             sum_squares += tl.sum(xs * xs, axis=1)
-    for k in range(k_start, k_end, BLOCK_K):
+    k_first = k_start
+    if PREFETCH_W:   # the K loop's first step, on the prefetched tile(s)
+        x = tl.load(x_ptrs, mask=first_ok, other=0.0)
+        acc = _mma(x, w_first, acc, SWAP_AB, PRECISION)
+        if GATED:
+            acc_up = _mma(x, w_up_first, acc_up, SWAP_AB, PRECISION)
+        if NORM and NORM_BY_DOT:
+            gram = tl.dot(x, tl.trans(x), gram, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        k_first += BLOCK_K
+    for k in range(k_first, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         else:
@@ -296,5 +317,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
         SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, SWAP_AB=swap_ab,
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
-        **pdl_options, **config)
+        PREFETCH_W=pdl.prefetches("linear"), **pdl_options, **config)
     return out
