@@ -252,6 +252,7 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),)}
 # PDL experiments (--variants): which kernels release the next one right after their wait
 PDL_VARIANTS = {
+    "baseline": (),   # the committed settings (a reference for --variants-only)
     "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),
     "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
     # which kernels load their inputs that no recent kernel writes before the wait
