@@ -13,7 +13,7 @@ tile config is picked from CANDIDATES (each checked against the unfused ops: rel
 from L2) in one graph each (median replay / calls, as `gemv_sweep.py`). A boundary whose fused
 chain is at least 1% faster marks both its kernels `fused_faster`: only those run fused.
 
-Run: python3 benchmarks/fused_linear_sweep.py [--json PATH] [--write-configs]
+Run: python3 benchmarks/fused_linear_sweep.py [--json PATH] [--write-configs] [--buckets 16,64]
 """
 
 from __future__ import annotations
@@ -172,18 +172,26 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="all timings here")
     parser.add_argument("--write-configs", action="store_true",
                         help="write kernels/configs/fused_linear_<device>.json")
+    parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
+                        help="comma-separated row buckets to sweep; with --write-configs the "
+                             "other buckets keep their entries")
     args = parser.parse_args()
     from kernels import fused_linear
-    from kernels.backends import write_device_config
+    from kernels.backends import device_config_path, write_device_config
 
-    entries = [entry for bucket in BUCKETS for label in BOUNDARIES
+    buckets = [int(b) for b in args.buckets.split(",")]
+    entries = [entry for bucket in buckets for label in BOUNDARIES
                for entry in sweep_boundary(label, bucket)]
     if args.json:
         args.json.write_text(json.dumps(entries, indent=1))
     if args.write_configs:
+        path = device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name())
+        kept = [e for e in (json.loads(path.read_text())["entries"] if path.exists() else [])
+                if e["block_m"] not in buckets]
         path = write_device_config(
-            fused_linear.CONFIG_KIND, [{k: v for k, v in e.items() if k != "all"}
-                                       for e in entries],
+            fused_linear.CONFIG_KIND,
+            sorted(kept + [{k: v for k, v in e.items() if k != "all"} for e in entries],
+                   key=lambda e: e["block_m"]),
             "benchmarks/fused_linear_sweep.py --write-configs")
         print(f"wrote {path}")
     return 0

@@ -47,17 +47,19 @@ def sweep_launch_configs(fused) -> dict[str, float]:
     from benchmarks.decode_attention_sweep import BLOCK_NS, STAGES, WARPS
     from kernels import rotary_decode_triton as fused_module
 
-    saved = fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH
+    saved = fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH, fused_module._SPLIT_LAUNCH
     timings = {}
     try:
         for block_n, warps, stages in itertools.product(BLOCK_NS, WARPS, STAGES):
-            fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH = block_n, (warps, stages)
+            fused_module._DECODE_BLOCK_N = block_n
+            fused_module._DECODE_LAUNCH = fused_module._SPLIT_LAUNCH = (warps, stages)
             try:
                 timings[f"{block_n}/{warps}/{stages}"] = graph_us_per_layer(fused)
             except Exception as error:  # noqa: BLE001 - a config Triton cannot build
                 print(f"{block_n}/{warps}/{stages}: {type(error).__name__}", flush=True)
     finally:
-        fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH = saved
+        (fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH,
+         fused_module._SPLIT_LAUNCH) = saved
     return timings
 
 

@@ -23,8 +23,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residua
                      out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
+    pdl.wait_and_release(PDL, True)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)

@@ -47,6 +47,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from kernels import pdl
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, device_config_entries
@@ -125,9 +126,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
         w_up_first = w_first
         if GATED:
             w_up_first = tl.load(w_ptrs + up_offset, mask=first_w_ok, other=0.0)
-    pdl.wait(PDL)   # x, the residual, the partials and the counters: after the previous kernel
-    if not TRIGGER_AFTER_LOOP:
-        pdl.launch_dependents(PDL)
+    # x, the residual, the partials and the counters: after the previous kernel
+    pdl.wait_and_release(PDL, not TRIGGER_AFTER_LOOP)
     if SWAP_AB:   # acc^T = W x^T: the weight tile is the MMA's A operand, from shared memory
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -228,6 +228,9 @@ def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
     return table.get((block_m(num_rows), *weight.shape)) if table else None
 
 
+# launch shapes whose config exceeds the shared memory with PREFETCH_W (they run without it)
+_PREFETCH_OUT_OF_SHARED_MEMORY: set[tuple] = set()
+
 # From this many rows per program the norm's sums of squares come from tl.dot(x, x.T) in the K
 # loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
 # against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
@@ -306,7 +309,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         partial = counters = out   # unused
     pdl_options = pdl.launch_options(x.device)
-    _skinny_linear_kernel[grid](
+    launch = functools.partial(
+        _skinny_linear_kernel[grid],
         x, weight, bias if bias is not None else weight, out, out, partial, counters, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
@@ -317,5 +321,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
         SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, SWAP_AB=swap_ab,
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
-        PREFETCH_W=pdl.prefetches("linear"), **pdl_options, **config)
+        **pdl_options, **config)
+    # the prefetched first tile takes its own shared memory: a config that fits only without
+    # it runs without it (remembered per launch shape)
+    shape_key = (rows_per_program, split_k, swap_ab, gated, norm_eps is None, residual is None,
+                 bias is None, x.dtype, tuple(sorted(config.items())))
+    prefetch = pdl.prefetches("linear") and shape_key not in _PREFETCH_OUT_OF_SHARED_MEMORY
+    try:
+        launch(PREFETCH_W=prefetch)
+    except OutOfResources:
+        if not prefetch:
+            raise
+        _PREFETCH_OUT_OF_SHARED_MEMORY.add(shape_key)
+        launch(PREFETCH_W=False)
     return out

@@ -89,9 +89,10 @@ def _kv_tile_offsets(table, pos, valid, kv_head, d, NUM_KV_HEADS: tl.constexpr,
 
 
 @triton.jit
-def _online_softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
-    """Fold one tile into the running state: scores s [R, N] float32 (-inf where masked),
-    values v [N, D]; m, l [R], acc [R, D] float32 as `_attend_context` returns them.
+def _online_softmax_scores(s, m, l, MAY_BE_EMPTY: tl.constexpr):
+    """Fold one tile's scores s [R, N] float32 (-inf where masked) into the running max m and
+    sum l ([R] float32, as `_attend_context` returns them). Returns (new m, alpha: the factor
+    that rescales the old output, P [R, N], new l); `_online_softmax_values` then adds P V.
     MAY_BE_EMPTY: a row may have no unmasked score yet (exp(-inf - -inf) would be NaN)."""
     m_new = tl.maximum(m, tl.max(s, 1))
     if MAY_BE_EMPTY:
@@ -100,9 +101,13 @@ def _online_softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr, MAY_BE_EMPTY:
         m_ref = m_new
     alpha = tl.exp(m - m_ref)
     p = tl.exp(s - m_ref[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l, acc
+    return m_new, alpha, p, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _online_softmax_values(acc, alpha, p, v, PRECISION: tl.constexpr):
+    """acc [R, D] rescaled by alpha [R] plus P [R, N] (rounded to v's dtype) times v [N, D]."""
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 
 @triton.jit
@@ -123,8 +128,9 @@ def _attend_range(q, m, l, acc, cache_ptr, table, begin, end, kv_head, d, d_ok, 
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         else:
             s = tl.where(valid[None, :], s, float("-inf"))
+        m, alpha, p, l = _online_softmax_scores(s, m, l, MAY_BE_EMPTY=CAUSAL)
         v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
-        m, l, acc = _online_softmax_step(s, v, m, l, acc, PRECISION, MAY_BE_EMPTY=CAUSAL)
+        acc = _online_softmax_values(acc, alpha, p, v, PRECISION)
     return m, l, acc
 
 

@@ -99,3 +99,12 @@ def launch_dependents(PDL: tl.constexpr):
     """Allow the next kernel to launch once all programs got here (no-op if not PDL)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_and_release(PDL: tl.constexpr, RELEASE: tl.constexpr):
+    """`wait`, then `launch_dependents` if RELEASE (a kernel that releases right after its
+    wait; the others release after their main loop)."""
+    wait(PDL)
+    if RELEASE:
+        launch_dependents(PDL)

@@ -45,11 +45,20 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters
 from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_range,
                                             _check_cache, _kv_tile_offsets, _num_sms,
-                                            _online_softmax_step, _precision,
-                                            num_decode_splits)
+                                            _online_softmax_scores, _online_softmax_values,
+                                            _precision, num_decode_splits)
 
 # the grid's order: (kv head, sequence, split) if True, else (sequence, kv head, split)
 HEADS_FIRST = False
+# (num_warps, num_stages) when the batch splits its context: a program's slice is then a tile
+# or two, and software pipelining only adds latency; with PDL its first tile is loaded before
+# the wait (kernels/pdl.py PREFETCH). H200, 32 layers in a graph, 192-token contexts, us per
+# layer (benchmarks/rotary_decode_bench.py, this session's call 1): batch 1 (32 splits) 5.13
+# against 5.70 with 2 stages and 6.64 without the prefetch; batch 8 (8 splits) 6.40 / 6.91 /
+# 9.10. With one split (batch 64: three tiles per program) the prefetched tile's registers
+# cost more than its latency saves (21.3 against 19.0 us), so unsplit batches keep the
+# unfused kernel's launch (`paged_attention_triton._DECODE_LAUNCH`) and load after the wait.
+_SPLIT_LAUNCH = (4, 1)
 
 
 @triton.jit
@@ -80,7 +89,8 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if not PREFETCH:
-        pdl.wait(PDL)   # everything below reads the previous kernels' outputs or writes
+        # everything below reads the previous kernels' outputs or writes
+        pdl.wait_and_release(PDL, not TRIGGER_AFTER_LOOP)
     # PREFETCH: the metadata, cos / sin and the first cached K / V tile are made by kernels
     # before the previous one (kernels/pdl.py), so they are loaded before the wait
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -112,9 +122,8 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
         first_mask = first_valid[:, None] & d_ok[None, :]
         k_first = tl.load(cache_ptr + first_tile, mask=first_mask, other=0.0)
         v_first = tl.load(cache_ptr + v_offset + first_tile, mask=first_mask, other=0.0)
-        pdl.wait(PDL)   # the fused projection (q, the new k and v) and every write: after it
-    if not TRIGGER_AFTER_LOOP:
-        pdl.launch_dependents(PDL)
+        # the fused projection (q, the new k and v) and every write: after the wait
+        pdl.wait_and_release(PDL, not TRIGGER_AFTER_LOOP)
 
     token = qkv_ptr + seq.to(tl.int64) * qkv_stride
     heads = kv_head * GROUP + g                                        # [G] query heads
@@ -139,8 +148,8 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
     if PREFETCH:   # the first tile from registers; it may hold no position (then a no-op)
         s = tl.dot(q, tl.trans(k_first), input_precision=PRECISION) * scale   # [G, N] fp32
         s = tl.where(first_valid[None, :], s, float("-inf"))
-        m, row_sum, acc = _online_softmax_step(s, v_first, m, row_sum, acc, PRECISION,
-                                               MAY_BE_EMPTY=True)
+        m, alpha, p, row_sum = _online_softmax_scores(s, m, row_sum, MAY_BE_EMPTY=True)
+        acc = _online_softmax_values(acc, alpha, p, v_first, PRECISION)
         loop_begin = begin + BLOCK_N
     m, row_sum, acc = _attend_range(q, m, row_sum, acc, cache_ptr, table, loop_begin,
                                     cached_end, kv_head, d, d_ok, scale, v_offset, seq_len,
@@ -244,6 +253,7 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
     group = num_q_heads // num_kv_heads
     block_tables = metadata.block_tables
     pdl_options = pdl.launch_options(qkv.device)
+    warps, stages = _SPLIT_LAUNCH if splits > 1 else _DECODE_LAUNCH
     grid = (num_kv_heads, num_seqs, splits) if HEADS_FIRST else (num_seqs, num_kv_heads, splits)
     _rotary_decode_kernel[grid](
         qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, block_tables, metadata.seq_lens,
@@ -253,6 +263,6 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_precision(qkv),
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("attention"),
-        PREFETCH=pdl.prefetches("attention"), HEADS_FIRST=HEADS_FIRST,
-        num_warps=_DECODE_LAUNCH[0], num_stages=_DECODE_LAUNCH[1], **pdl_options)
+        PREFETCH=pdl.prefetches("attention") and splits > 1, HEADS_FIRST=HEADS_FIRST,
+        num_warps=warps, num_stages=stages, **pdl_options)
     return out
