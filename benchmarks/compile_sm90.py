@@ -71,7 +71,7 @@ def describe(kernel) -> str:
 
 def variants() -> list[tuple]:
     """(label, kernel, arg types, constexprs, num_warps, num_stages) of every variant."""
-    from kernels import linear_triton, pdl, rotary_decode_triton
+    from kernels import linear_triton, rotary_decode_triton
 
     out = []
     for label, block_m, block_n, block_k, warps, stages, fusion, swap in GEMMS:
@@ -81,13 +81,12 @@ def variants() -> list[tuple]:
                           EVEN_N=True, EVEN_K=True, PRECISION="tf32",
                           NORM_BY_DOT=block_m >= linear_triton.NORM_BY_DOT_ROWS,
                           SS_CHUNK=4096 // block_m, SS_CHUNKS=block_m, SWAP_AB=swap, PDL=True,
-                          TRIGGER_AFTER_LOOP=True, PREFETCH_W=pdl.prefetches("linear"))
+                          TRIGGER_AFTER_LOOP=True)
         out.append((label, linear_triton._skinny_linear_kernel, GEMM_ARGS, constexprs, warps,
                     stages))
     decode = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128,
                   BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=32, PRECISION="tf32",
-                  PDL=True, TRIGGER_AFTER_LOOP=False, PREFETCH=pdl.prefetches("attention"),
-                  HEADS_FIRST=rotary_decode_triton.HEADS_FIRST)
+                  PDL=True, TRIGGER_AFTER_LOOP=False)
     out.append((DECODE_LABEL, rotary_decode_triton._rotary_decode_kernel, DECODE_ARGS, decode,
                 4, 2))
     return out

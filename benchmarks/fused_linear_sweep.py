@@ -177,7 +177,7 @@ def main() -> int:
                              "other buckets keep their entries")
     args = parser.parse_args()
     from kernels import fused_linear
-    from kernels.backends import device_config_path, write_device_config
+    from kernels.backends import update_device_config
 
     buckets = [int(b) for b in args.buckets.split(",")]
     entries = [entry for bucket in buckets for label in BOUNDARIES
@@ -185,14 +185,12 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(entries, indent=1))
     if args.write_configs:
-        path = device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name())
-        kept = [e for e in (json.loads(path.read_text())["entries"] if path.exists() else [])
-                if e["block_m"] not in buckets]
-        path = write_device_config(
-            fused_linear.CONFIG_KIND,
-            sorted(kept + [{k: v for k, v in e.items() if k != "all"} for e in entries],
-                   key=lambda e: e["block_m"]),
-            "benchmarks/fused_linear_sweep.py --write-configs")
+        path = update_device_config(
+            fused_linear.CONFIG_KIND, [{k: v for k, v in e.items() if k != "all"}
+                                       for e in entries],
+            "benchmarks/fused_linear_sweep.py --write-configs",
+            key=lambda e: (e["block_m"], list(BOUNDARIES).index(e["boundary"]),
+                           BOUNDARIES[e["boundary"]].index(e["shape"])))
         print(f"wrote {path}")
     return 0
 

@@ -13,6 +13,7 @@ shape: every config is checked against F.linear (relative error < 1e-2), the bes
 `triton_faster` is set when it beats cuBLAS by more than 1%: only those shapes run in Triton.
 
 Run: python3 benchmarks/gemv_sweep.py [--json PATH] [--write-configs] [--shapes qkv,o,down]
+     [--buckets 16,64]
 """
 
 from __future__ import annotations
@@ -131,27 +132,25 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help="comma-separated subset of " + ",".join(SHAPES) + "; with "
                              "--write-configs the other shapes keep their entries")
+    parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
+                        help="comma-separated row buckets; with --write-configs the other "
+                             "buckets keep their entries")
     args = parser.parse_args()
     from kernels import linear_triton
-    from kernels.backends import device_config_path, write_device_config
+    from kernels.backends import update_device_config
 
     names = args.shapes.split(",")
-    entries = [sweep_shape(name, bucket, *SHAPES[name]) for bucket in BUCKETS
-               for name in names]
+    entries = [sweep_shape(name, bucket, *SHAPES[name])
+               for bucket in map(int, args.buckets.split(",")) for name in names]
     if args.json:
         args.json.write_text(json.dumps(entries, indent=1))
     if args.write_configs:
-        path = device_config_path(linear_triton.CONFIG_KIND, torch.cuda.get_device_name())
         keep = ("shape", "block_m", "out_features", "in_features", "config", "triton_us",
                 "cublas_us", "triton_faster")
-        swept = {(e["shape"], e["block_m"]) for e in entries}
-        kept = [e for e in (json.loads(path.read_text())["entries"] if path.exists() else [])
-                if (e["shape"], e["block_m"]) not in swept]
-        write_device_config(
-            linear_triton.CONFIG_KIND,
-            sorted(kept + [{k: e[k] for k in keep} for e in entries],
-                   key=lambda e: (e["block_m"], list(SHAPES).index(e["shape"]))),
-            "benchmarks/gemv_sweep.py --write-configs")
+        path = update_device_config(
+            linear_triton.CONFIG_KIND, [{k: e[k] for k in keep} for e in entries],
+            "benchmarks/gemv_sweep.py --write-configs",
+            key=lambda e: (e["block_m"], list(SHAPES).index(e["shape"])))
         print(f"wrote {path}")
     return 0
 

@@ -7,12 +7,12 @@ shuffled block tables), 192-token contexts (the decode benchmark's mean), bf16. 
   (the split-K decode kernel and, with several splits, its reduce kernel);
 - fused: `rotary_decode_triton.rotary_decode_attention` (one kernel), at the split count the
   engine picks and, where it differs, at forced split counts (is a split worth it now that the
-  reduce costs no launch?), with the grid ordered (kv head, sequence, split) and without the
-  loads before the PDL wait (`kernels/pdl.py` PREFETCH).
+  reduce costs no launch?).
 The graphs are captured with max_seq_len = 8192, as the engine's decode graphs are. Printed:
 microseconds per layer and fused / unfused. With --sweep, the fused kernel is also timed at each
 (BLOCK_N, num_warps, num_stages) of `decode_attention_sweep.py`'s grid (the engine runs
-`paged_attention_triton._DECODE_BLOCK_N` / `_DECODE_LAUNCH`, swept for the unfused kernel).
+`paged_attention_triton._DECODE_BLOCK_N` / `_DECODE_LAUNCH`, swept for the unfused kernel,
+and `rotary_decode_triton._SPLIT_LAUNCH` for split batches).
 
 Run: python3 benchmarks/rotary_decode_bench.py [--sweep] [--json PATH]
 """
@@ -72,7 +72,7 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
     from gpu_common import random_paged_batch  # noqa: I001 (tests/kernels on sys.path)
 
-    from kernels import elementwise_triton, pdl, rotary_decode_triton
+    from kernels import elementwise_triton, rotary_decode_triton
     from kernels import paged_attention_triton as pat
 
     rows = []
@@ -109,15 +109,6 @@ def main() -> int:
                 row[f"fused_us_splits{forced}"] = graph_us_per_layer(fused)
             finally:
                 rotary_decode_triton.num_decode_splits = pat.num_decode_splits
-        for key, module, name, value in (
-                ("fused_us_heads_first", rotary_decode_triton, "HEADS_FIRST", True),
-                ("fused_us_no_prefetch", pdl, "PREFETCH", pdl.PREFETCH - {"attention"})):
-            saved = getattr(module, name)
-            setattr(module, name, value)
-            try:
-                row[key] = graph_us_per_layer(fused)
-            finally:
-                setattr(module, name, saved)
         if args.sweep:
             row["fused_us_by_config"] = sweep_launch_configs(fused)
         rows.append(row)

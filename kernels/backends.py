@@ -45,6 +45,17 @@ def write_device_config(kind: str, entries: list[dict], made_by: str) -> Path:
     return path
 
 
+def update_device_config(kind: str, entries: list[dict], made_by: str, key) -> Path:
+    """`write_device_config` of `entries` plus the file's current entries whose key(entry)
+    none of `entries` has (a sweep of some shapes or row buckets keeps the others), ordered
+    by key; returns the path."""
+    path = device_config_path(kind, torch.cuda.get_device_name())
+    swept = {key(e) for e in entries}
+    kept = [e for e in (json.loads(path.read_text())["entries"] if path.exists() else [])
+            if key(e) not in swept]
+    return write_device_config(kind, sorted(kept + entries, key=key), made_by)
+
+
 @functools.cache
 def triton_available() -> bool:
     """True if the `triton` package is importable (it is absent on CPU-only installs)."""

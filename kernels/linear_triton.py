@@ -47,7 +47,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from kernels import pdl
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, device_config_entries
@@ -102,7 +101,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
                           SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
                           SWAP_AB: tl.constexpr, PDL: tl.constexpr,
-                          TRIGGER_AFTER_LOOP: tl.constexpr, PREFETCH_W: tl.constexpr):
+                          TRIGGER_AFTER_LOOP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -116,16 +115,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]      # [BM, BK]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]      # [BN, BK]
     up_offset = N.to(tl.int64) * w_stride    # GATED: the up rows follow the N gate rows
-    # PREFETCH_W: the first weight tile(s) are loaded before the wait (no kernel writes the
-    # weight), so their latency overlaps the previous kernel's tail; a split with no K tiles
-    # loads zeros
-    first_ok = row_ok[:, None] & (ks < k_end)[None, :]                         # [BM, BK]
-    first_w_ok = col_ok[:, None] & (ks < k_end)[None, :]                       # [BN, BK]
-    if PREFETCH_W:
-        w_first = tl.load(w_ptrs, mask=first_w_ok, other=0.0)
-        w_up_first = w_first
-        if GATED:
-            w_up_first = tl.load(w_ptrs + up_offset, mask=first_w_ok, other=0.0)
     # x, the residual, the partials and the counters: after the previous kernel
     pdl.wait_and_release(PDL, not TRIGGER_AFTER_LOOP)
     if SWAP_AB:   # acc^T = W x^T: the weight tile is the MMA's A operand, from shared memory
@@ -146,18 +135,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
             xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + kk[None, :],
                          mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             sum_squares += tl.sum(xs * xs, axis=1)
-    k_first = k_start
-    if PREFETCH_W:   # the K loop's first step, on the prefetched tile(s)
-        x = tl.load(x_ptrs, mask=first_ok, other=0.0)
-        acc = _mma(x, w_first, acc, SWAP_AB, PRECISION)
-        if GATED:
-            acc_up = _mma(x, w_up_first, acc_up, SWAP_AB, PRECISION)
-        if NORM and NORM_BY_DOT:
-            gram = tl.dot(x, tl.trans(x), gram, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        k_first += BLOCK_K
-    for k in range(k_first, k_end, BLOCK_K):
+    for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         else:
@@ -227,9 +205,6 @@ def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
     table = _tuned_table(weight.device)
     return table.get((block_m(num_rows), *weight.shape)) if table else None
 
-
-# launch shapes whose config exceeds the shared memory with PREFETCH_W (they run without it)
-_PREFETCH_OUT_OF_SHARED_MEMORY: set[tuple] = set()
 
 # From this many rows per program the norm's sums of squares come from tl.dot(x, x.T) in the K
 # loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
@@ -309,8 +284,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         partial = counters = out   # unused
     pdl_options = pdl.launch_options(x.device)
-    launch = functools.partial(
-        _skinny_linear_kernel[grid],
+    _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, partial, counters, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
@@ -322,16 +296,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, SWAP_AB=swap_ab,
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
         **pdl_options, **config)
-    # the prefetched first tile takes its own shared memory: a config that fits only without
-    # it runs without it (remembered per launch shape)
-    shape_key = (rows_per_program, split_k, swap_ab, gated, norm_eps is None, residual is None,
-                 bias is None, x.dtype, tuple(sorted(config.items())))
-    prefetch = pdl.prefetches("linear") and shape_key not in _PREFETCH_OUT_OF_SHARED_MEMORY
-    try:
-        launch(PREFETCH_W=prefetch)
-    except OutOfResources:
-        if not prefetch:
-            raise
-        _PREFETCH_OUT_OF_SHARED_MEMORY.add(shape_key)
-        launch(PREFETCH_W=False)
     return out

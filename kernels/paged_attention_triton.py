@@ -79,62 +79,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 
 
 @triton.jit
-def _kv_tile_offsets(table, pos, valid, kv_head, d, NUM_KV_HEADS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Element offsets [N, D] into one layer's K (add v_offset for V) of cached positions pos
-    ([N] int32, masked by valid) of `kv_head`, through the block table row `table`."""
-    block_ids = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-    return rows[:, None] * HEAD_DIM + d[None, :]
-
-
-@triton.jit
-def _online_softmax_scores(s, m, l, MAY_BE_EMPTY: tl.constexpr):
-    """Fold one tile's scores s [R, N] float32 (-inf where masked) into the running max m and
-    sum l ([R] float32, as `_attend_context` returns them). Returns (new m, alpha: the factor
-    that rescales the old output, P [R, N], new l); `_online_softmax_values` then adds P V.
-    MAY_BE_EMPTY: a row may have no unmasked score yet (exp(-inf - -inf) would be NaN)."""
-    m_new = tl.maximum(m, tl.max(s, 1))
-    if MAY_BE_EMPTY:
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_ref = m_new
-    alpha = tl.exp(m - m_ref)
-    p = tl.exp(s - m_ref[:, None])
-    return m_new, alpha, p, l * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _online_softmax_values(acc, alpha, p, v, PRECISION: tl.constexpr):
-    """acc [R, D] rescaled by alpha [R] plus P [R, N] (rounded to v's dtype) times v [N, D]."""
-    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-
-
-@triton.jit
-def _attend_range(q, m, l, acc, cache_ptr, table, begin, end, kv_head, d, d_ok, scale,
-                  v_offset, q_pos, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                  CAUSAL: tl.constexpr):
-    """`_attend_context` from a running state (m, l, acc) instead of an empty one."""
-    for start in range(begin, end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        offsets = _kv_tile_offsets(table, pos, valid, kv_head, d, NUM_KV_HEADS, HEAD_DIM,
-                                   BLOCK_SIZE)                          # [N, D]
-        kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N] fp32
-        if CAUSAL:
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        else:
-            s = tl.where(valid[None, :], s, float("-inf"))
-        m, alpha, p, l = _online_softmax_scores(s, m, l, MAY_BE_EMPTY=CAUSAL)
-        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
-        acc = _online_softmax_values(acc, alpha, p, v, PRECISION)
-    return m, l, acc
-
-
-@triton.jit
 def _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale, v_offset, q_pos,
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -148,9 +92,31 @@ def _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale, v_
     m = tl.full([q.shape[0]], float("-inf"), tl.float32)
     l = tl.zeros([q.shape[0]], tl.float32)
     acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
-    return _attend_range(q, m, l, acc, cache_ptr, table, begin, end, kv_head, d, d_ok, scale,
-                         v_offset, q_pos, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                         PRECISION, CAUSAL)
+    for start in range(begin, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        offsets = rows[:, None] * HEAD_DIM + d[None, :]                # [N, D]
+        kv_mask = valid[:, None] & d_ok[None, :]
+        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N] fp32
+        if CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        if CAUSAL:   # a fully masked row: exp(-inf - -inf) would be NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + v_offset + offsets, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, l, acc
 
 
 @triton.jit

@@ -17,13 +17,8 @@ previous kernel has completed and its memory is visible. In our kernels:
    one and the next one's launch.
 
 The wait is transitive (a kernel completes only after its own wait returned), so every kernel
-sees all earlier kernels' writes, as without PDL. The same argument lets a kernel read, before
-its wait, what the kernel before the previous one (or anything earlier) wrote: it starts only
-once the previous kernel passed its own wait (or, launched without PDL, started after its
-predecessor ended). Kernels in PREFETCH do so: the skinny GEMM loads its first weight tile (no
-kernel writes weights), the decode attention its sequence's length, block table, slot, cos /
-sin (made before the first layer's qkv projection) and first cached K / V tile (written in
-earlier steps). Kernels launched without the attribute (torch, cuBLAS) serialise as usual. CUDA graph capture keeps the launch attribute as a
+sees all earlier kernels' writes, as without PDL. Kernels launched without the attribute
+(torch, cuBLAS) serialise as usual. CUDA graph capture keeps the launch attribute as a
 programmatic dependency edge. Off the GPU (the interpreter, CPU) the constexpr PDL flag is
 False and the kernels compile without the instructions.
 
@@ -32,7 +27,10 @@ Measured (H200, Llama-3-8B decode, one process; benchmarks/RESULTS.md run 14): 2
 releasing the next kernel right after their wait were slower at batch 1 (219.3; every kernel
 so: 204.9): the next GEMM's programs start on whichever SMs are free while the current GEMM
 runs and double up there. Prefetching the o GEMM's weight into L2 before its wait, while the
-latency-bound attention ran, was slower too (237.3), and was removed.
+latency-bound attention ran, was slower too (237.3), and was removed. So were loads into
+registers before the wait (benchmarks/RESULTS.md run 15): each GEMM's first weight tile (b=1
+227.9 against 243.3 without) and the decode attention's metadata and first K / V tile (241.9
+against 243.3; 5.1 against 7.0 us per layer in a chain of attention kernels alone).
 """
 
 from __future__ import annotations
@@ -51,10 +49,6 @@ ENABLED = True
 # attention either way: 240.6 / 240.5 tok/s at batch 1). The RMSNorm kernel has no loop and
 # releases right after its wait.
 RELEASE_EARLY = frozenset({"attention"})
-# kernels that load, before their wait, inputs no kernel of the step writes or that earlier
-# kernels wrote ("linear": its first weight tile; "attention": the sequence's metadata and
-# first cached K/V tile): rule 1's exception below
-PREFETCH = frozenset({"linear", "attention"})
 
 
 def supported(device: torch.device) -> bool:
@@ -74,11 +68,6 @@ def _hopper_or_newer(index: int | None) -> bool:
 def release_after_loop(kernel: str) -> bool:
     """The TRIGGER_AFTER_LOOP constexpr of `kernel` ("linear" or "attention")."""
     return kernel not in RELEASE_EARLY
-
-
-def prefetches(kernel: str) -> bool:
-    """Whether `kernel` ("linear" or "attention") loads its PREFETCH inputs before its wait."""
-    return kernel in PREFETCH
 
 
 def launch_options(device: torch.device) -> dict:

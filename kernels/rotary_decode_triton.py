@@ -20,9 +20,8 @@ latency, not bytes (H200, Llama-3-8B: 1.8 + 4.2 + 2.2 us per layer, benchmarks/R
   combines the partials in split order 0, 1, ... (deterministic, whichever split finishes
   last), writes the output and resets the counter. No reduce kernel.
 
-On Hopper it is launched with programmatic dependent launch (`kernels/pdl.py`): it loads the
-sequence's metadata, cos / sin and its first cached K / V tile, then waits for the qkv GEMM
-(before it reads the projection or writes anything) and releases the o GEMM's launch.
+On Hopper it is launched with programmatic dependent launch (`kernels/pdl.py`): it waits for
+the qkv GEMM before its first load and releases the o GEMM's launch right away.
 
 Numerics against the unfused kernels: q and the cached k are bitwise the same; the new token's
 score is an fp32 sum of exact products instead of a tensor-core dot (same values, another
@@ -43,21 +42,15 @@ import triton.language as tl
 from kernels import pdl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters
-from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_range,
-                                            _check_cache, _kv_tile_offsets, _num_sms,
-                                            _online_softmax_scores, _online_softmax_values,
-                                            _precision, num_decode_splits)
+from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_context,
+                                            _check_cache, _num_sms, _precision,
+                                            num_decode_splits)
 
-# the grid's order: (kv head, sequence, split) if True, else (sequence, kv head, split)
-HEADS_FIRST = False
 # (num_warps, num_stages) when the batch splits its context: a program's slice is then a tile
-# or two, and software pipelining only adds latency; with PDL its first tile is loaded before
-# the wait (kernels/pdl.py PREFETCH). H200, 32 layers in a graph, 192-token contexts, us per
-# layer (benchmarks/rotary_decode_bench.py, this session's call 1): batch 1 (32 splits) 5.13
-# against 5.70 with 2 stages and 6.64 without the prefetch; batch 8 (8 splits) 6.40 / 6.91 /
-# 9.10. With one split (batch 64: three tiles per program) the prefetched tile's registers
-# cost more than its latency saves (21.3 against 19.0 us), so unsplit batches keep the
-# unfused kernel's launch (`paged_attention_triton._DECODE_LAUNCH`) and load after the wait.
+# or two, and software pipelining adds latency. H200, 32 layers in one graph, 192-token
+# contexts, us per layer (benchmarks/rotary_decode_bench.py --sweep, run 15): batch 1 (32
+# splits) 5.13 against 5.70 with 2 stages; batch 8 (8 splits) 6.40 against 6.91. Unsplit
+# batches (64 and up: three or more tiles per program) keep `_DECODE_LAUNCH`.
 _SPLIT_LAUNCH = (4, 1)
 
 
@@ -79,20 +72,12 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
                           BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           PRECISION: tl.constexpr, PDL: tl.constexpr,
-                          TRIGGER_AFTER_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
-                          HEADS_FIRST: tl.constexpr):
-    if HEADS_FIRST:   # grid (kv head, sequence, split): a sequence's heads run side by side
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+                          TRIGGER_AFTER_LOOP: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if not PREFETCH:
-        # everything below reads the previous kernels' outputs or writes
-        pdl.wait_and_release(PDL, not TRIGGER_AFTER_LOOP)
-    # PREFETCH: the metadata, cos / sin and the first cached K / V tile are made by kernels
-    # before the previous one (kernels/pdl.py), so they are loaded before the wait
+    # everything below reads the previous kernels' outputs or writes
+    pdl.wait_and_release(PDL, not TRIGGER_AFTER_LOOP)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
@@ -103,36 +88,22 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
     end = tl.minimum(begin + tiles_per_split * BLOCK_N, seq_len)
     new_pos = seq_len - 1                                # the new token: in registers
     owns_new = (new_pos >= begin) & (new_pos < end)
-    cached_end = tl.minimum(end, new_pos)                # cached positions: [begin, cached_end)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     partner = (d + HEAD_DIM // 2) % HEAD_DIM             # rotate_half's source dim
+    token = qkv_ptr + seq.to(tl.int64) * qkv_stride
     cos = tl.load(cos_ptr + seq * cos_stride + d, mask=d_ok, other=0.0)
     sin = tl.load(sin_ptr + seq * sin_stride + d, mask=d_ok, other=0.0)
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    table = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    first_pos = begin + tl.arange(0, BLOCK_N)
-    first_valid = first_pos < cached_end
-    if PREFETCH:
-        first_tile = _kv_tile_offsets(table, first_pos, first_valid, kv_head, d, NUM_KV_HEADS,
-                                      HEAD_DIM, BLOCK_SIZE)            # [N, D]
-        first_mask = first_valid[:, None] & d_ok[None, :]
-        k_first = tl.load(cache_ptr + first_tile, mask=first_mask, other=0.0)
-        v_first = tl.load(cache_ptr + v_offset + first_tile, mask=first_mask, other=0.0)
-        # the fused projection (q, the new k and v) and every write: after the wait
-        pdl.wait_and_release(PDL, not TRIGGER_AFTER_LOOP)
-
-    token = qkv_ptr + seq.to(tl.int64) * qkv_stride
     heads = kv_head * GROUP + g                                        # [G] query heads
     q_mask = g_ok[:, None] & d_ok[None, :]
     q_ptrs = token + heads[:, None] * HEAD_DIM
     q = _rotate(tl.load(q_ptrs + d[None, :], mask=q_mask, other=0.0),
                 tl.load(q_ptrs + partner[None, :], mask=q_mask, other=0.0),
                 cos[None, :], sin[None, :])                            # [G, D]
-    # the new token's k (to rotate) and v: loaded now, used after the context loop
+    # the new token's k (to rotate), v and slot: loaded now, used after the context loop
     at_new = new_pos + 0 * d                             # [D] (a block mask, not a scalar)
     new_mask = d_ok & (at_new >= begin) & (at_new < end)
     k_ptr = token + (NUM_Q_HEADS + kv_head) * HEAD_DIM
@@ -140,21 +111,13 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
     k_partner = tl.load(k_ptr + partner, mask=new_mask, other=0.0)
     v_new = tl.load(token + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + d,
                     mask=new_mask, other=0.0)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    loop_begin = begin
-    if PREFETCH:   # the first tile from registers; it may hold no position (then a no-op)
-        s = tl.dot(q, tl.trans(k_first), input_precision=PRECISION) * scale   # [G, N] fp32
-        s = tl.where(first_valid[None, :], s, float("-inf"))
-        m, alpha, p, row_sum = _online_softmax_scores(s, m, row_sum, MAY_BE_EMPTY=True)
-        acc = _online_softmax_values(acc, alpha, p, v_first, PRECISION)
-        loop_begin = begin + BLOCK_N
-    m, row_sum, acc = _attend_range(q, m, row_sum, acc, cache_ptr, table, loop_begin,
-                                    cached_end, kv_head, d, d_ok, scale, v_offset, seq_len,
-                                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
-                                    CAUSAL=False)
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    cached_end = tl.minimum(end, new_pos)                # cached positions: [begin, cached_end)
+    m, row_sum, acc = _attend_context(q, cache_ptr, table, begin, cached_end, kv_head, d, d_ok,
+                                      scale, v_offset, seq_len, NUM_KV_HEADS, HEAD_DIM,
+                                      BLOCK_SIZE, BLOCK_N, PRECISION, CAUSAL=False)
     if TRIGGER_AFTER_LOOP:
         pdl.launch_dependents(PDL)
     if owns_new:
@@ -254,8 +217,7 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
     block_tables = metadata.block_tables
     pdl_options = pdl.launch_options(qkv.device)
     warps, stages = _SPLIT_LAUNCH if splits > 1 else _DECODE_LAUNCH
-    grid = (num_kv_heads, num_seqs, splits) if HEADS_FIRST else (num_seqs, num_kv_heads, splits)
-    _rotary_decode_kernel[grid](
+    _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
         qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, block_tables, metadata.seq_lens,
         out, part, m, sums, counters, scale, qkv.stride(0), cos.stride(0), signed_sin.stride(0),
         block_tables.stride(0), kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads,
@@ -263,6 +225,5 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_precision(qkv),
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("attention"),
-        PREFETCH=pdl.prefetches("attention") and splits > 1, HEADS_FIRST=HEADS_FIRST,
         num_warps=warps, num_stages=stages, **pdl_options)
     return out
