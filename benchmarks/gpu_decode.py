@@ -250,14 +250,11 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),)}
-# experiments (--variants): which kernels release the next one right after their wait, the
-# split-batch attention launch
+# experiments (--variants): which kernels release the next one right after their wait
 PDL_VARIANTS = {
     "baseline": (),   # the committed settings (a reference for --variants-only)
     "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),
     "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
-    # the one-kernel attention of split batches with 2 software-pipeline stages
-    "split_attention_pipelined": (("kernels.rotary_decode_triton", "_SPLIT_LAUNCH", (4, 2)),),
 }
 
 

@@ -11,8 +11,7 @@ shuffled block tables), 192-token contexts (the decode benchmark's mean), bf16. 
 The graphs are captured with max_seq_len = 8192, as the engine's decode graphs are. Printed:
 microseconds per layer and fused / unfused. With --sweep, the fused kernel is also timed at each
 (BLOCK_N, num_warps, num_stages) of `decode_attention_sweep.py`'s grid (the engine runs
-`paged_attention_triton._DECODE_BLOCK_N` / `_DECODE_LAUNCH`, swept for the unfused kernel,
-and `rotary_decode_triton._SPLIT_LAUNCH` for split batches).
+`paged_attention_triton._DECODE_BLOCK_N` / `_DECODE_LAUNCH`, swept for the unfused kernel).
 
 Run: python3 benchmarks/rotary_decode_bench.py [--sweep] [--json PATH]
 """
@@ -47,19 +46,17 @@ def sweep_launch_configs(fused) -> dict[str, float]:
     from benchmarks.decode_attention_sweep import BLOCK_NS, STAGES, WARPS
     from kernels import rotary_decode_triton as fused_module
 
-    saved = fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH, fused_module._SPLIT_LAUNCH
+    saved = fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH
     timings = {}
     try:
         for block_n, warps, stages in itertools.product(BLOCK_NS, WARPS, STAGES):
-            fused_module._DECODE_BLOCK_N = block_n
-            fused_module._DECODE_LAUNCH = fused_module._SPLIT_LAUNCH = (warps, stages)
+            fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH = block_n, (warps, stages)
             try:
                 timings[f"{block_n}/{warps}/{stages}"] = graph_us_per_layer(fused)
             except Exception as error:  # noqa: BLE001 - a config Triton cannot build
                 print(f"{block_n}/{warps}/{stages}: {type(error).__name__}", flush=True)
     finally:
-        (fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH,
-         fused_module._SPLIT_LAUNCH) = saved
+        fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH = saved
     return timings
 
 

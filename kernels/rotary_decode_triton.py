@@ -46,13 +46,6 @@ from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _at
                                             _check_cache, _num_sms, _precision,
                                             num_decode_splits)
 
-# (num_warps, num_stages) when the batch splits its context: a program's slice is then a tile
-# or two, and software pipelining adds latency. H200, 32 layers in one graph, 192-token
-# contexts, us per layer (benchmarks/rotary_decode_bench.py --sweep, run 15): batch 1 (32
-# splits) 5.13 against 5.70 with 2 stages; batch 8 (8 splits) 6.40 against 6.91. Unsplit
-# batches (64 and up: three or more tiles per program) keep `_DECODE_LAUNCH`.
-_SPLIT_LAUNCH = (4, 1)
-
 
 @triton.jit
 def _rotate(x, x_partner, cos, sin):
@@ -216,7 +209,6 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
     group = num_q_heads // num_kv_heads
     block_tables = metadata.block_tables
     pdl_options = pdl.launch_options(qkv.device)
-    warps, stages = _SPLIT_LAUNCH if splits > 1 else _DECODE_LAUNCH
     _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
         qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, block_tables, metadata.seq_lens,
         out, part, m, sums, counters, scale, qkv.stride(0), cos.stride(0), signed_sin.stride(0),
@@ -225,5 +217,5 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_precision(qkv),
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("attention"),
-        num_warps=warps, num_stages=stages, **pdl_options)
+        num_warps=_DECODE_LAUNCH[0], num_stages=_DECODE_LAUNCH[1], **pdl_options)
     return out
