@@ -18,7 +18,7 @@ import torch
 from engine import loader
 from engine.async_step import AsyncStepper
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import PromptTooLongError
+from engine.errors import PromptTooLongError, outside_vocabulary
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_transfer import IDLE_WAIT_S, KVTransfer, NoKVTransfer, model_fingerprint
 from engine.kv_cache.spec import num_blocks_for_budget
@@ -197,14 +197,11 @@ class EngineCore:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty; give at least one token.")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size}); check the token ids.")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:   # it could never be generated: the stop would silently never fire
-            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary "
-                             f"[0, {self.vocab_size}); send ids the model's tokenizer produces.")
+        # (a stop id outside the vocabulary could never be generated: it would never fire)
+        for ids, where in ((prompt_token_ids, "the prompt"), (params.stop_token_ids,
+                                                              "stop_token_ids")):
+            if message := outside_vocabulary(ids, self.vocab_size, where):
+                raise ValueError(message)
         max_tokens = params.max_tokens
         if num_prompt + (max_tokens or 1) > self.max_model_len:
             raise PromptTooLongError(

@@ -20,3 +20,13 @@ class EngineDeadError(EngineError):
 
 class PromptTooLongError(ValueError):
     """Prompt + max_tokens does not fit the context window (HTTP 400)."""
+
+
+def outside_vocabulary(token_ids, vocab_size: int, where: str) -> str | None:
+    """The error message for the first of `token_ids` outside [0, vocab_size), naming `where`
+    they came from ("the prompt", "stop_token_ids"); None if all are inside."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is None:
+        return None
+    return (f"{where} holds token id {bad}, outside the vocabulary [0, {vocab_size}); send ids "
+            f"the model's tokenizer produces.")

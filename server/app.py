@@ -1,7 +1,7 @@
 """`build_app(engine)`: the FastAPI app serving one engine through the OpenAI API.
 
-Routes: GET /health (200 while the step loop lives, else 503; the Kubernetes startup,
-readiness and liveness probes in deploy/ call it), GET /metrics (Prometheus text),
+Routes: GET (or HEAD) /health (200 while the step loop lives, else 503; the Kubernetes startup,
+readiness and liveness probes in deploy/ call it), GET (or HEAD) /metrics (Prometheus text),
 GET /v1/models, GET /v1/models/{model}, POST /v1/chat/completions, POST /v1/completions.
 With `api_key`, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health
 and /metrics stay open for probes and scrapers. The app does not own the engine: whoever made
@@ -98,7 +98,7 @@ def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
         return ModelCard(id=engine.model_name, root=engine.model_name, created=created,
                          max_model_len=engine.max_model_len)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             engine.check_health()
@@ -107,7 +107,7 @@ def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
                            status_code=503, type="server_error", code="engine_dead") from exc
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

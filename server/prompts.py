@@ -14,6 +14,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from engine.errors import outside_vocabulary
 from server.errors import APIError
 from server.protocol import ChatMessage
 from server.tools import ToolConfig, template_inputs
@@ -115,11 +116,8 @@ class Prompt:
 
 
 def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(f"{where} holds token id {bad[0]}, outside the vocabulary [0, "
-                       f"{vocab_size}); send ids the model's tokenizer produced.", param="prompt",
-                       code="invalid_value")
+    if message := outside_vocabulary(ids, vocab_size, where):
+        raise APIError(message, param="prompt", code="invalid_value")
 
 
 def completion_prompts(tokenizer: Any, prompt: Any, max_model_len: int) -> list[Prompt]:

@@ -181,14 +181,14 @@ def check_kv_transfer_params(req: SamplingFields, num_choices: int) -> dict[str,
     for flag in ("do_remote_decode", "do_remote_prefill"):
         if params and not isinstance(params.get(flag, False), bool):
             raise APIError(f"kv_transfer_params.{flag}={params[flag]!r} must be true or false "
-                           "(a JSON boolean).", param="kv_transfer_params")
+                           "(a JSON boolean).", param="kv_transfer_params", code="invalid_type")
     if params and params.get("do_remote_decode"):
         if num_choices != 1:
             raise APIError(f"kv_transfer_params.do_remote_decode needs exactly one choice, got "
                            f"{num_choices} (n times prompts); send n=1 and a single prompt.",
-                           param="kv_transfer_params")
+                           param="kv_transfer_params", code="invalid_value")
         if req.stream:
             raise APIError("kv_transfer_params.do_remote_decode needs stream=false: the "
                            "prefill's hand-off is returned in one JSON body.",
-                           param="kv_transfer_params")
+                           param="kv_transfer_params", code="invalid_value")
     return params

@@ -32,6 +32,7 @@ from engine.kv_cache.spec import MLAAttentionSpec
 from engine.models.fp8 import dequantize_fp8_weights, fp8_block_size
 from engine.models.layers.decoder import PreNormDecoderLayer
 from engine.models.layers.linear import Linear
+from engine.models.layers.lm_head import CausalLMLogits
 from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.moe import MoE
 from engine.models.layers.rms_norm import RMSNorm
@@ -260,7 +261,7 @@ def _routing_config(hf_config, scoring_func: str, topk_method: str) -> RoutingCo
         routed_scaling_factor=float(getattr(c, "routed_scaling_factor", None) or 1.0))
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLMLogits, nn.Module):
     """DeepSeek decoder + LM head (+ MTP modules when the checkpoint has them).
 
     Attributes: num_hidden_layers (decoder layers), num_layers (KV cache layers: decoder + MTP),
@@ -340,12 +341,6 @@ class DeepseekForCausalLM(nn.Module):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32 (the model
-        dtype with float32=False: the LM head's output unconverted)."""
-        logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
 
     def mtp_forward(self, hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
                     positions: torch.Tensor, kv_caches: list[torch.Tensor],

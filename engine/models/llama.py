@@ -17,6 +17,7 @@ from engine.kv_cache.spec import FullAttentionSpec
 from engine.models.layers.attention import PagedAttention
 from engine.models.layers.decoder import PreNormDecoderLayer
 from engine.models.layers.linear import Linear
+from engine.models.layers.lm_head import CausalLMLogits
 from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.rms_norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
@@ -110,7 +111,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         return linear_add(act, mlp.down_proj.weight, mlp.down_proj.bias, residual)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMLogits, nn.Module):
     """Llama decoder + LM head. Attributes the runner sizes the KV cache with: num_layers,
     num_kv_heads, head_dim, dtype (and `kv_cache_shape`)."""
 
@@ -181,12 +182,6 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32 (the model
-        dtype with float32=False: the LM head's output unconverted)."""
-        logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill the parameters from HF checkpoint tensors, then pack the linears.

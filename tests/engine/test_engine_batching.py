@@ -131,8 +131,9 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir):
     accepted and could never fire."""
     llm = make_llm(tiny_llama_dir)
     vocab = llm.engine_core.vocab_size
-    with pytest.raises(ValueError, match=f"prompt token id {vocab} is outside"):
+    with pytest.raises(ValueError, match=f"the prompt holds token id {vocab}, outside"):
         llm.generate([[1, vocab]], GREEDY)
-    with pytest.raises(ValueError, match="stop_token_ids holds 999999, outside the vocabulary"):
+    with pytest.raises(ValueError,
+                       match="stop_token_ids holds token id 999999, outside the vocabulary"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=2, stop_token_ids=[5, 999999]))
     assert llm.generate([[1, 2]], GREEDY)[0].token_ids    # still serving

@@ -50,6 +50,9 @@ def test_models_health_and_metrics(client, engine):
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     assert 'deepinfer:kv_cache_usage_perc{model_name="test-model"} 0.25' in metrics.text
+    for path in ("/health", "/metrics"):   # HEAD as GET, without the body
+        head = client.head(path)
+        assert head.status_code == 200 and head.content == b""
     engine.dead = True
     assert_error(client.get("/health"), 503, None, "engine_dead", "step loop raised")
 
@@ -196,6 +199,18 @@ def test_malformed_and_missing_bodies_are_openai_400s(client):
     assert "Content-Type" not in error["message"]   # it was JSON: a string, not an object
     assert_error(client.post("/v1/completions", json={"prompt": [1, 10**6]}), 400, "prompt",
                  "invalid_value", "outside the vocabulary")
+
+
+def test_bad_kv_transfer_params_are_400_with_a_code(client):
+    def post(**fields):
+        return client.post("/v1/completions", json={"prompt": "hi", **fields})
+
+    assert_error(post(kv_transfer_params={"do_remote_decode": "yes"}), 400,
+                 "kv_transfer_params", "invalid_type", "must be true or false")
+    assert_error(post(kv_transfer_params={"do_remote_decode": True}, n=2), 400,
+                 "kv_transfer_params", "invalid_value", "exactly one choice")
+    assert_error(post(kv_transfer_params={"do_remote_decode": True}, stream=True), 400,
+                 "kv_transfer_params", "invalid_value", "stream=false")
 
 
 def test_unknown_routes_and_methods(client):

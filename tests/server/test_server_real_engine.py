@@ -77,7 +77,7 @@ def test_a_stop_token_id_outside_the_vocabulary_is_400(engine):
     response, = post_all(engine, {"messages": QUESTION, "max_tokens": 4,
                                   "stop_token_ids": [999999]})
     assert response.status_code == 400
-    assert "stop_token_ids holds 999999, outside the vocabulary [0, 49152)" in \
+    assert "stop_token_ids holds token id 999999, outside the vocabulary [0, 49152)" in \
         response.json()["error"]["message"]
 
 

@@ -295,6 +295,17 @@ def test_streamers_give_the_same_calls_however_the_text_is_split(seed):
     assert [(c.name, c.arguments) for c in streamer.calls] == [("a", '{"k": [1, 2]}')]
 
 
+def test_a_call_array_cut_before_its_first_name_is_content():
+    """tool_choice "required" with a max_tokens too small for the first call's name: the
+    generated text comes back as content, not as an empty message (found by black-box
+    testing); a cut inside a call's arguments keeps the call with what was generated."""
+    cut = CallArrayStreamer().run('[{"name": "get_wea')
+    assert (cut.calls, cut.content) == ([], '[{"name": "get_wea')
+    partial = CallArrayStreamer().run('[{"name": "get_weather", "arguments": {"city": "Pa')
+    assert [(c.name, c.arguments) for c in partial.calls] == [("get_weather", '{"city": "Pa')]
+    assert partial.content is None
+
+
 def test_choice_regex_matches_each_choice_exactly_under_xgrammar(smollm2_tokenizer):
     import re
 
