@@ -105,3 +105,21 @@ def test_chosen_shape_runs_on_cublaslt_on_the_gpu(tmp_path, monkeypatch):
     assert torch.backends.cuda.preferred_blas_library() == before
     reference = torch.nn.functional.linear(x.double(), weight.double())
     assert float((out.double() - reference).norm() / reference.norm()) < 1e-2
+
+
+def test_a_partial_sweep_keeps_the_file_s_other_entries(sweep_file):
+    """`backends.update_device_config` (gemv / fused sweeps with --shapes or --buckets): the
+    swept keys are replaced, the others kept, all ordered by key; device name and command
+    recorded."""
+    def key(entry):
+        return entry["rows"], entry["shape"]
+
+    new = [{"shape": "down", "rows": 64, "out_features": 32, "in_features": 112,
+            "cublas_us": 30.0, "cublaslt_us": 33.0, "library": "cublas"},
+           {"shape": "up", "rows": 1, "out_features": 8, "in_features": 8,
+            "cublas_us": 1.0, "cublaslt_us": 2.0, "library": "cublas"}]
+    path = backends.update_device_config(blas_choice.CONFIG_KIND, new, "a sweep", key)
+    written = json.loads(path.read_text())
+    assert (written["device"], written["made_by"]) == ("Fake GPU", "a sweep")
+    assert [(e["rows"], e["shape"], e["cublas_us"]) for e in written["entries"]] == [
+        (1, "up", 1.0), (8, "down", 31.6), (64, "down", 30.0)]
