@@ -39,8 +39,9 @@ class AsyncLLM:
         self.tokenizer = self.engine_core.tokenizer
         self.model_name = self.engine_core.model_name
         self.max_model_len = self.engine_core.max_model_len
-        self._max_in_flight = (config.scheduler.max_num_seqs
-                               + config.scheduler.max_waiting_requests)
+        # requests running or waiting at most (a request of more choices can never fit)
+        self.max_in_flight = (config.scheduler.max_num_seqs
+                              + config.scheduler.max_waiting_requests)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -76,10 +77,10 @@ class AsyncLLM:
                                                 kv_transfer_params=kv_transfer_params)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if len(self._streams) >= self._max_in_flight:
+            if len(self._streams) >= self.max_in_flight:
                 raise QueueFullError(
                     f"{len(self._streams)} requests are in flight (max_num_seqs + "
-                    f"max_waiting_requests = {self._max_in_flight}); retry later.")
+                    f"max_waiting_requests = {self.max_in_flight}); retry later.")
             if request.request_id in self._streams:
                 raise ValueError(f"request id {request.request_id!r} is already in use.")
             self._streams[request.request_id] = (asyncio.get_running_loop(), stream)

@@ -26,7 +26,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.structured.manager import xgrammar_manager
 
@@ -197,11 +197,12 @@ class EngineCore:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty; give at least one token.")
-        # (a stop id outside the vocabulary could never be generated: it would never fire)
-        for ids, where in ((prompt_token_ids, "the prompt"), (params.stop_token_ids,
-                                                              "stop_token_ids")):
-            if message := outside_vocabulary(ids, self.vocab_size, where):
-                raise ValueError(message)
+        if message := outside_vocabulary(prompt_token_ids, self.vocab_size, "the prompt"):
+            raise ValueError(message)
+        # a stop id outside the vocabulary could never be generated: it would never fire
+        if message := outside_vocabulary(params.stop_token_ids, self.vocab_size,
+                                         "stop_token_ids"):
+            raise SamplingParamsError(message, "stop_token_ids")
         max_tokens = params.max_tokens
         if num_prompt + (max_tokens or 1) > self.max_model_len:
             raise PromptTooLongError(

@@ -54,13 +54,17 @@ class Scheduler:
         """Queue a request.
 
         Raises:
-            QueueFullError: `max_waiting_requests` requests are already waiting.
+            QueueFullError: the free running slots (max_num_seqs - running) and
+                `max_waiting_requests` more are already taken by waiting requests (a burst that
+                arrives before the next schedule() fills the free slots first).
         """
         num_waiting = len(self.waiting) + len(self.waiting_for_remote_kv)
-        if num_waiting >= self.config.max_waiting_requests:
+        free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        if num_waiting >= self.config.max_waiting_requests + free_slots:
             raise QueueFullError(
-                f"{num_waiting} requests are waiting (max_waiting_requests="
-                f"{self.config.max_waiting_requests}); retry later or raise --max-waiting-requests.")
+                f"{num_waiting} requests are waiting for {free_slots} free running slots and "
+                f"max_waiting_requests={self.config.max_waiting_requests} more; retry later or "
+                f"raise --max-waiting-requests.")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -2,7 +2,7 @@
 
 Routes: GET (or HEAD) /health (200 while the step loop lives, else 503; the Kubernetes startup,
 readiness and liveness probes in deploy/ call it), GET (or HEAD) /metrics (Prometheus text),
-GET /v1/models, GET /v1/models/{model}, POST /v1/chat/completions, POST /v1/completions.
+GET (or HEAD) /v1/models and /v1/models/{model}, POST /v1/chat/completions, POST /v1/completions.
 With `api_key`, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health
 and /metrics stay open for probes and scrapers. The app does not own the engine: whoever made
 it shuts it down (see `server.cli`).
@@ -111,11 +111,11 @@ def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def get_model(model_id: str) -> ModelCard:
         if model_id != engine.model_name:
             raise APIError(f"The model `{model_id}` does not exist; this server serves "

@@ -16,7 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, EngineShuttingDownError, QueueFullError
+from engine.errors import (EngineDeadError, EngineShuttingDownError, PromptTooLongError,
+                           QueueFullError)
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -63,8 +64,10 @@ def from_engine_error(exc: Exception) -> APIError | None:
     if isinstance(exc, EngineDeadError):
         return APIError(f"The inference engine has stopped: {exc} Restart the server.",
                         status_code=503, type="server_error", code="engine_dead")
-    if isinstance(exc, ValueError):  # PromptTooLongError and SamplingParams checks included
-        return APIError(str(exc))
+    if isinstance(exc, PromptTooLongError):   # (the server checks first; a backstop)
+        return APIError(str(exc), code="context_length_exceeded")
+    if isinstance(exc, ValueError):  # a SamplingParamsError names the field
+        return APIError(str(exc), param=getattr(exc, "param", None), code="invalid_value")
     return None
 
 
@@ -109,6 +112,12 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# vLLM request extras a client may send that deepinfer does not serve (a 400 naming them)
+VLLM_FIELDS_NOT_SERVED = frozenset({
+    "add_generation_prompt", "continue_final_message", "include_stop_str_in_output",
+    "stream_options.continuous_usage_stats"})
+
+
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One 400 from pydantic's error list: the first offending parameter, all its failures."""
     first = errors[0]
@@ -125,6 +134,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"Missing required parameter: '{param}'.", param=param,
                         code="missing_required_parameter")
     if kind == "extra_forbidden":
+        if param in VLLM_FIELDS_NOT_SERVED:
+            return APIError(f"'{param}' (a vLLM extension) is not supported by this server; "
+                            "remove it.", param=param, code="unsupported_parameter")
         return APIError(f"Unrecognized request argument supplied: '{param}'; remove it "
                         "(see the OpenAI API reference for the accepted fields).",
                         param=param, code="unknown_parameter")

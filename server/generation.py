@@ -222,7 +222,14 @@ async def respond(raw: Request, engine: Any, metrics: ServerMetrics, request_id:
                   body: Callable[[list[ChoiceState]], Any]) -> Response:
     """Run the sub-requests and answer: SSE built by `events`, or the JSON model `body` makes
     from the finished choices. 499 when the client left before the end (non-stream) or before
-    the first output (stream: while queued or prefilling); its engine requests are aborted."""
+    the first output (stream: while queued or prefilling); its engine requests are aborted.
+    A request of more choices than the engine ever holds at once is a 400 (a 429's retry could
+    never succeed)."""
+    if len(subs) > engine.max_in_flight:
+        raise APIError(f"this request makes {len(subs)} choices (n times prompts), more than the "
+                       f"{engine.max_in_flight} requests this server holds at once (max_num_seqs "
+                       "+ max_waiting_requests); split it into smaller requests.", param="n",
+                       code="invalid_value")
     if stream:
         outputs = await unless_disconnected(raw, start_stream(engine, metrics, request_id,
                                                                subs))

@@ -173,11 +173,6 @@ class CallArrayStreamer(ToolCallStreamer):
             return self._header(json.loads(self.text[self.value_start:at + 1]))
         return []
 
-    def finish(self) -> list[dict[str, Any]]:
-        # cut (max_tokens) before the first call's name was complete: the text is returned as
-        # content rather than dropped, beside finish_reason "length"
-        return self._content(self.text) if not self.calls else []
-
     def _member_end(self, at: int) -> list[dict[str, Any]]:
         pieces = []
         if self.key == "arguments" and self.value_start >= 0 and self.calls:

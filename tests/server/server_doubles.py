@@ -64,6 +64,7 @@ class ScriptedEngine:
     """
 
     model_name = "test-model"
+    max_in_flight = 300   # AsyncLLM's max_num_seqs + max_waiting_requests
 
     def __init__(self, reply: str = "Hello world", max_model_len: int = 64,
                  step_delay_s: float = 0.0, first_token_delay_s: float = 0.0) -> None:

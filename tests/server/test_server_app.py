@@ -50,7 +50,7 @@ def test_models_health_and_metrics(client, engine):
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     assert 'deepinfer:kv_cache_usage_perc{model_name="test-model"} 0.25' in metrics.text
-    for path in ("/health", "/metrics"):   # HEAD as GET, without the body
+    for path in ("/health", "/metrics", "/v1/models", "/v1/models/test-model"):   # HEAD as GET
         head = client.head(path)
         assert head.status_code == 200 and head.content == b""
     engine.dead = True
@@ -211,6 +211,24 @@ def test_bad_kv_transfer_params_are_400_with_a_code(client):
                  "kv_transfer_params", "invalid_value", "exactly one choice")
     assert_error(post(kv_transfer_params={"do_remote_decode": True}, stream=True), 400,
                  "kv_transfer_params", "invalid_value", "stream=false")
+
+
+def test_vllm_extras_not_served_are_named(client):
+    for body, param in (({"add_generation_prompt": False}, "add_generation_prompt"),
+                        ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+                         "stream_options.continuous_usage_stats")):
+        assert_error(client.post("/v1/chat/completions", json={"messages": USER, **body}), 400,
+                     param, "unsupported_parameter", "a vLLM extension")
+
+
+def test_more_choices_than_the_server_ever_holds_is_400_not_429(client, engine):
+    """A 429 would be retried forever (found by black-box testing: 300 prompts on a server
+    holding 260 requests)."""
+    engine.max_in_flight = 5
+    error = assert_error(client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3}),
+                         400, "n", "invalid_value", "6 choices")
+    assert "5 requests this server holds at once" in error["message"]
+    assert client.post("/v1/completions", json={"prompt": ["a"], "n": 5}).status_code == 200
 
 
 def test_unknown_routes_and_methods(client):

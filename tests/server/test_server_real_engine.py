@@ -77,8 +77,10 @@ def test_a_stop_token_id_outside_the_vocabulary_is_400(engine):
     response, = post_all(engine, {"messages": QUESTION, "max_tokens": 4,
                                   "stop_token_ids": [999999]})
     assert response.status_code == 400
+    error = response.json()["error"]
     assert "stop_token_ids holds token id 999999, outside the vocabulary [0, 49152)" in \
-        response.json()["error"]["message"]
+        error["message"]
+    assert (error["param"], error["code"]) == ("stop_token_ids", "invalid_value")
 
 
 def test_full_queue_answers_429(engine):

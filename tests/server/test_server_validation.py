@@ -184,9 +184,12 @@ def test_lone_surrogates_and_hopelessly_long_text_are_400_before_tokenizing():
     with pytest.raises(APIError, match="lone UTF-16 surrogate at character 0") as info:
         completion_prompts(tok, "\ud800 hi", 4096)
     assert info.value.status_code == 400 and info.value.param == "prompt"
-    with pytest.raises(APIError, match="lone UTF-16 surrogate"):
+    with pytest.raises(APIError, match="messages.1.content holds a lone UTF-16 surrogate at "
+                                       "character 3") as info:   # not the template's offset
         chat_prompt_ids(tok, ChatCompletionRequest(
-            messages=[{"role": "user", "content": "\udfff"}]).messages, 4096)
+            messages=[{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "hi \udfff"}]).messages, 4096)
+    assert info.value.param == "messages.1.content"
     with pytest.raises(APIError, match="more than max_model_len=16 tokens can hold") as info:
         completion_prompts(tok, "a" * 17, 16)  # CharTokenizer: one character per token at most
     assert info.value.code == "context_length_exceeded"
