@@ -198,9 +198,15 @@ class EngineConfig:
         return dataclasses.replace(self, **updated)
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+
+
 def _coerce(current_type: str, raw: str):
     if "bool" in current_type:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        if raw.strip().lower() not in _BOOLS:
+            raise ValueError(raw)
+        return _BOOLS[raw.strip().lower()]
     if "int" in current_type:
         return int(raw)
     if "float" in current_type:
@@ -225,8 +231,10 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
             try:
                 value = _coerce(types[section][name], environ[var])
             except ValueError:
-                raise ValueError(f"{var}={environ[var]!r} is not a valid {types[section][name]}; "
-                                 f"fix or unset it.") from None
+                kind = types[section][name].replace(" | None", "")
+                hint = " (1/0, true/false, yes/no or on/off)" if kind == "bool" else ""
+                raise ValueError(f"{var}={environ[var]!r} is not a valid {kind}{hint}; fix or "
+                                 "unset it.") from None
             sections.setdefault(section, {})[name] = value
     return sections
 

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from typing import Any, Sequence
 
@@ -90,6 +91,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery_interval_s=args.discovery_interval_s)
 
 
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port (taken, not a local address), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -98,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
+        if reason := _cannot_listen(args.host, args.port):
+            raise ValueError(f"cannot listen on {args.host}:{args.port} ({reason}); pick "
+                             "another --port or --host")
     except ValueError as exc:
         print(f"deepinfer router: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -150,9 +150,12 @@ class UpstreamResponse(StreamingResponse):
                     return
         except httpx.HTTPError as exc:  # the worker is gone mid-answer: never re-send
             logger.warning("worker %s failed mid-stream: %r", self._upstream.url, exc)
-            yield sse_error_event(f"The worker failed while answering ({type(exc).__name__}); "
-                                  "the answer is incomplete. Retry the request.",
-                                  code="worker_failed")
+            # a partial event line is ended first; then the error and [DONE], as a worker
+            # ends a stream its engine failed (the error event marks the answer incomplete)
+            yield b"\n\n" + sse_error_event(
+                f"The worker failed while answering ({type(exc).__name__}); the answer is "
+                "incomplete. Retry the request.", code="worker_failed")
+            yield SSE_DONE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -257,7 +257,8 @@ def test_killed_worker_is_ejected_and_later_requests_succeed(cluster):
             assert metric(w2.url, "deepinfer:num_requests_running") == 1
             w2.kill()
             rest = list(lines)
-        assert json.loads(rest[-1][len("data: "):])["error"]["code"] == "worker_failed"
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "worker_failed"
         expected = answer(post(w1.url, "/v1/chat/completions",
                                {"messages": CHATS[1], "max_tokens": 6}))
         for _ in range(4):

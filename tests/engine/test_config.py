@@ -19,6 +19,14 @@ def test_env_overrides_map_deepinfer_variables():
 def test_env_override_with_a_bad_value_names_the_variable():
     with pytest.raises(ValueError, match="DEEPINFER_MAX_NUM_SEQS='many'"):
         env_overrides({"DEEPINFER_MAX_NUM_SEQS": "many"})
+    # a bool is not "false unless recognised" (found by black-box testing), and an optional
+    # field's type is named plainly
+    with pytest.raises(ValueError, match="'maybe' is not a valid bool .1/0, true/false"):
+        env_overrides({"DEEPINFER_ENABLE_PREFIX_CACHING": "maybe"})
+    with pytest.raises(ValueError, match="DEEPINFER_SEED='xyz' is not a valid int; "):
+        env_overrides({"DEEPINFER_SEED": "xyz"})
+    assert env_overrides({"DEEPINFER_ENFORCE_EAGER": " ON "}) == {
+        "model": {"enforce_eager": True}}
 
 
 def test_config_range_checks():

@@ -67,6 +67,19 @@ def test_bad_flags_exit_2_with_the_fix(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_taken_port_exits_2_before_starting(capsys):
+    """Found by black-box testing: uvicorn's bind error (rc 3) came after the startup line
+    and the replicas' admission."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["--backend", "http://127.0.0.1:1", "--port", str(port)]) == 2
+    err = capsys.readouterr()
+    assert f"cannot listen on 127.0.0.1:{port}" in err.err and "pick another --port" in err.err
+    assert "->" not in err.out   # the startup line was not printed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("grace_s, finishes", [(30, True), (1, False)])
 def test_sigterm_lets_relayed_streams_finish_within_the_grace(grace_s, finishes, tmp_path):

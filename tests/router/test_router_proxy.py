@@ -145,9 +145,11 @@ def test_no_retry_once_the_worker_began_answering(workers, router_factory):
     workers[0].mode = workers[1].mode = "break"
     with router.client.stream("POST", "/v1/chat/completions",
                               json={**CHAT, "stream": True}) as reply:
-        events = [json.loads(line[6:]) for line in reply.iter_lines() if line]
+        lines = [line for line in reply.iter_lines() if line]
+    events = [json.loads(line[6:]) for line in lines[:-1]]
     assert events[0]["worker"] == "w0"
-    assert events[-1]["error"]["code"] == "worker_failed"  # not [DONE]: the answer is cut
+    assert events[-1]["error"]["code"] == "worker_failed"   # the answer is cut: said so,
+    assert lines[-1] == "data: [DONE]"                      # then the stream ends as usual
     cut = router.client.post("/v1/chat/completions", json=CHAT)  # a JSON answer cut short
     assert cut.status_code == 502 and cut.json()["error"]["code"] == "worker_failed"
     assert len(workers[0].bodies) == len(workers[1].bodies) == 1  # never re-sent
