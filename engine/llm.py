@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -43,8 +44,10 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or one per prompt (default: greedy-free
-                `SamplingParams()`).
+                `SamplingParams()`). With n > 1 each prompt's output holds n choices
+                (`outputs[j]`), choice j seeded with seed + j when a seed is given.
         Raises:
+            TypeError: a prompt is neither a string nor a list of token ids.
             ValueError / PromptTooLongError: a prompt is empty or does not fit the context.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -55,22 +58,32 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} "
                              "prompts; give one, or one per prompt.")
         core = self.engine_core
-        requests = [core.make_request(self._tokenize(p), sp, request_id=str(i))
-                    for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
-        for request in requests:
+        # prompt i's choice j runs as request "i" (n = 1) or "i-j"; all are made (and checked)
+        # before any is queued, so a bad prompt leaves nothing running
+        requests = [[core.make_request(ids, choice, request_id=str(i) if sp.n == 1
+                                       else f"{i}-{j}")
+                     for j, choice in enumerate(sp.fan_out())]
+                    for i, (ids, sp) in enumerate(
+                        (self._tokenize(p), sp) for p, sp in zip(prompts, sampling_params))]
+        for request in (r for choices in requests for r in choices):
             core.add_request(request)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
+        with tqdm(total=sum(map(len, requests)), disable=not use_tqdm, desc="generate") as bar:
             while core.has_unfinished_requests():
                 for output in core.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-        return [finished[r.request_id] for r in requests]
+        return [_merged([finished[r.request_id] for r in choices], str(i))
+                for i, choices in enumerate(requests)]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError(f"a prompt is a string or a list of token ids (ints), not "
+                            f"{_short(prompt)}")
         return list(prompt)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None
@@ -80,3 +93,16 @@ class LLM:
                                                  tokenize=True, return_dict=False)
         return self.generate([list(ids)], sampling_params)[0]
 
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _merged(outputs: list[RequestOutput], request_id: str) -> RequestOutput:
+    """One prompt's finished output: its only request's, or with n > 1 the first choice's
+    carrying all n as `choices` (`RequestOutput.outputs`)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    choices = [dataclasses.replace(out.outputs[0], index=j) for j, out in enumerate(outputs)]
+    return dataclasses.replace(outputs[0], request_id=request_id, choices=choices)

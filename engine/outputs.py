@@ -141,11 +141,15 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # prefill/decode disaggregation: what a do_remote_decode request stored (final output only)
     kv_transfer_params: dict | None = None
+    # offline API with n > 1: the n finished choices (each ran as its own engine request)
+    choices: list[CompletionOutput] | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's spelling of the finished generation: `out.outputs[0].text` (one sequence per
-        request here; empty until the request has finished)."""
+        """vLLM's spelling of the finished generation: `out.outputs[i].text` for choice i (n
+        of them offline with SamplingParams.n = n; empty until the request has finished)."""
+        if self.choices is not None:
+            return self.choices
         if self.text is None:
             return []
         return [CompletionOutput(0, self.text, list(self.token_ids or []), self.logprobs,

@@ -41,7 +41,7 @@ class SamplingParams:
     logprobs: return this many top logprobs per output token (None = no logprobs; 0 = only the
         sampled token's).
     prompt_logprobs: unsupported for now (must be None).
-    n: kept for the offline API; the server fans out n>1 into n requests.
+    n: choices per prompt; each runs as its own request (`fan_out`).
     skip_special_tokens: drop special tokens when detokenizing.
     so_args: structured output, `{"schema_type": "json"|"regex"|"ebnf"|"json_object",
         "schema": ...}` (enforced by the structured-output backend).
@@ -138,3 +138,14 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.update(changes)
         return SamplingParams(**values)
+
+    def fan_out(self, n: int | None = None) -> list["SamplingParams"]:
+        """Params for each of n choices (default: self.n), each with n=1: with a seed, choice i
+        samples with seed + i (wrapped below 2^64; vLLM's rule), so choices differ and each is
+        reproducible; without one each draws its own random seed."""
+        n = self.n if n is None else n
+        if self.seed is None:
+            return [self.clone(n=1) for _ in range(n)]
+        seeds = [self.seed + i - ((1 << 64) if self.seed + i >= (1 << 64) else 0)
+                 for i in range(n)]
+        return [self.clone(n=1, seed=seed, seq_seed=seed) for seed in seeds]

@@ -166,12 +166,8 @@ def build_params(kwargs: dict[str, Any], max_tokens: int) -> SamplingParams:
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n copies for the n choices; with a seed, choice i samples with seed + i (vLLM's rule)."""
-    if params.seed is None:
-        return [params.clone() for _ in range(n)]
-    seeds = [params.seed + i - ((1 << 64) if params.seed + i >= (1 << 64) else 0)
-             for i in range(n)]
-    return [params.clone(seed=seed, seq_seed=seed) for seed in seeds]
+    """n copies for the n choices (`SamplingParams.fan_out`: seed + i per choice)."""
+    return params.fan_out(n)
 
 
 def check_kv_transfer_params(req: SamplingFields, num_choices: int) -> dict[str, Any] | None:

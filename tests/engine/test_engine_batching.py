@@ -137,3 +137,27 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir):
                        match="stop_token_ids holds token id 999999, outside the vocabulary"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=2, stop_token_ids=[5, 999999]))
     assert llm.generate([[1, 2]], GREEDY)[0].token_ids    # still serving
+
+
+def test_offline_n_gives_n_choices_seeded_per_choice(tiny_llama_dir):
+    """SamplingParams(n=3) offline: three choices per prompt (was one, silently: found by
+    black-box testing); choice j is what a single request seeded with seed + j gives, so
+    choice 0 equals the n=1 output."""
+    llm = make_llm(tiny_llama_dir)
+    sample = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7)
+    out, plain = llm.generate([[1, 2, 3], [4, 5]], sample.clone(n=3))
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.request_id == "0"
+    singles = [llm.generate([[1, 2, 3]], sample.clone(seed=7 + j, seq_seed=7 + j))[0].token_ids
+               for j in range(3)]
+    assert [c.token_ids for c in out.outputs] == singles
+    assert len({tuple(t) for t in singles}) > 1          # the choices differ
+    assert len(plain.outputs) == 3
+    assert llm.engine_core.scheduler.kv_cache_manager.block_pool.num_free_blocks == 512
+
+
+def test_a_prompt_that_is_not_text_or_ids_is_a_type_error(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    for prompt in (None, [1, None], 3.5, [True]):
+        with pytest.raises(TypeError, match="a string or a list of token ids"):
+            llm.generate([prompt], GREEDY)
+    assert not llm.engine_core.has_unfinished_requests()
