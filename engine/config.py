@@ -197,6 +197,26 @@ class EngineConfig:
                    for name, values in sections.items()}
         return dataclasses.replace(self, **updated)
 
+    def with_fields(self, **fields) -> "EngineConfig":
+        """Copy with fields named without their section, as vLLM's `LLM(...)` keywords:
+        `cfg.with_fields(max_num_seqs=8, block_size=32)`.
+
+        Raises:
+            TypeError: a name no section has (the message lists where the fields live).
+        """
+        sections: dict[str, dict] = {}
+        for name, value in fields.items():
+            section = next((s.name for s in dataclasses.fields(self)
+                            if name in {f.name for f in dataclasses.fields(getattr(self, s.name))}),
+                           None)
+            if section is None:
+                raise TypeError(f"unknown engine option {name!r}; options are the fields of "
+                                "ModelConfig, CacheConfig, SchedulerConfig and KVTransferConfig "
+                                "(engine/config.py), e.g. max_model_len, block_size, "
+                                "max_num_seqs")
+            sections.setdefault(section, {})[name] = value
+        return self.replace(**sections)
+
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}

@@ -21,18 +21,23 @@ class LLM:
     Args:
         model: HF directory, `.gguf` file, or None for the embedded default (SmolLM2-135M).
         config: a full EngineConfig; `model` (if given) overrides its model path.
-        **model_overrides: ModelConfig fields, e.g. `dtype="float32"`, `max_model_len=2048`.
+        **options: engine config fields by name, from any section (as vLLM's keywords), e.g.
+            `dtype="float32"`, `max_model_len=2048`, `max_num_seqs=8`, `block_size=32`.
     The `DEEPINFER_*` environment variables apply underneath explicit arguments.
+
+    Raises:
+        TypeError: an option no config section has.
+        ValueError: an option out of range (the config's own checks).
     """
 
     def __init__(self, model: str | None = None, config: EngineConfig | None = None,
-                 **model_overrides):
+                 **options):
         if config is None:
             config = EngineConfig().replace(**env_overrides())
         if model is not None:
-            model_overrides["model"] = model
-        if model_overrides:
-            config = config.replace(model=model_overrides)
+            options["model"] = model
+        if options:
+            config = config.with_fields(**options)
         self.engine_core = EngineCore(config)
         self.tokenizer = self.engine_core.tokenizer
 

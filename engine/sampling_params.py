@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _SO_SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+_INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "logprobs", "n", "seed")
+_OPTIONAL_FIELDS = ("max_tokens", "logprobs", "seed")
 
 
 class SamplingParamsError(ValueError):
@@ -73,11 +77,42 @@ class SamplingParams:
                                  "give only one of them.")
             self.seed = self.seq_seed
         self.seq_seed = self.seed
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+
+    def _check_types(self) -> None:
+        """Raises SamplingParamsError naming the first field of the wrong type (a float
+        max_tokens or a string temperature is refused, not rounded or compared)."""
+        def number(value):
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        def integer(value):
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for name in _FLOAT_FIELDS:
+            if not number(getattr(self, name)):
+                raise SamplingParamsError(f"{name}={getattr(self, name)!r} must be a number.",
+                                          name)
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not (integer(value) or (value is None and name in _OPTIONAL_FIELDS)):
+                raise SamplingParamsError(f"{name}={value!r} must be an integer"
+                                          f"{' or None' if name in _OPTIONAL_FIELDS else ''}.",
+                                          name)
+        if not (self.stop is None or isinstance(self.stop, (str, list, tuple))):
+            raise SamplingParamsError(f"stop={self.stop!r} must be a string or a list of "
+                                      "strings.", "stop")
+        if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
+            raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must be a list "
+                                      "of token ids.", "stop_token_ids")
+        if not (self.so_args is None or isinstance(self.so_args, dict)):
+            raise SamplingParamsError(
+                f"so_args={self.so_args!r} must be a dict like {{'schema_type': 'regex', "
+                "'schema': '...'}.", "so_args")
 
     @property
     def greedy(self) -> bool:
@@ -122,9 +157,18 @@ class SamplingParams:
             if not ok:
                 raise SamplingParamsError(message, param)
         if self.so_args is not None:
-            kind = self.so_args.get("schema_type") if isinstance(self.so_args, dict) else None
+            kind = self.so_args.get("schema_type")
             if kind not in _SO_SCHEMA_TYPES:
                 raise ValueError(f"so_args schema_type={kind!r} is not one of {_SO_SCHEMA_TYPES}.")
+            unknown = sorted(set(self.so_args) - {"schema_type", "schema"})
+            if unknown:
+                raise SamplingParamsError(f"so_args has unknown keys {unknown}; it takes "
+                                          "schema_type and schema.", "so_args")
+            # a stop string would cut the output before its grammar is complete
+            if self.stop:
+                raise ValueError(f"stop={self.stop!r} cannot be combined with so_args: a "
+                                 "constrained output ends when its grammar is complete; drop "
+                                 "stop (stop_token_ids are fine).")
             # the grammar decides where the output ends: it allows EOS only there
             if self.ignore_eos:
                 raise ValueError("ignore_eos=True cannot be combined with so_args: a constrained "

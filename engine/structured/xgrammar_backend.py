@@ -147,6 +147,17 @@ class XGrammarBackend:
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
+        """Compile, and refuse a constraint no token can start (a character class that
+        matches nothing, say): generating under it could only emit tokens it forbids."""
+        compiled = self._compile(key)
+        bitmask = self.allocate_bitmask(1)
+        self.matcher(compiled, self.stop_token_ids).fill_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise GrammarError("the constraint matches no string this model's tokens can "
+                               "spell (no token can start it); fix the regex, schema or grammar")
+        return compiled
+
+    def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         schema_type, schema = key
         try:
             if schema_type == "json":

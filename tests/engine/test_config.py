@@ -61,3 +61,14 @@ def test_stop_string_is_normalised_to_a_list_and_seed_is_random_without_one():
     assert params.stop == ["###"]
     assert params.resolved_seed() != params.resolved_seed()
     assert SamplingParams(seed=5).resolved_seed() == 5
+
+
+def test_fields_by_name_from_any_section_as_vllm_keywords():
+    """`LLM(max_num_seqs=...)` (found by black-box testing: a TypeError naming ModelConfig)."""
+    config = EngineConfig().with_fields(max_num_seqs=8, block_size=32, dtype="float32")
+    assert (config.scheduler.max_num_seqs, config.cache.block_size, config.model.dtype) == (
+        8, 32, "float32")
+    with pytest.raises(TypeError, match="unknown engine option 'foo'; options are the fields"):
+        EngineConfig().with_fields(foo=1)
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        EngineConfig().with_fields(max_num_seqs=0)

@@ -114,6 +114,10 @@ def test_grammar_key_is_canonical_and_checks_types():
     ({"schema_type": "json", "schema": {"type": "object", "properties": {}, "required": ["b"],
                                         "additionalProperties": False}}, r"requires \['b'\]"),
     ({"schema_type": "json", "schema": "false"}, "allows no value"),
+    # compiles, but no token can start it (found by black-box testing: a 200 of forbidden
+    # tokens)
+    ({"schema_type": "regex", "schema": "[^\\x00-\\U0010FFFF]"}, "matches no string"),
+    ({"schema_type": "ebnf", "schema": "root ::= [^\\x00-\\U0010FFFF]"}, "matches no string"),
 ])
 def test_invalid_constraint_is_a_clear_value_error(llm, so_args, message):
     params = SamplingParams(max_tokens=8, so_args=so_args)

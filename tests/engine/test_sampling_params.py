@@ -1,0 +1,45 @@
+"""SamplingParams refuses what it cannot honour with a SamplingParamsError (a ValueError) that
+names the field, as the server's 400s do; found by black-box testing of the offline API, where
+max_tokens=3.5 generated 4 tokens and temperature="0.5" raised a bare TypeError."""
+
+import pytest
+
+from engine.sampling_params import SamplingParams, SamplingParamsError
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"max_tokens": 3.5}, "max_tokens", "must be an integer or None"),
+    ({"max_tokens": True}, "max_tokens", "must be an integer or None"),
+    ({"n": 2.5}, "n", "must be an integer"),
+    ({"temperature": "0.5"}, "temperature", "must be a number"),
+    ({"top_k": None}, "top_k", "must be an integer"),
+    ({"stop": 5}, "stop", "a string or a list of strings"),
+    ({"stop_token_ids": 7}, "stop_token_ids", "a list of token ids"),
+    ({"so_args": "json"}, "so_args", "must be a dict"),
+    ({"so_args": {"schema_type": "regex", "schema": "a+", "foo": 1}}, "so_args",
+     r"unknown keys \['foo'\]"),
+])
+def test_wrong_types_name_the_field(fields, param, message):
+    with pytest.raises(SamplingParamsError, match=message) as info:
+        SamplingParams(**fields)
+    assert info.value.param == param
+
+
+def test_stop_strings_with_so_args_are_refused_as_over_http():
+    with pytest.raises(ValueError, match="stop=.'x'. cannot be combined with so_args"):
+        SamplingParams(stop=["x"], so_args={"schema_type": "regex", "schema": "a+"})
+    SamplingParams(stop_token_ids=[2], so_args={"schema_type": "regex", "schema": "a+"})
+
+
+def test_well_typed_values_pass():
+    params = SamplingParams(temperature=0, top_p=1, max_tokens=None, logprobs=None, seed=None,
+                            stop="end", stop_token_ids=(3,))
+    assert params.stop == ["end"] and params.stop_token_ids == [3]
+
+
+def test_fan_out_seeds_choice_j_with_seed_plus_j():
+    assert [p.seed for p in SamplingParams(seed=2**64 - 2, n=3).fan_out()] == [
+        2**64 - 2, 2**64 - 1, 0]
+    assert [(p.seed, p.n) for p in SamplingParams(seed=-5).fan_out(2)] == [(-5, 1), (-4, 1)]
+    copies = SamplingParams(n=2).fan_out()
+    assert [p.seed for p in copies] == [None, None] and copies[0] is not copies[1]
