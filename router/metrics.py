@@ -5,7 +5,8 @@ Per backend (label `backend` = the worker's base URL):
 - `deepinfer_router:request_duration_seconds{backend}`: from sending to the last byte relayed;
 - `deepinfer_router:time_to_first_byte_seconds{backend}`: from sending to the answer's header;
 - `deepinfer_router:retries_total{backend}`: requests moved to another replica because the
-  connection to this one failed before any byte of the answer;
+  connection to this one failed, or the health checks ejected it, before any byte of the
+  answer;
 - `deepinfer_router:ejections_total{backend}`: healthy -> ejected transitions;
 - `deepinfer_router:backend_healthy{backend,role}` and
   `deepinfer_router:backend_outstanding_requests{backend,role}`: read from the registry at

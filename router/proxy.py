@@ -58,12 +58,17 @@ _DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encodi
 # fields of the client's body the prefill step replaces or drops
 _PREFILL_DROP = ("stream_options", "max_completion_tokens", "min_tokens", "best_of")
 
-# how often a prefill step in flight checks that its worker was not ejected meanwhile
-PREFILL_EJECTION_POLL_S = 0.25
+# how often a request waiting for its worker's answer checks that the health checks did not
+# eject the worker meanwhile (a stopped worker would hold it for --request-timeout-s)
+EJECTION_POLL_S = 0.25
 # deeper client JSON is forwarded unparsed (no policy features, no prefill step)
 MAX_JSON_DEPTH = 128
 
 T = TypeVar("T")
+
+
+class ReplicaEjected(Exception):
+    """The replica was ejected while the request waited for its answer to begin."""
 
 
 class NoReplicaError(Exception):
@@ -307,13 +312,13 @@ class Proxy:
                         headers=relayed_headers(upstream))
 
     async def _open(self, role: str, path: str, content: bytes, headers: dict[str, str],
-                    features: RequestFeatures, tried: list[Replica] | None = None
-                    ) -> tuple[httpx.Response, Replica, float]:
+                    features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:
         """Send the request to a `role` replica chosen by the policy and return its answer with
         the header read (the body not yet). The replica's `outstanding` stays incremented until
-        the caller closes the answer. Connection failures before the first byte move the
-        request to another replica. Raises NoReplicaError when none could take it."""
-        tried = [] if tried is None else tried  # the caller may watch where it went
+        the caller closes the answer. Connection failures before the first byte, and the
+        replica's ejection while the answer has not begun, move the request to another
+        replica. Raises NoReplicaError when none could take it."""
+        tried: list[Replica] = []
         while len(tried) < self.config.max_attempts:
             candidates = [r for r in self.registry.replicas(role) if r not in tried]
             replica = self.policy(features, candidates)
@@ -325,7 +330,13 @@ class Proxy:
             sent_at = time.perf_counter()
             replica.outstanding += 1
             try:
-                upstream = await self.client.send(request, stream=True)
+                upstream = await self._send_while_healthy(replica, request)
+            except ReplicaEjected:   # (its failures were counted by whoever ejected it)
+                self.metrics.retries.labels(replica.url).inc()
+                self.registry.release(replica)
+                logger.warning("%s was ejected before answering; trying another replica",
+                               replica.url)
+                continue
             except RETRYABLE_ERRORS as exc:
                 self.registry.record_failure(replica, unreachable=isinstance(
                     exc, UNREACHABLE_ERRORS), reason=repr(exc))
@@ -347,6 +358,32 @@ class Proxy:
                                  reason="unreachable")
         raise NoReplicaError(f"No healthy {kind}worker is available right now (all ejected or "
                              "still starting); retry shortly.", reason="no_replica")
+
+    async def _send_while_healthy(self, replica: Replica,
+                                  request: httpx.Request) -> httpx.Response:
+        """`client.send(request, stream=True)`, given up when the health checks eject
+        `replica` before its answer begins (the connection is closed: the worker aborts).
+
+        Raises:
+            ReplicaEjected: the replica left the pool first.
+        """
+        sending = asyncio.ensure_future(self.client.send(request, stream=True))
+        try:
+            while not sending.done():
+                await asyncio.wait({sending}, timeout=EJECTION_POLL_S)
+                if not sending.done() and not replica.healthy:
+                    sending.cancel()
+                    await asyncio.wait({sending})
+        except BaseException:   # the client left (this task was cancelled): close it all
+            sending.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({sending})
+                if not sending.cancelled() and sending.exception() is None:
+                    await sending.result().aclose()
+            raise
+        if sending.cancelled():
+            raise ReplicaEjected(replica.url)
+        return sending.result()
 
     async def _disaggregated(self, path: str, payload: dict[str, Any], headers: dict[str, str],
                              features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:
@@ -371,21 +408,11 @@ class Proxy:
         body = {k: v for k, v in payload.items() if k not in _PREFILL_DROP}
         body.update(kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False,
                     n=1)
-        # a prefill worker that hangs (stopped, wedged) answers nothing until the long
-        # --request-timeout-s: give up on it as soon as the health checks eject it
-        tried: list[Replica] = []
+        # (a prefill worker that hangs is given up once ejected: `_open`)
         opening = asyncio.ensure_future(self._open(
-            "prefill", path, json.dumps(body).encode(), headers, features, tried))
+            "prefill", path, json.dumps(body).encode(), headers, features))
         try:
-            while not opening.done():
-                await asyncio.wait({opening}, timeout=PREFILL_EJECTION_POLL_S)
-                if not opening.done() and tried and not tried[-1].healthy:
-                    opening.cancel()
-                    await asyncio.wait({opening})
-                    if opening.cancelled():
-                        logger.warning("prefill worker %s was ejected while prefilling; the "
-                                       "decode worker recomputes", tried[-1].url)
-                        return self._fallback()
+            await asyncio.wait({opening})
         except BaseException:  # the client left: close the prefill worker's connection too
             opening.cancel()
             with anyio.CancelScope(shield=True):

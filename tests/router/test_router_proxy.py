@@ -375,6 +375,25 @@ def test_disaggregated_hung_prefill_worker_falls_back_once_ejected(workers, rout
     assert replica.outstanding == 0
 
 
+def test_a_worker_ejected_before_answering_hands_the_request_to_another(workers,
+                                                                      router_factory):
+    """A stopped worker (SIGSTOP) held its requests until --request-timeout-s even after the
+    health checks ejected it (found by black-box testing); now the waiting request moves."""
+    stuck, other = workers
+    stuck.mode = "slow"  # answers a JSON request only after ~10 s
+    router = router_factory(policy="round_robin")   # the first request goes to w0
+    replica = next(r for r in router.replicas if r.url == stuck.url)
+    threading.Timer(0.5, lambda: setattr(replica, "healthy", False)).start()  # ejected
+    started = time.monotonic()
+    reply = router.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["worker"] == "w1"
+    assert time.monotonic() - started < 5
+    assert wait_for(lambda: stuck.aborted == 1)   # its connection was closed
+    assert router.metric("deepinfer_router:retries_total", backend=stuck.url) == 1
+    assert wait_for(lambda: replica.outstanding == 0 and router.app.state.proxy.in_flight == 0)
+    assert len(other.bodies) == 1
+
+
 def test_client_disconnect_during_the_prefill_step_aborts_the_prefill(workers, router_factory):
     prefill, decode = workers
     prefill.mode = "slow"
