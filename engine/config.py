@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 # Environment variable -> (sub-config, field). DeepInfer's own names where it has them.
@@ -257,6 +259,28 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
                                  "unset it.") from None
             sections.setdefault(section, {})[name] = value
     return sections
+
+
+def config_from(sections: dict[str, dict], environ: dict[str, str] | None = None,
+                given: Collection[tuple[str, str]] = ()) -> "EngineConfig":
+    """`EngineConfig().replace(**sections)`, where the sections came from the environment
+    (`env_overrides(environ)`) and from explicit settings `given` ((section, field) pairs).
+
+    Raises:
+        ValueError: a value out of range; when it came from a `DEEPINFER_*` variable (the
+            field is not in `given`), the message starts with that variable's setting.
+    """
+    try:
+        return EngineConfig().replace(**sections)
+    except ValueError as exc:
+        environ = os.environ if environ is None else environ
+        field_name = re.match(r"\s*(\w+)=", str(exc))
+        var = next((v for v, key in ENV_VARS.items()
+                    if field_name and key[1] == field_name.group(1) and key not in given
+                    and environ.get(v)), None)
+        if var is None:
+            raise
+        raise ValueError(f"{var}={environ[var]!r}: {exc}") from None
 
 
 def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig, env_overrides
+from engine.config import EngineConfig, config_from, env_overrides
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -33,7 +33,7 @@ class LLM:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None,
                  **options):
         if config is None:
-            config = EngineConfig().replace(**env_overrides())
+            config = config_from(env_overrides())
         if model is not None:
             options["model"] = model
         if options:

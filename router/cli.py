@@ -2,8 +2,8 @@
 
     deepinfer router --backend http://w1:8000 --backend http://w2:8000 --policy prefix_affinity
     deepinfer router --prefill http://p1:8000 --decode http://d1:8000 --decode http://d2:8000
-    deepinfer router --discovery dns --prefill http://deepinfer-prefill-headless:8000 \
-        --decode http://deepinfer-decode-headless:8000      # Kubernetes headless Services
+    deepinfer router --discovery dns --prefill http://deepinfer-prefill-worker-headless:8000 \
+        --decode http://deepinfer-decode-worker-headless:8000  # Kubernetes headless Services
 
 `server.cli.main` hands `deepinfer router ...` to `main` here before anything heavy loads; this
 module imports FastAPI and uvicorn only when serving, and never torch.

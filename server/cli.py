@@ -167,9 +167,12 @@ def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
 
 
 def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
-    from engine.config import EngineConfig
+    """The engine config of the environment and the flags (a bad value from a variable is
+    reported naming the variable)."""
+    from engine.config import config_from
 
-    return EngineConfig().replace(**engine_sections(args, environ))
+    given = {ENGINE_FLAGS[dest][:2] for dest in ENGINE_FLAGS if dest in args}
+    return config_from(engine_sections(args, environ), environ, given)
 
 
 async def _serve_http(app: Any, args: argparse.Namespace) -> None:
