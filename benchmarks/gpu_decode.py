@@ -250,7 +250,8 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),)}
-# experiments (--variants): which kernels release the next one right after their wait
+# experiments (--variants): the committed settings alone, and which kernels release the next
+# one right after their wait
 PDL_VARIANTS = {
     "baseline": (),   # the committed settings (a reference for --variants-only)
     "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -46,9 +45,18 @@ ENV_VARS: dict[str, tuple[str, str]] = {
 SERVER_ENV_VARS: dict[str, str] = {"DEEPINFER_API_KEY": "api_key"}
 
 
-def _check(ok: bool, message: str) -> None:
+class ConfigError(ValueError):
+    """A config field out of range; `field` names it (so callers can name where the value came
+    from: a flag, a `DEEPINFER_*` variable)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _check(field: str, ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message, field)
 
 
 @dataclass(frozen=True)
@@ -78,11 +86,12 @@ class ModelConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+        _check("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype={self.dtype!r} is not supported; use auto, float32, bfloat16 or float16.")
-        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+        _check("device",
+               self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                f"device={self.device!r} is not supported; use auto, cpu or cuda.")
-        _check(self.max_model_len is None or self.max_model_len >= 1,
+        _check("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len={self.max_model_len} must be >= 1.")
 
 
@@ -106,13 +115,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+        _check("block_size", self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                f"block_size={self.block_size} must be a power of two between 1 and 256.")
-        _check(self.num_blocks is None or self.num_blocks >= 1,
+        _check("num_blocks", self.num_blocks is None or self.num_blocks >= 1,
                f"num_blocks={self.num_blocks} must be >= 1.")
-        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+        _check("kv_cache_memory_bytes",
+               self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                "kv_cache_memory_bytes must be > 0.")
-        _check(0 < self.gpu_memory_utilization <= 1,
+        _check("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
 
 
@@ -137,12 +147,13 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        _check(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1.")
-        _check(self.max_num_batched_tokens >= 1,
+        _check("max_num_seqs", self.max_num_seqs >= 1,
+               f"max_num_seqs={self.max_num_seqs} must be >= 1.")
+        _check("max_num_batched_tokens", self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1.")
-        _check(self.max_waiting_requests >= 1,
+        _check("max_waiting_requests", self.max_waiting_requests >= 1,
                f"max_waiting_requests={self.max_waiting_requests} must be >= 1.")
-        _check(self.long_prefill_token_threshold >= 0,
+        _check("long_prefill_token_threshold", self.long_prefill_token_threshold >= 0,
                "long_prefill_token_threshold must be >= 0.")
 
 
@@ -168,18 +179,20 @@ class KVTransferConfig:
     timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
-        _check(self.role in ("both", "prefill", "decode"),
+        _check("role", self.role in ("both", "prefill", "decode"),
                f"role={self.role!r} is not supported; use both, prefill or decode.")
-        _check(self.kv_store in ("memory", "none")
+        _check("kv_store", self.kv_store in ("memory", "none")
                or self.kv_store.startswith(("redis://", "rediss://")),
                f"kv_store={self.kv_store!r} is not supported; use memory, none, "
                "redis://[:password@]host:port/db or rediss://...")
-        _check(self.role == "both" or self.kv_store.startswith(("redis://", "rediss://")),
+        _check("role",
+               self.role == "both" or self.kv_store.startswith(("redis://", "rediss://")),
                f"role={self.role} hands KV blocks to another worker through a shared store, "
                f"and kv_store={self.kv_store} is not one; give --kv-store redis://host:port/db.")
-        _check(self.memory_store_bytes >= 1, "memory_store_bytes must be >= 1.")
-        _check(self.ttl_s >= 0, f"ttl_s={self.ttl_s} must be >= 0 (0 = no expiry).")
-        _check(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0.")
+        _check("memory_store_bytes", self.memory_store_bytes >= 1,
+               "memory_store_bytes must be >= 1.")
+        _check("ttl_s", self.ttl_s >= 0, f"ttl_s={self.ttl_s} must be >= 0 (0 = no expiry).")
+        _check("timeout_s", self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0.")
 
     @property
     def enabled(self) -> bool:
@@ -226,9 +239,9 @@ _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
 
 def _coerce(current_type: str, raw: str):
     if "bool" in current_type:
-        if raw.strip().lower() not in _BOOLS:
+        if (word := raw.strip().lower()) not in _BOOLS:
             raise ValueError(raw)
-        return _BOOLS[raw.strip().lower()]
+        return _BOOLS[word]
     if "int" in current_type:
         return int(raw)
     if "float" in current_type:
@@ -272,15 +285,13 @@ def config_from(sections: dict[str, dict], environ: dict[str, str] | None = None
     """
     try:
         return EngineConfig().replace(**sections)
-    except ValueError as exc:
+    except ConfigError as exc:
         environ = os.environ if environ is None else environ
-        field_name = re.match(r"\s*(\w+)=", str(exc))
         var = next((v for v, key in ENV_VARS.items()
-                    if field_name and key[1] == field_name.group(1) and key not in given
-                    and environ.get(v)), None)
+                    if key[1] == exc.field and key not in given and environ.get(v)), None)
         if var is None:
             raise
-        raise ValueError(f"{var}={environ[var]!r}: {exc}") from None
+        raise ConfigError(f"{var}={environ[var]!r}: {exc}", exc.field) from None
 
 
 def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:

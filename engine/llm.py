@@ -65,13 +65,14 @@ class LLM:
         core = self.engine_core
         # prompt i's choice j runs as request "i" (n = 1) or "i-j"; all are made (and checked)
         # before any is queued, so a bad prompt leaves nothing running
-        requests = [[core.make_request(ids, choice, request_id=str(i) if sp.n == 1
-                                       else f"{i}-{j}")
-                     for j, choice in enumerate(sp.fan_out())]
-                    for i, (ids, sp) in enumerate(
-                        (self._tokenize(p), sp) for p, sp in zip(prompts, sampling_params))]
-        for request in (r for choices in requests for r in choices):
-            core.add_request(request)
+        requests: list[list] = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            ids = self._tokenize(prompt)
+            requests.append([core.make_request(ids, choice, str(i) if params.n == 1 else f"{i}-{j}")
+                             for j, choice in enumerate(params.fan_out())])
+        for choices in requests:
+            for request in choices:
+                core.add_request(request)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=sum(map(len, requests)), disable=not use_tqdm, desc="generate") as bar:
             while core.has_unfinished_requests():

@@ -19,6 +19,14 @@ _INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "logprobs", "n", "seed")
 _OPTIONAL_FIELDS = ("max_tokens", "logprobs", "seed")
 
 
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_integer(value) or isinstance(value, float)
+
+
 class SamplingParamsError(ValueError):
     """A SamplingParams field out of range; `param` names it (the OpenAI request field)."""
 
@@ -87,19 +95,13 @@ class SamplingParams:
     def _check_types(self) -> None:
         """Raises SamplingParamsError naming the first field of the wrong type (a float
         max_tokens or a string temperature is refused, not rounded or compared)."""
-        def number(value):
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        def integer(value):
-            return isinstance(value, int) and not isinstance(value, bool)
-
         for name in _FLOAT_FIELDS:
-            if not number(getattr(self, name)):
+            if not _is_number(getattr(self, name)):
                 raise SamplingParamsError(f"{name}={getattr(self, name)!r} must be a number.",
                                           name)
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if not (integer(value) or (value is None and name in _OPTIONAL_FIELDS)):
+            if not (_is_integer(value) or (value is None and name in _OPTIONAL_FIELDS)):
                 raise SamplingParamsError(f"{name}={value!r} must be an integer"
                                           f"{' or None' if name in _OPTIONAL_FIELDS else ''}.",
                                           name)

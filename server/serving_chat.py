@@ -27,7 +27,7 @@ from server.sse import sse_event
 from server.structured import check_compiles, so_args_from_request
 from server.tools import ToolConfig, tool_config, tool_so_args, tool_streamer
 from server.validation import (build_params, chat_kwargs, check_kv_transfer_params, check_model,
-                               fan_out, fit_max_tokens)
+                               fit_max_tokens)
 
 
 def _finish_reason(reason: str | None, tools: ToolConfig | None, num_calls: int) -> str | None:
@@ -71,7 +71,7 @@ class ChatServing:
         n = req.n or 1
         handoff = check_kv_transfer_params(req, n)
         subs = [gen.SubRequest(i, prompt_ids, p, handoff)
-                for i, p in enumerate(fan_out(params, n))]
+                for i, p in enumerate(params.fan_out(n))]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await gen.respond(
             raw, self.engine, self.metrics, request_id, subs, bool(req.stream),

@@ -20,7 +20,7 @@ from server.protocol import CompletionChoice, CompletionRequest, CompletionRespo
 from server.sse import sse_event
 from server.structured import check_compiles, so_args_from_request
 from server.validation import (build_params, check_kv_transfer_params, check_model,
-                               completion_kwargs, fan_out, fit_max_tokens)
+                               completion_kwargs, fit_max_tokens)
 
 
 class CompletionServing:
@@ -38,7 +38,7 @@ class CompletionServing:
         for p, prompt in enumerate(prompts):
             max_tokens = fit_max_tokens(asked_max_tokens, len(prompt.token_ids),
                                         self.engine.max_model_len, prompt_param="prompt")
-            for i, params in enumerate(fan_out(build_params(kwargs, max_tokens), n)):
+            for i, params in enumerate(build_params(kwargs, max_tokens).fan_out(n)):
                 subs.append(gen.SubRequest(p * n + i, prompt.token_ids, params, handoff))
         return subs
 

@@ -165,11 +165,6 @@ def build_params(kwargs: dict[str, Any], max_tokens: int) -> SamplingParams:
                        code="invalid_value") from None
 
 
-def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n copies for the n choices (`SamplingParams.fan_out`: seed + i per choice)."""
-    return params.fan_out(n)
-
-
 def check_kv_transfer_params(req: SamplingFields, num_choices: int) -> dict[str, Any] | None:
     """The request's `kv_transfer_params` (prefill/decode disaggregation), checked: a prefill
     hand-off (`do_remote_decode`) answers with one JSON body for one choice."""

@@ -6,7 +6,7 @@ from server.errors import APIError
 from server.prompts import chat_prompt_ids, completion_prompts
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.validation import (build_params, chat_kwargs, check_model, completion_kwargs,
-                               fan_out, fit_max_tokens)
+                               fit_max_tokens)
 from server_doubles import BOS, CharTokenizer
 
 
@@ -115,9 +115,9 @@ def test_fit_max_tokens_fills_the_window_or_explains():
 
 def test_fan_out_offsets_the_seed_per_choice():
     params = build_params(chat_kwargs(chat(seed=41))[0], 5)
-    assert [p.seed for p in fan_out(params, 3)] == [41, 42, 43]
+    assert [p.seed for p in params.fan_out(3)] == [41, 42, 43]
     unseeded = build_params(chat_kwargs(chat())[0], 5)
-    copies = fan_out(unseeded, 2)
+    copies = unseeded.fan_out(2)
     assert [p.seed for p in copies] == [None, None] and copies[0] is not copies[1]
 
 
