@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GEMM_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "residual_ptr": "*bf16",
-             "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32",
+             "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32",
+             "M": "i32",
              "N": "i32", "K": "i32", "k_per_split": "i32", "x_stride": "i32",
              "w_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "eps": "fp32"}
 DECODE_ARGS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16",
@@ -34,12 +35,17 @@ DECODE_ARGS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cach
                "sin_stride": "i32", "bt_stride": "i32", "v_offset": "i32"}
 NOT_MULTIPLE_OF_16 = {"M", "eps", "scale"}   # decode row counts; float scalars
 
-# (label, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, fusion, SWAP_AB): the run-13 configs
-GEMMS = [("qkv + norm, 16 rows", 16, 64, 128, 4, 6, "norm", False),
-         ("qkv + norm, 16 rows, swapped", 16, 64, 128, 4, 6, "norm", True),
-         ("gate_up + norm + SiLU, 16 rows, swapped", 16, 64, 128, 8, 3, "norm_gated", True),
-         ("down + residual, 64 rows", 64, 64, 128, 4, 4, "residual", False),
-         ("LM head, 16 rows, swapped", 16, 128, 128, 8, 3, None, True)]
+# (label, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, fusion, SWAP_AB, sums of squares:
+# the norm's partials (SS_PARTS) or emitted by the residual GEMM (-1)): the run-13 configs and
+# the run-16 handoff
+GEMMS = [("qkv + norm, 16 rows", 16, 64, 128, 4, 6, "norm", False, 0),
+         ("qkv + norm, 16 rows, swapped", 16, 64, 128, 4, 6, "norm", True, 0),
+         ("gate_up + norm + SiLU, 16 rows, swapped", 16, 64, 128, 8, 3, "norm_gated", True, 0),
+         ("down + residual, 64 rows", 64, 64, 128, 4, 4, "residual", False, 0),
+         ("LM head, 16 rows, swapped", 16, 128, 128, 8, 3, None, True, 0),
+         ("qkv + norm from partials, 64 rows", 64, 64, 128, 4, 4, "norm", True, 64),
+         ("gate_up + norm from partials, 64 rows", 64, 64, 64, 8, 4, "norm_gated", False, 64),
+         ("down + residual + sums of squares, 64", 64, 64, 128, 4, 4, "residual", False, -1)]
 DECODE_LABEL = "rotary decode attention, Llama-3-8B heads"
 
 
@@ -74,13 +80,15 @@ def variants() -> list[tuple]:
     from kernels import linear_triton, rotary_decode_triton
 
     out = []
-    for label, block_m, block_n, block_k, warps, stages, fusion, swap in GEMMS:
+    for label, block_m, block_n, block_k, warps, stages, fusion, swap, parts in GEMMS:
         constexprs = dict(HAS_BIAS=False, NORM=fusion in ("norm", "norm_gated"),
                           GATED=fusion == "norm_gated", HAS_RESIDUAL=fusion == "residual",
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1,
                           EVEN_N=True, EVEN_K=True, PRECISION="tf32",
                           NORM_BY_DOT=block_m >= linear_triton.NORM_BY_DOT_ROWS,
-                          SS_CHUNK=4096 // block_m, SS_CHUNKS=block_m, SWAP_AB=swap, PDL=True,
+                          SS_CHUNK=4096 // block_m, SS_CHUNKS=0 if parts else block_m,
+                          SWAP_AB=swap, SS_PARTS=max(parts, 0),
+                          SS_PARTS_P2=max(parts, 1), EMIT_SS=parts < 0, PDL=True,
                           TRIGGER_AFTER_LOOP=True)
         out.append((label, linear_triton._skinny_linear_kernel, GEMM_ARGS, constexprs, warps,
                     stages))

@@ -7,6 +7,9 @@ A Llama layer has two boundaries where a residual add and an RMSNorm sit between
   residual added in its epilogue -> gate_up_proj with the norm and SiLU-mul in its epilogue;
 - mlp_to_attn: down_proj -> add + RMSNorm -> qkv_proj, against down_proj with the residual
   add -> qkv_proj with the norm.
+The fused residual GEMM also writes its rows' sums of squares, which the norm GEMM after it
+reads (`kernels.fused_linear.AddedRows`; off with `--no-handoff`), as in the engine; a norm
+GEMM's configs are timed on such partials.
 For each row bucket (16: measured at 1 and 16 rows, summed; 64: at 64 rows), each fused kernel's
 tile config is picked from CANDIDATES (each checked against the unfused ops: relative error
 < 1e-2), then both chains are timed over distinct weight copies (>= 1 GB, so nothing is served
@@ -14,6 +17,7 @@ from L2) in one graph each (median replay / calls, as `gemv_sweep.py`). A bounda
 chain is at least 1% faster marks both its kernels `fused_faster`: only those run fused.
 
 Run: python3 benchmarks/fused_linear_sweep.py [--json PATH] [--write-configs] [--buckets 16,64]
+     [--no-handoff]
 """
 
 from __future__ import annotations
@@ -59,13 +63,35 @@ def unfused_boundary(x, first, second, residual, ones, fusion):
     return silu_and_mul(out) if fusion == "norm_gated" else out
 
 
-def fused_call(fusion: str, x, weight, residual, config: dict):
-    from kernels import linear_triton
+def fused_call(fusion: str, x, weight, residual, config: dict, added=None):
+    """The fused kernel as the engine runs it: a residual GEMM returns the stream (and writes
+    its rows' sums of squares); a norm GEMM reads `added`'s where given."""
+    from kernels.fused_linear import fused_linear_add, fused_norm_linear
 
     if fusion == "residual":
-        return linear_triton.linear(x, weight, config=config, residual=residual)
-    return linear_triton.linear(x, weight, config=config, norm_eps=EPS,
-                                gated=fusion == "norm_gated")
+        return fused_linear_add(x, weight, None, residual, config)[1]
+    return fused_norm_linear(added, x, EPS, weight, None, config, gated=fusion == "norm_gated")
+
+
+def fused_chain(first_fusion: str, second_fusion: str, x, weights, residual, configs):
+    """A fused boundary: the residual GEMM, then the norm GEMM on its stream and sums of
+    squares (`kernels.fused_linear.AddedRows`)."""
+    from kernels.fused_linear import fused_linear_add
+
+    assert first_fusion == "residual"
+    added, stream = fused_linear_add(x, weights[0], None, residual, configs[0])
+    return fused_call(second_fusion, stream, weights[1], None, configs[1], added)
+
+
+def handed_over(stream: torch.Tensor, tiles: int = 64):
+    """AddedRows for `stream` [M, H] as a residual GEMM of H / tiles columns per tile writes
+    them (what the engine's norm GEMM reads; None with the handoff off)."""
+    from kernels import fused_linear
+
+    if not fused_linear.SUM_SQUARES_HANDOFF:
+        return None
+    squares = stream.float().pow(2).view(stream.shape[0], tiles, -1).sum(-1)
+    return fused_linear.AddedRows(squares.t().contiguous())
 
 
 def candidate_configs(fusion: str, bucket: int) -> list[dict]:
@@ -98,17 +124,20 @@ def reference(fusion: str, x, weight, residual) -> torch.Tensor:
 def pick_config(fusion: str, bucket: int, weights, inputs) -> tuple[dict, float, list]:
     """The fastest correct candidate config: (config, us summed over the bucket's rows, all)."""
     results = []
+    # a norm GEMM is timed as it runs after a residual one: on its sums of squares
+    inputs = [(x, residual, None if fusion == "residual" else handed_over(x))
+              for x, residual in inputs]
     for config in candidate_configs(fusion, bucket):
         try:
-            for x, residual in inputs:
+            for x, residual, added in inputs:
                 ref = reference(fusion, x, weights[0], residual)
-                out = fused_call(fusion, x, weights[0], residual.clone(), config).float()
+                out = fused_call(fusion, x, weights[0], residual.clone(), config, added).float()
                 error = float((out - ref).norm() / ref.norm())
                 if not error < 1e-2:
                     raise ValueError(f"relative error {error:.2e}")
             us = sum(graph_us_per_call(
-                lambda w, x=x, r=residual: fused_call(fusion, x, w, r, config), weights)
-                for x, residual in inputs)
+                lambda w, x=x, r=residual, a=added: fused_call(fusion, x, w, r, config, a),
+                weights) for x, residual, added in inputs)
             results.append((config, round(us, 2), None))
         except Exception as exc:  # shared memory exceeded, wrong result
             results.append((config, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
@@ -147,9 +176,8 @@ def sweep_boundary(label: str, bucket: int) -> list[dict]:
         unfused_us += graph_us_per_call(lambda p, x=x, r=residual: unfused_boundary(
             x, p[0], p[1], r, ones, second_fusion), pairs)
         fused_us += graph_us_per_call(
-            lambda p, x=x, r=residual: fused_call(
-                second_fusion, fused_call(first_fusion, x, p[0], r, first_config), p[1], None,
-                second_config), pairs)
+            lambda p, x=x, r=residual: fused_chain(first_fusion, second_fusion, x, p, r,
+                                                   (first_config, second_config)), pairs)
     faster = fused_us < 0.99 * unfused_us
     rows_text = "+".join(str(m) for m in BUCKETS[bucket])
     print(f"{label:11s} rows {rows_text:5s}: unfused {unfused_us:7.2f} us | fused {fused_us:7.2f} "
@@ -176,8 +204,13 @@ def main() -> int:
     parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
                         help="comma-separated row buckets to sweep; with --write-configs the "
                              "other buckets keep their entries")
+    parser.add_argument("--no-handoff", action="store_true",
+                        help="norm GEMMs compute their own sums of squares "
+                             "(fused_linear.SUM_SQUARES_HANDOFF off)")
     args = parser.parse_args()
     from kernels import fused_linear
+
+    fused_linear.SUM_SQUARES_HANDOFF = not args.no_handoff
     from kernels.backends import update_device_config
 
     buckets = [int(b) for b in args.buckets.split(",")]

@@ -249,7 +249,8 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "unfused_attention": (("kernels.paged_attention", "FUSED_ROTARY_DECODE", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
-            "no_pdl": (("kernels.pdl", "ENABLED", False),)}
+            "no_pdl": (("kernels.pdl", "ENABLED", False),),
+            "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),)}
 # experiments (--variants): the committed settings alone, and which kernels release the next
 # one right after their wait
 PDL_VARIANTS = {
@@ -401,6 +402,40 @@ def host_profile(core, batch: int, vocab: int, top: int = 15) -> list:
             for key, value in rows]
 
 
+def engine_timeline(core, batch: int, vocab: int, top: int = 12) -> dict:
+    """The device's timeline over a decode run at `batch` (32 new tokens; torch.profiler, CUDA
+    activity only): per step, its busy time (union of kernels and copies) and idle time, the
+    device ops by total time, and the largest idle gaps with the ops around them. Where a
+    step's time beyond its graph's kernels goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run = engine_decode(core, batch, vocab, 32)
+    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA)
+    steps = run["steps"] + 2   # with the first decode step and the prefill
+    busy, gaps, end, previous = 0.0, [], ops[0][0], ops[0][2]
+    totals: dict[str, list] = {}
+    for start, stop, name in ops:
+        if start > end:
+            gaps.append((start - end, previous, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, previous = stop, name
+        entry = totals.setdefault(name[:60], [0, 0.0])
+        entry[0] += 1
+        entry[1] += stop - start
+    gaps.sort(reverse=True)
+    by_time = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)[:top]
+    return {"span_ms": (end - ops[0][0]) / 1e3, "busy_ms": busy / 1e3,
+            "idle_ms_per_step": sum(g[0] for g in gaps) / steps / 1e3, "steps": steps,
+            "ops_per_step": [(name, round(count / steps, 2), round(us / steps / 1e3, 4))
+                             for name, (count, us) in by_time],
+            "largest_gaps_us": [(round(g, 1), before[:40], after[:40])
+                                for g, before, after in gaps[:top]]}
+
+
 def _device_us(event) -> float:
     return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
 
@@ -439,6 +474,8 @@ def diagnostics(core, context: int, vocab: int, profile: bool) -> dict:
             results[f"kernels_b{batch}"] = kernel_profile(core, batch)
             print(f"kernels b={batch}: {json.dumps(results[f'kernels_b{batch}'])}", flush=True)
     if profile:
+        results["timeline_b64"] = engine_timeline(core, 64, vocab)
+        print(f"timeline b=64: {json.dumps(results['timeline_b64'])}", flush=True)
         results["host_profile_b64"] = host_profile(core, 64, vocab)
         print(f"host profile b=64 (ms/step): {json.dumps(results['host_profile_b64'])}",
               flush=True)

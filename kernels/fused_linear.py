@@ -13,7 +13,10 @@ RESULTS.md run 10). Here they ride on the GEMMs (`kernels/linear_triton.py`):
 - `linear_add`: a linear whose epilogue adds the residual stream in place.
 
 The residual stream travels as (pending, residual): the hidden state is residual + pending, and
-pending is None once an epilogue has added it. Where the fused kernel is not used (its sweep
+pending is None once an epilogue has added it, or `AddedRows` when that epilogue also wrote the
+new stream rows' sums of squares (one partial per output tile): the next fused RMSNorm + linear
+then sums those partials instead of computing them from the stream (a pre-pass over x before
+its K loop at up to 16 rows, one more x x^T tensor-core dot per K step from 32 rows). Where the fused kernel is not used (its sweep
 found it slower for that shape, CPU, more rows than a decode bucket, other dtypes), the same
 functions run the unfused ops: the add fused into the RMSNorm kernel, `kernels.linear.linear`,
 `silu_and_mul`; the norm weight is then the all-ones weight left by the fold, so both paths
@@ -37,6 +40,7 @@ H200).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -73,6 +77,17 @@ def _fused_table(device: torch.device) -> dict[tuple[str, int, int, int], dict]:
 
 # False: every call takes the unfused ops (benchmarks compare the two in one process)
 ENABLED = True
+# False: a fused residual GEMM does not hand its rows' sums of squares to the next norm
+SUM_SQUARES_HANDOFF = True
+
+
+@dataclass(frozen=True)
+class AddedRows:
+    """`pending` after a fused residual GEMM that added its output into the stream and wrote
+    the new stream rows' sums of squares: partials [tiles, T] float32 (row t: output tile t's
+    columns; `linear_triton.linear`'s sum_squares_out)."""
+
+    partials: torch.Tensor
 
 
 def fused_config(fusion: str, x: torch.Tensor, weight: torch.Tensor) -> dict | None:
@@ -90,15 +105,16 @@ def fused_config(fusion: str, x: torch.Tensor, weight: torch.Tensor) -> dict | N
     return table.get((fusion, block_m(x.shape[0]), *weight.shape)) if table else None
 
 
-def add_norm_linear(pending: torch.Tensor | None, residual: torch.Tensor,
+def add_norm_linear(pending: torch.Tensor | AddedRows | None, residual: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                     bias: torch.Tensor | None = None, *, gated: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear(rms_norm(residual + pending))`, SiLU-gated if asked, with g folded into weight.
 
     Args:
-        pending: [T, H] a sub-layer output not yet added to the stream, or None. When given it
-            is overwritten by the sum (the `rms_norm` residual contract).
+        pending: [T, H] a sub-layer output not yet added to the stream (overwritten by the sum:
+            the `rms_norm` residual contract), None (already added) or `AddedRows` (added, with
+            the rows' sums of squares).
         residual: [T, H] the residual stream.
         norm_weight: [H] the RMSNorm weight after `fold_norm_weight` (all ones).
         eps: the RMSNorm epsilon.
@@ -108,14 +124,13 @@ def add_norm_linear(pending: torch.Tensor | None, residual: torch.Tensor,
     Returns:
         (output [T, N] or [T, I], the residual stream [T, H] after the add).
     """
+    added = pending if isinstance(pending, AddedRows) else None
+    if added is not None:
+        pending = None
     fusion = "norm_gated" if gated else "norm"
     config = fused_config(fusion, residual, weight) if pending is None else None
     if config is not None and not (gated and bias is not None):
-        from kernels import linear_triton
-
-        out = linear_triton.linear(residual, weight, bias, config=config, norm_eps=eps,
-                                   gated=gated)
-        return out, residual
+        return fused_norm_linear(added, residual, eps, weight, bias, config, gated=gated), residual
     if pending is None:
         normed = rms_norm(residual, norm_weight, eps)
     else:
@@ -125,19 +140,46 @@ def add_norm_linear(pending: torch.Tensor | None, residual: torch.Tensor,
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               residual: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+               residual: torch.Tensor) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
     """`residual + linear(x)`, the add done in the GEMM's epilogue where the fused kernel runs.
 
     Args:
         x: [T, K]; weight: [H, K]; bias: [H] or None.
         residual: [T, H] the residual stream; overwritten by the sum when fused.
     Returns:
-        (pending, residual): (None, residual + x @ weight.T) when fused, else
-        (x @ weight.T, residual) for the next `add_norm_linear` (or RMSNorm) to add.
+        (pending, residual): (AddedRows, residual + x @ weight.T) when fused (None for the
+        AddedRows with SUM_SQUARES_HANDOFF off), else (x @ weight.T, residual) for the next
+        `add_norm_linear` (or RMSNorm) to add.
     """
     config = fused_config("residual", x, weight)
-    if config is not None:
-        from kernels import linear_triton
+    if config is None:
+        return linear(x, weight, bias), residual
+    return fused_linear_add(x, weight, bias, residual, config)
 
-        return None, linear_triton.linear(x, weight, bias, config=config, residual=residual)
-    return linear(x, weight, bias), residual
+
+def fused_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     residual: torch.Tensor, config: dict
+                     ) -> tuple[AddedRows | None, torch.Tensor]:
+    """`linear_add`'s fused kernel with launch `config`: (AddedRows, or None with
+    SUM_SQUARES_HANDOFF off; the residual stream, added in place)."""
+    from kernels import linear_triton
+
+    partials = None
+    if SUM_SQUARES_HANDOFF:
+        partials = torch.empty((linear_triton.num_partials(weight.shape[0], config), x.shape[0]),
+                               dtype=torch.float32, device=x.device)
+    residual = linear_triton.linear(x, weight, bias, config=config, residual=residual,
+                                    sum_squares_out=partials)
+    return (None if partials is None else AddedRows(partials)), residual
+
+
+def fused_norm_linear(added: AddedRows | None, residual: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None, config: dict, *,
+                      gated: bool = False) -> torch.Tensor:
+    """`add_norm_linear`'s fused kernel with launch `config` on a stream with nothing pending:
+    the norm's sums of squares from `added` where given, else from the stream's rows."""
+    from kernels import linear_triton
+
+    return linear_triton.linear(residual, weight, bias, config=config, norm_eps=eps,
+                                gated=gated,
+                                sum_squares=None if added is None else added.partials)

@@ -56,10 +56,12 @@ CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.js
 
 @triton.jit
 def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
-              out_ptr, out_stride, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-              GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+              out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+              GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMIT_SS: tl.constexpr):
     """Scale by the rows' inverse RMS (NORM), add the bias, apply SiLU(gate) * up (GATED) or
-    add the residual (HAS_RESIDUAL), round to the output dtype and store one [BM, BN] tile."""
+    add the residual (HAS_RESIDUAL), round to the output dtype and store one [BM, BN] tile.
+    EMIT_SS: also store the tile's row sums of squares of the rounded output (float32) as row
+    pid_n of the [N tiles, M] partials at ss_ptr."""
     dtype = out_ptr.dtype.element_ty
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if NORM:
@@ -79,6 +81,9 @@ def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K,
         result = acc
     out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out, result.to(dtype), mask=tile_ok)
+    if EMIT_SS:
+        stored = tl.where(tile_ok, result.to(dtype).to(tl.float32), 0.0)
+        tl.store(ss_ptr + pid_n * M + rows, tl.sum(stored * stored, axis=1), mask=row_ok)
 
 
 @triton.jit
@@ -93,14 +98,15 @@ def _mma(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr,
-                          counter_ptr, M, N, K, k_per_split, x_stride, w_stride, residual_stride,
+                          counter_ptr, ss_ptr, M, N, K, k_per_split, x_stride, w_stride, residual_stride,
                           out_stride, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                           GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
                           SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
-                          SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+                          SWAP_AB: tl.constexpr, SS_PARTS: tl.constexpr,
+                          SS_PARTS_P2: tl.constexpr, EMIT_SS: tl.constexpr, PDL: tl.constexpr,
                           TRIGGER_AFTER_LOOP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -129,7 +135,12 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
         residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride
                            + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)   # NORM_BY_DOT: x x^T
-    if NORM and not NORM_BY_DOT:   # sums of squares first, in SS_CHUNKS unrolled wide loads
+    ss_parts = tl.zeros((SS_PARTS_P2, BLOCK_M), dtype=tl.float32)
+    if SS_PARTS > 0:   # the producer's per-tile sums of squares: loaded now, summed after the loop
+        part = tl.arange(0, SS_PARTS_P2)
+        ss_parts = tl.load(ss_ptr + part[:, None] * M + rows[None, :],
+                           mask=(part < SS_PARTS)[:, None] & row_ok[None, :], other=0.0)
+    elif NORM and not NORM_BY_DOT:   # sums of squares first, in SS_CHUNKS unrolled wide loads
         for chunk in tl.static_range(SS_CHUNKS):
             kk = chunk * SS_CHUNK + tl.arange(0, SS_CHUNK)
             xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + kk[None, :],
@@ -153,7 +164,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
             else:
                 w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
             acc_up = _mma(x, w_up, acc_up, SWAP_AB, PRECISION)
-        if NORM and NORM_BY_DOT:   # the sums of squares as one more dot on the same x tile
+        if NORM and NORM_BY_DOT and SS_PARTS == 0:   # the sums of squares: one more dot on x
             gram = tl.dot(x, tl.trans(x), gram, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -162,7 +173,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
-    if NORM and NORM_BY_DOT:
+    if SS_PARTS > 0:
+        sum_squares = tl.sum(ss_parts, axis=0)
+    elif NORM and NORM_BY_DOT:
         diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
         sum_squares = tl.sum(tl.where(diagonal, gram, 0.0), axis=1)
     if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
@@ -179,11 +192,13 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                 acc += tl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
                                other=0.0, cache_modifier=".cg")
             _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps,
-                      bias_ptr, out_ptr, out_stride, HAS_BIAS, NORM, GATED, HAS_RESIDUAL)
+                      bias_ptr, out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS, NORM, GATED,
+                      HAS_RESIDUAL, EMIT_SS)
             tl.atomic_xchg(counter, 0)
     else:
         _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps,
-                  bias_ptr, out_ptr, out_stride, HAS_BIAS, NORM, GATED, HAS_RESIDUAL)
+                  bias_ptr, out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS, NORM, GATED,
+                  HAS_RESIDUAL, EMIT_SS)
 
 
 def block_m(num_rows: int) -> int:
@@ -206,6 +221,33 @@ def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
     return table.get((block_m(num_rows), *weight.shape)) if table else None
 
 
+def num_partials(out_features: int, config: dict) -> int:
+    """Rows of a residual GEMM's `sum_squares_out`: its output tiles along N."""
+    return triton.cdiv(out_features, config["BLOCK_N"])
+
+
+def _sum_squares_arg(num_rows: int, out_features: int, config: dict, norm_eps, residual,
+                     sum_squares, sum_squares_out) -> tuple[torch.Tensor | None, int]:
+    """Check `linear`'s sum_squares / sum_squares_out: (the tensor or None, SS_PARTS: the
+    partials summed by the norm, 0 if none)."""
+    if sum_squares is not None and sum_squares_out is not None:
+        raise ValueError("give sum_squares (a norm's input) or sum_squares_out (a residual "
+                         "GEMM's output), not both")
+    given = sum_squares if sum_squares is not None else sum_squares_out
+    if given is None:
+        return None, 0
+    if sum_squares is not None and norm_eps is None:
+        raise ValueError("sum_squares feeds the norm: pass norm_eps too")
+    if sum_squares_out is not None and residual is None:
+        raise ValueError("sum_squares_out sums the new residual rows: pass residual too")
+    parts = given.shape[0] if sum_squares is not None else num_partials(out_features, config)
+    if (given.dtype != torch.float32 or not given.is_contiguous()
+            or tuple(given.shape) != (parts, num_rows)):
+        raise ValueError(f"sums of squares must be a contiguous float32 [{parts}, {num_rows}] "
+                         f"tensor, got {given.dtype} {tuple(given.shape)}")
+    return given, parts if sum_squares is not None else 0
+
+
 # From this many rows per program the norm's sums of squares come from tl.dot(x, x.T) in the K
 # loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
 # against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
@@ -214,7 +256,8 @@ NORM_BY_DOT_ROWS = 32
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict, norm_eps: float | None = None, gated: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, sum_squares: torch.Tensor | None = None,
+           sum_squares_out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`, optionally with x RMS-normalised, SiLU-gated or a residual added.
 
     Args:
@@ -239,11 +282,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             given, the result `residual + x @ weight.T (+ bias)` (the product rounded to the
             dtype first, the sum rounded once) is written into `residual` in place and
             `residual` is returned.
+        sum_squares: with norm_eps, [P, M] float32 contiguous partial sums of squares of x's
+            rows (row m's is the sum over the P partials, in order), e.g. a residual GEMM's
+            `sum_squares_out`: the norm then reads them instead of x's rows (no pre-pass, no
+            x x^T dot).
+        sum_squares_out: with residual, [num_partials(out_features, config), M] float32
+            contiguous, written with each output tile's row sums of squares of the new
+            (rounded) residual, for the next norm's `sum_squares`.
     Returns:
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
-        ValueError: norm_eps or gated with SPLIT_K > 1, gated with a bias, or too many output
-            tiles for the split-K arrival counters.
+        ValueError: norm_eps or gated with SPLIT_K > 1, gated with a bias, too many output
+            tiles for the split-K arrival counters, or sum_squares / sum_squares_out without
+            norm_eps / residual or of the wrong shape or dtype.
     """
     out_features, in_features = weight.shape
     if gated:
@@ -264,6 +315,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     swap_ab = config.pop("SWAP_AB", False)
     if split_k > 1 and (norm_eps is not None or gated):
         raise ValueError("norm_eps and gated need SPLIT_K=1 (each program must see all of K)")
+    ss_ptr, ss_parts = _sum_squares_arg(num_rows, out_features, config, norm_eps, residual,
+                                        sum_squares, sum_squares_out)
     block_k = config["BLOCK_K"]
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k
@@ -285,7 +338,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         partial = counters = out   # unused
     pdl_options = pdl.launch_options(x.device)
     _skinny_linear_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, out, partial, counters, num_rows,
+        x, weight, bias if bias is not None else weight, out, out, partial, counters,
+        out if ss_ptr is None else ss_ptr, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
@@ -293,7 +347,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
-        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps else 0, SWAP_AB=swap_ab,
+        SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps and not ss_parts else 0,
+        SWAP_AB=swap_ab, SS_PARTS=ss_parts, SS_PARTS_P2=triton.next_power_of_2(max(ss_parts, 1)),
+        EMIT_SS=sum_squares_out is not None,
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
         **pdl_options, **config)
     return out

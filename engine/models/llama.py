@@ -22,7 +22,7 @@ from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.rms_norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from kernels.attention_metadata import AttentionMetadata
-from kernels.fused_linear import add_norm_linear, fold_norm_weight, linear_add
+from kernels.fused_linear import AddedRows, add_norm_linear, fold_norm_weight, linear_add
 
 # HF checkpoint projection -> (our fused parameter, shard)
 _FUSED_SHARDS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -85,7 +85,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
                 attn_metadata: AttentionMetadata
                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """`PreNormDecoderLayer.forward`'s contract; when folded, the returned hidden may be
-        None, meaning the residual stream already holds the MLP output."""
+        None or `kernels.fused_linear.AddedRows`, meaning the residual stream already holds
+        the MLP output."""
         if not self.norms_folded:
             return super().forward(rope, hidden, residual, kv_cache, attn_metadata)
         if residual is None:           # the first layer: the embeddings are the stream
@@ -93,11 +94,11 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         return self.forward_folded(rope, hidden, residual, kv_cache, attn_metadata)
 
     def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
-                       pending: torch.Tensor | None, residual: torch.Tensor,
+                       pending: torch.Tensor | AddedRows | None, residual: torch.Tensor,
                        kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
-                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                       ) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
         """The layer over the stream residual + pending ([T, hidden_size] each; pending None
-        when already added), with RMSNorm, SiLU-mul and the residual adds folded into the
+        or AddedRows when already added), with RMSNorm, SiLU-mul and the residual adds folded into the
         linears where `kernels.fused_linear` runs fused kernels. Returns (pending, residual)."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
@@ -178,7 +179,7 @@ class LlamaForCausalLM(CausalLMLogits, nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
-        if hidden is None:             # folded layers added their last output already
+        if not isinstance(hidden, torch.Tensor):   # folded layers added their last output
             return self.norm(residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -27,6 +27,15 @@ def test_swapped_16_row_tiles_run_pipelined_wgmma():
     assert _copies(kernel) > 0
 
 
+def test_norm_from_handed_over_partials_runs_no_x_xt_dot():
+    """With the residual GEMM's sums of squares (kernels/fused_linear.AddedRows) the 64-row
+    norm's K loop holds only the product's MMA, not the x x^T one."""
+    from benchmarks.compile_sm90 import compile_variant
+
+    assert compile_variant("qkv + norm from partials, 64 rows").asm["ttgir"].count(
+        "warp_group_dot ") == 1
+
+
 def test_rotary_decode_attention_loop_is_pipelined():
     from benchmarks.compile_sm90 import DECODE_LABEL, compile_variant
 
@@ -34,7 +43,9 @@ def test_rotary_decode_attention_loop_is_pipelined():
 
 
 @pytest.mark.parametrize("label", ["gate_up + norm + SiLU, 16 rows, swapped",
-                                   "down + residual, 64 rows"])
+                                   "down + residual, 64 rows",
+                                   "qkv + norm from partials, 64 rows",
+                                   "down + residual + sums of squares, 64"])
 def test_gemm_reads_x_only_after_the_pdl_wait_and_releases_after_its_loop(label):
     """Programmatic dependent launch (kernels/pdl.py): every load (x, the residual, the
     weight tiles) comes after griddepcontrol.wait, and the next kernel is released after the

@@ -47,6 +47,17 @@ def test_folded_norm_weight_gives_the_same_function_unfused():
     assert relative_error(gated, F.silu(gate) * up) < 1e-5
 
 
+def test_unfused_norm_linear_takes_added_rows_as_already_added():
+    """An AddedRows pending (a fused residual GEMM's) on the unfused path: the stream is
+    normed as it is, the partials are not needed."""
+    residual, weight = _randn(3, 64, seed=14), _randn(48, 64, seed=15, scale=0.125)
+    partials = torch.full((2, 3), float("nan"))
+    out, same = add_norm_linear(fused_linear.AddedRows(partials), residual, torch.ones(64), EPS,
+                                weight)
+    assert same is residual
+    assert relative_error(out, F.linear(_norm(residual), weight.double())) < 1e-5
+
+
 def test_unfused_linear_add_leaves_the_add_pending():
     x, weight, residual = _randn(2, 32, seed=5), _randn(16, 32, seed=6), _randn(2, 16, seed=7)
     before = residual.clone()
@@ -61,7 +72,8 @@ def test_unfused_linear_add_leaves_the_add_pending():
 def test_fused_kernels_run_where_the_config_file_says_and_match_the_unfused_ops(
         monkeypatch, tmp_path):
     """A two-boundary chain (o -> gate_up, down -> qkv in miniature) fused against unfused:
-    the fused linear_add returns no pending output and adds into the residual in place."""
+    the fused linear_add adds into the residual in place and returns AddedRows (the rows' sums
+    of squares, which the next norm reads), or None with the handoff off."""
     from kernels import backends
 
     small = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
@@ -89,10 +101,16 @@ def test_fused_kernels_run_where_the_config_file_says_and_match_the_unfused_ops(
         attn_out, stream = _randn(5, 96, seed=12, **bf16), _randn(5, 64, seed=13, **bf16)
         assert fused_linear.fused_config("norm_gated", stream, w_gu) is not None
         fused_pending, fused_stream, fused_qkv = chain(attn_out, stream.clone())
+        monkeypatch.setattr(fused_linear, "SUM_SQUARES_HANDOFF", False)
+        no_handoff_pending, no_handoff_stream, no_handoff_qkv = chain(attn_out, stream.clone())
         monkeypatch.setattr(fused_linear, "ENABLED", False)
         pending, unfused_stream, qkv = chain(attn_out, stream.clone())
     finally:
         fused_linear._fused_table.cache_clear()
-    assert fused_pending is None and pending is not None
+    assert isinstance(fused_pending, fused_linear.AddedRows) and no_handoff_pending is None
+    assert isinstance(pending, torch.Tensor)
+    # the handoff changes only how the norms sum their squares
+    assert relative_error(fused_stream, no_handoff_stream) < 1e-3
+    assert relative_error(fused_qkv, no_handoff_qkv) < 1e-2
     assert relative_error(fused_stream, unfused_stream) < 1e-2   # both hold every add
     assert relative_error(fused_qkv, qkv) < 1e-2

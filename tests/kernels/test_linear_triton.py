@@ -201,3 +201,53 @@ def test_norm_and_gated_refuse_split_k_and_gated_refuses_a_bias():
         linear(x, weight, config=SPLIT, gated=True)
     with pytest.raises(ValueError, match="no bias"):
         linear(x, weight, weight[:, 0], config=SMALL, gated=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_rows", [5, 17])
+@pytest.mark.parametrize("config", [SMALL, SPLIT, SWAP_SPLIT],
+                         ids=["one_split", "split_k", "swap_ab_split_k"])
+def test_residual_gemm_hands_its_rows_sums_of_squares_to_the_next_norm(dtype, num_rows, config):
+    """sum_squares_out holds, per output tile (ragged last tile included), the row sums of
+    squares of the stored new residual; a norm GEMM given them as sum_squares computes
+    (x / rms(x)) @ W.T from them alone (scaled partials scale the result by their root)."""
+    from kernels.linear_triton import linear, num_partials
+
+    eps = 1e-6
+    x = _randn(num_rows, 200, dtype=dtype, seed=51)
+    weight = _randn(40, 200, dtype=dtype, seed=52, scale=200 ** -0.5)
+    residual = _randn(num_rows, 40, dtype=dtype, seed=53)
+    tiles = num_partials(40, config)
+    partials = torch.empty((tiles, num_rows), dtype=torch.float32, device=DEVICE)
+    stream = linear(x, weight, config=config, residual=residual, sum_squares_out=partials)
+    block_n = config["BLOCK_N"]
+    expected = torch.stack([stream[:, t * block_n:(t + 1) * block_n].double().pow(2).sum(1)
+                            for t in range(tiles)])
+    assert relative_error(partials, expected) < 1e-6
+    next_weight = _randn(2 * 48, 40, dtype=dtype, seed=54, scale=40 ** -0.5)
+    for gated in (False, True):
+        got = linear(stream, next_weight, config=SMALL, norm_eps=eps, gated=gated,
+                     sum_squares=partials)
+        product = F.linear(_rms_normed(stream, eps), next_weight.double())
+        if gated:
+            product = F.silu(product[:, :48]) * product[:, 48:]
+        assert relative_error(got, product) < TOLERANCE[dtype]
+    halved = linear(stream, next_weight, config=SMALL, norm_eps=eps, sum_squares=partials * 4)
+    assert relative_error(halved, F.linear(_rms_normed(stream, eps), next_weight.double()) / 2
+                          ) < TOLERANCE[dtype]
+
+
+def test_sums_of_squares_arguments_are_checked():
+    from kernels.linear_triton import linear
+
+    x = _randn(3, 64, dtype=DTYPES[-1], seed=55)
+    weight = _randn(64, 64, dtype=DTYPES[-1], seed=56)
+    parts = torch.zeros((2, 3), dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="pass norm_eps"):
+        linear(x, weight, config=SMALL, sum_squares=parts)
+    with pytest.raises(ValueError, match="pass residual"):
+        linear(x, weight, config=SMALL, sum_squares_out=parts)
+    with pytest.raises(ValueError, match=r"float32 \[2, 3\]"):
+        linear(x, weight, config=SMALL, residual=x.clone(), sum_squares_out=parts[:, :2])
+    with pytest.raises(ValueError, match="not both"):
+        linear(x, weight, config=SMALL, norm_eps=1e-6, sum_squares=parts, sum_squares_out=parts)
