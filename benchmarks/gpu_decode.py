@@ -17,12 +17,15 @@ model, so both run the same weights), then measures in one process:
    and split reduce as three kernels instead of `kernels/rotary_decode_triton.py`'s one),
    every linear on cuBLAS (also the Triton skinny
    GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), no cuBLASLt choice, and no
-   programmatic dependent launch (`kernels/pdl.py`): each one's share (`--variants` picks
-   them, also the PDL_VARIANTS experiments; `--variants-only` skips everything else);
+   programmatic dependent launch (`kernels/pdl.py`), no sums-of-squares handoff between the
+   fused GEMMs (`kernels.fused_linear.AddedRows`): each one's share (`--variants` picks them,
+   also the PDL_VARIANTS and ATTENTION_VARIANTS experiments; `--variants-only` skips
+   everything else);
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
-   eager step (torch.profiler).
+   eager step (torch.profiler); with `--profile` also the device timeline of an engine decode
+   run at batch 64 (busy and idle time, ops, the largest idle gaps).
 
 Rooflines: decode step = max(bytes / bandwidth, FLOPs / matmul rate), bytes = every weight but
 the embedding table (only B rows of it are read) + the KV cache the step reads (B sequences x
@@ -258,6 +261,12 @@ PDL_VARIANTS = {
     "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),
     "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
 }
+# experiments (--variants): the one-kernel decode attention's context tile and pipeline depth
+ATTENTION_VARIANTS = {
+    "attn_3_stages": (("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
+    "attn_32_tiles_3_stages": (("kernels.rotary_decode_triton", "_DECODE_BLOCK_N", 32),
+                               ("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
+}
 
 
 @contextlib.contextmanager
@@ -282,7 +291,7 @@ def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dic
     "decode_b{batch}_{label}"."""
     results = {}
     try:
-        with switched({**VARIANTS, **PDL_VARIANTS}[label]):
+        with switched({**VARIANTS, **PDL_VARIANTS, **ATTENTION_VARIANTS}[label]):
             recapture_graphs(core)
             for batch in (1, 8, 64):
                 run = engine_decode(core, batch, vocab, new_tokens)
@@ -529,7 +538,8 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also list the heaviest GPU kernels of a decode forward")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated VARIANTS / PDL_VARIANTS to run (default: all "
+                        help="comma-separated VARIANTS / PDL_VARIANTS / ATTENTION_VARIANTS to "
+                             "run (default: all "
                              "VARIANTS; '' for none)")
     parser.add_argument("--variants-only", action="store_true",
                         help="build the engine and run only the variants")
