@@ -31,6 +31,13 @@ device found faster than cuBLAS inside a CUDA graph (`benchmarks/gemv_sweep.py` 
 `kernels/configs/skinny_linear_<device name>.json` with the best tile config per shape);
 `tuned_config` returns None for every other shape and device, and the caller uses cuBLAS.
 
+Sums of squares handed over (`sum_squares_out` -> `sum_squares`): a residual GEMM can write, per
+output tile, its new residual rows' sums of squares; the next norm GEMM (RMSNorm of that
+residual) then sums those [N tiles, M] partials, loaded before its K loop and summed after it,
+instead of a pre-pass over x (up to 16 rows per program) or an x x^T dot per K step (from 32).
+H200, Llama-3-8B decode in one process (benchmarks/RESULTS.md run 16): +1.0% / +3.7% / +2.0%
+tokens/s at batch 1 / 8 / 64.
+
 Launch: on Hopper with programmatic dependent launch (`kernels/pdl.py`): each program waits
 for the previous kernel before it reads x and releases the next kernel after its K loop, so the
 next launch overlaps this kernel's epilogue (H200 decode, benchmarks/RESULTS.md run 14: +1.5%
