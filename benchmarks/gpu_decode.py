@@ -261,6 +261,21 @@ PDL_VARIANTS = {
     "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),
     "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
 }
+def _fused_table_64_attn_to_mlp_unfused(device):
+    """`kernels.fused_linear._fused_table` with the 64-row attn_to_mlp boundary (o + residual,
+    gate_up + norm + SiLU) left unfused, as run 16's sweep chose before the UNFUSED_MARGIN
+    rule."""
+    from kernels import fused_linear
+    from kernels.backends import device_config_entries
+
+    return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]): e["config"]
+            for e in device_config_entries(fused_linear.CONFIG_KIND, device)
+            if e["fused_faster"] and (e["block_m"], e["boundary"]) != (64, "attn_to_mlp")}
+
+
+# experiments (--variants): a 64-row boundary unfused
+BOUNDARY_VARIANTS = {"attn_to_mlp_64_unfused": (
+    ("kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),)}
 # experiments (--variants): the one-kernel decode attention's context tile and pipeline depth
 ATTENTION_VARIANTS = {
     "attn_3_stages": (("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
@@ -291,7 +306,8 @@ def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dic
     "decode_b{batch}_{label}"."""
     results = {}
     try:
-        with switched({**VARIANTS, **PDL_VARIANTS, **ATTENTION_VARIANTS}[label]):
+        with switched({**VARIANTS, **PDL_VARIANTS, **ATTENTION_VARIANTS,
+                       **BOUNDARY_VARIANTS}[label]):
             recapture_graphs(core)
             for batch in (1, 8, 64):
                 run = engine_decode(core, batch, vocab, new_tokens)
