@@ -16,8 +16,9 @@ The residual stream travels as (pending, residual): the hidden state is residual
 pending is None once an epilogue has added it, or `AddedRows` when that epilogue also wrote the
 new stream rows' sums of squares (one partial per output tile): the next fused RMSNorm + linear
 then sums those partials instead of computing them from the stream (a pre-pass over x before
-its K loop at up to 16 rows, one more x x^T tensor-core dot per K step from 32 rows). Where the fused kernel is not used (its sweep
-found it slower for that shape, CPU, more rows than a decode bucket, other dtypes), the same
+its K loop at up to 16 rows, one more x x^T tensor-core dot per K step from 32 rows). Where the
+fused kernel is not used (its sweep found it slower for that shape, CPU, more rows than a
+decode bucket, other dtypes), the same
 functions run the unfused ops: the add fused into the RMSNorm kernel, `kernels.linear.linear`,
 `silu_and_mul`; the norm weight is then the all-ones weight left by the fold, so both paths
 compute the same function.
@@ -25,10 +26,10 @@ compute the same function.
 Which shapes run fused: `benchmarks/fused_linear_sweep.py --write-configs` times, per row bucket
 and per layer boundary (o -> gate_up, down -> qkv), the fused kernels against the unfused chain
 in CUDA graphs and writes `kernels/configs/fused_linear_<device name>.json`; `fused_config`
-returns the kernel config where that file says the fused boundary was faster, else None. On
-the H200 (benchmarks/RESULTS.md run 13) both boundaries run fused up to 16 rows (SWAP_AB
-tiles) and o -> gate_up at 64 rows; decode at batch 1 ran 5% faster fused than unfused in one
-process. At 64 rows either choice is within the sweep's run-to-run noise (~1-3%).
+returns the kernel config where that file marks the boundary fused (unless its unfused chain
+was at least 1% faster), else None. On the H200 (benchmarks/RESULTS.md run 16) both boundaries
+run fused at 1-16 and at 64 rows; in one process decode ran 10% faster fused than unfused at
+batch 1, and 0.4% faster at 64 with the 64-row o -> gate_up boundary fused than unfused.
 
 Numerics against the unfused ops: the fused norm scales the float32 product by 1 / rms instead
 of rounding x / rms to the dtype before the GEMM; the folded weight W * g is rounded once at load.

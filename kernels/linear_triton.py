@@ -105,9 +105,9 @@ def _mma(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr,
-                          counter_ptr, ss_ptr, M, N, K, k_per_split, x_stride, w_stride, residual_stride,
-                          out_stride, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                          GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                          counter_ptr, ss_ptr, M, N, K, k_per_split, x_stride, w_stride,
+                          residual_stride, out_stride, eps, HAS_BIAS: tl.constexpr,
+                          NORM: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,

@@ -98,8 +98,9 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
                        kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
                        ) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
         """The layer over the stream residual + pending ([T, hidden_size] each; pending None
-        or AddedRows when already added), with RMSNorm, SiLU-mul and the residual adds folded into the
-        linears where `kernels.fused_linear` runs fused kernels. Returns (pending, residual)."""
+        or AddedRows when already added), with RMSNorm, SiLU-mul and the residual adds folded
+        into the linears where `kernels.fused_linear` runs fused kernels. Returns (pending,
+        residual)."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
