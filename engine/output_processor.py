@@ -149,7 +149,10 @@ class OutputProcessor:
         if finish_reason is not None:
             state.text += state.detokenizer.flush()
         stop = state.params.stop
-        match = find_stop_string(state.text, searched_chars, stop) if stop else None
+        # as vLLM: stop strings count once more than min_tokens tokens exist, in the text of
+        # the step that passed it and after (a string may span into it from before)
+        match = (find_stop_string(state.text, searched_chars, stop)
+                 if stop and len(state.output_token_ids) > state.params.min_tokens else None)
         if match is not None:
             start, stop_string = match
             state.text = state.text[:start]

@@ -8,6 +8,7 @@ the fix, so the server can return it as a 400 as is; a field out of range raises
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,8 @@ class SamplingParams:
     repetition_penalty: >1 discourages tokens already in prompt or output (CTRL, Keskar 2019).
     presence_penalty, frequency_penalty: OpenAI's additive penalties over output tokens.
     max_tokens: new tokens to generate at most (None = up to the context window).
-    min_tokens: EOS and stop_token_ids are suppressed until this many tokens exist.
+    min_tokens: EOS, stop_token_ids and stop strings are suppressed until this many tokens
+        exist (a stop string only counts in text generated after that, as in vLLM).
     stop: strings that end generation; never included in the output text.
     stop_token_ids: token ids that end generation (in addition to EOS unless ignore_eos).
     ignore_eos: keep generating past EOS.
@@ -127,14 +129,14 @@ class SamplingParams:
     def _validate(self) -> None:
         """Raises SamplingParamsError (a ValueError) naming the first bad field."""
         checks = [
-            ("temperature", self.temperature >= 0.0,
-             f"temperature={self.temperature} must be >= 0."),
+            ("temperature", 0.0 <= self.temperature < math.inf,
+             f"temperature={self.temperature} must be a finite number >= 0."),
             ("top_p", 0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]."),
             ("top_k", self.top_k == -1 or self.top_k >= 0,
              f"top_k={self.top_k} must be -1 (off) or >= 0."),
             ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]."),
-            ("repetition_penalty", self.repetition_penalty > 0.0,
-             f"repetition_penalty={self.repetition_penalty} must be > 0."),
+            ("repetition_penalty", 0.0 < self.repetition_penalty < math.inf,
+             f"repetition_penalty={self.repetition_penalty} must be a finite number > 0."),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
              f"presence_penalty={self.presence_penalty} must be in [-2, 2]."),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,

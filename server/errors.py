@@ -112,6 +112,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def check_unicode(text: str, param: str) -> None:
+    """Raises APIError (400) if `text` holds a lone UTF-16 surrogate (JSON can carry one; UTF-8
+    cannot), naming `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(f"{param} holds a lone UTF-16 surrogate at character {exc.start}; send "
+                       "valid Unicode text.", param=param, code="invalid_value") from None
+
+
 # vLLM request extras a client may send that deepinfer does not serve (a 400 naming them)
 VLLM_FIELDS_NOT_SERVED = frozenset({
     "add_generation_prompt", "continue_final_message", "include_stop_str_in_output",

@@ -15,7 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from engine.errors import outside_vocabulary
-from server.errors import APIError
+from server.errors import APIError, check_unicode
 from server.protocol import ChatMessage
 from server.tools import ToolConfig, template_inputs
 
@@ -58,7 +58,7 @@ def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         extra = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
         content = _flatten_content(message, i)
-        _check_unicode(content, f"messages.{i}.content")   # not its place in the template
+        check_unicode(content, f"messages.{i}.content")   # not its place in the template
         item = {**extra, "role": "system" if message.role == "developer" else message.role,
                 "content": content}
         if message.name is not None:
@@ -73,14 +73,6 @@ def _max_token_chars(tokenizer: Any) -> int:
     return max((len(piece) for piece in tokenizer.get_vocab()), default=1)
 
 
-def _check_unicode(text: str, param: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise APIError(f"{param} holds a lone UTF-16 surrogate at character {exc.start}; send "
-                       "valid Unicode text.", param=param, code="invalid_value") from None
-
-
 def check_text(text: str, tokenizer: Any, max_model_len: int, param: str) -> None:
     """Refuse text that is not valid Unicode, or so long that it must exceed the context window,
     before spending time to tokenize it.
@@ -88,7 +80,7 @@ def check_text(text: str, tokenizer: Any, max_model_len: int, param: str) -> Non
     Raises:
         APIError: 400 naming the problem and the fix.
     """
-    _check_unicode(text, param)
+    check_unicode(text, param)
     if len(text) > max_model_len * _max_token_chars(tokenizer):
         raise APIError(f"{param} has {len(text)} characters, more than max_model_len="
                        f"{max_model_len} tokens can hold; shorten it.", param=param,

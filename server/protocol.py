@@ -107,6 +107,31 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # OpenAI fields this server does not serve (CHAT_FIELDS_NOT_SERVED): accepted when null, as
+    # clients that send every field do; otherwise a 400 naming them (`modalities: ["text"]` is
+    # what it serves)
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+
+# the OpenAI chat fields above that are refused when set, with the fix to name
+CHAT_FIELDS_NOT_SERVED = {
+    "reasoning_effort": "this model does not reason in a separate channel",
+    "verbosity": "set the length with max_completion_tokens",
+    "audio": "this server produces text only",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "this server has no web search",
+    "functions": "send the functions as `tools` (type \"function\")",
+    "function_call": "send it as `tool_choice`",
+}
 
 
 class CompletionRequest(SamplingFields):

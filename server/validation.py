@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.errors import APIError, check_unicode
+from server.protocol import (CHAT_FIELDS_NOT_SERVED, ChatCompletionRequest, CompletionRequest,
+                             SamplingFields)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -52,6 +53,9 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
     if req.logit_bias:
         raise APIError("logit_bias is not supported by this server; remove it.",
                        param="logit_bias", code="unsupported_parameter")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    for i, text in enumerate(stop):
+        check_unicode(text, "stop" if isinstance(req.stop, str) else f"stop.{i}")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true; set stream=true or "
                        "remove stream_options.", param="stream_options", code="invalid_value")
@@ -64,7 +68,7 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
         "min_tokens": req.min_tokens or 0,
-        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "stop": stop,
         "stop_token_ids": list(req.stop_token_ids or []),
         "ignore_eos": bool(req.ignore_eos),
         "seed": _seed(req.seed, req.seq_seed),
@@ -79,12 +83,26 @@ def _check_max_tokens(name: str, value: int | None) -> None:
                        code="invalid_value")
 
 
+def _check_not_served(req: ChatCompletionRequest) -> None:
+    """OpenAI chat fields this server does not serve are refused unless null (`modalities`
+    unless ["text"])."""
+    for name, fix in CHAT_FIELDS_NOT_SERVED.items():
+        if getattr(req, name) is not None:
+            raise APIError(f"'{name}' is not supported by this server: {fix}. Remove it or send "
+                           "null.", param=name, code="unsupported_parameter")
+    if req.modalities is not None and set(req.modalities) - {"text"}:
+        raise APIError(f"modalities={req.modalities} asks for output this server cannot "
+                       "produce; it produces text only: send [\"text\"] or omit modalities.",
+                       param="modalities", code="unsupported_parameter")
+
+
 def chat_kwargs(req: ChatCompletionRequest) -> tuple[dict[str, Any], int | None]:
     """Validated SamplingParams keyword arguments (without max_tokens) and the max_tokens asked.
 
     `max_completion_tokens` (OpenAI's current name) wins over the deprecated `max_tokens`.
     """
     kwargs = _common_kwargs(req)
+    _check_not_served(req)
     _check_max_tokens("max_tokens", req.max_tokens)
     _check_max_tokens("max_completion_tokens", req.max_completion_tokens)
     _in_range("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)

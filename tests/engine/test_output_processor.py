@@ -59,6 +59,18 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed_in_part():
     assert all(not o.finished for o in outs[:-1])
 
 
+def test_stop_strings_wait_for_min_tokens_as_in_vllm():
+    """A stop string in the first min_tokens tokens' text is generated through; the first one
+    once more than min_tokens tokens exist stops, even if it began before that."""
+    processor = new_processor(["ab"], min_tokens=4)
+    outs, stopped = run(processor, "r", [ids("ab"), ids("x"), ids("a"), ids("b"), ids("zz")])
+    assert outs[-1].finished and outs[-1].stop_reason == "ab" and stopped == ["r"]
+    assert outs[-1].text == "abx" and len(outs) == 4   # "ab" over tokens 4-5 stops at token 5
+    processor = new_processor(["ab"], min_tokens=4)
+    outs, _ = run(processor, "r", [ids("abab"), ids("c")], finish="length")
+    assert outs[-1].finish_reason == "length" and outs[-1].text == "ababc"
+
+
 def test_held_text_is_released_when_it_stops_matching():
     processor = new_processor(["STOP"])
     outs, _ = run(processor, "r", [ids("a ST"), ids("O"), ids("RM")])

@@ -18,6 +18,8 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
     ({"so_args": "json"}, "so_args", "must be a dict"),
     ({"so_args": {"schema_type": "regex", "schema": "a+", "foo": 1}}, "so_args",
      r"unknown keys \['foo'\]"),
+    ({"temperature": float("inf")}, "temperature", "a finite number >= 0"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty", "a finite number > 0"),
 ])
 def test_wrong_types_name_the_field(fields, param, message):
     with pytest.raises(SamplingParamsError, match=message) as info:

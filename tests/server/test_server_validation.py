@@ -60,6 +60,8 @@ def test_max_completion_tokens_wins_and_seq_seed_is_seed():
     ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
     ({"seed": 1, "seq_seed": 2}, "seq_seed", "disagree"),
+    ({"stop": ["ok", "\udc00"]}, "stop.1", "lone UTF-16 surrogate"),
+    ({"stop": "\ud800x"}, "stop", "lone UTF-16 surrogate"),
 ])
 def test_chat_bad_values_are_400_naming_the_param(fields, param, text):
     with pytest.raises(APIError) as info:
@@ -70,13 +72,34 @@ def test_chat_bad_values_are_400_naming_the_param(fields, param, text):
     assert info.value.code is not None   # every 400 names its kind, for clients to branch on
 
 
+def test_openai_fields_not_served_are_accepted_as_null_and_refused_when_set():
+    """Clients that send every OpenAI field (nulls included) are served; a field this server
+    cannot honour is a 400 saying so (not "unrecognized"), with the fix."""
+    nulls = dict.fromkeys(["reasoning_effort", "verbosity", "modalities", "audio", "prediction",
+                           "web_search_options", "functions", "function_call",
+                           "prompt_cache_key", "safety_identifier"])
+    chat_kwargs(chat(**nulls))
+    chat_kwargs(chat(modalities=["text"], prompt_cache_key="k", safety_identifier="u"))
+    for fields, text in [({"reasoning_effort": "low"}, "separate channel"),
+                         ({"audio": {"voice": "alloy"}}, "text only"),
+                         ({"functions": [{"name": "f"}]}, "as `tools`"),
+                         ({"function_call": "auto"}, "as `tool_choice`"),
+                         ({"modalities": ["text", "audio"]}, "text only")]:
+        with pytest.raises(APIError) as info:
+            chat_kwargs(chat(**fields))
+        assert (info.value.param, info.value.code) == (next(iter(fields)),
+                                                       "unsupported_parameter")
+        assert text in info.value.message
+
+
 def test_response_format_text_is_accepted():
     kwargs, _ = chat_kwargs(chat(response_format={"type": "text"}, tool_choice="none"))
     assert build_params(kwargs, 4).so_args is None
 
 
 @pytest.mark.parametrize("field, value", [("min_p", 1.5), ("top_k", -5),
-                                          ("repetition_penalty", 0), ("stop", [""]),
+                                          ("repetition_penalty", 0),
+                                          ("repetition_penalty", float("inf")), ("stop", [""]),
                                           ("stop_token_ids", [-1]), ("seed", 2**64)])
 def test_sampling_params_own_checks_become_400_naming_the_field(field, value):
     kwargs, _ = chat_kwargs(chat(**{field: value}))
