@@ -155,7 +155,12 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"The request body was not read as JSON ({_short(first.get('input'))}); "
                         "send a JSON object with Content-Type: application/json.",
                         code="invalid_type")
-    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    params = [_param(tuple(e.get("loc", ()))) or "" for e in errors]
+    if param and any(_is_type_tag(part) for part in first.get("loc", ())):
+        # a union: what each of its forms needed, inside it too ([104, true] as token ids)
+        same = [e for e, p in zip(errors, params) if p == param or p.startswith(param + ".")]
+    else:
+        same = [e for e, p in zip(errors, params) if p == (param or "")]
     reasons = "; or ".join(dict.fromkeys(e.get("msg", "invalid") for e in same))
     where = param or "the request body"
     return APIError(f"Invalid value for '{where}': {_short(first.get('input'))}. {reasons}.",

@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt,
+                      model_serializer)
 
 
 class _Request(BaseModel):
@@ -40,7 +41,7 @@ class ChatMessage(_Open):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JSONSchemaFormat(_Open):
@@ -50,7 +51,7 @@ class JSONSchemaFormat(_Open):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Open):
@@ -62,27 +63,27 @@ class SamplingFields(_Request):
     """Fields /v1/chat/completions and /v1/completions share (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None  # None = the served model (vLLM's convention)
-    n: int | None = 1
-    max_tokens: int | None = None
+    n: StrictInt | None = 1
+    max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = False
-    seq_seed: int | None = None
-    skip_special_tokens: bool | None = True
+    min_tokens: StrictInt | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool | None = False
+    seq_seed: StrictInt | None = None
+    skip_special_tokens: StrictBool | None = True
     # prefill/decode disaggregation, vLLM's convention: {"do_remote_decode": true} asks a
     # prefill worker to store the prompt's KV; a decode worker gets what the prefill returned
     kv_transfer_params: dict[str, Any] | None = None
@@ -96,16 +97,16 @@ class SamplingFields(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     # accepted and ignored, as OpenAI clients send them routinely
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -135,10 +136,10 @@ CHAT_FIELDS_NOT_SERVED = {
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
 

@@ -175,6 +175,13 @@ def test_completions_logprobs_and_stream(client):
      "response_format.json_schema", "missing_required_parameter", "needs json_schema.schema"),
     ({"messages": USER, "stop": 5}, 400, "stop", "invalid_type", "Invalid value for 'stop'"),
     ({"messages": "hi"}, 400, "messages", "invalid_type", "valid list"),
+    # as OpenAI: no coercion of strings or booleans into numbers and flags
+    ({"messages": USER, "max_tokens": "10"}, 400, "max_tokens", "invalid_type", "integer"),
+    ({"messages": USER, "n": True}, 400, "n", "invalid_type", "integer"),
+    ({"messages": USER, "stream": "yes"}, 400, "stream", "invalid_type", "boolean"),
+    ({"messages": USER, "logprobs": 1}, 400, "logprobs", "invalid_type", "boolean"),
+    ({"messages": USER, "reasoning_effort": "high"}, 400, "reasoning_effort",
+     "unsupported_parameter", "not supported"),
 ])
 def test_chat_bad_inputs(client, payload, status, param, code, text):
     assert_error(client.post("/v1/chat/completions", json=payload), status, param, code, text)
@@ -199,6 +206,9 @@ def test_malformed_and_missing_bodies_are_openai_400s(client):
     assert "Content-Type" not in error["message"]   # it was JSON: a string, not an object
     assert_error(client.post("/v1/completions", json={"prompt": [1, 10**6]}), 400, "prompt",
                  "invalid_value", "outside the vocabulary")
+    # a boolean is not a token id (it was read as id 1)
+    assert_error(client.post("/v1/completions", json={"prompt": [104, True]}), 400, "prompt",
+                 "invalid_type", "valid integer")
 
 
 def test_bad_kv_transfer_params_are_400_with_a_code(client):
