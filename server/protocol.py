@@ -12,8 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt,
-                      model_serializer)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer
 
 
 class _Request(BaseModel):
