@@ -92,6 +92,7 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    response_format: ResponseFormat | None = None   # on /v1/completions too, as vLLM
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -99,7 +100,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None

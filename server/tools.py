@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
+
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.tool_parser import (TOOL_CALL_END, TOOL_CALL_START, CallArrayStreamer,
@@ -61,6 +63,19 @@ class ToolConfig:
         return [tool["function"]["name"] for tool in self.tools]
 
 
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    """A tool's parameters must be a valid JSON schema under any tool_choice, as OpenAI checks
+    (under "required" / named the grammar compiler also checks that it can enforce it)."""
+    validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f"[{part!r}]" for part in exc.path) or " (its top level)"
+        raise APIError(f"{param} is not a valid JSON schema: {exc.message} at "
+                       f"{param}{where}; fix the schema.", param=param,
+                       code="invalid_schema") from None
+
+
 def _check_tools(tools: list[Any]) -> None:
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -79,6 +94,8 @@ def _check_tools(tools: list[Any]) -> None:
                            "'object' (the arguments are a JSON object), e.g. {\"type\": "
                            "\"object\", \"properties\": {...}}.",
                            param=f"{where}.function.parameters", code="invalid_value")
+        if parameters is not None:
+            _check_schema(parameters, f"{where}.function.parameters")
     names = [tool["function"]["name"] for tool in tools]
     for i, name in enumerate(names):
         if name in names[:i]:

@@ -66,6 +66,11 @@ def test_completions_take_structured_fields():
     response = client.post("/v1/completions", json={"prompt": "a", "guided_regex": "[0-9]+"})
     assert response.status_code == 200, response.text
     assert sent_params(engine)[0].so_args == {"schema_type": "regex", "schema": "[0-9]+"}
+    response = client.post("/v1/completions", json={   # response_format too, as vLLM
+        "prompt": "b", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "thing", "schema": SCHEMA}}})
+    assert response.status_code == 200, response.text
+    assert sent_params(engine)[1].so_args == {"schema_type": "json", "schema": SCHEMA}
 
 
 @pytest.mark.parametrize("fields, param, text", [
@@ -104,6 +109,10 @@ def test_completions_take_structured_fields():
         "type": "string"}}}], "tool_choice": "required"},
      "tools[0].function.parameters", "of type 'object'"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "unique name"),
+    # found by black-box testing: an invalid schema was refused only when a call was forced
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}]},
+     "tools[0].function.parameters", "not a valid JSON schema: 'nonsense' is not valid"),
     ({"guided_regex": "a+", "min_tokens": 3}, "min_tokens", "cannot be combined with "
                                                           "structured outputs"),
     ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos",
