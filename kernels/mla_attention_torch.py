@@ -106,10 +106,10 @@ def prefill_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.T
     if query_len != seq_len:  # bottom-right causal: query j sits at seq_len - query_len + j
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q_nope.device)
         mask = torch.arange(seq_len, device=q_nope.device) <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask,
-        is_causal=mask is None, scale=scale)  # [H, q_len, Dv]
-    return out.transpose(0, 1)
+    out = F.scaled_dot_product_attention(   # a batch axis: see paged_attention_torch
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale)  # [1, H, q_len, Dv]
+    return out[0].transpose(0, 1)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

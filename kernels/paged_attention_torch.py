@@ -112,10 +112,12 @@ def _prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table:
     if query_len != seq_len:  # bottom-right causal: query j sits at seq_len - query_len + j
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device) <= q_pos[:, None]  # [q_len, seq_len]
+    # [1, H, L, D]: with a batch axis PyTorch's CPU flash kernel runs; 3-D inputs took its math
+    # kernel, ~4x slower (SmolLM2-sized, 512 queries over 3,500 positions: 24 against 110 ms)
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)  # [H_q, q_len, D]
-    return out.transpose(0, 1)
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)  # [1, H_q, q, D]
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
