@@ -25,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GEMM_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "residual_ptr": "*bf16",
              "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32",
-             "M": "i32",
-             "N": "i32", "K": "i32", "k_per_split": "i32", "x_stride": "i32",
+             "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "x_stride": "i32",
              "w_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "eps": "fp32"}
 DECODE_ARGS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16",
                "slot_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",

@@ -78,12 +78,11 @@ def fused_call(fusion: str, x, weight, residual, config: dict, added=None):
     return fused_norm_linear(added, x, EPS, weight, None, config, gated=fusion == "norm_gated")
 
 
-def fused_chain(first_fusion: str, second_fusion: str, x, weights, residual, configs):
-    """A fused boundary: the residual GEMM, then the norm GEMM on its stream and sums of
-    squares (`kernels.fused_linear.AddedRows`)."""
+def fused_chain(second_fusion: str, x, weights, residual, configs):
+    """A fused boundary: the residual GEMM (every boundary's first), then the norm GEMM on its
+    stream and sums of squares (`kernels.fused_linear.AddedRows`)."""
     from kernels.fused_linear import fused_linear_add
 
-    assert first_fusion == "residual"
     added, stream = fused_linear_add(x, weights[0], None, residual, configs[0])
     return fused_call(second_fusion, stream, weights[1], None, configs[1], added)
 
@@ -181,7 +180,7 @@ def sweep_boundary(label: str, bucket: int) -> list[dict]:
         unfused_us += graph_us_per_call(lambda p, x=x, r=residual: unfused_boundary(
             x, p[0], p[1], r, ones, second_fusion), pairs)
         fused_us += graph_us_per_call(
-            lambda p, x=x, r=residual: fused_chain(first_fusion, second_fusion, x, p, r,
+            lambda p, x=x, r=residual: fused_chain(second_fusion, x, p, r,
                                                    (first_config, second_config)), pairs)
     faster = fused_us <= unfused_us * UNFUSED_MARGIN   # run fused (see the docstring)
     rows_text = "+".join(str(m) for m in BUCKETS[bucket])

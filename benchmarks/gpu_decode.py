@@ -19,8 +19,8 @@ model, so both run the same weights), then measures in one process:
    GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), no cuBLASLt choice, and no
    programmatic dependent launch (`kernels/pdl.py`), no sums-of-squares handoff between the
    fused GEMMs (`kernels.fused_linear.AddedRows`): each one's share (`--variants` picks them,
-   also the PDL_VARIANTS and ATTENTION_VARIANTS experiments; `--variants-only` skips
-   everything else);
+   also the EXPERIMENTS: PDL release points, a 64-row boundary unfused, attention launch
+   settings; `--variants-only` skips everything else);
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
@@ -282,6 +282,7 @@ ATTENTION_VARIANTS = {
     "attn_32_tiles_3_stages": (("kernels.rotary_decode_triton", "_DECODE_BLOCK_N", 32),
                                ("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
 }
+EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS}
 
 
 @contextlib.contextmanager
@@ -306,8 +307,7 @@ def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dic
     "decode_b{batch}_{label}"."""
     results = {}
     try:
-        with switched({**VARIANTS, **PDL_VARIANTS, **ATTENTION_VARIANTS,
-                       **BOUNDARY_VARIANTS}[label]):
+        with switched({**VARIANTS, **EXPERIMENTS}[label]):
             recapture_graphs(core)
             for batch in (1, 8, 64):
                 run = engine_decode(core, batch, vocab, new_tokens)
@@ -554,8 +554,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also list the heaviest GPU kernels of a decode forward")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated VARIANTS / PDL_VARIANTS / ATTENTION_VARIANTS to "
-                             "run (default: all "
+                        help="comma-separated VARIANTS / EXPERIMENTS to run (default: all "
                              "VARIANTS; '' for none)")
     parser.add_argument("--variants-only", action="store_true",
                         help="build the engine and run only the variants")

@@ -18,10 +18,9 @@ new stream rows' sums of squares (one partial per output tile): the next fused R
 then sums those partials instead of computing them from the stream (a pre-pass over x before
 its K loop at up to 16 rows, one more x x^T tensor-core dot per K step from 32 rows). Where the
 fused kernel is not used (its sweep found it slower for that shape, CPU, more rows than a
-decode bucket, other dtypes), the same
-functions run the unfused ops: the add fused into the RMSNorm kernel, `kernels.linear.linear`,
-`silu_and_mul`; the norm weight is then the all-ones weight left by the fold, so both paths
-compute the same function.
+decode bucket, other dtypes), the same functions run the unfused ops: the add fused into the
+RMSNorm kernel, `kernels.linear.linear`, `silu_and_mul`; the norm weight is then the all-ones
+weight left by the fold, so both paths compute the same function.
 
 Which shapes run fused: `benchmarks/fused_linear_sweep.py --write-configs` times, per row bucket
 and per layer boundary (o -> gate_up, down -> qkv), the fused kernels against the unfused chain
