@@ -18,7 +18,9 @@ model, so both run the same weights), then measures in one process:
    every linear on cuBLAS (also the Triton skinny
    GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), no cuBLASLt choice, and no
    programmatic dependent launch (`kernels/pdl.py`), no sums-of-squares handoff between the
-   fused GEMMs (`kernels.fused_linear.AddedRows`): each one's share (`--variants` picks them,
+   fused GEMMs (`kernels.fused_linear.AddedRows`), the graph inputs copied buffer by buffer
+   (`engine.cuda_graphs.PACKED_INPUTS`), the norm GEMMs in one K split: each one's share
+   (`--variants` picks them,
    also the EXPERIMENTS: PDL release points, a 64-row boundary unfused, attention launch
    settings; `--variants-only` skips everything else);
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib
 import json
@@ -244,6 +247,24 @@ def recapture_graphs(core) -> None:
     runner.capture_cuda_graphs(core.config.scheduler.max_num_seqs, core.max_model_len)
 
 
+def _fused_table_with(device, keep=lambda entry: True, config_of=lambda entry: entry["config"]):
+    """`kernels.fused_linear._fused_table` from the device's config file with some entries
+    dropped (`keep` false) or their configs changed (`config_of`)."""
+    from kernels import fused_linear
+    from kernels.backends import device_config_entries
+
+    return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]): config_of(e)
+            for e in device_config_entries(fused_linear.CONFIG_KIND, device)
+            if e["fused_faster"] and keep(e)}
+
+
+@functools.cache
+def _norm_one_split(device):
+    """Every norm GEMM in one K split (as before run 17, when a norm could not split K)."""
+    return _fused_table_with(device, config_of=lambda e: {**e["config"], "SPLIT_K": 1}
+                             if e["fusion"] == "norm" else e["config"])
+
+
 # every linear on cuBLAS: the fused and plain Triton skinny GEMMs and the cuBLASLt choice off
 CUBLAS_ONLY = (("kernels.linear", "SKINNY_MAX_ROWS", 0), ("kernels.blas_choice", "MAX_ROWS", 0),
                ("kernels.fused_linear", "ENABLED", False))
@@ -253,7 +274,9 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),),
-            "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),)}
+            "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),),
+            "unpacked_inputs": (("engine.cuda_graphs", "PACKED_INPUTS", False),),
+            "norm_one_split": (("kernels.fused_linear", "_fused_table", _norm_one_split),)}
 # experiments (--variants): the committed settings alone, and which kernels release the next
 # one right after their wait
 PDL_VARIANTS = {
@@ -261,16 +284,14 @@ PDL_VARIANTS = {
     "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),
     "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
 }
-def _fused_table_64_attn_to_mlp_unfused(device):
-    """`kernels.fused_linear._fused_table` with the 64-row attn_to_mlp boundary (o + residual,
-    gate_up + norm + SiLU) left unfused, as run 16's sweep chose before the UNFUSED_MARGIN
-    rule."""
-    from kernels import fused_linear
-    from kernels.backends import device_config_entries
 
-    return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]): e["config"]
-            for e in device_config_entries(fused_linear.CONFIG_KIND, device)
-            if e["fused_faster"] and (e["block_m"], e["boundary"]) != (64, "attn_to_mlp")}
+
+@functools.cache
+def _fused_table_64_attn_to_mlp_unfused(device):
+    """The 64-row attn_to_mlp boundary (o + residual, gate_up + norm + SiLU) left unfused, as
+    run 16's sweep chose before the UNFUSED_MARGIN rule."""
+    return _fused_table_with(
+        device, keep=lambda e: (e["block_m"], e["boundary"]) != (64, "attn_to_mlp"))
 
 
 # experiments (--variants): a 64-row boundary unfused

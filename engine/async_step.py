@@ -11,9 +11,10 @@ processing. Here (vLLM v1's async scheduling, `vllm/v1/core/sched/async_schedule
 
 - A decode step adds exactly one token per request, so the scheduler needs no token values: a
   sampled token not yet copied back counts as a placeholder (`Request.num_output_placeholders`)
-  and is scheduled like a known token. The runner holds -1 for it in its token list and
-  `AsyncRunnerOutput.feed_input_ids` writes the real id into the next step's `input_ids` on the
-  device. Block tables, positions and slot mappings need only counts.
+  and is scheduled like a known token. The runner holds -1 for it in its token list; every
+  step's sampled ids also land in the runner's device buffer `last_sampled`, and the next step
+  takes the real id from there (`AsyncRunnerOutput.feed_rows`: inside the decode graph, or by a
+  gather before an eager forward). Block tables, positions and slot mappings need only counts.
 - Stop rules (EOS, stop ids, stop strings, max_tokens) are applied one step late: a request that
   finished at step N may already be in step N+1; that extra token is computed and dropped. Its
   KV slot was allocated with the request and is freed with it (one stream orders every write
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.input_batch import CachedRequestState, _packed_to_device
+from engine.input_batch import CachedRequestState
 from engine.kv_transfer import IDLE_WAIT_S
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprobs
 from engine.request import Request
@@ -97,13 +98,20 @@ class AsyncRunnerOutput:
                    token_ids=token_ids, host_token_ids=host, ready=ready, logprobs=logprobs,
                    rows={s.request_id: row for row, s in enumerate(sampling_states)})
 
-    def feed_input_ids(self, states: list[CachedRequestState], num_scheduled: list[int],
-                       input_ids: torch.Tensor) -> None:
-        """Write this step's sampled ids into the next step's `input_ids` ([num_tokens] int64,
-        on the device) where that step feeds them: the last token of a request's chunk, when
-        the runner still holds -1 for it. No host synchronization."""
-        dst, src = [], []
+    def feed_rows(self, states: list[CachedRequestState], num_scheduled: list[int]
+                  ) -> np.ndarray | None:
+        """Where the next step feeds this step's sampled ids: for each of its tokens (in
+        `states` order, `num_scheduled` each), the row of this step's `token_ids` whose id it
+        takes, or -1 (its id is known). A request's chunk feeds its last token when the runner
+        still holds -1 for it. None when nothing is fed.
+
+        Returns:
+            [num_tokens] int64 or None.
+        Raises:
+            RuntimeError: a -1 that this step did not sample (more than one step in flight).
+        """
         end = 0
+        feed = None
         for state, num_tokens in zip(states, num_scheduled):
             end += num_tokens
             if state.token_ids[state.num_computed_tokens + num_tokens - 1] != -1:
@@ -112,12 +120,10 @@ class AsyncRunnerOutput:
             if row is None:
                 raise RuntimeError(f"request {state.request_id}: token of an older step is "
                                    "still unresolved; async scheduling keeps one step in flight")
-            dst.append(end - 1)
-            src.append(row)
-        if dst:
-            index = _packed_to_device([np.asarray(dst), np.asarray(src)], np.int64,
-                                      input_ids.device)
-            input_ids.index_copy_(0, index[0], self.token_ids.index_select(0, index[1]))
+            if feed is None:
+                feed = np.full(sum(num_scheduled), -1, dtype=np.int64)
+            feed[end - 1] = row
+        return feed
 
     def resolve(self) -> ModelRunnerOutput:
         """Wait for the ids, fill the runner's placeholders, return them as plain lists."""

@@ -7,17 +7,26 @@ shape, so the runner owns static input buffers sized for the largest captured ba
 - `input_ids`, `positions` [max_batch] int64; `slot_mapping` [max_batch] int64;
 - `seq_lens` [max_batch] int32; `block_tables` [max_batch, max_blocks_per_seq] int32, where
   max_blocks_per_seq = ceil(max_model_len / block_size): a fixed width, whatever the batch holds;
-- `query_start_loc` = 0..max_batch (one token per sequence).
+- `query_start_loc` = 0..max_batch (one token per sequence);
+- `packed`: int32, the step's inputs in `kernels.decode_inputs`' packed layout.
+
+A step packs its host arrays into a page-locked buffer (two, used in turn), copies that to
+`packed` in one host-to-device copy and replays the graph; the graph's first kernel
+(`kernels.decode_inputs.unpack_decode_inputs`) scatters `packed` into the buffers above, taking
+the tokens that async scheduling feeds from the runner's `last_sampled` (the previous step's ids,
+still on the device). Between two replays the device then runs two copies (this step's inputs
+in, the sampled ids out) instead of ~ten (benchmarks/RESULTS.md run 17).
 
 Each graph holds the whole decode step on the device: the layers, the LM head over every row
 (`model.compute_logits`, in the model dtype [batch, vocab]) and the greedy choice (argmax per
 row, on those logits: converting them to float32 first changes no value, and at 64 rows cost 24
 us per step, plus a one-pass float32 argmax of 27 us against 19 for two passes over bf16; H200,
 benchmarks/RESULTS.md run 14), so a greedy batch's step is one graph launch; sampling that needs
-more (temperature, penalties, logprobs) reads the graph's logits as float32.
+more (temperature, penalties, logprobs) reads the graph's logits as float32. The greedy ids are
+also written to the first rows of `last_sampled`, for the next step to feed.
 
 A step with n sequences replays the graph of the smallest captured size >= n: the first n rows
-are copied in, the padding rows get slot -1 (their K/V write is skipped) and seq_len 0 (their
+are its own, the padding rows get slot -1 (their K/V write is skipped) and seq_len 0 (their
 attention reads nothing and returns zeros); their outputs are dropped. The captured
 `AttentionMetadata` says max_seq_len = max_model_len, so the decode kernel's split-K partition
 count (a host-side choice) is right for any context the graph will see.
@@ -33,16 +42,21 @@ import logging
 import time
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
-from engine.input_batch import StepInputs
+from engine.input_batch import StepInputs, feed_tokens
 from engine.sampler import greedy_argmax
 from kernels.attention_metadata import AttentionMetadata
+from kernels.decode_inputs import pack_decode_inputs, packed_size, unpack_decode_inputs
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# False: graphs captured from now on take their inputs as before run 17, one copy per buffer and
+# the fed tokens gathered outside the graph (benchmarks compare the two in one process)
+PACKED_INPUTS = True
 
 
 class GraphOutputs(NamedTuple):
@@ -66,14 +80,17 @@ class CudaGraphRunner:
         model: forward(input_ids, positions, kv_caches, attn_metadata) -> [T, hidden].
         kv_caches: the runner's per-layer KV tensors (the graphs bake in their addresses).
         block_size: tokens per KV block.
+        last_sampled: [S] int64 on the device, S >= the largest captured size: the runner's
+            buffer of the last step's sampled ids (fed tokens are read from it, greedy ids
+            written to its first rows).
         max_num_seqs: the scheduler's batch cap; sizes above it are not captured.
         max_model_len: longest context; sets the block-table width and the decode split count.
     """
 
-    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, *,
-                 max_num_seqs: int, max_model_len: int,
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 last_sampled: torch.Tensor, *, max_num_seqs: int, max_model_len: int,
                  batch_sizes: tuple[int, ...] = CAPTURE_BATCH_SIZES) -> None:
-        self.model, self.kv_caches = model, kv_caches
+        self.model, self.kv_caches, self.last_sampled = model, kv_caches, last_sampled
         self.max_model_len = max_model_len
         self.batch_sizes = sorted(s for s in batch_sizes if s <= max(max_num_seqs, 1))
         if max_num_seqs not in self.batch_sizes and max_num_seqs < max(batch_sizes):
@@ -89,6 +106,16 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        if last_sampled.shape[0] < max_batch:
+            raise ValueError(f"last_sampled holds {last_sampled.shape[0]} ids; the graphs need "
+                             f"{max_batch}")
+        capacity = packed_size(max_batch, self.max_blocks_per_seq)
+        self.packed = torch.zeros(capacity, dtype=torch.int32, device=device)  # n = 0: padding
+        self.packed_host = [torch.zeros(capacity, dtype=torch.int32, pin_memory=True)
+                            for _ in range(2)]
+        self.packed_copied = [torch.cuda.Event() for _ in range(2)]  # host buffer free again
+        self.steps = 0
+        self.packed_inputs = PACKED_INPUTS
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, GraphOutputs] = {}
 
@@ -105,17 +132,23 @@ class CudaGraphRunner:
                           self.kv_caches, self._metadata(batch_size))
 
     def step(self, batch_size: int) -> GraphOutputs:
-        """The captured work, run eagerly: forward, LM head, argmax."""
+        """The captured work, run eagerly: inputs unpacked, forward, LM head, argmax."""
+        if self.packed_inputs:
+            unpack_decode_inputs(self.packed, self.last_sampled, self.input_ids[:batch_size],
+                                 self.positions[:batch_size], self.slot_mapping[:batch_size],
+                                 self.seq_lens[:batch_size], self.block_tables[:batch_size])
         hidden = self._forward(batch_size)
         logits = self.model.compute_logits(hidden, float32=False)
-        return GraphOutputs(hidden, logits, greedy_argmax(logits))
+        greedy_ids = greedy_argmax(logits)
+        self.last_sampled[:batch_size].copy_(greedy_ids)
+        return GraphOutputs(hidden, logits, greedy_ids)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (later graphs reuse the first one's memory pool).
         Each size runs eagerly once first, so Triton compiles and cuBLAS picks its kernels
-        outside the capture. The static buffers hold padding values (slot -1, seq_len 0), so
-        these runs write no KV."""
+        outside the capture. `packed` holds no rows, so every row is padding (slot -1,
+        seq_len 0) and these runs write no KV."""
         start = time.perf_counter()
         pool = None
         for batch_size in reversed(self.batch_sizes):
@@ -132,29 +165,54 @@ class CudaGraphRunner:
 
     def can_run(self, inputs: StepInputs) -> bool:
         """True for a captured decode-only step this runner can replay."""
-        metadata = inputs.attn_metadata
-        return (bool(self.graphs) and metadata.is_decode_only
-                and metadata.num_seqs <= self.batch_sizes[-1]
-                and metadata.block_tables.shape[1] <= self.max_blocks_per_seq)
+        return (bool(self.graphs) and inputs.is_decode_only
+                and inputs.num_seqs <= self.batch_sizes[-1]
+                and inputs.block_tables.shape[1] <= self.max_blocks_per_seq)
 
-    def run(self, inputs: StepInputs) -> GraphOutputs:
+    def run(self, inputs: StepInputs, feed_rows: np.ndarray | None = None) -> GraphOutputs:
         """Replay the graph of the nearest captured size >= the batch.
 
+        Args:
+            inputs: a step `can_run` accepts.
+            feed_rows: [num_seqs] int64, the row of `last_sampled` whose id each row takes, or
+                -1 (`AsyncRunnerOutput.feed_rows`); None: no fed tokens.
         Returns:
             The first num_seqs rows of the graph's static outputs (valid until the next
             replay).
         """
-        metadata = inputs.attn_metadata
-        num_seqs = metadata.num_seqs
+        num_seqs = inputs.num_seqs
         batch_size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
-        self.input_ids[:num_seqs].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:num_seqs].copy_(inputs.positions, non_blocking=True)
+        if not self.packed_inputs:
+            self._copy_inputs(inputs, feed_rows, batch_size)
+            self.graphs[batch_size].replay()
+            return GraphOutputs(*(output[:num_seqs] for output in self.outputs[batch_size]))
+        turn = self.steps % 2
+        self.steps += 1
+        host, copied = self.packed_host[turn], self.packed_copied[turn]
+        copied.synchronize()   # its copy two steps ago has run (normally long since)
+        size = pack_decode_inputs(host.numpy(), inputs.input_ids, inputs.positions,
+                                  inputs.slot_mapping, inputs.seq_lens, feed_rows,
+                                  inputs.block_tables)
+        self.packed[:size].copy_(host[:size], non_blocking=True)
+        copied.record()
+        self.graphs[batch_size].replay()
+        return GraphOutputs(*(output[:num_seqs] for output in self.outputs[batch_size]))
+
+    def _copy_inputs(self, inputs: StepInputs, feed_rows: np.ndarray | None,
+                     batch_size: int) -> None:
+        """PACKED_INPUTS off: the step's device tensors copied buffer by buffer, the fed tokens
+        gathered from `last_sampled`, the padding rows filled (all outside the graph)."""
+        num_seqs = inputs.num_seqs
+        device_inputs = inputs.on_device()
+        metadata = device_inputs.attn_metadata
+        self.input_ids[:num_seqs].copy_(device_inputs.input_ids, non_blocking=True)
+        if feed_rows is not None:
+            feed_tokens(self.input_ids, feed_rows, self.last_sampled)
+        self.positions[:num_seqs].copy_(device_inputs.positions, non_blocking=True)
         self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping, non_blocking=True)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens, non_blocking=True)
         width = metadata.block_tables.shape[1]
         self.block_tables[:num_seqs, :width].copy_(metadata.block_tables, non_blocking=True)
-        if batch_size > num_seqs:  # padding rows: write no KV, read no context
+        if batch_size > num_seqs:
             self.slot_mapping[num_seqs:batch_size].fill_(-1)
             self.seq_lens[num_seqs:batch_size].fill_(0)
-        self.graphs[batch_size].replay()
-        return GraphOutputs(*(output[:num_seqs] for output in self.outputs[batch_size]))

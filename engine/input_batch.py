@@ -1,16 +1,19 @@
-"""The model runner's per-request state and the builder of one step's input tensors.
+"""The model runner's per-request state and the builder of one step's inputs.
 
 `CachedRequestState` is the runner's copy of a request (token ids, block table), updated from
 each `SchedulerOutput` diff; `build_step_inputs` flattens the scheduled requests into one varlen
-batch: `input_ids`, `positions`, and the `AttentionMetadata` (`query_start_loc`, `seq_lens`,
-`block_tables`, `slot_mapping`), plus which rows produce logits.
+batch on the host (`StepInputs`, numpy): `input_ids`, `positions`, `slot_mapping`,
+`query_start_loc`, `seq_lens`, `block_tables`, plus which rows produce logits.
+`StepInputs.on_device()` copies it to the device as `DeviceInputs` (with the
+`AttentionMetadata`) for an eager forward; a replayed CUDA graph packs the host arrays into its
+own buffer instead (`engine/cuda_graphs.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,21 +40,55 @@ class CachedRequestState:
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor       # [num_tokens] int64
-    positions: torch.Tensor       # [num_tokens] int64
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling_reqs] int64 — rows whose logits are sampled
+    """One step's varlen batch on the host (numpy); `on_device()` moves it to the device.
+
+    A replayed decode graph packs these arrays into its own input buffer instead
+    (`engine/cuda_graphs.py`), so a graph step makes no other copy.
+    """
+
+    input_ids: np.ndarray          # [num_tokens] int64
+    positions: np.ndarray          # [num_tokens] int64
+    slot_mapping: np.ndarray       # [num_tokens] int64
+    query_start_loc: np.ndarray    # [num_seqs + 1] int64
+    seq_lens: np.ndarray           # [num_seqs] int64
+    block_tables: np.ndarray       # [num_seqs, max_blocks] int32, padded with 0
+    logits_indices: np.ndarray     # [num_sampling_reqs] int64 — rows whose logits are sampled
     sampling_states: list[CachedRequestState]  # requests that sample, in logits_indices order
+    device: torch.device
+    _device_inputs: DeviceInputs | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.size
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence schedules one token."""
+        return self.input_ids.size == self.seq_lens.size
+
+    def on_device(self) -> DeviceInputs:
+        """The batch as device tensors (two host-to-device copies, made on the first call)."""
+        if self._device_inputs is None:
+            self._device_inputs = _to_device(self)
+        return self._device_inputs
+
+
+class DeviceInputs(NamedTuple):
+    input_ids: torch.Tensor        # [num_tokens] int64
+    positions: torch.Tensor        # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor   # [num_sampling_reqs] int64
 
 
 def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int],
                       block_size: int, device: torch.device) -> StepInputs:
-    """Flatten the scheduled requests (in `states` order) into one varlen batch.
+    """Flatten the scheduled requests (in `states` order) into one varlen batch, on the host.
 
     Args:
         states: the scheduled requests, with `num_computed_tokens` as before this step.
         num_scheduled: tokens scheduled per request this step.
         block_size: tokens per KV block.
+        device: where `StepInputs.on_device` puts it.
     """
     num_seqs = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int64)
@@ -75,27 +112,48 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
         s.token_ids[begin:end] for s, begin, end in zip(states, starts.tolist(), ends)),
         np.int64, num_tokens)
     sampling = [i for i, (s, end) in enumerate(zip(states, ends)) if end == len(s.token_ids)]
-    sampling_rows = query_start_loc[1:][sampling] - 1
-    sampling_states = [states[i] for i in sampling]
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
+    return StepInputs(
+        input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
+        logits_indices=query_start_loc[1:][sampling] - 1,
+        sampling_states=[states[i] for i in sampling], device=device)
 
-    ints64 = _packed_to_device([input_ids, positions, slot_mapping, sampling_rows], np.int64,
-                               device)
-    ints32 = _packed_to_device([query_start_loc, seq_lens, block_tables.reshape(-1)], np.int32,
-                               device)
+
+def _to_device(inputs: StepInputs) -> DeviceInputs:
+    num_seqs, max_blocks = inputs.block_tables.shape
+    ints64 = packed_to_device([inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                               inputs.logits_indices], np.int64, inputs.device)
+    ints32 = packed_to_device([inputs.query_start_loc, inputs.seq_lens,
+                               inputs.block_tables.reshape(-1)], np.int32, inputs.device)
+    query_lens = np.diff(inputs.query_start_loc)
     metadata = AttentionMetadata(
         query_start_loc=ints32[0], seq_lens=ints32[1],
         block_tables=ints32[2].view(num_seqs, max_blocks), slot_mapping=ints64[2],
-        max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
-        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist())
-    return StepInputs(
-        input_ids=ints64[0], positions=ints64[1], attn_metadata=metadata,
-        logits_indices=ints64[3], sampling_states=sampling_states)
+        max_query_len=int(query_lens.max()), max_seq_len=int(inputs.seq_lens.max()),
+        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=inputs.seq_lens.tolist())
+    return DeviceInputs(input_ids=ints64[0], positions=ints64[1], attn_metadata=metadata,
+                        logits_indices=ints64[3])
 
 
-def _packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device
-                      ) -> list[torch.Tensor]:
+def feed_tokens(input_ids: torch.Tensor, feed_rows: np.ndarray,
+                last_sampled: torch.Tensor) -> None:
+    """input_ids[t] = last_sampled[feed_rows[t]] wherever feed_rows[t] >= 0, on the device
+    (`AsyncRunnerOutput.feed_rows`), without waiting for it.
+
+    Args:
+        input_ids: [num_tokens] int64 on the device, updated in place.
+        feed_rows: [num_tokens] int64 host array, -1 where the id is known.
+        last_sampled: [S] int64 on the device.
+    """
+    fed = np.flatnonzero(feed_rows >= 0)
+    index = packed_to_device([fed, feed_rows[fed]], np.int64, input_ids.device)
+    input_ids.index_copy_(0, index[0], last_sampled.index_select(0, index[1]))
+
+
+def packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device
+                     ) -> list[torch.Tensor]:
     """Copy 1-D arrays to `device` as one host->device transfer (one buffer, page-locked on
     CUDA so the copy is asynchronous); returns contiguous views of the device buffer, one per
     array, in `dtype`."""

@@ -11,10 +11,11 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.async_step import AsyncRunnerOutput
-from engine.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from engine.input_batch import CachedRequestState, StepInputs, build_step_inputs, feed_tokens
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.sampling_metadata import build_sampling_metadata
@@ -56,6 +57,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.cuda_graphs = None  # engine.cuda_graphs.CudaGraphRunner after capture_cuda_graphs
+        # [S] int64: the last async step's sampled ids, where the next step's fed tokens are
+        # read (engine/async_step.py); sized for max_num_seqs once graphs bake its address in
+        self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode forwards at batch sizes up to max_num_seqs (CUDA only); decode-only
@@ -73,7 +77,9 @@ class ModelRunner:
                            "forward pass (torch MLA/MoE paths); decode runs eagerly.",
                            type(self.model).__name__)
             return
-        runner = CudaGraphRunner(self.model, self.kv_caches, self.block_size,
+        self.last_sampled = torch.zeros(max(max_num_seqs, 1), dtype=torch.int64,
+                                        device=self.device)
+        runner = CudaGraphRunner(self.model, self.kv_caches, self.block_size, self.last_sampled,
                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         runner.capture()
         self.cuda_graphs = runner
@@ -136,23 +142,39 @@ class ModelRunner:
             sampled_token_ids=[sampled.get(s.request_id, ([], None))[0] for s in states],
             logprobs=[sampled.get(s.request_id, ([], None))[1] for s in states])
 
-    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, GraphOutputs | None]:
+    def _forward(self, inputs: StepInputs, feed_rows: np.ndarray | None = None
+                 ) -> tuple[torch.Tensor, GraphOutputs | None]:
         """(hidden [num_tokens, hidden_size], the graph's outputs): a captured graph's replay
         for a decode step it covers (hidden, logits and greedy ids of every row), else the
-        eager forward (and None)."""
+        eager forward (and None).
+
+        feed_rows: [num_tokens] int64 or None (`AsyncRunnerOutput.feed_rows`): tokens whose id
+            is `last_sampled[row]` (row >= 0), still on the device.
+        """
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs):
-            outputs = self.cuda_graphs.run(inputs)
+            outputs = self.cuda_graphs.run(inputs, feed_rows)
             return outputs.hidden, outputs
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                          inputs.attn_metadata), None
+        device_inputs = inputs.on_device()
+        if feed_rows is not None:
+            feed_tokens(device_inputs.input_ids, feed_rows, self.last_sampled)
+        return self.model(device_inputs.input_ids, device_inputs.positions, self.kv_caches,
+                          device_inputs.attn_metadata), None
+
+    def _store_sampled(self, token_ids: torch.Tensor) -> None:
+        """Keep a step's sampled ids ([B] int64, device) in `last_sampled` for the next step."""
+        if self.last_sampled.shape[0] < token_ids.shape[0]:
+            if self.cuda_graphs is not None:   # graphs hold its address; max_num_seqs bounds B
+                raise RuntimeError(f"{token_ids.shape[0]} sampled rows exceed last_sampled "
+                                   f"({self.last_sampled.shape[0]})")
+            self.last_sampled = torch.empty_like(token_ids)
+        self.last_sampled[:token_ids.shape[0]].copy_(token_ids)
 
     @staticmethod
     def _graph_rows_sample(inputs: StepInputs, graph_outputs: GraphOutputs | None) -> bool:
         """True when a replayed graph's rows are the sampled rows: every sequence of the
         decode step samples (then logits_indices is 0..n-1). A 1-token chunk in the middle of
         a prompt is a decode-shaped row that does not sample."""
-        return (graph_outputs is not None
-                and len(inputs.sampling_states) == inputs.attn_metadata.num_seqs)
+        return graph_outputs is not None and len(inputs.sampling_states) == inputs.num_seqs
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
                 graph_outputs: GraphOutputs | None) -> torch.Tensor:
@@ -160,7 +182,7 @@ class ModelRunner:
         when they are its rows, else the LM head over `hidden[logits_indices]`."""
         if self._graph_rows_sample(inputs, graph_outputs):
             return graph_outputs.logits.float()
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.model.compute_logits(hidden[inputs.on_device().logits_indices])
 
     @torch.inference_mode()
     def execute_async(self, scheduler_output: SchedulerOutput,
@@ -174,18 +196,18 @@ class ModelRunner:
             return AsyncRunnerOutput.empty()
         num_scheduled = [scheduler_output.num_scheduled_tokens[s.request_id] for s in states]
         inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device)
-        if previous is not None:
-            previous.feed_input_ids(states, num_scheduled, inputs.input_ids)
-        hidden, graph_outputs = self._forward(inputs)
+        feed_rows = previous.feed_rows(states, num_scheduled) if previous is not None else None
+        hidden, graph_outputs = self._forward(inputs, feed_rows)
         token_ids = logprobs = None
         if inputs.sampling_states:
             metadata = build_sampling_metadata(inputs.sampling_states, self.device,
                                                eos_token_ids=self.eos_token_ids)
             if metadata.argmax_only and self._graph_rows_sample(inputs, graph_outputs):
-                token_ids = graph_outputs.greedy_ids   # argmax ran inside the graph
-            else:
+                token_ids = graph_outputs.greedy_ids   # argmax ran inside the graph, and
+            else:                                      # wrote last_sampled there
                 logits = self._logits(inputs, hidden, graph_outputs)
                 token_ids, logprobs = self.sampler.sample_on_device(logits, metadata)
+                self._store_sampled(token_ids)
             for state in inputs.sampling_states:
                 state.token_ids.append(-1)  # a placeholder until the step is resolved
         for state, num_tokens in zip(states, num_scheduled):

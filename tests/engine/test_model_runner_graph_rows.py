@@ -8,8 +8,7 @@ from engine.model_runner import ModelRunner
 
 
 def _inputs(num_seqs: int, num_sampling: int):
-    metadata = SimpleNamespace(num_seqs=num_seqs)
-    return SimpleNamespace(attn_metadata=metadata, sampling_states=[object()] * num_sampling)
+    return SimpleNamespace(num_seqs=num_seqs, sampling_states=[object()] * num_sampling)
 
 
 def test_graph_rows_are_used_when_every_sequence_samples():
