@@ -27,7 +27,8 @@ model, so both run the same weights), then measures in one process:
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
    eager step (torch.profiler); with `--profile` also the device timeline of an engine decode
-   run at batch 64 (busy and idle time, ops, the largest idle gaps).
+   run at batch 64 (busy and idle time, ops, the largest idle gaps) and CUDA events around each
+   of its graph replays (the replay's time in the engine, the time between replays).
 
 Rooflines: decode step = max(bytes / bandwidth, FLOPs / matmul rate), bytes = every weight but
 the embedding table (only B rows of it are read) + the KV cache the step reads (B sequences x
@@ -486,14 +487,64 @@ def _device_us(event) -> float:
     return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
 
 
+def _breakdown_inputs(graphs, size: int, context: int) -> None:
+    """The graph's inputs for timing it alone: `size` rows that each read `context` cached
+    tokens through the block tables left in its buffers by the last run, and write no KV."""
+    import numpy as np
+
+    from kernels.decode_inputs import pack_decode_inputs
+
+    graphs.slot_mapping[:size].fill_(-1)          # (graphs without packed inputs)
+    graphs.seq_lens[:size].fill_(context)
+    host = np.zeros(graphs.packed.numel(), dtype=np.int32)
+    rows = np.zeros(size, dtype=np.int64)
+    used = pack_decode_inputs(host, rows, rows + context - 1, rows - 1, rows + context, None,
+                              np.zeros((size, 0), dtype=np.int32))
+    graphs.packed[:used].copy_(torch.from_numpy(host[:used]))
+
+
+def step_timing(core, batch: int, vocab: int) -> dict:
+    """CUDA events around each graph replay of an engine decode run at `batch` (64 new tokens):
+    the replay's device time in the engine, and the device time from one replay's end to the
+    next one's start (the sampled ids' copy out, the next inputs' copy in, the graph launch,
+    and any wait for the host), in ms per step."""
+    graphs = core.model_runner.cuda_graphs
+    events = []
+
+    class TimedGraph:
+        def __init__(self, graph) -> None:
+            self.graph = graph
+
+        def replay(self) -> None:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            self.graph.replay()
+            end.record()
+            events.append((start, end))
+
+    captured = graphs.graphs
+    graphs.graphs = {size: TimedGraph(graph) for size, graph in captured.items()}
+    try:
+        run = engine_decode(core, batch, vocab, 64)
+    finally:
+        graphs.graphs = captured
+    torch.cuda.synchronize()
+    replays = [start.elapsed_time(end) for start, end in events]
+    gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
+    return {"replays": len(replays), "engine_step_ms": run["step_ms"],
+            "replay_ms_median": statistics.median(replays),
+            "replay_ms_mean": statistics.fmean(replays),
+            "gap_ms_median": statistics.median(gaps), "gap_ms_mean": statistics.fmean(gaps),
+            "gap_ms_max": max(gaps)}
+
+
 @torch.inference_mode()
 def step_breakdown(core, batch: int, context: int) -> dict:
     """Milliseconds of a decode step's parts at `batch` (see the module docstring, point 5)."""
     runner = core.model_runner
     graphs = runner.cuda_graphs
     size = min(s for s in graphs.batch_sizes if s >= batch)
-    graphs.slot_mapping[:size].fill_(-1)          # write nothing
-    graphs.seq_lens[:size].fill_(context)         # read `context` tokens (blocks stay valid)
+    _breakdown_inputs(graphs, size, context)
     replay_s = _timed(graphs.graphs[size].replay, 20)
     eager_s = _timed(lambda: graphs.step(size), 10)
     hidden = graphs.outputs[size].hidden[:batch]
@@ -520,6 +571,8 @@ def diagnostics(core, context: int, vocab: int, profile: bool) -> dict:
             results[f"kernels_b{batch}"] = kernel_profile(core, batch)
             print(f"kernels b={batch}: {json.dumps(results[f'kernels_b{batch}'])}", flush=True)
     if profile:
+        results["step_timing_b64"] = step_timing(core, 64, vocab)
+        print(f"step timing b=64: {json.dumps(results['step_timing_b64'])}", flush=True)
         results["timeline_b64"] = engine_timeline(core, 64, vocab)
         print(f"timeline b=64: {json.dumps(results['timeline_b64'])}", flush=True)
         results["host_profile_b64"] = host_profile(core, 64, vocab)
