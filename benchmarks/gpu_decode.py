@@ -503,11 +503,12 @@ def _breakdown_inputs(graphs, size: int, context: int) -> None:
     graphs.packed[:used].copy_(torch.from_numpy(host[:used]))
 
 
-def step_timing(core, batch: int, vocab: int) -> dict:
+def step_timing(core, batch: int, vocab: int, gc_off: bool = False) -> dict:
     """CUDA events around each graph replay of an engine decode run at `batch` (64 new tokens):
     the replay's device time in the engine, and the device time from one replay's end to the
     next one's start (the sampled ids' copy out, the next inputs' copy in, the graph launch,
-    and any wait for the host), in ms per step."""
+    and any wait for the host), in ms per step; `gc_off`: Python's garbage collector
+    disabled during the run (are long gaps its pauses?)."""
     graphs = core.model_runner.cuda_graphs
     events = []
 
@@ -524,10 +525,14 @@ def step_timing(core, batch: int, vocab: int) -> dict:
 
     captured = graphs.graphs
     graphs.graphs = {size: TimedGraph(graph) for size, graph in captured.items()}
+    gc.collect()
+    if gc_off:
+        gc.disable()
     try:
         run = engine_decode(core, batch, vocab, 64)
     finally:
         graphs.graphs = captured
+        gc.enable()
     torch.cuda.synchronize()
     replays = [start.elapsed_time(end) for start, end in events]
     gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
@@ -535,7 +540,8 @@ def step_timing(core, batch: int, vocab: int) -> dict:
             "replay_ms_median": statistics.median(replays),
             "replay_ms_mean": statistics.fmean(replays),
             "gap_ms_median": statistics.median(gaps), "gap_ms_mean": statistics.fmean(gaps),
-            "gap_ms_max": max(gaps)}
+            "gap_ms_max": max(gaps), "gaps_over_0.1_ms": sum(g > 0.1 for g in gaps),
+            "replay_ms_max": max(replays)}
 
 
 @torch.inference_mode()
@@ -571,8 +577,9 @@ def diagnostics(core, context: int, vocab: int, profile: bool) -> dict:
             results[f"kernels_b{batch}"] = kernel_profile(core, batch)
             print(f"kernels b={batch}: {json.dumps(results[f'kernels_b{batch}'])}", flush=True)
     if profile:
-        results["step_timing_b64"] = step_timing(core, 64, vocab)
-        print(f"step timing b=64: {json.dumps(results['step_timing_b64'])}", flush=True)
+        for key, gc_off in (("step_timing_b64", False), ("step_timing_b64_gc_off", True)):
+            results[key] = step_timing(core, 64, vocab, gc_off)
+            print(f"{key}: {json.dumps(results[key])}", flush=True)
         results["timeline_b64"] = engine_timeline(core, 64, vocab)
         print(f"timeline b=64: {json.dumps(results['timeline_b64'])}", flush=True)
         results["host_profile_b64"] = host_profile(core, 64, vocab)

@@ -15,7 +15,8 @@ A step packs its host arrays into a page-locked buffer (two, used in turn), copi
 (`kernels.decode_inputs.unpack_decode_inputs`) scatters `packed` into the buffers above, taking
 the tokens that async scheduling feeds from the runner's `last_sampled` (the previous step's ids,
 still on the device). Between two replays the device then runs two copies (this step's inputs
-in, the sampled ids out) instead of ~ten (benchmarks/RESULTS.md run 17).
+in, the sampled ids out) instead of ~ten (H200: +0.1-0.5% tokens/s, benchmarks/RESULTS.md
+run 17).
 
 Each graph holds the whole decode step on the device: the layers, the LM head over every row
 (`model.compute_logits`, in the model dtype [batch, vocab]) and the greedy choice (argmax per

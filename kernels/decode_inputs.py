@@ -3,11 +3,11 @@
 
 A CUDA graph reads its inputs from fixed device buffers (input ids, positions, slot mapping,
 sequence lengths, block table). Filling each from the host is one copy per buffer, plus, under
-async scheduling, the previous step's sampled ids gathered into the input ids: at batch 64 on an
-H200 about ten small copies and kernels between two graph replays, with the device idle in the
-gaps (benchmarks/RESULTS.md run 16: ~59-101 us per step). Packed, the host writes everything
-into one page-locked buffer, one host-to-device copy moves it, and the first kernel of the graph
-scatters it into the fixed buffers, taking the fed tokens from the device.
+async scheduling, the previous step's sampled ids gathered into the input ids: about ten small
+copies and kernels between two graph replays. Packed, the host writes everything into one
+page-locked buffer, one host-to-device copy moves it, and the first kernel of the graph scatters
+it into the fixed buffers, taking the fed tokens from the device. (H200, Llama-3-8B decode in one
+process, benchmarks/RESULTS.md run 17: +0.4% / +0.5% / +0.1% tokens/s at batch 1 / 8 / 64.)
 
 Packed layout, int32, for n rows and a block table `width` blocks wide (`packed_size`):
 
@@ -18,9 +18,9 @@ feed_src[r] >= 0: row r's input id is `last_sampled[feed_src[r]]` (a token sampl
 before, still on the device); -1: input_ids[r] as packed.
 
 Backends: "reference" (`kernels/reference/decode_inputs.py`: torch ops, reads n and width back
-to the host) and "triton"
-(`kernels/decode_inputs_triton.py`: one kernel, nothing read back, so it runs inside a CUDA
-graph). "auto": "triton" on CUDA where Triton is installed, else "reference".
+to the host) and "triton" (`kernels/decode_inputs_triton.py`: one kernel, nothing read back, so
+it runs inside a CUDA graph). "auto": "triton" on CUDA where Triton is installed, else
+"reference".
 """
 
 from __future__ import annotations
