@@ -45,9 +45,8 @@ UNFUSED_MARGIN = 1.01   # the unfused chain runs only when this much faster
 BOUNDARIES = {"attn_to_mlp": ("o", "residual", "gate_up", "norm_gated"),
               "mlp_to_attn": ("down", "residual", "qkv", "norm")}
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): gemv_sweep's winners per bucket and their
-# neighbours, and gemv_sweep.SWAP_CONFIGS with SWAP_AB; gated fusions skip SPLIT_K > 1 and halve
-# BLOCK_N (two weight tiles per step); norm fusions take SPLIT_K > 1 only on handed-over sums of
-# squares (run 17: more programs for qkv, 96 at 64-wide tiles on 132 SMs)
+# neighbours, and gemv_sweep.SWAP_CONFIGS with SWAP_AB; norm fusions skip SPLIT_K > 1, gated ones
+# halve BLOCK_N (two weight tiles per step)
 CANDIDATES = {
     16: [(16, 128, 4, 6, 1), (32, 128, 4, 8, 1), (32, 256, 4, 4, 1), (64, 128, 4, 4, 1),
          (64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (128, 128, 8, 3, 1), (32, 128, 4, 8, 2)],
@@ -101,13 +100,9 @@ def handed_over(stream: torch.Tensor, tiles: int = 64):
 
 def candidate_configs(fusion: str, bucket: int) -> list[dict]:
     """CANDIDATES and gemv_sweep.SWAP_CONFIGS (with SWAP_AB) as launch configs for `fusion`."""
-    from kernels import fused_linear
-
-    handoff = fused_linear.SUM_SQUARES_HANDOFF
     configs = []
     for config in launch_configs(bucket, CANDIDATES, SWAP_CONFIGS):
-        split = config["SPLIT_K"] > 1
-        if split and (fusion == "norm_gated" or (fusion == "norm" and not handoff)):
+        if fusion != "residual" and config["SPLIT_K"] > 1:
             continue
         if fusion == "norm_gated":
             config["BLOCK_N"] = max(16, config["BLOCK_N"] // 2)

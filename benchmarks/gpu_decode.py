@@ -18,9 +18,7 @@ model, so both run the same weights), then measures in one process:
    every linear on cuBLAS (also the Triton skinny
    GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), no cuBLASLt choice, and no
    programmatic dependent launch (`kernels/pdl.py`), no sums-of-squares handoff between the
-   fused GEMMs (`kernels.fused_linear.AddedRows`), the graph inputs copied buffer by buffer
-   (`engine.cuda_graphs.PACKED_INPUTS`), the norm GEMMs in one K split: each one's share
-   (`--variants` picks them,
+   fused GEMMs (`kernels.fused_linear.AddedRows`): each one's share (`--variants` picks them,
    also the EXPERIMENTS: PDL release points, a 64-row boundary unfused, attention launch
    settings; `--variants-only` skips everything else);
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
@@ -248,24 +246,6 @@ def recapture_graphs(core) -> None:
     runner.capture_cuda_graphs(core.config.scheduler.max_num_seqs, core.max_model_len)
 
 
-def _fused_table_with(device, keep=lambda entry: True, config_of=lambda entry: entry["config"]):
-    """`kernels.fused_linear._fused_table` from the device's config file with some entries
-    dropped (`keep` false) or their configs changed (`config_of`)."""
-    from kernels import fused_linear
-    from kernels.backends import device_config_entries
-
-    return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]): config_of(e)
-            for e in device_config_entries(fused_linear.CONFIG_KIND, device)
-            if e["fused_faster"] and keep(e)}
-
-
-@functools.cache
-def _norm_one_split(device):
-    """Every norm GEMM in one K split (as before run 17, when a norm could not split K)."""
-    return _fused_table_with(device, config_of=lambda e: {**e["config"], "SPLIT_K": 1}
-                             if e["fusion"] == "norm" else e["config"])
-
-
 # every linear on cuBLAS: the fused and plain Triton skinny GEMMs and the cuBLASLt choice off
 CUBLAS_ONLY = (("kernels.linear", "SKINNY_MAX_ROWS", 0), ("kernels.blas_choice", "MAX_ROWS", 0),
                ("kernels.fused_linear", "ENABLED", False))
@@ -275,9 +255,7 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),),
-            "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),),
-            "unpacked_inputs": (("engine.cuda_graphs", "PACKED_INPUTS", False),),
-            "norm_one_split": (("kernels.fused_linear", "_fused_table", _norm_one_split),)}
+            "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),)}
 # experiments (--variants): the committed settings alone, and which kernels release the next
 # one right after their wait
 PDL_VARIANTS = {
@@ -289,10 +267,15 @@ PDL_VARIANTS = {
 
 @functools.cache
 def _fused_table_64_attn_to_mlp_unfused(device):
-    """The 64-row attn_to_mlp boundary (o + residual, gate_up + norm + SiLU) left unfused, as
-    run 16's sweep chose before the UNFUSED_MARGIN rule."""
-    return _fused_table_with(
-        device, keep=lambda e: (e["block_m"], e["boundary"]) != (64, "attn_to_mlp"))
+    """`kernels.fused_linear._fused_table` with the 64-row attn_to_mlp boundary (o + residual,
+    gate_up + norm + SiLU) left unfused, as run 16's sweep chose before the UNFUSED_MARGIN
+    rule. Cached: the engine's eager steps look it up per linear."""
+    from kernels import fused_linear
+    from kernels.backends import device_config_entries
+
+    return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]): e["config"]
+            for e in device_config_entries(fused_linear.CONFIG_KIND, device)
+            if e["fused_faster"] and (e["block_m"], e["boundary"]) != (64, "attn_to_mlp")}
 
 
 # experiments (--variants): a 64-row boundary unfused
@@ -494,8 +477,6 @@ def _breakdown_inputs(graphs, size: int, context: int) -> None:
 
     from kernels.decode_inputs import pack_decode_inputs
 
-    graphs.slot_mapping[:size].fill_(-1)          # (graphs without packed inputs)
-    graphs.seq_lens[:size].fill_(context)
     host = np.zeros(graphs.packed.numel(), dtype=np.int32)
     rows = np.zeros(size, dtype=np.int64)
     used = pack_decode_inputs(host, rows, rows + context - 1, rows - 1, rows + context, None,
@@ -503,12 +484,11 @@ def _breakdown_inputs(graphs, size: int, context: int) -> None:
     graphs.packed[:used].copy_(torch.from_numpy(host[:used]))
 
 
-def step_timing(core, batch: int, vocab: int, gc_off: bool = False) -> dict:
+def step_timing(core, batch: int, vocab: int) -> dict:
     """CUDA events around each graph replay of an engine decode run at `batch` (64 new tokens):
     the replay's device time in the engine, and the device time from one replay's end to the
     next one's start (the sampled ids' copy out, the next inputs' copy in, the graph launch,
-    and any wait for the host), in ms per step; `gc_off`: Python's garbage collector
-    disabled during the run (are long gaps its pauses?)."""
+    and any wait for the host), in ms per step."""
     graphs = core.model_runner.cuda_graphs
     events = []
 
@@ -525,14 +505,10 @@ def step_timing(core, batch: int, vocab: int, gc_off: bool = False) -> dict:
 
     captured = graphs.graphs
     graphs.graphs = {size: TimedGraph(graph) for size, graph in captured.items()}
-    gc.collect()
-    if gc_off:
-        gc.disable()
     try:
         run = engine_decode(core, batch, vocab, 64)
     finally:
         graphs.graphs = captured
-        gc.enable()
     torch.cuda.synchronize()
     replays = [start.elapsed_time(end) for start, end in events]
     gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
@@ -577,9 +553,8 @@ def diagnostics(core, context: int, vocab: int, profile: bool) -> dict:
             results[f"kernels_b{batch}"] = kernel_profile(core, batch)
             print(f"kernels b={batch}: {json.dumps(results[f'kernels_b{batch}'])}", flush=True)
     if profile:
-        for key, gc_off in (("step_timing_b64", False), ("step_timing_b64_gc_off", True)):
-            results[key] = step_timing(core, 64, vocab, gc_off)
-            print(f"{key}: {json.dumps(results[key])}", flush=True)
+        results["step_timing_b64"] = step_timing(core, 64, vocab)
+        print(f"step timing b=64: {json.dumps(results['step_timing_b64'])}", flush=True)
         results["timeline_b64"] = engine_timeline(core, 64, vocab)
         print(f"timeline b=64: {json.dumps(results['timeline_b64'])}", flush=True)
         results["host_profile_b64"] = host_profile(core, 64, vocab)

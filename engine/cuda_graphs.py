@@ -15,7 +15,7 @@ A step packs its host arrays into a page-locked buffer (two, used in turn), copi
 (`kernels.decode_inputs.unpack_decode_inputs`) scatters `packed` into the buffers above, taking
 the tokens that async scheduling feeds from the runner's `last_sampled` (the previous step's ids,
 still on the device). Between two replays the device then runs two copies (this step's inputs
-in, the sampled ids out) instead of ~ten (H200: +0.1-0.5% tokens/s, benchmarks/RESULTS.md
+in, the sampled ids out) instead of ~ten (H200: +0.0-0.8% tokens/s, benchmarks/RESULTS.md
 run 17).
 
 Each graph holds the whole decode step on the device: the layers, the LM head over every row
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.input_batch import StepInputs, feed_tokens
+from engine.input_batch import StepInputs
 from engine.sampler import greedy_argmax
 from kernels.attention_metadata import AttentionMetadata
 from kernels.decode_inputs import pack_decode_inputs, packed_size, unpack_decode_inputs
@@ -55,9 +55,6 @@ from kernels.decode_inputs import pack_decode_inputs, packed_size, unpack_decode
 logger = logging.getLogger(__name__)
 
 CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# False: graphs captured from now on take their inputs as before run 17, one copy per buffer and
-# the fed tokens gathered outside the graph (benchmarks compare the two in one process)
-PACKED_INPUTS = True
 
 
 class GraphOutputs(NamedTuple):
@@ -116,7 +113,6 @@ class CudaGraphRunner:
                             for _ in range(2)]
         self.packed_copied = [torch.cuda.Event() for _ in range(2)]  # host buffer free again
         self.steps = 0
-        self.packed_inputs = PACKED_INPUTS
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, GraphOutputs] = {}
 
@@ -134,10 +130,9 @@ class CudaGraphRunner:
 
     def step(self, batch_size: int) -> GraphOutputs:
         """The captured work, run eagerly: inputs unpacked, forward, LM head, argmax."""
-        if self.packed_inputs:
-            unpack_decode_inputs(self.packed, self.last_sampled, self.input_ids[:batch_size],
-                                 self.positions[:batch_size], self.slot_mapping[:batch_size],
-                                 self.seq_lens[:batch_size], self.block_tables[:batch_size])
+        unpack_decode_inputs(self.packed, self.last_sampled, self.input_ids[:batch_size],
+                             self.positions[:batch_size], self.slot_mapping[:batch_size],
+                             self.seq_lens[:batch_size], self.block_tables[:batch_size])
         hidden = self._forward(batch_size)
         logits = self.model.compute_logits(hidden, float32=False)
         greedy_ids = greedy_argmax(logits)
@@ -183,10 +178,6 @@ class CudaGraphRunner:
         """
         num_seqs = inputs.num_seqs
         batch_size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
-        if not self.packed_inputs:
-            self._copy_inputs(inputs, feed_rows, batch_size)
-            self.graphs[batch_size].replay()
-            return GraphOutputs(*(output[:num_seqs] for output in self.outputs[batch_size]))
         turn = self.steps % 2
         self.steps += 1
         host, copied = self.packed_host[turn], self.packed_copied[turn]
@@ -198,22 +189,3 @@ class CudaGraphRunner:
         copied.record()
         self.graphs[batch_size].replay()
         return GraphOutputs(*(output[:num_seqs] for output in self.outputs[batch_size]))
-
-    def _copy_inputs(self, inputs: StepInputs, feed_rows: np.ndarray | None,
-                     batch_size: int) -> None:
-        """PACKED_INPUTS off: the step's device tensors copied buffer by buffer, the fed tokens
-        gathered from `last_sampled`, the padding rows filled (all outside the graph)."""
-        num_seqs = inputs.num_seqs
-        device_inputs = inputs.on_device()
-        metadata = device_inputs.attn_metadata
-        self.input_ids[:num_seqs].copy_(device_inputs.input_ids, non_blocking=True)
-        if feed_rows is not None:
-            feed_tokens(self.input_ids, feed_rows, self.last_sampled)
-        self.positions[:num_seqs].copy_(device_inputs.positions, non_blocking=True)
-        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping, non_blocking=True)
-        self.seq_lens[:num_seqs].copy_(metadata.seq_lens, non_blocking=True)
-        width = metadata.block_tables.shape[1]
-        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables, non_blocking=True)
-        if batch_size > num_seqs:
-            self.slot_mapping[num_seqs:batch_size].fill_(-1)
-            self.seq_lens[num_seqs:batch_size].fill_(0)

@@ -123,9 +123,9 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
 
 def _to_device(inputs: StepInputs) -> DeviceInputs:
     num_seqs, max_blocks = inputs.block_tables.shape
-    ints64 = packed_to_device([inputs.input_ids, inputs.positions, inputs.slot_mapping,
+    ints64 = _packed_to_device([inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                inputs.logits_indices], np.int64, inputs.device)
-    ints32 = packed_to_device([inputs.query_start_loc, inputs.seq_lens,
+    ints32 = _packed_to_device([inputs.query_start_loc, inputs.seq_lens,
                                inputs.block_tables.reshape(-1)], np.int32, inputs.device)
     query_lens = np.diff(inputs.query_start_loc)
     metadata = AttentionMetadata(
@@ -148,11 +148,11 @@ def feed_tokens(input_ids: torch.Tensor, feed_rows: np.ndarray,
         last_sampled: [S] int64 on the device.
     """
     fed = np.flatnonzero(feed_rows >= 0)
-    index = packed_to_device([fed, feed_rows[fed]], np.int64, input_ids.device)
+    index = _packed_to_device([fed, feed_rows[fed]], np.int64, input_ids.device)
     input_ids.index_copy_(0, index[0], last_sampled.index_select(0, index[1]))
 
 
-def packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device
+def _packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device
                      ) -> list[torch.Tensor]:
     """Copy 1-D arrays to `device` as one host->device transfer (one buffer, page-locked on
     CUDA so the copy is asynchronous); returns contiguous views of the device buffer, one per

@@ -7,7 +7,7 @@ async scheduling, the previous step's sampled ids gathered into the input ids: a
 copies and kernels between two graph replays. Packed, the host writes everything into one
 page-locked buffer, one host-to-device copy moves it, and the first kernel of the graph scatters
 it into the fixed buffers, taking the fed tokens from the device. (H200, Llama-3-8B decode in one
-process, benchmarks/RESULTS.md run 17: +0.4% / +0.5% / +0.1% tokens/s at batch 1 / 8 / 64.)
+process, benchmarks/RESULTS.md run 17: +0.4% / +0.5-0.8% / +0.0-0.2% tokens/s at batch 1 / 8 / 64.)
 
 Packed layout, int32, for n rows and a block table `width` blocks wide (`packed_size`):
 

@@ -177,12 +177,9 @@ def fused_norm_linear(added: AddedRows | None, residual: torch.Tensor, eps: floa
                       weight: torch.Tensor, bias: torch.Tensor | None, config: dict, *,
                       gated: bool = False) -> torch.Tensor:
     """`add_norm_linear`'s fused kernel with launch `config` on a stream with nothing pending:
-    the norm's sums of squares from `added` where given, else from the stream's rows (then in
-    one K split: a split config, tuned on handed-over sums, runs with SPLIT_K=1)."""
+    the norm's sums of squares from `added` where given, else from the stream's rows."""
     from kernels import linear_triton
 
-    if added is None and config.get("SPLIT_K", 1) > 1:
-        config = {**config, "SPLIT_K": 1}
     return linear_triton.linear(residual, weight, bias, config=config, norm_eps=eps,
                                 gated=gated,
                                 sum_squares=None if added is None else added.partials)

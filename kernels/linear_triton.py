@@ -185,7 +185,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
     elif NORM and NORM_BY_DOT:
         diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
         sum_squares = tl.sum(tl.where(diagonal, gram, 0.0), axis=1)
-    if SPLIT_K > 1:   # (GATED, and NORM without SS_PARTS, need one split: the launcher checks)
+    if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
         tile_ok = row_ok[:, None] & col_ok[None, :]
         tile_offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]          # [BM, BN]
         tl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=tile_ok)
@@ -280,9 +280,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             first). The rows' sums of squares come from a pre-pass over x (unrolled wide
             loads) or, from NORM_BY_DOT_ROWS rows per program, from the diagonal of x x^T, one
             more tl.dot per K step on the x tile already loaded (an elementwise use of that
-            tile halved the GEMM's speed), or are given (`sum_squares`); the epilogue scales
-            the accumulator. Needs one K split unless `sum_squares` is given (then the split
-            that sums the partial tiles scales them).
+            tile halved the GEMM's speed); the epilogue scales the accumulator. Needs one K
+            split.
         gated: compute `silu(x @ gate.T) * (x @ up.T)` ([M, I]) with gate / up the two row
             halves of weight, rounded as `kernels.activation.silu_and_mul` on the rounded
             halves. Needs one K split and no bias.
@@ -300,8 +299,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
-        ValueError: gated, or norm_eps without sum_squares, with SPLIT_K > 1; gated with a
-            bias; too many output
+        ValueError: norm_eps or gated with SPLIT_K > 1, gated with a bias, too many output
             tiles for the split-K arrival counters, or sum_squares / sum_squares_out without
             norm_eps / residual or of the wrong shape or dtype.
     """
@@ -322,9 +320,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = dict(config)
     split_k = config.pop("SPLIT_K", 1)
     swap_ab = config.pop("SWAP_AB", False)
-    if split_k > 1 and (gated or (norm_eps is not None and sum_squares is None)):
-        raise ValueError("gated, and norm_eps without sum_squares, need SPLIT_K=1 (each "
-                         "program must see all of K)")
+    if split_k > 1 and (norm_eps is not None or gated):
+        raise ValueError("norm_eps and gated need SPLIT_K=1 (each program must see all of K)")
     ss_ptr, ss_parts = _sum_squares_arg(num_rows, out_features, config, norm_eps, residual,
                                         sum_squares, sum_squares_out)
     block_k = config["BLOCK_K"]

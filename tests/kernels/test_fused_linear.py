@@ -73,14 +73,13 @@ def test_fused_kernels_run_where_the_config_file_says_and_match_the_unfused_ops(
         monkeypatch, tmp_path):
     """A two-boundary chain (o -> gate_up, down -> qkv in miniature) fused against unfused:
     the fused linear_add adds into the residual in place and returns AddedRows (the rows' sums
-    of squares, which the next norm reads), or None with the handoff off. The qkv norm's config
-    splits K: on handed-over sums it runs split, without them in one split."""
+    of squares, which the next norm reads), or None with the handoff off."""
     from kernels import backends
 
     small = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
     shapes = {"residual": [(64, 96), (64, 128)], "norm_gated": [(256, 64)], "norm": [(96, 64)]}
     entries = [{"fusion": fusion, "block_m": 16, "out_features": n, "in_features": k,
-                "config": dict(small, SPLIT_K=1 if fusion == "norm_gated" else 2),
+                "config": dict(small, SPLIT_K=2 if fusion == "residual" else 1),
                 "fused_faster": True} for fusion, pairs in shapes.items() for n, k in pairs]
     monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
     backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
