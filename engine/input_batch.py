@@ -124,9 +124,9 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
 def _to_device(inputs: StepInputs) -> DeviceInputs:
     num_seqs, max_blocks = inputs.block_tables.shape
     ints64 = _packed_to_device([inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                               inputs.logits_indices], np.int64, inputs.device)
+                                inputs.logits_indices], np.int64, inputs.device)
     ints32 = _packed_to_device([inputs.query_start_loc, inputs.seq_lens,
-                               inputs.block_tables.reshape(-1)], np.int32, inputs.device)
+                                inputs.block_tables.reshape(-1)], np.int32, inputs.device)
     query_lens = np.diff(inputs.query_start_loc)
     metadata = AttentionMetadata(
         query_start_loc=ints32[0], seq_lens=ints32[1],
