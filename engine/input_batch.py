@@ -153,7 +153,7 @@ def feed_tokens(input_ids: torch.Tensor, feed_rows: np.ndarray,
 
 
 def _packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device
-                     ) -> list[torch.Tensor]:
+                      ) -> list[torch.Tensor]:
     """Copy 1-D arrays to `device` as one host->device transfer (one buffer, page-locked on
     CUDA so the copy is asynchronous); returns contiguous views of the device buffer, one per
     array, in `dtype`."""
