@@ -287,7 +287,15 @@ ATTENTION_VARIANTS = {
     "attn_32_tiles_3_stages": (("kernels.rotary_decode_triton", "_DECODE_BLOCK_N", 32),
                                ("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
 }
-EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS}
+# experiments (--variants): the 64-row GEMMs in Gluon (weights requested before the PDL wait)
+GLUON_64 = (("kernels.linear_triton", "GLUON_ROWS64", True),)
+GLUON_VARIANTS = {
+    "gluon_64": GLUON_64,
+    "gluon_64_wait_first": (*GLUON_64, ("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False)),
+    "gluon_64_128k": (*GLUON_64, ("kernels.linear_gluon", "STAGE_BUDGET", 128 * 1024)),
+    "gluon_64_160k": (*GLUON_64, ("kernels.linear_gluon", "STAGE_BUDGET", 160 * 1024)),
+}
+EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 
 
 @contextlib.contextmanager

@@ -260,6 +260,16 @@ def _sum_squares_arg(num_rows: int, out_features: int, config: dict, norm_eps, r
 # against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
 NORM_BY_DOT_ROWS = 32
 
+# True: 33-64 rows of bf16 / fp16 on a Hopper GPU run `kernels/linear_gluon.py` (the same tiles,
+# the weight's first tiles requested before the PDL wait)
+GLUON_ROWS64 = False
+
+
+def _gluon_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    from kernels import linear_gluon
+
+    return linear_gluon.usable(x, weight)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict, norm_eps: float | None = None, gated: bool = False,
@@ -344,6 +354,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         partial = counters = out   # unused
     pdl_options = pdl.launch_options(x.device)
+    if GLUON_ROWS64 and rows_per_program == 64 and _gluon_takes(x, weight):
+        from kernels import linear_gluon
+
+        linear_gluon.launch(x, weight, bias, out, partial, counters,
+                            out if ss_ptr is None else ss_ptr, ss_parts,
+                            block_n=config["BLOCK_N"], split_k=split_k, norm_eps=norm_eps,
+                            gated=gated, residual=residual,
+                            emit_ss=sum_squares_out is not None, pdl_options=pdl_options)
+        return out
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, partial, counters,
         out if ss_ptr is None else ss_ptr, num_rows,

@@ -1,0 +1,245 @@
+"""Skinny GEMM in Gluon for 64-row decode tiles on Hopper: the weight streamed by TMA, its first
+tiles requested before the PDL wait.
+
+`kernels/linear_triton.py`'s kernel computes the same tiles, but Triton's software pipeliner
+issues the x and weight loads of its first stages together, after `griddepcontrol.wait`; so a
+GEMM's first weight bytes are requested only once the previous kernel has completed. Weights
+are written by no kernel, so they may be read before the wait (`kernels/pdl.py`). Gluon
+(Triton's tile-level dialect, `triton.experimental.gluon`) lets a kernel say when each copy is
+issued: here each program requests its first STAGES weight tiles, then waits, then requests x's.
+
+Design (one [BLOCK_N, 64] output tile of `y^T = W x^T` per program, K split SPLIT_K ways):
+- a ring of STAGES shared-memory stages, each a weight tile [BLOCK_N, BLOCK_K] (two with
+  GATED: gate and up rows) and an x tile [64, BLOCK_K], filled by TMA copies that complete on
+  the stage's mbarrier; rows of x past M are zero-filled by the copy;
+- per K step one Hopper wgmma: the weight tile is the A operand and x^T (a transposed view of
+  the x tile) the B operand, both read from shared memory; the stage is refilled with the
+  tile STAGES steps ahead once its wgmma has completed;
+- the epilogue is `linear_triton._epilogue`'s (norm scale from handed-over sums of squares,
+  bias, SiLU gate, residual add, sums of squares out), and split K finishes as there: the last
+  split to arrive on the tile's arrival counter sums the float32 partials in split order.
+
+Numerics: as `linear_triton` (float32 accumulation of bf16 products, one rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 64            # rows of x per program (the 64-row decode bucket)
+BLOCK_K = 64            # 128 bytes of bf16: one 128-byte-swizzled TMA box row
+STAGE_BUDGET = 96 * 1024   # shared memory for the stages: two programs fit on an SM
+# False: request the weight tiles after the PDL wait too (benchmarks compare the two)
+WEIGHTS_BEFORE_WAIT = True
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _gdc_wait(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_weights(w_desc, w_smem, u_smem, bar, n0, up_row, k, ok, GATED: gl.constexpr):
+    tma.async_copy_global_to_shared(w_desc, [n0, k], bar, w_smem, pred=ok)
+    if GATED:
+        tma.async_copy_global_to_shared(w_desc, [up_row, k], bar, u_smem, pred=ok)
+
+
+@gluon.jit
+def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps, bias_ptr,
+              out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS: gl.constexpr,
+              NORM: gl.constexpr, GATED: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+              EMIT_SS: gl.constexpr):
+    """`linear_triton._epilogue` on a transposed [BLOCK_N, BLOCK_M] tile (cols x rows)."""
+    dtype: gl.constexpr = out_ptr.dtype.element_ty
+    if NORM:
+        inv_rms = gl.expand_dims(gl.rsqrt(sum_squares / K + eps), 0)       # [1, BM]
+        acc = acc * inv_rms
+        if GATED:
+            acc_up = acc_up * inv_rms
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
+        acc += gl.expand_dims(bias, 1)
+    if GATED:
+        gate = acc.to(dtype).to(gl.float32)
+        silu = (gate / (1.0 + gl.exp(-gate))).to(dtype)
+        result = silu * acc_up.to(dtype)
+    elif HAS_RESIDUAL:
+        result = acc.to(dtype).to(gl.float32) + residual.to(gl.float32)
+    else:
+        result = acc
+    offsets = gl.expand_dims(rows.to(gl.int64), 0) * out_stride + gl.expand_dims(cols, 1)
+    gl.store(out_ptr + offsets, result.to(dtype), mask=tile_ok)
+    if EMIT_SS:
+        stored = gl.where(tile_ok, result.to(dtype).to(gl.float32), 0.0)
+        gl.store(ss_ptr + pid_n * M + rows, gl.sum(stored * stored, axis=0), mask=rows < M)
+
+
+@gluon.jit
+def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr, counter_ptr,
+                   ss_ptr, M, N, K, k_tiles_per_split, residual_stride, out_stride, eps,
+                   HAS_BIAS: gl.constexpr, NORM: gl.constexpr, GATED: gl.constexpr,
+                   HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr, SS_PARTS: gl.constexpr,
+                   SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
+                   PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
+                   num_warps: gl.constexpr):
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    dtype: gl.constexpr = w_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    up_row = N + n0                         # GATED: the up rows follow the N gate rows
+    first = pid_k * k_tiles_per_split       # this split's first K tile (the launcher gives
+    num_k = gl.minimum(k_tiles_per_split, gl.cdiv(K, BK) - first)   # every split >= 1 tile)
+
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
+    if GATED:
+        u_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
+    else:
+        u_smem = w_smem
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(bars.index(st), count=1)
+    w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
+    stage_bytes: gl.constexpr = w_bytes + x_desc.block_type.nbytes
+
+    if not WEIGHTS_BEFORE_WAIT:
+        _gdc_wait(PDL)
+    for st in gl.static_range(STAGES):      # the weights: written by no kernel
+        mbarrier.expect(bars.index(st), stage_bytes, pred=st < num_k)
+        _load_weights(w_desc, w_smem.index(st), u_smem.index(st), bars.index(st), n0, up_row,
+                      (first + st) * BK, st < num_k, GATED)
+    if WEIGHTS_BEFORE_WAIT:
+        _gdc_wait(PDL)                      # x, the residual, partials: the previous kernel's
+    for st in gl.static_range(STAGES):
+        tma.async_copy_global_to_shared(x_desc, [0, (first + st) * BK], bars.index(st),
+                                        x_smem.index(st), pred=st < num_k)
+
+    epi: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))        # [BN]
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(0, epi))                  # [BM]
+    tile_ok = gl.expand_dims(cols < N, 1) & gl.expand_dims(rows < M, 0)
+    residual = gl.zeros([BLOCK_N, BM], gl.float32, epi)
+    if HAS_RESIDUAL:    # loaded now, so its latency is not added after the K loop
+        residual = gl.load(residual_ptr + gl.expand_dims(rows.to(gl.int64), 0) * residual_stride
+                           + gl.expand_dims(cols, 1), mask=tile_ok, other=0.0).to(gl.float32)
+    sum_squares = gl.zeros([BM], gl.float32, gl.SliceLayout(0, epi))
+    if SS_PARTS > 0:
+        part = gl.arange(0, SS_PARTS_P2, layout=gl.SliceLayout(1, epi))
+        ss_parts = gl.load(ss_ptr + gl.expand_dims(part, 1) * M + gl.expand_dims(rows, 0),
+                           mask=gl.expand_dims(part < SS_PARTS, 1) & gl.expand_dims(rows < M, 0),
+                           other=0.0)
+        sum_squares = gl.sum(ss_parts, axis=0)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 16])
+    acc = gl.zeros([BLOCK_N, BM], gl.float32, mma)
+    acc_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
+    for i in range(num_k):
+        s = i % STAGES
+        mbarrier.wait(bars.index(s), (i // STAGES) & 1)
+        x_t = x_smem.index(s).permute((1, 0))                               # [BK, BM]
+        acc = warpgroup_mma(w_smem.index(s), x_t, acc, is_async=True)
+        if GATED:
+            acc_up = warpgroup_mma(u_smem.index(s), x_t, acc_up, is_async=True)
+            acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        ahead = i + STAGES                  # refill this stage with the tile STAGES ahead
+        ok = ahead < num_k
+        k = (first + ahead) * BK
+        mbarrier.expect(bars.index(s), stage_bytes, pred=ok)
+        _load_weights(w_desc, w_smem.index(s), u_smem.index(s), bars.index(s), n0, up_row, k,
+                      ok, GATED)
+        tma.async_copy_global_to_shared(x_desc, [0, k], bars.index(s), x_smem.index(s), pred=ok)
+    _gdc_launch_dependents(PDL)
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(st))
+
+    acc = gl.convert_layout(acc, epi)
+    acc_up = gl.convert_layout(acc_up, epi)
+    if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
+        tile_offsets = gl.expand_dims(rows.to(gl.int64), 0) * N + gl.expand_dims(cols, 1)
+        gl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=tile_ok)
+        gl.thread_barrier()   # every thread's partial is written before the arrival counts
+        counter = counter_ptr + pid_n
+        arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:   # the last split of this tile: sum all, in split order
+            gl.thread_barrier()
+            total = gl.zeros([BLOCK_N, BM], gl.float32, epi)
+            for split in gl.static_range(SPLIT_K):
+                total += gl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
+                                 other=0.0, cache_modifier=".cg")
+            _epilogue(total, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps,
+                      bias_ptr, out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS, NORM, GATED,
+                      HAS_RESIDUAL, EMIT_SS)
+            gl.atomic_xchg(counter, 0)
+    else:
+        _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps,
+                  bias_ptr, out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS, NORM, GATED, HAS_RESIDUAL,
+                  EMIT_SS)
+
+
+def stages_for(block_n: int, gated: bool) -> int:
+    """Pipeline stages that fit STAGE_BUDGET bytes of shared memory (2 to 8)."""
+    stage_bytes = (block_n * (2 if gated else 1) + BLOCK_M) * BLOCK_K * 2
+    return max(2, min(8, STAGE_BUDGET // stage_bytes))
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `launch` takes x and weight: bf16 / fp16 on a Hopper GPU, 16-byte aligned rows
+    (TMA's requirement), 33-64 rows."""
+    return (x.is_cuda and x.dtype in _GL_DTYPES and 32 < x.shape[0] <= BLOCK_M
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (x.stride(0) * x.element_size()) % 16 == 0
+            and (weight.stride(0) * weight.element_size()) % 16 == 0
+            and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, partial, counters,
+           ss_ptr, ss_parts: int, *, block_n: int, split_k: int, norm_eps, gated: bool,
+           residual, emit_ss: bool, pdl_options: dict) -> None:
+    """Run the Gluon kernel with `linear_triton.linear`'s checked arguments (out, the split-K
+    partials [split_k, M, N] and counters, the sums-of-squares tensor and its part count)."""
+    num_rows, in_features = x.shape
+    out_features = out.shape[1]
+    k_tiles = triton.cdiv(in_features, BLOCK_K)
+    per_split = triton.cdiv(k_tiles, split_k)
+    if (split_k - 1) * per_split >= k_tiles:
+        raise ValueError(f"SPLIT_K={split_k} leaves a split without K tiles ({k_tiles} tiles)")
+    dtype = _GL_DTYPES[x.dtype]
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], dtype)
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
+                              [block_n, BLOCK_K], w_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BLOCK_M, BLOCK_K], x_layout)
+    ss_parts_p2 = triton.next_power_of_2(max(ss_parts, 1))
+    _skinny_kernel[(triton.cdiv(out_features, block_n), split_k)](
+        w_desc, x_desc, bias if bias is not None else weight, out, out, partial, counters,
+        ss_ptr, num_rows, out_features, in_features, per_split, out.stride(0), out.stride(0),
+        0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
+        NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
+        EMIT_SS=emit_ss, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2, SPLIT_K=split_k,
+        STAGES=stages_for(block_n, gated), PDL=bool(pdl_options),
+        WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
+        num_warps=4, **pdl_options)

@@ -1,0 +1,103 @@
+"""Gluon skinny GEMM (kernels/linear_gluon.py) against the Triton kernel it stands in for and
+F.linear in float64, on a Hopper GPU.
+
+Both kernels accumulate in float32 and round once, in different summation orders: outputs agree
+to bf16 rounding (relative error vs float64 < 1e-2, as tests/kernels/test_linear_triton.py).
+The Gluon path is reached through `linear_triton.linear` with GLUON_ROWS64 set, so the same
+argument checks, partial buffers and arrival counters are used.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_common import DEVICE, relative_error
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    DEVICE != "cuda" or not torch.cuda.is_available()
+    or torch.cuda.get_device_capability()[0] != 9, reason="Hopper GPU (TMA, wgmma)")]
+
+PLAIN = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+WIDE = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4}
+SPLIT = {**PLAIN, "SPLIT_K": 2}
+
+
+def _randn(*shape, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(DEVICE)
+
+
+@pytest.fixture
+def gluon(monkeypatch):
+    from kernels import linear_triton
+
+    monkeypatch.setattr(linear_triton, "GLUON_ROWS64", True)
+    return linear_triton
+
+
+def _rms_normed(x, eps):
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("num_rows", [64, 48, 33])
+@pytest.mark.parametrize("config", [PLAIN, WIDE, SPLIT], ids=["plain", "wide", "split_k"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_gluon_linear_matches_f_linear(gluon, num_rows, config, with_bias):
+    x = _randn(num_rows, 1024, seed=1)
+    weight = _randn(320, 1024, seed=2, scale=1024 ** -0.5)     # ragged last N tile
+    bias = _randn(320, seed=3) if with_bias else None
+    got = gluon.linear(x, weight, bias, config=config)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert relative_error(got, expected) < 1e-2
+    assert torch.equal(gluon.linear(x, weight, bias, config=config), got)   # deterministic
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["norm", "norm_gated"])
+def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated):
+    """The residual GEMM writes its rows' sums of squares; the norm GEMM reads them: as the
+    unfused RMSNorm then linear (SiLU-gated)."""
+    eps = 1e-5
+    x = _randn(64, 512, seed=11)
+    w_o = _randn(1024, 512, seed=12, scale=512 ** -0.5)
+    residual = _randn(64, 1024, seed=13, scale=3.0)
+    expected_stream = residual.double() + F.linear(x.double(), w_o.double())
+    partials = torch.empty(1024 // 64, 64, dtype=torch.float32, device=DEVICE)
+    stream = gluon.linear(x, w_o, config=SPLIT, residual=residual, sum_squares_out=partials)
+    assert relative_error(stream, expected_stream) < 1e-2
+    assert relative_error(partials.double().sum(0), stream.double().pow(2).sum(-1)) < 1e-5
+
+    weight = _randn(2 * 192 if gated else 192, 1024, seed=14, scale=1024 ** -0.5)
+    got = gluon.linear(stream, weight, config=PLAIN, norm_eps=eps, gated=gated,
+                       sum_squares=partials)
+    product = F.linear(_rms_normed(stream, eps), weight.double())
+    if gated:
+        product = F.silu(product[:, :192]) * product[:, 192:]
+    assert relative_error(got, product) < 1e-2
+
+
+def test_gluon_split_k_replays_in_a_cuda_graph_and_leaves_counters_at_zero(gluon):
+    from kernels.backends import arrival_counters
+
+    x = _randn(64, 2048, seed=21)
+    weight = _randn(512, 2048, seed=22, scale=2048 ** -0.5)
+    gluon.linear(x, weight, config=SPLIT)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gluon.linear(x, weight, config=SPLIT)
+    for seed in range(23, 26):
+        x.copy_(_randn(64, 2048, seed=seed))
+        graph.replay()
+        assert relative_error(out, F.linear(x.double(), weight.double())) < 1e-2
+    torch.cuda.synchronize()
+    assert not arrival_counters(x.device).any()
+
+
+def test_gluon_agrees_with_the_triton_kernel(gluon, monkeypatch):
+    x = _randn(64, 4096, seed=31)
+    weight = _randn(1024, 4096, seed=32, scale=4096 ** -0.5)
+    got = gluon.linear(x, weight, config=SPLIT)
+    monkeypatch.setattr(gluon, "GLUON_ROWS64", False)
+    triton_out = gluon.linear(x, weight, config=SPLIT)
+    assert relative_error(got, triton_out.double()) < 4e-3
