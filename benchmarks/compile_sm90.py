@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GEMM_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "residual_ptr": "*bf16",
              "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32",
+             "max_ptr": "*fp32", "argmax_ptr": "*i32",
              "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "x_stride": "i32",
              "w_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "eps": "fp32"}
 DECODE_ARGS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16",
@@ -87,7 +88,7 @@ def variants() -> list[tuple]:
                           NORM_BY_DOT=block_m >= linear_triton.NORM_BY_DOT_ROWS,
                           SS_CHUNK=4096 // block_m, SS_CHUNKS=0 if parts else block_m,
                           SWAP_AB=swap, SS_PARTS=max(parts, 0),
-                          SS_PARTS_P2=max(parts, 1), EMIT_SS=parts < 0, PDL=True,
+                          SS_PARTS_P2=max(parts, 1), EMIT_SS=parts < 0, EMIT_ARGMAX=False, PDL=True,
                           TRIGGER_AFTER_LOOP=True)
         out.append((label, linear_triton._skinny_linear_kernel, GEMM_ARGS, constexprs, warps,
                     stages))

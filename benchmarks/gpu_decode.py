@@ -255,7 +255,8 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "cublas_linears": CUBLAS_ONLY,
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),),
-            "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),)}
+            "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),),
+            "argmax_pass": (("kernels.linear", "ROW_ARGMAX_EPILOGUE", False),)}
 # experiments (--variants): the committed settings alone, and which kernels release the next
 # one right after their wait
 PDL_VARIANTS = {

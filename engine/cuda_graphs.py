@@ -19,9 +19,10 @@ in, the sampled ids out) instead of ~ten (H200: +0.0-0.8% tokens/s, benchmarks/R
 run 17).
 
 Each graph holds the whole decode step on the device: the layers, the LM head over every row
-(`model.compute_logits`, in the model dtype [batch, vocab]) and the greedy choice (argmax per
-row, on those logits: converting them to float32 first changes no value, and at 64 rows cost 24
-us per step, plus a one-pass float32 argmax of 27 us against 19 for two passes over bf16; H200,
+(in the model dtype [batch, vocab]) and the greedy choice (`model.logits_and_greedy`: the
+argmax per row, taken in the LM head GEMM's epilogue where the Triton skinny GEMM runs it, else
+on those logits: converting them to float32 first changes no value, and at 64 rows cost 24 us
+per step, plus a one-pass float32 argmax of 27 us against 19 for two passes over bf16; H200,
 benchmarks/RESULTS.md run 14), so a greedy batch's step is one graph launch; sampling that needs
 more (temperature, penalties, logprobs) reads the graph's logits as float32. The greedy ids are
 also written to the first rows of `last_sampled`, for the next step to feed.
@@ -48,7 +49,6 @@ import torch
 from torch import nn
 
 from engine.input_batch import StepInputs
-from engine.sampler import greedy_argmax
 from kernels.attention_metadata import AttentionMetadata
 from kernels.decode_inputs import pack_decode_inputs, packed_size, unpack_decode_inputs
 
@@ -61,9 +61,9 @@ class GraphOutputs(NamedTuple):
     """A replayed step's static outputs, views valid until the next replay.
 
     hidden: [num_seqs, hidden_size] final-norm hidden states, model dtype.
-    logits: [num_seqs, vocab_size] model dtype (`model.compute_logits(float32=False)` of every
+    logits: [num_seqs, vocab_size] model dtype (`model.logits_and_greedy` of every
         row).
-    greedy_ids: [num_seqs] int64, `greedy_argmax(logits)` (the sampler's greedy rule).
+    greedy_ids: [num_seqs] int64, `greedy_argmax(logits)`'s ids (the sampler's greedy rule).
     """
 
     hidden: torch.Tensor
@@ -134,8 +134,7 @@ class CudaGraphRunner:
                              self.positions[:batch_size], self.slot_mapping[:batch_size],
                              self.seq_lens[:batch_size], self.block_tables[:batch_size])
         hidden = self._forward(batch_size)
-        logits = self.model.compute_logits(hidden, float32=False)
-        greedy_ids = greedy_argmax(logits)
+        logits, greedy_ids = self.model.logits_and_greedy(hidden)
         self.last_sampled[:batch_size].copy_(greedy_ids)
         return GraphOutputs(hidden, logits, greedy_ids)
 

@@ -38,6 +38,9 @@ QUANTIZED_MAX_ROWS = 64
 # tuned-config file says so (benchmarks/gemv_sweep.py). 0 turns it off (benchmarks compare).
 SKINNY_MAX_ROWS = 64
 
+# False: `linear_row_argmax` leaves the argmax to the caller (benchmarks compare the two)
+ROW_ARGMAX_EPILOGUE = True
+
 
 def _onednn_packing_available() -> bool:
     return (torch.backends.mkldnn.is_available()
@@ -115,3 +118,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         with preferring(library):
             return F.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_row_argmax(x: torch.Tensor,
+                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear(x, weight)` and, where the Triton skinny GEMM runs it, each row's first maximal
+    column taken in its epilogue (`linear_triton.linear_row_argmax`: a greedy LM head without
+    an argmax pass over the logits).
+
+    Args:
+        x: [M, in_features]; weight: [out_features, in_features] (no bias).
+    Returns:
+        (out [M, out_features] in x's dtype, [M] int64 `out.argmax(dim=-1)` or None where the
+        GEMM ran elsewhere: the caller takes the argmax).
+    """
+    config = _skinny_config(x, weight)
+    if config is None or not ROW_ARGMAX_EPILOGUE:
+        return linear(x, weight), None
+    from kernels import linear_triton
+
+    return linear_triton.linear_row_argmax(x, weight, config=config)

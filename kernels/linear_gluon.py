@@ -64,9 +64,9 @@ def _load_weights(w_desc, w_smem, u_smem, bar, n0, up_row, k, ok, GATED: gl.cons
 
 @gluon.jit
 def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps, bias_ptr,
-              out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS: gl.constexpr,
-              NORM: gl.constexpr, GATED: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
-              EMIT_SS: gl.constexpr):
+              out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
+              HAS_BIAS: gl.constexpr, NORM: gl.constexpr, GATED: gl.constexpr,
+              HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr, EMIT_ARGMAX: gl.constexpr):
     """`linear_triton._epilogue` on a transposed [BLOCK_N, BLOCK_M] tile (cols x rows)."""
     dtype: gl.constexpr = out_ptr.dtype.element_ty
     if NORM:
@@ -90,13 +90,23 @@ def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps
     if EMIT_SS:
         stored = gl.where(tile_ok, result.to(dtype).to(gl.float32), 0.0)
         gl.store(ss_ptr + pid_n * M + rows, gl.sum(stored * stored, axis=0), mask=rows < M)
+    if EMIT_ARGMAX:   # as linear_triton._store_row_argmax, along the tile's columns (axis 0)
+        key = gl.where(tile_ok, result.to(dtype).to(gl.float32), float("-inf"))
+        key = gl.where(key != key, float("inf"), key)
+        best = gl.max(key, axis=0)
+        first = gl.min(gl.where(key == gl.expand_dims(best, 0), gl.expand_dims(cols, 1),
+                                2147483647), axis=0)
+        gl.store(max_ptr + pid_n * M + rows, best, mask=rows < M)
+        gl.store(argmax_ptr + pid_n * M + rows, first, mask=rows < M)
 
 
 @gluon.jit
 def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr, counter_ptr,
-                   ss_ptr, M, N, K, k_tiles_per_split, residual_stride, out_stride, eps,
+                   ss_ptr, max_ptr, argmax_ptr, M, N, K, k_tiles_per_split, residual_stride,
+                   out_stride, eps,
                    HAS_BIAS: gl.constexpr, NORM: gl.constexpr, GATED: gl.constexpr,
-                   HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr, SS_PARTS: gl.constexpr,
+                   HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr,
+                   EMIT_ARGMAX: gl.constexpr, SS_PARTS: gl.constexpr,
                    SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
                    PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
                    num_warps: gl.constexpr):
@@ -191,13 +201,13 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                 total += gl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
                                  other=0.0, cache_modifier=".cg")
             _epilogue(total, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps,
-                      bias_ptr, out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS, NORM, GATED,
-                      HAS_RESIDUAL, EMIT_SS)
+                      bias_ptr, out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
+                      HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX)
             gl.atomic_xchg(counter, 0)
     else:
         _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps,
-                  bias_ptr, out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS, NORM, GATED, HAS_RESIDUAL,
-                  EMIT_SS)
+                  bias_ptr, out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
+                  HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX)
 
 
 def stages_for(block_n: int, gated: bool) -> int:
@@ -218,7 +228,8 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, partial, counters,
            ss_ptr, ss_parts: int, *, block_n: int, split_k: int, norm_eps, gated: bool,
-           residual, emit_ss: bool, pdl_options: dict) -> None:
+           residual, emit_ss: bool, maxima, columns, emit_argmax: bool,
+           pdl_options: dict) -> None:
     """Run the Gluon kernel with `linear_triton.linear`'s checked arguments (out, the split-K
     partials [split_k, M, N] and counters, the sums-of-squares tensor and its part count)."""
     num_rows, in_features = x.shape
@@ -236,10 +247,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
     ss_parts_p2 = triton.next_power_of_2(max(ss_parts, 1))
     _skinny_kernel[(triton.cdiv(out_features, block_n), split_k)](
         w_desc, x_desc, bias if bias is not None else weight, out, out, partial, counters,
-        ss_ptr, num_rows, out_features, in_features, per_split, out.stride(0), out.stride(0),
-        0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
+        ss_ptr, maxima, columns, num_rows, out_features, in_features, per_split, out.stride(0),
+        out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
-        EMIT_SS=emit_ss, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2, SPLIT_K=split_k,
+        EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
+        SPLIT_K=split_k,
         STAGES=stages_for(block_n, gated), PDL=bool(pdl_options),
         WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
         num_warps=4, **pdl_options)

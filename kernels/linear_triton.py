@@ -63,12 +63,15 @@ CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.js
 
 @triton.jit
 def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps, bias_ptr,
-              out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-              GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMIT_SS: tl.constexpr):
+              out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
+              HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, EMIT_SS: tl.constexpr, EMIT_ARGMAX: tl.constexpr):
     """Scale by the rows' inverse RMS (NORM), add the bias, apply SiLU(gate) * up (GATED) or
     add the residual (HAS_RESIDUAL), round to the output dtype and store one [BM, BN] tile.
     EMIT_SS: also store the tile's row sums of squares of the rounded output (float32) as row
-    pid_n of the [N tiles, M] partials at ss_ptr."""
+    pid_n of the [N tiles, M] partials at ss_ptr. EMIT_ARGMAX: also store each row's maximum
+    of the rounded tile (float32) and its first column (int32) as row pid_n of the [N tiles, M]
+    maxima at max_ptr / argmax_ptr."""
     dtype = out_ptr.dtype.element_ty
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if NORM:
@@ -91,6 +94,38 @@ def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K,
     if EMIT_SS:
         stored = tl.where(tile_ok, result.to(dtype).to(tl.float32), 0.0)
         tl.store(ss_ptr + pid_n * M + rows, tl.sum(stored * stored, axis=1), mask=row_ok)
+    if EMIT_ARGMAX:
+        _store_row_argmax(result.to(dtype).to(tl.float32), tile_ok, cols[None, :], 1, max_ptr,
+                          argmax_ptr, pid_n * M + rows, row_ok)
+
+
+@triton.jit
+def _store_row_argmax(values, tile_ok, cols, AXIS: tl.constexpr, max_ptr, argmax_ptr, offsets,
+                      row_ok):
+    """Store each row's maximum of `values` along AXIS (the columns; cols broadcast to the
+    tile) and the first column holding it; NaN counts as +inf (torch.argmax takes NaN as the
+    maximum)."""
+    key = tl.where(tile_ok, values, float("-inf"))
+    key = tl.where(key != key, float("inf"), key)
+    best = tl.max(key, axis=AXIS)
+    if AXIS == 1:
+        hit = key == best[:, None]
+    else:
+        hit = key == best[None, :]
+    first = tl.min(tl.where(hit, cols, 2147483647), axis=AXIS)
+    tl.store(max_ptr + offsets, best, mask=row_ok)
+    tl.store(argmax_ptr + offsets, first, mask=row_ok)
+
+
+@triton.jit
+def _first_maximal_column_kernel(max_ptr, argmax_ptr, out_ptr, M, TILES: tl.constexpr,
+                                 BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    pdl.wait_and_release(PDL, True)
+    tile = tl.arange(0, BLOCK_T)
+    best = tl.load(max_ptr + tile * M + row, mask=tile < TILES, other=float("-inf"))
+    first = tl.min(tl.where(best == tl.max(best, axis=0), tile, BLOCK_T), axis=0)
+    tl.store(out_ptr + row, tl.load(argmax_ptr + first * M + row).to(tl.int64))
 
 
 @triton.jit
@@ -105,15 +140,17 @@ def _mma(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr,
-                          counter_ptr, ss_ptr, M, N, K, k_per_split, x_stride, w_stride,
-                          residual_stride, out_stride, eps, HAS_BIAS: tl.constexpr,
-                          NORM: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                          counter_ptr, ss_ptr, max_ptr, argmax_ptr, M, N, K, k_per_split,
+                          x_stride, w_stride, residual_stride, out_stride, eps,
+                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                          HAS_RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           PRECISION: tl.constexpr, NORM_BY_DOT: tl.constexpr,
                           SS_CHUNK: tl.constexpr, SS_CHUNKS: tl.constexpr,
                           SWAP_AB: tl.constexpr, SS_PARTS: tl.constexpr,
-                          SS_PARTS_P2: tl.constexpr, EMIT_SS: tl.constexpr, PDL: tl.constexpr,
+                          SS_PARTS_P2: tl.constexpr, EMIT_SS: tl.constexpr,
+                          EMIT_ARGMAX: tl.constexpr, PDL: tl.constexpr,
                           TRIGGER_AFTER_LOOP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -199,13 +236,13 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial
                 acc += tl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
                                other=0.0, cache_modifier=".cg")
             _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps,
-                      bias_ptr, out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS, NORM, GATED,
-                      HAS_RESIDUAL, EMIT_SS)
+                      bias_ptr, out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
+                      HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX)
             tl.atomic_xchg(counter, 0)
     else:
         _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K, eps,
-                  bias_ptr, out_ptr, out_stride, ss_ptr, M, pid_n, HAS_BIAS, NORM, GATED,
-                  HAS_RESIDUAL, EMIT_SS)
+                  bias_ptr, out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
+                  HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX)
 
 
 def block_m(num_rows: int) -> int:
@@ -255,6 +292,49 @@ def _sum_squares_arg(num_rows: int, out_features: int, config: dict, norm_eps, r
     return given, parts if sum_squares is not None else 0
 
 
+def _row_maxima_args(num_rows: int, out_features: int, config: dict, row_maxima_out,
+                     out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check `linear`'s row_maxima_out: the (maxima, columns) pointers (out's where None)."""
+    if row_maxima_out is None:
+        return out, out
+    shape = (num_partials(out_features, config), num_rows)
+    maxima, columns = row_maxima_out
+    if (maxima.dtype != torch.float32 or columns.dtype != torch.int32
+            or tuple(maxima.shape) != shape or tuple(columns.shape) != shape
+            or not (maxima.is_contiguous() and columns.is_contiguous())):
+        raise ValueError(f"row maxima must be contiguous float32 and int32 {list(shape)} tensors")
+    return maxima, columns
+
+
+def linear_row_argmax(x: torch.Tensor, weight: torch.Tensor, *,
+                      config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear(x, weight, config=config)` and each row's first maximal column, the argmax taken
+    in the GEMM's epilogue (a greedy LM head: no logits re-read by an argmax kernel).
+
+    Returns:
+        (out [M, N] in x's dtype, [M] int64: `out.argmax(dim=-1)`, ties to the lowest column;
+        NaN counts as the maximum, but a row holding both NaN and +inf may get either).
+    """
+    shape = (num_partials(weight.shape[0], config), x.shape[0])
+    maxima = torch.empty(shape, dtype=torch.float32, device=x.device)
+    columns = torch.empty(shape, dtype=torch.int32, device=x.device)
+    out = linear(x, weight, config=config, row_maxima_out=(maxima, columns))
+    return out, first_maximal_column(maxima, columns)
+
+
+def first_maximal_column(maxima: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """[T, M] per-tile row maxima (float32) and their columns (int32), tiles in column order ->
+    [M] int64: the column of each row's maximum over all tiles, the first tile's on ties."""
+    tiles, num_rows = maxima.shape
+    out = torch.empty(num_rows, dtype=torch.int64, device=maxima.device)
+    if num_rows:
+        pdl_options = pdl.launch_options(maxima.device)
+        _first_maximal_column_kernel[(num_rows,)](
+            maxima, columns, out, num_rows, TILES=tiles, BLOCK_T=triton.next_power_of_2(tiles),
+            PDL=bool(pdl_options), **pdl_options)
+    return out
+
+
 # From this many rows per program the norm's sums of squares come from tl.dot(x, x.T) in the K
 # loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
 # against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
@@ -274,7 +354,8 @@ def _gluon_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: dict, norm_eps: float | None = None, gated: bool = False,
            residual: torch.Tensor | None = None, sum_squares: torch.Tensor | None = None,
-           sum_squares_out: torch.Tensor | None = None) -> torch.Tensor:
+           sum_squares_out: torch.Tensor | None = None,
+           row_maxima_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`, optionally with x RMS-normalised, SiLU-gated or a residual added.
 
     Args:
@@ -306,6 +387,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         sum_squares_out: with residual, [num_partials(out_features, config), M] float32
             contiguous, written with each output tile's row sums of squares of the new
             (rounded) residual, for the next norm's `sum_squares`.
+        row_maxima_out: (maxima, columns), each [num_partials(out_features, config), M]
+            contiguous, float32 and int32: written with each output tile's row maxima of the
+            rounded output and the first column holding each (`linear_row_argmax`).
     Returns:
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
@@ -353,6 +437,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         counters = arrival_counters(x.device)
     else:
         partial = counters = out   # unused
+    maxima, columns = _row_maxima_args(num_rows, out_features, config, row_maxima_out, out)
     pdl_options = pdl.launch_options(x.device)
     if GLUON_ROWS64 and rows_per_program == 64 and _gluon_takes(x, weight):
         from kernels import linear_gluon
@@ -361,11 +446,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                             out if ss_ptr is None else ss_ptr, ss_parts,
                             block_n=config["BLOCK_N"], split_k=split_k, norm_eps=norm_eps,
                             gated=gated, residual=residual,
-                            emit_ss=sum_squares_out is not None, pdl_options=pdl_options)
+                            emit_ss=sum_squares_out is not None, maxima=maxima,
+                            columns=columns, emit_argmax=row_maxima_out is not None,
+                            pdl_options=pdl_options)
         return out
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, partial, counters,
-        out if ss_ptr is None else ss_ptr, num_rows,
+        out if ss_ptr is None else ss_ptr, maxima, columns, num_rows,
         out_features, in_features, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
@@ -375,7 +462,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
         SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps and not ss_parts else 0,
         SWAP_AB=swap_ab, SS_PARTS=ss_parts, SS_PARTS_P2=triton.next_power_of_2(max(ss_parts, 1)),
-        EMIT_SS=sum_squares_out is not None,
+        EMIT_SS=sum_squares_out is not None, EMIT_ARGMAX=row_maxima_out is not None,
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
         **pdl_options, **config)
     return out

@@ -101,3 +101,13 @@ def test_gluon_agrees_with_the_triton_kernel(gluon, monkeypatch):
     monkeypatch.setattr(gluon, "GLUON_ROWS64", False)
     triton_out = gluon.linear(x, weight, config=SPLIT)
     assert relative_error(got, triton_out.double()) < 4e-3
+
+
+def test_gluon_row_argmax_epilogue(gluon):
+    from kernels.linear_triton import linear_row_argmax
+
+    x = _randn(64, 1024, seed=41)
+    weight = _randn(1000, 1024, seed=42, scale=1024 ** -0.5)
+    weight[900] = weight[100] = 0.05          # equal, leading logits in two tiles
+    out, ids = linear_row_argmax(x.abs(), weight, config=WIDE)
+    assert torch.equal(ids, out.argmax(dim=-1)) and torch.equal(ids, torch.full_like(ids, 100))

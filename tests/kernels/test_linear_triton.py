@@ -251,3 +251,33 @@ def test_sums_of_squares_arguments_are_checked():
         linear(x, weight, config=SMALL, residual=x.clone(), sum_squares_out=parts[:, :2])
     with pytest.raises(ValueError, match="not both"):
         linear(x, weight, config=SMALL, norm_eps=1e-6, sum_squares=parts, sum_squares_out=parts)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 17])
+@pytest.mark.parametrize("config", [SMALL, SPLIT, SWAP], ids=["one_split", "split_k", "swap_ab"])
+def test_row_argmax_epilogue_gives_the_first_maximal_column(num_rows, config):
+    """linear_row_argmax: the output of `linear` unchanged, and out.argmax(-1) exactly, ties
+    to the lowest column (two equal weight rows, in different tiles, lead every row)."""
+    from kernels.linear_triton import linear, linear_row_argmax
+
+    dtype = DTYPES[-1]
+    x = _randn(num_rows, 200, dtype=dtype, seed=51).abs()
+    weight = _randn(150, 200, dtype=dtype, seed=52, scale=200 ** -0.5)
+    plain = linear(x, weight, config=config)
+    out, ids = linear_row_argmax(x, weight, config=config)
+    assert torch.equal(out, plain)
+    assert ids.dtype == torch.int64 and torch.equal(ids, plain.argmax(dim=-1))
+    weight[40] = weight[130] = 1.0            # the same, largest logit in columns 40 and 130
+    out, ids = linear_row_argmax(x, weight, config=config)
+    assert torch.equal(ids, torch.full_like(ids, 40))
+    assert torch.equal(ids, out.argmax(dim=-1))
+
+
+def test_row_maxima_arguments_are_checked():
+    from kernels.linear_triton import linear
+
+    x = _randn(2, 64, dtype=DTYPES[-1], seed=53)
+    weight = _randn(64, 64, dtype=DTYPES[-1], seed=54)
+    wrong = (torch.empty(1, 2, device=DEVICE), torch.empty(1, 2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="row maxima"):
+        linear(x, weight, config=SMALL, row_maxima_out=wrong)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.linear import linear, pack_linear_weight, quantize_linear_weight
+from kernels.linear import linear, linear_row_argmax, pack_linear_weight, quantize_linear_weight
 
 
 class Linear(nn.Module):
@@ -36,6 +36,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features], the weight's dtype."""
         return linear(x, self.weight, self.bias, self.packed_weight, self.quantized_weight)
+
+    def forward_row_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`forward(x)`, each row's first maximal column [num_tokens] int64 where the GEMM's
+        epilogue took it (`kernels.linear.linear_row_argmax`), else None)."""
+        if self.bias is not None or self.packed_weight is not None or self.quantized_weight:
+            return self.forward(x), None
+        return linear_row_argmax(x, self.weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

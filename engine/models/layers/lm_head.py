@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.layers.linear import Linear
+from engine.sampler import greedy_argmax
+
 
 class CausalLMLogits:
     """Mixin for a causal LM module with an `lm_head` (a `Linear` to the vocabulary)."""
@@ -16,3 +19,15 @@ class CausalLMLogits:
         that needs no float32 copy)."""
         logits = self.lm_head(hidden)
         return logits.float() if float32 else logits
+
+    def logits_and_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [num_rows, hidden_size] -> (logits [num_rows, vocab_size] in the model dtype,
+        greedy ids [num_rows] int64: `greedy_argmax(logits)`). Where the LM head runs the
+        Triton skinny GEMM the argmax is taken in its epilogue, with no pass over the logits."""
+        if isinstance(self.lm_head, Linear):
+            logits, greedy_ids = self.lm_head.forward_row_argmax(hidden)
+            if greedy_ids is not None:
+                return logits, greedy_ids
+        else:
+            logits = self.lm_head(hidden)
+        return logits, greedy_argmax(logits)
