@@ -294,7 +294,9 @@ GLUON_VARIANTS = {
     "gluon_64": GLUON_64,
     "gluon_64_wait_first": (*GLUON_64, ("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False)),
     "gluon_64_128k": (*GLUON_64, ("kernels.linear_gluon", "STAGE_BUDGET", 128 * 1024)),
-    "gluon_64_160k": (*GLUON_64, ("kernels.linear_gluon", "STAGE_BUDGET", 160 * 1024)),
+    "gluon_64_192k": (*GLUON_64, ("kernels.linear_gluon", "STAGE_BUDGET", 192 * 1024)),
+    "gluon_64_sub1_128k": (*GLUON_64, ("kernels.linear_gluon", "SUB_BOXES", 1),
+                           ("kernels.linear_gluon", "STAGE_BUDGET", 128 * 1024)),
 }
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 

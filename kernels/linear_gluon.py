@@ -9,12 +9,14 @@ are written by no kernel, so they may be read before the wait (`kernels/pdl.py`)
 issued: here each program requests its first STAGES weight tiles, then waits, then requests x's.
 
 Design (one [BLOCK_N, 64] output tile of `y^T = W x^T` per program, K split SPLIT_K ways):
-- a ring of STAGES shared-memory stages, each a weight tile [BLOCK_N, BLOCK_K] (two with
-  GATED: gate and up rows) and an x tile [64, BLOCK_K], filled by TMA copies that complete on
-  the stage's mbarrier; rows of x past M are zero-filled by the copy;
-- per K step one Hopper wgmma: the weight tile is the A operand and x^T (a transposed view of
-  the x tile) the B operand, both read from shared memory; the stage is refilled with the
-  tile STAGES steps ahead once its wgmma has completed;
+- a ring of STAGES shared-memory stages, each SUB boxes of 64 K columns (128 bytes, the
+  widest 128-byte-swizzled TMA box) of a weight tile [BLOCK_N, 64] (two with GATED: gate and
+  up rows) and of an x tile [64, 64], filled by TMA copies that complete on the stage's
+  mbarrier; rows of x past M are zero-filled by the copy;
+- per box one asynchronous Hopper wgmma: the weight tile is the A operand and x^T (a
+  transposed view of the x tile) the B operand, both read from shared memory; once a step's
+  wgmmas have completed (checked one step later, so they overlap the next wait) their stage
+  is refilled with the tile STAGES steps ahead;
 - the epilogue is `linear_triton._epilogue`'s (norm scale from handed-over sums of squares,
   bias, SiLU gate, residual add, sums of squares out), and split K finishes as there: the last
   split to arrive on the tile's arrival counter sums the float32 partials in split order.
@@ -33,8 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M = 64            # rows of x per program (the 64-row decode bucket)
-BLOCK_K = 64            # 128 bytes of bf16: one 128-byte-swizzled TMA box row
-STAGE_BUDGET = 96 * 1024   # shared memory for the stages: two programs fit on an SM
+BOX_K = 64              # K columns per TMA box: 128 bytes of bf16, one 128-byte-swizzled row
+SUB_BOXES = 2           # boxes per pipeline stage: K columns per stage = SUB_BOXES * BOX_K
+STAGE_BUDGET = 160 * 1024   # shared memory for the stages
 # False: request the weight tiles after the PDL wait too (benchmarks compare the two)
 WEIGHTS_BEFORE_WAIT = True
 
@@ -56,10 +59,22 @@ def _gdc_launch_dependents(PDL: gl.constexpr):
 
 
 @gluon.jit
-def _load_weights(w_desc, w_smem, u_smem, bar, n0, up_row, k, ok, GATED: gl.constexpr):
-    tma.async_copy_global_to_shared(w_desc, [n0, k], bar, w_smem, pred=ok)
-    if GATED:
-        tma.async_copy_global_to_shared(w_desc, [up_row, k], bar, u_smem, pred=ok)
+def _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bar, stage, n0, up_row, k, ok,
+                SUB: gl.constexpr, GATED: gl.constexpr, WEIGHTS: gl.constexpr,
+                X: gl.constexpr):
+    """Request stage `stage`'s SUB boxes of 64 K columns from column k: the weight's (and the
+    up rows' if GATED) if WEIGHTS, x's if X; all complete on `bar`. Skipped unless `ok`."""
+    BOX: gl.constexpr = w_desc.block_type.shape[1]
+    for j in gl.static_range(SUB):
+        if WEIGHTS:
+            tma.async_copy_global_to_shared(w_desc, [n0, k + j * BOX], bar,
+                                            w_smem.index(stage * SUB + j), pred=ok)
+            if GATED:
+                tma.async_copy_global_to_shared(w_desc, [up_row, k + j * BOX], bar,
+                                                u_smem.index(stage * SUB + j), pred=ok)
+        if X:
+            tma.async_copy_global_to_shared(x_desc, [0, k + j * BOX], bar,
+                                            x_smem.index(stage * SUB + j), pred=ok)
 
 
 @gluon.jit
@@ -108,10 +123,12 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                    HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr,
                    EMIT_ARGMAX: gl.constexpr, SS_PARTS: gl.constexpr,
                    SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
+                   SUB: gl.constexpr,
                    PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
                    num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    BK: gl.constexpr = w_desc.block_type.shape[1]
+    BOX: gl.constexpr = w_desc.block_type.shape[1]   # K columns per TMA box (128 bytes)
+    BK: gl.constexpr = BOX * SUB                      # K columns per stage
     BM: gl.constexpr = x_desc.block_type.shape[0]
     dtype: gl.constexpr = w_desc.dtype
     pid_n = gl.program_id(0)
@@ -121,29 +138,29 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     first = pid_k * k_tiles_per_split       # this split's first K tile (the launcher gives
     num_k = gl.minimum(k_tiles_per_split, gl.cdiv(K, BK) - first)   # every split >= 1 tile)
 
-    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
     if GATED:
-        u_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BK], w_desc.layout)
+        u_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
     else:
         u_smem = w_smem
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BM, BOX], x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(bars.index(st), count=1)
     w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
-    stage_bytes: gl.constexpr = w_bytes + x_desc.block_type.nbytes
+    stage_bytes: gl.constexpr = SUB * (w_bytes + x_desc.block_type.nbytes)
 
     if not WEIGHTS_BEFORE_WAIT:
         _gdc_wait(PDL)
     for st in gl.static_range(STAGES):      # the weights: written by no kernel
         mbarrier.expect(bars.index(st), stage_bytes, pred=st < num_k)
-        _load_weights(w_desc, w_smem.index(st), u_smem.index(st), bars.index(st), n0, up_row,
-                      (first + st) * BK, st < num_k, GATED)
+        _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
+                    (first + st) * BK, st < num_k, SUB, GATED, True, False)
     if WEIGHTS_BEFORE_WAIT:
         _gdc_wait(PDL)                      # x, the residual, partials: the previous kernel's
     for st in gl.static_range(STAGES):
-        tma.async_copy_global_to_shared(x_desc, [0, (first + st) * BK], bars.index(st),
-                                        x_smem.index(st), pred=st < num_k)
+        _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
+                    (first + st) * BK, st < num_k, SUB, GATED, False, True)
 
     epi: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))        # [BN]
@@ -168,20 +185,27 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     for i in range(num_k):
         s = i % STAGES
         mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-        x_t = x_smem.index(s).permute((1, 0))                               # [BK, BM]
-        acc = warpgroup_mma(w_smem.index(s), x_t, acc, is_async=True)
+        for j in gl.static_range(SUB):
+            x_t = x_smem.index(s * SUB + j).permute((1, 0))                 # [BOX, BM]
+            acc = warpgroup_mma(w_smem.index(s * SUB + j), x_t, acc, is_async=True)
+            if GATED:
+                acc_up = warpgroup_mma(u_smem.index(s * SUB + j), x_t, acc_up, is_async=True)
+        # this step's MMAs may run on; the previous step's are done: refill its stage with
+        # the tile STAGES after it
         if GATED:
-            acc_up = warpgroup_mma(u_smem.index(s), x_t, acc_up, is_async=True)
-            acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+            acc, acc_up = warpgroup_mma_wait(2 * SUB, deps=(acc, acc_up))
         else:
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        ahead = i + STAGES                  # refill this stage with the tile STAGES ahead
-        ok = ahead < num_k
-        k = (first + ahead) * BK
-        mbarrier.expect(bars.index(s), stage_bytes, pred=ok)
-        _load_weights(w_desc, w_smem.index(s), u_smem.index(s), bars.index(s), n0, up_row, k,
-                      ok, GATED)
-        tma.async_copy_global_to_shared(x_desc, [0, k], bars.index(s), x_smem.index(s), pred=ok)
+            acc = warpgroup_mma_wait(SUB, deps=(acc,))
+        ahead = i - 1 + STAGES
+        ok = (i > 0) & (ahead < num_k)
+        prev = (i + STAGES - 1) % STAGES
+        mbarrier.expect(bars.index(prev), stage_bytes, pred=ok)
+        _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(prev), prev, n0, up_row,
+                    (first + ahead) * BK, ok, SUB, GATED, True, True)
+    if GATED:
+        acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
     _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
@@ -212,7 +236,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
 
 def stages_for(block_n: int, gated: bool) -> int:
     """Pipeline stages that fit STAGE_BUDGET bytes of shared memory (2 to 8)."""
-    stage_bytes = (block_n * (2 if gated else 1) + BLOCK_M) * BLOCK_K * 2
+    stage_bytes = (block_n * (2 if gated else 1) + BLOCK_M) * BOX_K * SUB_BOXES * 2
     return max(2, min(8, STAGE_BUDGET // stage_bytes))
 
 
@@ -234,16 +258,16 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
     partials [split_k, M, N] and counters, the sums-of-squares tensor and its part count)."""
     num_rows, in_features = x.shape
     out_features = out.shape[1]
-    k_tiles = triton.cdiv(in_features, BLOCK_K)
+    k_tiles = triton.cdiv(in_features, BOX_K * SUB_BOXES)
     per_split = triton.cdiv(k_tiles, split_k)
     if (split_k - 1) * per_split >= k_tiles:
         raise ValueError(f"SPLIT_K={split_k} leaves a split without K tiles ({k_tiles} tiles)")
     dtype = _GL_DTYPES[x.dtype]
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], dtype)
-    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BOX_K], dtype)
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BOX_K], dtype)
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
-                              [block_n, BLOCK_K], w_layout)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BLOCK_M, BLOCK_K], x_layout)
+                              [block_n, BOX_K], w_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BLOCK_M, BOX_K], x_layout)
     ss_parts_p2 = triton.next_power_of_2(max(ss_parts, 1))
     _skinny_kernel[(triton.cdiv(out_features, block_n), split_k)](
         w_desc, x_desc, bias if bias is not None else weight, out, out, partial, counters,
@@ -251,7 +275,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
-        SPLIT_K=split_k,
-        STAGES=stages_for(block_n, gated), PDL=bool(pdl_options),
+        SPLIT_K=split_k, STAGES=stages_for(block_n, gated), SUB=SUB_BOXES,
+        PDL=bool(pdl_options),
         WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
         num_warps=4, **pdl_options)
