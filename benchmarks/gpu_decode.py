@@ -288,15 +288,13 @@ ATTENTION_VARIANTS = {
     "attn_32_tiles_3_stages": (("kernels.rotary_decode_triton", "_DECODE_BLOCK_N", 32),
                                ("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
 }
-# experiments (--variants): the 64-row GEMMs in Gluon (weights requested before the PDL wait)
-GLUON_64 = (("kernels.linear_triton", "GLUON_ROWS64", True),)
+# experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
+# weights requested before the PDL wait), and its pipeline
 GLUON_VARIANTS = {
-    "gluon_64": GLUON_64,
-    "gluon_64_wait_first": (*GLUON_64, ("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False)),
-    "gluon_64_128k": (*GLUON_64, ("kernels.linear_gluon", "STAGE_BUDGET", 128 * 1024)),
-    "gluon_64_192k": (*GLUON_64, ("kernels.linear_gluon", "STAGE_BUDGET", 192 * 1024)),
-    "gluon_64_sub1_128k": (*GLUON_64, ("kernels.linear_gluon", "SUB_BOXES", 1),
-                           ("kernels.linear_gluon", "STAGE_BUDGET", 128 * 1024)),
+    "gluon_off": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset()),),
+    "gluon_all_buckets": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset({16, 32, 64})),),
+    "gluon_wait_first": (("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False),),
+    "gluon_224k": (("kernels.linear_gluon", "STAGE_BUDGET", 224 * 1024),),
 }
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 

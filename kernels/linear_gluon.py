@@ -34,10 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-BLOCK_M = 64            # rows of x per program (the 64-row decode bucket)
 BOX_K = 64              # K columns per TMA box: 128 bytes of bf16, one 128-byte-swizzled row
 SUB_BOXES = 2           # boxes per pipeline stage: K columns per stage = SUB_BOXES * BOX_K
-STAGE_BUDGET = 160 * 1024   # shared memory for the stages
+STAGE_BUDGET = 192 * 1024   # shared memory for the stages
 # False: request the weight tiles after the PDL wait too (benchmarks compare the two)
 WEIGHTS_BEFORE_WAIT = True
 
@@ -234,24 +233,24 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                   HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX)
 
 
-def stages_for(block_n: int, gated: bool) -> int:
+def stages_for(block_m: int, block_n: int, gated: bool) -> int:
     """Pipeline stages that fit STAGE_BUDGET bytes of shared memory (2 to 8)."""
-    stage_bytes = (block_n * (2 if gated else 1) + BLOCK_M) * BOX_K * SUB_BOXES * 2
+    stage_bytes = (block_n * (2 if gated else 1) + block_m) * BOX_K * SUB_BOXES * 2
     return max(2, min(8, STAGE_BUDGET // stage_bytes))
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `launch` takes x and weight: bf16 / fp16 on a Hopper GPU, 16-byte aligned rows
-    (TMA's requirement), 33-64 rows."""
-    return (x.is_cuda and x.dtype in _GL_DTYPES and 32 < x.shape[0] <= BLOCK_M
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-            and (x.stride(0) * x.element_size()) % 16 == 0
+    (TMA's requirement)."""
+    return (x.is_cuda and x.dtype in _GL_DTYPES and x.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
             and (weight.stride(0) * weight.element_size()) % 16 == 0
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, partial, counters,
-           ss_ptr, ss_parts: int, *, block_n: int, split_k: int, norm_eps, gated: bool,
+           ss_ptr, ss_parts: int, *, block_m: int, block_n: int, split_k: int, norm_eps,
+           gated: bool,
            residual, emit_ss: bool, maxima, columns, emit_argmax: bool,
            pdl_options: dict) -> None:
     """Run the Gluon kernel with `linear_triton.linear`'s checked arguments (out, the split-K
@@ -264,10 +263,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         raise ValueError(f"SPLIT_K={split_k} leaves a split without K tiles ({k_tiles} tiles)")
     dtype = _GL_DTYPES[x.dtype]
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BOX_K], dtype)
-    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BOX_K], dtype)
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BOX_K], dtype)
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
                               [block_n, BOX_K], w_layout)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BLOCK_M, BOX_K], x_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, BOX_K], x_layout)
     ss_parts_p2 = triton.next_power_of_2(max(ss_parts, 1))
     _skinny_kernel[(triton.cdiv(out_features, block_n), split_k)](
         w_desc, x_desc, bias if bias is not None else weight, out, out, partial, counters,
@@ -275,7 +274,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
-        SPLIT_K=split_k, STAGES=stages_for(block_n, gated), SUB=SUB_BOXES,
+        SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated), SUB=SUB_BOXES,
         PDL=bool(pdl_options),
         WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
         num_warps=4, **pdl_options)

@@ -340,9 +340,9 @@ def first_maximal_column(maxima: torch.Tensor, columns: torch.Tensor) -> torch.T
 # against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
 NORM_BY_DOT_ROWS = 32
 
-# True: 33-64 rows of bf16 / fp16 on a Hopper GPU run `kernels/linear_gluon.py` (the same tiles,
-# the weight's first tiles requested before the PDL wait)
-GLUON_ROWS64 = False
+# Row buckets (rows per program) whose bf16 / fp16 GEMMs run `kernels/linear_gluon.py` on a
+# Hopper GPU: the same tiles, the weight's first tiles requested before the PDL wait
+GLUON_BLOCK_M = frozenset({64})
 
 
 def _gluon_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -439,12 +439,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         partial = counters = out   # unused
     maxima, columns = _row_maxima_args(num_rows, out_features, config, row_maxima_out, out)
     pdl_options = pdl.launch_options(x.device)
-    if GLUON_ROWS64 and rows_per_program == 64 and _gluon_takes(x, weight):
+    if (rows_per_program in GLUON_BLOCK_M and (norm_eps is None or ss_parts)
+            and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight)):
         from kernels import linear_gluon
 
         linear_gluon.launch(x, weight, bias, out, partial, counters,
                             out if ss_ptr is None else ss_ptr, ss_parts,
-                            block_n=config["BLOCK_N"], split_k=split_k, norm_eps=norm_eps,
+                            block_m=rows_per_program, block_n=config["BLOCK_N"],
+                            split_k=split_k, norm_eps=norm_eps,
                             gated=gated, residual=residual,
                             emit_ss=sum_squares_out is not None, maxima=maxima,
                             columns=columns, emit_argmax=row_maxima_out is not None,

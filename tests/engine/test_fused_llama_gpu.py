@@ -44,29 +44,33 @@ def tiny_bf16_dir(tmp_path):
     return tmp_path
 
 
-@pytest.fixture
-def fused_everywhere(monkeypatch, tmp_path_factory):
-    """A fused_linear config file with the tiny model's shapes at 16 rows, all fused."""
+@pytest.fixture(params=[(16, 3), (64, 40)], ids=["16_rows", "64_rows"])
+def fused_everywhere(request, monkeypatch, tmp_path_factory):
+    """A fused_linear config file with the tiny model's shapes all fused, at 16 rows (3
+    prompts) or at 64 (40 prompts: on Hopper the Gluon GEMM, `linear_triton.GLUON_BLOCK_M`).
+    Yields (kernels.fused_linear, number of prompts)."""
     from kernels import backends, fused_linear
 
-    config = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "SPLIT_K": 1}
+    block_m, num_prompts = request.param
+    config = {"BLOCK_N": 32 if block_m == 16 else 64, "BLOCK_K": 64, "num_warps": 4,
+              "num_stages": 2, "SPLIT_K": 1}
     shapes = [("norm", 256 + 2 * 64, 256), ("norm_gated", 1024, 256),   # qkv, gate_up
               ("residual", 256, 256), ("residual", 256, 512)]           # o, down
-    entries = [{"fusion": fusion, "block_m": 16, "out_features": n, "in_features": k,
+    entries = [{"fusion": fusion, "block_m": block_m, "out_features": n, "in_features": k,
                 "config": config, "fused_faster": True} for fusion, n, k in shapes]
     directory = tmp_path_factory.mktemp("configs")
     monkeypatch.setattr(backends, "CONFIG_DIR", directory)
     backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
                                 ).write_text(json.dumps({"entries": entries}))
     fused_linear._fused_table.cache_clear()
-    yield fused_linear
+    yield fused_linear, num_prompts
     fused_linear._fused_table.cache_clear()
 
 
 def _decode_logits(model, prompts, continuations):
     """Prefill all prompts in one step, then NEW_TOKENS decode steps fed `continuations`;
     [NEW_TOKENS, num_prompts, vocab] float32 logits of the decode steps."""
-    driver = PagedDriver(model, num_blocks=64, block_size=16, device="cuda")
+    driver = PagedDriver(model, num_blocks=256, block_size=16, device="cuda")
     driver.step({seq: prompt for seq, prompt in enumerate(prompts)})
     steps = []
     for step in range(NEW_TOKENS):
@@ -80,13 +84,15 @@ def test_fused_folded_decode_matches_unfused_and_hf(tiny_bf16_dir, fused_everywh
 
     from engine.loader import load_model
 
+    fused_everywhere, num_prompts = fused_everywhere
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 30, 12)]
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist()
+               for n in (7, 30, 12, *range(5, 5 + num_prompts - 3))]
     continuations = [torch.randint(3, 512, (NEW_TOKENS,), generator=gen).tolist()
                      for _ in prompts]
     ours = load_model(tiny_bf16_dir, torch.bfloat16, "cuda")
     assert all(layer.norms_folded for layer in ours.layers)
-    qkv_rows = torch.zeros(3, 256, dtype=torch.bfloat16, device="cuda")
+    qkv_rows = torch.zeros(num_prompts, 256, dtype=torch.bfloat16, device="cuda")
     assert fused_everywhere.fused_config("norm", qkv_rows, ours.layers[0].self_attn.qkv_proj
                                          .weight) is not None
     fused = _decode_logits(ours, prompts, continuations)

@@ -3,8 +3,8 @@ F.linear in float64, on a Hopper GPU.
 
 Both kernels accumulate in float32 and round once, in different summation orders: outputs agree
 to bf16 rounding (relative error vs float64 < 1e-2, as tests/kernels/test_linear_triton.py).
-The Gluon path is reached through `linear_triton.linear` with GLUON_ROWS64 set, so the same
-argument checks, partial buffers and arrival counters are used.
+The Gluon path is reached through `linear_triton.linear` with every row bucket in
+GLUON_BLOCK_M, so the same argument checks, partial buffers and arrival counters are used.
 """
 
 import pytest
@@ -31,7 +31,7 @@ def _randn(*shape, seed, scale=1.0):
 def gluon(monkeypatch):
     from kernels import linear_triton
 
-    monkeypatch.setattr(linear_triton, "GLUON_ROWS64", True)
+    monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M", frozenset({16, 32, 64}))
     return linear_triton
 
 
@@ -40,7 +40,7 @@ def _rms_normed(x, eps):
     return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
 
 
-@pytest.mark.parametrize("num_rows", [64, 48, 33])
+@pytest.mark.parametrize("num_rows", [64, 48, 33, 32, 17, 16, 1])
 @pytest.mark.parametrize("config", [PLAIN, WIDE, SPLIT], ids=["plain", "wide", "split_k"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_gluon_linear_matches_f_linear(gluon, num_rows, config, with_bias):
@@ -54,15 +54,30 @@ def test_gluon_linear_matches_f_linear(gluon, num_rows, config, with_bias):
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["norm", "norm_gated"])
-def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated):
+def test_gluon_norm_without_sums_of_squares_runs_the_triton_kernel(gluon, gated):
+    """A norm GEMM given no handed-over sums of squares (the first layer's) needs the Triton
+    kernel's pass over x: the Gluon path is not taken, and the result is right."""
+    eps = 1e-5
+    x = _randn(64, 512, seed=51, scale=3.0)
+    weight = _randn(2 * 128 if gated else 128, 512, seed=52, scale=512 ** -0.5)
+    got = gluon.linear(x, weight, config=PLAIN, norm_eps=eps, gated=gated)
+    product = F.linear(_rms_normed(x, eps), weight.double())
+    if gated:
+        product = F.silu(product[:, :128]) * product[:, 128:]
+    assert relative_error(got, product) < 1e-2
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["norm", "norm_gated"])
+@pytest.mark.parametrize("num_rows", [64, 5])
+def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated, num_rows):
     """The residual GEMM writes its rows' sums of squares; the norm GEMM reads them: as the
     unfused RMSNorm then linear (SiLU-gated)."""
     eps = 1e-5
-    x = _randn(64, 512, seed=11)
+    x = _randn(num_rows, 512, seed=11)
     w_o = _randn(1024, 512, seed=12, scale=512 ** -0.5)
-    residual = _randn(64, 1024, seed=13, scale=3.0)
+    residual = _randn(num_rows, 1024, seed=13, scale=3.0)
     expected_stream = residual.double() + F.linear(x.double(), w_o.double())
-    partials = torch.empty(1024 // 64, 64, dtype=torch.float32, device=DEVICE)
+    partials = torch.empty(1024 // 64, num_rows, dtype=torch.float32, device=DEVICE)
     stream = gluon.linear(x, w_o, config=SPLIT, residual=residual, sum_squares_out=partials)
     assert relative_error(stream, expected_stream) < 1e-2
     assert relative_error(partials.double().sum(0), stream.double().pow(2).sum(-1)) < 1e-5
@@ -98,7 +113,7 @@ def test_gluon_agrees_with_the_triton_kernel(gluon, monkeypatch):
     x = _randn(64, 4096, seed=31)
     weight = _randn(1024, 4096, seed=32, scale=4096 ** -0.5)
     got = gluon.linear(x, weight, config=SPLIT)
-    monkeypatch.setattr(gluon, "GLUON_ROWS64", False)
+    monkeypatch.setattr(gluon, "GLUON_BLOCK_M", frozenset())
     triton_out = gluon.linear(x, weight, config=SPLIT)
     assert relative_error(got, triton_out.double()) < 4e-3
 
