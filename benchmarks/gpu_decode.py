@@ -18,9 +18,11 @@ model, so both run the same weights), then measures in one process:
    every linear on cuBLAS (also the Triton skinny
    GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), no cuBLASLt choice, and no
    programmatic dependent launch (`kernels/pdl.py`), no sums-of-squares handoff between the
-   fused GEMMs (`kernels.fused_linear.AddedRows`): each one's share (`--variants` picks them,
-   also the EXPERIMENTS: PDL release points, a 64-row boundary unfused, attention launch
-   settings; `--variants-only` skips everything else);
+   fused GEMMs (`kernels.fused_linear.AddedRows`), the greedy argmax as its own pass over the
+   logits (not in the LM head's epilogue), the 64-row GEMMs in Triton (not Gluon,
+   `kernels/linear_gluon.py`): each one's share (`--variants` picks them, also the
+   EXPERIMENTS: PDL release points, a 64-row boundary unfused, attention launch settings,
+   Gluon row buckets and pipeline; `--variants-only` skips everything else);
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
@@ -256,7 +258,8 @@ VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
             "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
             "no_pdl": (("kernels.pdl", "ENABLED", False),),
             "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),),
-            "argmax_pass": (("kernels.linear", "ROW_ARGMAX_EPILOGUE", False),)}
+            "argmax_pass": (("kernels.linear", "ROW_ARGMAX_EPILOGUE", False),),
+            "gluon_off": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset()),)}
 # experiments (--variants): the committed settings alone, and which kernels release the next
 # one right after their wait
 PDL_VARIANTS = {
@@ -291,7 +294,6 @@ ATTENTION_VARIANTS = {
 # experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
 # weights requested before the PDL wait), and its pipeline
 GLUON_VARIANTS = {
-    "gluon_off": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset()),),
     "gluon_all_buckets": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset({16, 32, 64})),),
     "gluon_wait_first": (("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False),),
     "gluon_224k": (("kernels.linear_gluon", "STAGE_BUDGET", 224 * 1024),),

@@ -240,12 +240,11 @@ def stages_for(block_m: int, block_n: int, gated: bool) -> int:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `launch` takes x and weight: bf16 / fp16 on a Hopper GPU, 16-byte aligned rows
-    (TMA's requirement)."""
-    return (x.is_cuda and x.dtype in _GL_DTYPES and x.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
-            and (weight.stride(0) * weight.element_size()) % 16 == 0
-            and torch.cuda.get_device_capability(x.device)[0] == 9)
+    """Whether `launch` takes x and weight (on a Hopper GPU): bf16 / fp16, 16-byte aligned
+    rows (TMA's requirement)."""
+    return (x.dtype in _GL_DTYPES and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (x.stride(0) * x.element_size()) % 16 == 0
+            and (weight.stride(0) * weight.element_size()) % 16 == 0)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, partial, counters,

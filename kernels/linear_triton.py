@@ -346,8 +346,14 @@ GLUON_BLOCK_M = frozenset({64})
 
 
 def _gluon_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from kernels import linear_gluon
-
+    """Whether the Gluon kernel runs this call: a Hopper GPU with Triton's Gluon (3.6's API)
+    and TMA-aligned operands."""
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9):
+        return False
+    try:
+        from kernels import linear_gluon
+    except ImportError:
+        return False
     return linear_gluon.usable(x, weight)
 
 
