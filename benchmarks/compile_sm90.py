@@ -47,6 +47,16 @@ GEMMS = [("qkv + norm, 16 rows", 16, 64, 128, 4, 6, "norm", False, 0),
          ("gate_up + norm from partials, 64 rows", 64, 64, 64, 8, 4, "norm_gated", False, 64),
          ("down + residual + sums of squares, 64", 64, 64, 128, 4, 4, "residual", False, -1)]
 DECODE_LABEL = "rotary decode attention, Llama-3-8B heads"
+# the Gluon GEMM (kernels/linear_gluon.py) as the 64-row decode runs it: (label, BLOCK_N,
+# fusion, SPLIT_K, sums of squares as in GEMMS)
+GLUON_GEMMS = [("Gluon down + residual + sums of squares, 64", 64, "residual", 2, -1),
+               ("Gluon gate_up + norm from partials, 64 rows", 64, "norm_gated", 1, 64),
+               ("Gluon LM head + row argmax, 64 rows", 128, "argmax", 1, 0)]
+GLUON_ARGS = {"bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16",
+              "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32",
+              "max_ptr": "*fp32", "argmax_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+              "k_tiles_per_split": "i32", "residual_stride": "i32", "out_stride": "i32",
+              "eps": "fp32"}
 
 
 def compile_for_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -66,10 +76,15 @@ def compile_for_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stage
 
 
 def describe(kernel) -> str:
+    ptx = kernel.asm["ptx"]
+    if "cp.async.bulk.tensor" in ptx:   # the Gluon GEMM: TMA copies before / after the wait
+        wait = ptx.index("griddepcontrol.wait")
+        return (f"mma wgmma    TMA copies before the wait {ptx[:wait].count('cp.async.bulk')}, "
+                f"after {ptx[wait:].count('cp.async.bulk')}  "
+                f"shared {kernel.metadata.shared // 1024:3d} KiB")
     ttgir = kernel.asm["ttgir"]
     mma = ("wgmma" if "warp_group_dot " in ttgir else
            "mma.sync" if "versionMajor = 2" in ttgir else "none")
-    ptx = kernel.asm["ptx"]
     return (f"mma {mma:8s} cp.async copies {ttgir.count('async_copy_global_to_local'):2d}  "
             f"shared {kernel.metadata.shared // 1024:3d} KiB  "
             f"PDL wait {ptx.count('griddepcontrol.wait')}")
@@ -100,11 +115,46 @@ def variants() -> list[tuple]:
     return out
 
 
+def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int, parts: int):
+    """The Gluon GEMM compiled for cuda:90 as `linear_gluon.launch` would launch it on 64 rows
+    of bf16 (TMA descriptors of its box shapes, its stage count, PDL on)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import linear_gluon
+
+    def descriptor(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, linear_gluon.BOX_K], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {linear_gluon.BOX_K}],{layout!r}>"
+
+    gated = fusion == "norm_gated"
+    args = {"w_desc": descriptor(block_n), "x_desc": descriptor(64), **GLUON_ARGS}
+    constexprs = dict(HAS_BIAS=False, NORM=fusion.startswith("norm"), GATED=gated,
+                      HAS_RESIDUAL=fusion == "residual", EMIT_SS=parts < 0,
+                      EMIT_ARGMAX=fusion == "argmax", SS_PARTS=max(parts, 0),
+                      SS_PARTS_P2=max(parts, 1), SPLIT_K=split_k,
+                      STAGES=linear_gluon.stages_for(64, block_n, gated),
+                      SUB=linear_gluon.SUB_BOXES, PDL=True,
+                      WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT, num_warps=4)
+    signature = {**args, **{name: "constexpr" for name in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
+             if name.endswith("_ptr")}
+    source = GluonASTSource(fn=linear_gluon._skinny_kernel, signature=signature,
+                            constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "launch_pdl": True})
+
+
 def compile_variant(label: str):
     """The compiled kernel of the variant called `label`."""
     for name, fn, arg_types, constexprs, warps, stages in variants():
         if name == label:
             return compile_for_sm90(fn, arg_types, constexprs, warps, stages)
+    for name, *gluon_args in GLUON_GEMMS:
+        if name == label:
+            return compile_gluon_for_sm90(*gluon_args)
     raise KeyError(label)
 
 
@@ -115,8 +165,9 @@ def main() -> int:
     import triton
 
     print(f"Triton {triton.__version__}, target cuda:90")
-    for label, fn, arg_types, constexprs, warps, stages in variants():
-        kernel = compile_for_sm90(fn, arg_types, constexprs, warps, stages)
+    labels = [v[0] for v in variants()] + [g[0] for g in GLUON_GEMMS]
+    for label in labels:
+        kernel = compile_variant(label)
         print(f"{label:42s} {describe(kernel)}", flush=True)
         if args.ptx_dir:
             args.ptx_dir.mkdir(parents=True, exist_ok=True)

@@ -282,32 +282,9 @@ def _fused_table_64_attn_to_mlp_unfused(device):
             if e["fused_faster"] and (e["block_m"], e["boundary"]) != (64, "attn_to_mlp")}
 
 
-def _fused_table_64_wide(shapes: frozenset, config: dict):
-    """`kernels.fused_linear._fused_table` with the 64-row entries of `shapes` (names in the
-    config file: "o", "down", "gate_up", "qkv") given `config` instead (cached per device)."""
-    @functools.cache
-    def table(device):
-        from kernels import fused_linear
-        from kernels.backends import device_config_entries
-
-        return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]):
-                config if (e["block_m"], e["shape"]) in {(64, s) for s in shapes} else e["config"]
-                for e in device_config_entries(fused_linear.CONFIG_KIND, device)
-                if e["fused_faster"]}
-    return table
-
-
-# experiments (--variants): a 64-row boundary unfused; wider 64-row tiles for the Gluon GEMM
-BOUNDARY_VARIANTS = {
-    "attn_to_mlp_64_unfused": (
-        ("kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),),
-    "gluon_wide_residual": (("kernels.fused_linear", "_fused_table", _fused_table_64_wide(
-        frozenset({"o", "down"}), {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4,
-                                   "num_stages": 4, "SPLIT_K": 4})),),
-    "gluon_wide_gate_up": (("kernels.fused_linear", "_fused_table", _fused_table_64_wide(
-        frozenset({"gate_up"}), {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4,
-                                 "num_stages": 4, "SPLIT_K": 1})),),
-}
+# experiments (--variants): a 64-row boundary unfused
+BOUNDARY_VARIANTS = {"attn_to_mlp_64_unfused": (
+    ("kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),)}
 # experiments (--variants): the one-kernel decode attention's context tile and pipeline depth
 ATTENTION_VARIANTS = {
     "attn_3_stages": (("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
@@ -315,11 +292,10 @@ ATTENTION_VARIANTS = {
                                ("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
 }
 # experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
-# weights requested before the PDL wait), and its pipeline
+# weights requested before the PDL wait), and the weights requested after the wait instead
 GLUON_VARIANTS = {
     "gluon_all_buckets": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset({16, 32, 64})),),
     "gluon_wait_first": (("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False),),
-    "gluon_224k": (("kernels.linear_gluon", "STAGE_BUDGET", 224 * 1024),),
 }
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 

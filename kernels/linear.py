@@ -11,6 +11,8 @@ On CUDA, bf16 / fp16 inputs of at most `SKINNY_MAX_ROWS` rows (decode batches) r
 skinny GEMM (`kernels/linear_triton.py`) for the shapes where a sweep on that device measured it
 faster than cuBLAS (its tuned-config file); every other CUDA call uses `F.linear`, through
 cuBLASLt where `kernels/blas_choice.py`'s sweep file says it beat cuBLAS for that shape.
+`linear_row_argmax` also returns each row's first maximal column where the skinny GEMM runs
+(the argmax taken in its epilogue: a greedy LM head without a pass over the logits).
 
 Weights that are exactly the dequantized values of ggml Q4_1 / Q8_0 blocks (GGUF checkpoints)
 also get a `QuantizedWeight` (`quantize_linear_weight`): up to `QUANTIZED_MAX_ROWS` input rows,

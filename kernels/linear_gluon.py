@@ -1,5 +1,5 @@
-"""Skinny GEMM in Gluon for 64-row decode tiles on Hopper: the weight streamed by TMA, its first
-tiles requested before the PDL wait.
+"""Skinny GEMM in Gluon for decode on Hopper: the weight streamed by TMA, its first tiles
+requested before the PDL wait.
 
 `kernels/linear_triton.py`'s kernel computes the same tiles, but Triton's software pipeliner
 issues the x and weight loads of its first stages together, after `griddepcontrol.wait`; so a
@@ -7,12 +7,26 @@ GEMM's first weight bytes are requested only once the previous kernel has comple
 are written by no kernel, so they may be read before the wait (`kernels/pdl.py`). Gluon
 (Triton's tile-level dialect, `triton.experimental.gluon`) lets a kernel say when each copy is
 issued: here each program requests its first STAGES weight tiles, then waits, then requests x's.
+So the next GEMM's weight bytes stream while the previous kernel drains.
 
-Design (one [BLOCK_N, 64] output tile of `y^T = W x^T` per program, K split SPLIT_K ways):
-- a ring of STAGES shared-memory stages, each SUB boxes of 64 K columns (128 bytes, the
-  widest 128-byte-swizzled TMA box) of a weight tile [BLOCK_N, 64] (two with GATED: gate and
-  up rows) and of an x tile [64, 64], filled by TMA copies that complete on the stage's
-  mbarrier; rows of x past M are zero-filled by the copy;
+Where it runs: `linear_triton.linear` hands it the calls of the row buckets in
+`linear_triton.GLUON_BLOCK_M` (the 64-row bucket: batches of 33-64 sequences) with that
+bucket's tuned BLOCK_N and SPLIT_K, on a Hopper GPU with TMA-aligned operands; a norm GEMM
+without handed-over sums of squares (the first layer's qkv) stays on the Triton kernel, which
+computes them. H200, Llama-3-8B decode at batch 64, same process (benchmarks/RESULTS.md run 18):
++2.5-3.6% tokens/s over the Triton kernel (13,259.7 / 13,202.4 against 12,923.7 / 12,875.9 on
+one machine); with the weights requested after the wait instead, the Gluon kernel is no faster
+than Triton's (12,885.0). At 1-32 rows it was 3-5% slower (b=1 238.9 against 250.3), so those
+buckets keep the Triton kernel.
+
+Design (one [BLOCK_N, BLOCK_M] output tile of `y^T = W x^T` per program, K split SPLIT_K ways;
+BLOCK_M = the row bucket, 16 to 64):
+- a ring of STAGES shared-memory stages (as many as STAGE_BUDGET holds, 2-8), each SUB_BOXES
+  boxes of 64 K columns (128 bytes, the widest 128-byte-swizzled TMA box) of a weight tile
+  [BLOCK_N, 64] (two with GATED: gate and up rows) and of an x tile [BLOCK_M, 64], filled by
+  TMA copies that complete on the stage's mbarrier; rows of x past M are zero-filled by the
+  copy. Run 18 measured one box per stage without the deferred wait below, and 96 / 128 / 160
+  / 224 KiB of stages: 192 KiB and two boxes were fastest (within ~1% of 128 and 160 KiB);
 - per box one asynchronous Hopper wgmma: the weight tile is the A operand and x^T (a
   transposed view of the x tile) the B operand, both read from shared memory; once a step's
   wgmmas have completed (checked one step later, so they overlap the next wait) their stage
@@ -21,7 +35,12 @@ Design (one [BLOCK_N, 64] output tile of `y^T = W x^T` per program, K split SPLI
   bias, SiLU gate, residual add, sums of squares out), and split K finishes as there: the last
   split to arrive on the tile's arrival counter sums the float32 partials in split order.
 
-Numerics: as `linear_triton` (float32 accumulation of bf16 products, one rounding).
+The launch needs BLOCK_N a multiple of 64 (a Hopper wgmma spans 64 rows over 4 warps).
+
+Numerics: as `linear_triton` (float32 accumulation of bf16 products, one rounding); results
+agree with the Triton kernel to bf16 rounding (tests/kernels/test_linear_gluon.py).
+Gluon is experimental in Triton: the code targets 3.6's API (the device's) and two names that
+later versions renamed; `linear_triton` falls back to its own kernel where the import fails.
 """
 
 from __future__ import annotations
@@ -41,6 +60,12 @@ STAGE_BUDGET = 192 * 1024   # shared memory for the stages
 WEIGHTS_BEFORE_WAIT = True
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# Names that later Triton versions changed (the device runs 3.6; this machine's may be newer,
+# for the offline sm_90 compile checks): a TMA copy from global to shared memory,
+# `async_copy_global_to_shared` in 3.6, then `async_load`
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# a barrier of the program's threads: `thread_barrier` in Triton 3.6, `barrier` later
+_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -66,13 +91,13 @@ def _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bar, stage, n0, up_row, 
     BOX: gl.constexpr = w_desc.block_type.shape[1]
     for j in gl.static_range(SUB):
         if WEIGHTS:
-            tma.async_copy_global_to_shared(w_desc, [n0, k + j * BOX], bar,
+            _tma_load(w_desc, [n0, k + j * BOX], bar,
                                             w_smem.index(stage * SUB + j), pred=ok)
             if GATED:
-                tma.async_copy_global_to_shared(w_desc, [up_row, k + j * BOX], bar,
+                _tma_load(w_desc, [up_row, k + j * BOX], bar,
                                                 u_smem.index(stage * SUB + j), pred=ok)
         if X:
-            tma.async_copy_global_to_shared(x_desc, [0, k + j * BOX], bar,
+            _tma_load(x_desc, [0, k + j * BOX], bar,
                                             x_smem.index(stage * SUB + j), pred=ok)
 
 
@@ -104,7 +129,7 @@ def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps
     if EMIT_SS:
         stored = gl.where(tile_ok, result.to(dtype).to(gl.float32), 0.0)
         gl.store(ss_ptr + pid_n * M + rows, gl.sum(stored * stored, axis=0), mask=rows < M)
-    if EMIT_ARGMAX:   # as linear_triton._store_row_argmax, along the tile's columns (axis 0)
+    if EMIT_ARGMAX:   # linear_triton._store_row_argmax on the transposed tile (axis 0)
         key = gl.where(tile_ok, result.to(dtype).to(gl.float32), float("-inf"))
         key = gl.where(key != key, float("inf"), key)
         best = gl.max(key, axis=0)
@@ -134,8 +159,8 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
     up_row = N + n0                         # GATED: the up rows follow the N gate rows
-    first = pid_k * k_tiles_per_split       # this split's first K tile (the launcher gives
-    num_k = gl.minimum(k_tiles_per_split, gl.cdiv(K, BK) - first)   # every split >= 1 tile)
+    first = pid_k * k_tiles_per_split       # this split's first K tile; trailing splits may
+    num_k = gl.minimum(k_tiles_per_split, gl.cdiv(K, BK) - first)   # have none (num_k <= 0)
 
     w_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
     if GATED:
@@ -214,11 +239,11 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
         tile_offsets = gl.expand_dims(rows.to(gl.int64), 0) * N + gl.expand_dims(cols, 1)
         gl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=tile_ok)
-        gl.thread_barrier()   # every thread's partial is written before the arrival counts
+        _thread_barrier()   # every thread's partial is written before the arrival counts
         counter = counter_ptr + pid_n
         arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:   # the last split of this tile: sum all, in split order
-            gl.thread_barrier()
+            _thread_barrier()
             total = gl.zeros([BLOCK_N, BM], gl.float32, epi)
             for split in gl.static_range(SPLIT_K):
                 total += gl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
@@ -249,17 +274,16 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, partial, counters,
            ss_ptr, ss_parts: int, *, block_m: int, block_n: int, split_k: int, norm_eps,
-           gated: bool,
-           residual, emit_ss: bool, maxima, columns, emit_argmax: bool,
+           gated: bool, residual, emit_ss: bool, maxima, columns, emit_argmax: bool,
            pdl_options: dict) -> None:
-    """Run the Gluon kernel with `linear_triton.linear`'s checked arguments (out, the split-K
-    partials [split_k, M, N] and counters, the sums-of-squares tensor and its part count)."""
+    """Run the Gluon kernel with `linear_triton.linear`'s checked arguments: out (the residual
+    when adding in place), the split-K partials [split_k, M, N] and arrival counters, the
+    sums-of-squares tensor and its part count, the row maxima buffers. K is cut into tiles of
+    SUB_BOXES * BOX_K columns, split_k runs of them; trailing splits may get none (they add
+    zeros, as in `linear_triton`)."""
     num_rows, in_features = x.shape
     out_features = out.shape[1]
-    k_tiles = triton.cdiv(in_features, BOX_K * SUB_BOXES)
-    per_split = triton.cdiv(k_tiles, split_k)
-    if (split_k - 1) * per_split >= k_tiles:
-        raise ValueError(f"SPLIT_K={split_k} leaves a split without K tiles ({k_tiles} tiles)")
+    per_split = triton.cdiv(triton.cdiv(in_features, BOX_K * SUB_BOXES), split_k)
     dtype = _GL_DTYPES[x.dtype]
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BOX_K], dtype)
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BOX_K], dtype)
@@ -274,6 +298,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
         SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated), SUB=SUB_BOXES,
-        PDL=bool(pdl_options),
-        WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
-        num_warps=4, **pdl_options)
+        PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT, num_warps=4,
+        **pdl_options)

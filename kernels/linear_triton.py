@@ -43,6 +43,15 @@ for the previous kernel before it reads x and releases the next kernel after its
 next launch overlaps this kernel's epilogue (H200 decode, benchmarks/RESULTS.md run 14: +1.5%
 at batch 1, +2.0% at 64).
 
+Row argmax (`linear_row_argmax`, the greedy LM head): the epilogue also writes each tile's row
+maxima of the rounded output and their first columns ([N tiles, M]); one small kernel picks
+each row's first maximal tile. This replaces the argmax's passes over the logits (at 64 rows
+two torch reductions, ~17 us per step on an H200; benchmarks/RESULTS.md run 18).
+
+Gluon: for the row buckets in GLUON_BLOCK_M (64 rows) on Hopper, `linear` runs
+`kernels/linear_gluon.py`'s kernel instead, on the same tile config and buffers: it requests the
+weight's first tiles by TMA before the PDL wait (+2.5-3.6% at batch 64, run 18).
+
 Numerics: float32 accumulation of bf16/fp16 products; vs F.linear (cuBLAS) the summation order
 differs: relative error ~1e-3 in bf16. float32 inputs use IEEE dot products (no tf32).
 """
@@ -95,24 +104,18 @@ def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, row_ok, col_ok, K,
         stored = tl.where(tile_ok, result.to(dtype).to(tl.float32), 0.0)
         tl.store(ss_ptr + pid_n * M + rows, tl.sum(stored * stored, axis=1), mask=row_ok)
     if EMIT_ARGMAX:
-        _store_row_argmax(result.to(dtype).to(tl.float32), tile_ok, cols[None, :], 1, max_ptr,
-                          argmax_ptr, pid_n * M + rows, row_ok)
+        _store_row_argmax(result.to(dtype).to(tl.float32), tile_ok, cols, max_ptr, argmax_ptr,
+                          pid_n * M + rows, row_ok)
 
 
 @triton.jit
-def _store_row_argmax(values, tile_ok, cols, AXIS: tl.constexpr, max_ptr, argmax_ptr, offsets,
-                      row_ok):
-    """Store each row's maximum of `values` along AXIS (the columns; cols broadcast to the
-    tile) and the first column holding it; NaN counts as +inf (torch.argmax takes NaN as the
-    maximum)."""
+def _store_row_argmax(values, tile_ok, cols, max_ptr, argmax_ptr, offsets, row_ok):
+    """Store each row's maximum of the [BM, BN] `values` and the first of its columns `cols`
+    ([BN]) holding it; NaN counts as +inf (torch.argmax takes NaN as the maximum)."""
     key = tl.where(tile_ok, values, float("-inf"))
     key = tl.where(key != key, float("inf"), key)
-    best = tl.max(key, axis=AXIS)
-    if AXIS == 1:
-        hit = key == best[:, None]
-    else:
-        hit = key == best[None, :]
-    first = tl.min(tl.where(hit, cols, 2147483647), axis=AXIS)
+    best = tl.max(key, axis=1)
+    first = tl.min(tl.where(key == best[:, None], cols[None, :], 2147483647), axis=1)
     tl.store(max_ptr + offsets, best, mask=row_ok)
     tl.store(argmax_ptr + offsets, first, mask=row_ok)
 
@@ -400,8 +403,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
         ValueError: norm_eps or gated with SPLIT_K > 1, gated with a bias, too many output
-            tiles for the split-K arrival counters, or sum_squares / sum_squares_out without
-            norm_eps / residual or of the wrong shape or dtype.
+            tiles for the split-K arrival counters, sum_squares / sum_squares_out without
+            norm_eps / residual or of the wrong shape or dtype, or row_maxima_out of the wrong
+            shapes or dtypes.
     """
     out_features, in_features = weight.shape
     if gated:

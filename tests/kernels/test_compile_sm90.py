@@ -67,3 +67,27 @@ def test_rotary_decode_attention_waits_before_its_first_load():
 
     ptx = compile_variant(DECODE_LABEL).asm["ptx"]
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+@pytest.mark.parametrize("label", ["Gluon down + residual + sums of squares, 64",
+                                   "Gluon gate_up + norm from partials, 64 rows",
+                                   "Gluon LM head + row argmax, 64 rows"])
+def test_gluon_gemm_requests_weight_tiles_before_the_pdl_wait_and_x_after(label):
+    """kernels/linear_gluon.py: before griddepcontrol.wait the only memory traffic is TMA
+    copies from one descriptor (the weight's: no kernel writes it); x's descriptor is read
+    after the wait, the tiles are multiplied by wgmma, and the next kernel is released after
+    the K loop's last wgmma."""
+    import re
+
+    from benchmarks.compile_sm90 import compile_variant
+
+    ptx = compile_variant(label).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+
+    def descriptors(text):
+        return set(re.findall(r"cp\.async\.bulk\.tensor\S*\s+\[[^]]*\], \[(%rd\d+),", text))
+
+    before, after = descriptors(ptx[:wait]), descriptors(ptx[wait:])
+    assert len(before) == 1 and after - before
+    assert "ld.global" not in ptx[:wait]
+    assert ptx.rindex("wgmma.mma_async") < ptx.index("griddepcontrol.launch_dependents")

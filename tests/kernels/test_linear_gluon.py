@@ -91,6 +91,15 @@ def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated, num_rows):
     assert relative_error(got, product) < 1e-2
 
 
+def test_gluon_ragged_k_and_an_empty_trailing_split(gluon):
+    """K = 200: the last K tile is cut by the TMA box's zero fill; three splits of 128-column
+    tiles leave the third without a tile (it adds zeros, as the Triton kernel's do)."""
+    x = _randn(64, 200, seed=61)
+    weight = _randn(128, 200, seed=62, scale=200 ** -0.5)
+    got = gluon.linear(x, weight, config={**PLAIN, "SPLIT_K": 3})
+    assert relative_error(got, F.linear(x.double(), weight.double())) < 1e-2
+
+
 def test_gluon_split_k_replays_in_a_cuda_graph_and_leaves_counters_at_zero(gluon):
     from kernels.backends import arrival_counters
 
