@@ -40,7 +40,8 @@ class Linear(nn.Module):
     def forward_row_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(`forward(x)`, each row's first maximal column [num_tokens] int64 where the GEMM's
         epilogue took it (`kernels.linear.linear_row_argmax`), else None)."""
-        if self.bias is not None or self.packed_weight is not None or self.quantized_weight:
+        if (self.bias is not None or self.packed_weight is not None
+                or self.quantized_weight is not None):
             return self.forward(x), None
         return linear_row_argmax(x, self.weight)
 
