@@ -72,6 +72,13 @@ class StepInputs:
             self._device_inputs = _to_device(self)
         return self._device_inputs
 
+    def logits_indices_on_device(self) -> torch.Tensor:
+        """`logits_indices` as a device tensor: `on_device()`'s when the batch was copied, else
+        copied alone (one asynchronous copy; a replayed graph copied the rest its own way)."""
+        if self._device_inputs is not None:
+            return self._device_inputs.logits_indices
+        return _packed_to_device([self.logits_indices], np.int64, self.device)[0]
+
 
 class DeviceInputs(NamedTuple):
     input_ids: torch.Tensor        # [num_tokens] int64

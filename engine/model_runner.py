@@ -179,10 +179,11 @@ class ModelRunner:
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
                 graph_outputs: GraphOutputs | None) -> torch.Tensor:
         """[num_sampling, vocab_size] float32 logits of the rows that sample: the graph's own
-        when they are its rows, else the LM head over `hidden[logits_indices]`."""
+        when they are its rows, else the LM head over `hidden[logits_indices]` (after a graph
+        replay only the indices are copied to the device, not the whole batch)."""
         if self._graph_rows_sample(inputs, graph_outputs):
             return graph_outputs.logits.float()
-        return self.model.compute_logits(hidden[inputs.on_device().logits_indices])
+        return self.model.compute_logits(hidden[inputs.logits_indices_on_device()])
 
     @torch.inference_mode()
     def execute_async(self, scheduler_output: SchedulerOutput,

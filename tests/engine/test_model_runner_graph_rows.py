@@ -33,3 +33,27 @@ def test_the_graph_logits_reach_the_sampler_as_float32_of_the_same_values():
     got = ModelRunner._logits(runner, _inputs(4, 4), None, graph)
     assert got.dtype == torch.float32 and torch.equal(got, logits.float())
     assert torch.equal(got.argmax(-1), graph.greedy_ids)
+
+
+def test_after_a_graph_replay_rows_that_do_not_all_sample_copy_only_the_indices():
+    """A decode-shaped step with a mid-prompt 1-token chunk replays the graph, then runs the
+    LM head over the sampling rows of its hidden states: only `logits_indices` goes to the
+    device (the whole batch is copied only where the eager forward copied it already)."""
+    import numpy as np
+    import torch
+
+    from engine.input_batch import StepInputs
+
+    empty = np.zeros(0, dtype=np.int64)
+    inputs = StepInputs(input_ids=empty, positions=empty, slot_mapping=empty,
+                        query_start_loc=empty, seq_lens=np.ones(4, dtype=np.int64),
+                        block_tables=np.zeros((4, 1), dtype=np.int32),
+                        logits_indices=np.array([1, 3]), sampling_states=[object()] * 2,
+                        device=torch.device("cpu"))
+    hidden = torch.randn(4, 8)
+    graph = SimpleNamespace(logits=None, greedy_ids=None)
+    runner = SimpleNamespace(_graph_rows_sample=ModelRunner._graph_rows_sample,
+                             model=SimpleNamespace(compute_logits=lambda rows: rows * 2))
+    got = ModelRunner._logits(runner, inputs, hidden, graph)
+    assert torch.equal(got, hidden[[1, 3]] * 2)
+    assert inputs._device_inputs is None          # the batch was not copied
