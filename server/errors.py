@@ -181,7 +181,7 @@ async def _request_validation(_: Request, exc: RequestValidationError) -> JSONRe
 
 
 # FastAPI's 400 for a body its JSON decoder failed on other than as malformed JSON (bytes that
-# are not UTF-8, nesting past the recursion limit)
+# are not UTF-8, nesting past the recursion limit, an integer past Python's 4,300-digit limit)
 _FASTAPI_BODY_ERROR = "There was an error parsing the body"
 
 
@@ -193,8 +193,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         message = f"Method {request.method} is not allowed on {request.url.path}."
     elif exc.status_code == 400 and message == _FASTAPI_BODY_ERROR:
         message, code = ("The request body could not be decoded as JSON (bytes that are not "
-                         "UTF-8, or nesting too deep); send a UTF-8 JSON object with "
-                         "Content-Type: application/json."), "invalid_json"
+                         "UTF-8, nesting too deep, or an integer of more than 4,300 digits); "
+                         "send a UTF-8 JSON object with Content-Type: application/json."
+                         ), "invalid_json"
     err = APIError(message, status_code=exc.status_code, code=code,
                    type=_HTTP_TYPES.get(exc.status_code, "invalid_request_error"))
     return JSONResponse(err.body(), status_code=exc.status_code,

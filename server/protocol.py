@@ -3,8 +3,10 @@
 Requests check types and shapes only; value ranges and cross-field rules live in
 `server.validation`, which can name the offending parameter and the fix in its message.
 Unknown request fields are refused (`extra="forbid"`), as OpenAI does, so a typo such as
-`max_token` is a 400 instead of being silently ignored. Responses are plain models dumped with
-their `None`s kept, because OpenAI clients expect e.g. `"logprobs": null`.
+`max_token` is a 400 instead of being silently ignored. Numbers and flags are not coerced:
+integers, floats (an integer is a float) and booleans must arrive as such, not as strings.
+Responses are plain models dumped with their `None`s kept, because OpenAI clients expect e.g.
+`"logprobs": null`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      model_serializer)
 
 
 class _Request(BaseModel):
@@ -64,20 +67,20 @@ class SamplingFields(_Request):
     model: str | None = None  # None = the served model (vLLM's convention)
     n: StrictInt | None = 1
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     # vLLM extras
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     min_tokens: StrictInt | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool | None = False

@@ -177,6 +177,8 @@ def test_completions_logprobs_and_stream(client):
     ({"messages": "hi"}, 400, "messages", "invalid_type", "valid list"),
     # as OpenAI: no coercion of strings or booleans into numbers and flags
     ({"messages": USER, "max_tokens": "10"}, 400, "max_tokens", "invalid_type", "integer"),
+    ({"messages": USER, "temperature": "0.5"}, 400, "temperature", "invalid_type", "number"),
+    ({"messages": USER, "top_p": True}, 400, "top_p", "invalid_type", "number"),
     ({"messages": USER, "n": True}, 400, "n", "invalid_type", "integer"),
     ({"messages": USER, "stream": "yes"}, 400, "stream", "invalid_type", "boolean"),
     ({"messages": USER, "logprobs": 1}, 400, "logprobs", "invalid_type", "boolean"),
@@ -193,8 +195,9 @@ def test_malformed_and_missing_bodies_are_openai_400s(client):
                          400, None, "invalid_json", "not valid JSON")
     assert error["type"] == "invalid_request_error"
     assert_error(client.post("/v1/completions"), 400, None, "invalid_json", "has no body")
-    # found by black-box testing: these two were FastAPI's bare "error parsing the body"
-    for body in (b'{"prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000):
+    # found by black-box testing: these were FastAPI's bare "error parsing the body"
+    for body in (b'{"prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000,
+                 b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"):
         assert_error(client.post("/v1/completions", content=body,
                                  headers={"content-type": "application/json"}),
                      400, None, "invalid_json", "could not be decoded as JSON")
