@@ -277,9 +277,9 @@ def _fused_table_64_attn_to_mlp_unfused(device):
     from kernels import fused_linear
     from kernels.backends import device_config_entries
 
-    return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]): e["config"]
-            for e in device_config_entries(fused_linear.CONFIG_KIND, device)
-            if e["fused_faster"] and (e["block_m"], e["boundary"]) != (64, "attn_to_mlp")}
+    return fused_linear.fused_table(
+        e for e in device_config_entries(fused_linear.CONFIG_KIND, device)
+        if (e["block_m"], e["boundary"]) != (64, "attn_to_mlp"))
 
 
 # experiments (--variants): a 64-row boundary unfused

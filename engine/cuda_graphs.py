@@ -61,8 +61,7 @@ class GraphOutputs(NamedTuple):
     """A replayed step's static outputs, views valid until the next replay.
 
     hidden: [num_seqs, hidden_size] final-norm hidden states, model dtype.
-    logits: [num_seqs, vocab_size] model dtype (`model.logits_and_greedy` of every
-        row).
+    logits: [num_seqs, vocab_size] model dtype, every row's (`model.logits_and_greedy`).
     greedy_ids: [num_seqs] int64, `greedy_argmax(logits)`'s ids (the sampler's greedy rule).
     """
 

@@ -67,12 +67,17 @@ def fold_norm_weight(norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
     norm_weight.fill_(1.0)
 
 
+def fused_table(entries) -> dict[tuple[str, int, int, int], dict]:
+    """{(fusion, block_m, out_features, in_features): launch config} of the config-file entries
+    whose sweep found the fused kernels faster than the unfused ops."""
+    return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]): e["config"]
+            for e in entries if e["fused_faster"]}
+
+
 @functools.cache
 def _fused_table(device: torch.device) -> dict[tuple[str, int, int, int], dict]:
-    """{(fusion, block_m, out_features, in_features): launch config} where the device's sweep
-    found the fused kernels faster than the unfused ops; {} without a config file."""
-    return {(e["fusion"], e["block_m"], e["out_features"], e["in_features"]): e["config"]
-            for e in device_config_entries(CONFIG_KIND, device) if e["fused_faster"]}
+    """`fused_table` of the device's config file; {} without one."""
+    return fused_table(device_config_entries(CONFIG_KIND, device))
 
 
 # False: every call takes the unfused ops (benchmarks compare the two in one process)

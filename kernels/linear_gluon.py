@@ -91,14 +91,12 @@ def _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bar, stage, n0, up_row, 
     BOX: gl.constexpr = w_desc.block_type.shape[1]
     for j in gl.static_range(SUB):
         if WEIGHTS:
-            _tma_load(w_desc, [n0, k + j * BOX], bar,
-                                            w_smem.index(stage * SUB + j), pred=ok)
+            _tma_load(w_desc, [n0, k + j * BOX], bar, w_smem.index(stage * SUB + j), pred=ok)
             if GATED:
-                _tma_load(w_desc, [up_row, k + j * BOX], bar,
-                                                u_smem.index(stage * SUB + j), pred=ok)
+                _tma_load(w_desc, [up_row, k + j * BOX], bar, u_smem.index(stage * SUB + j),
+                          pred=ok)
         if X:
-            _tma_load(x_desc, [0, k + j * BOX], bar,
-                                            x_smem.index(stage * SUB + j), pred=ok)
+            _tma_load(x_desc, [0, k + j * BOX], bar, x_smem.index(stage * SUB + j), pred=ok)
 
 
 @gluon.jit

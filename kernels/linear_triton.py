@@ -348,15 +348,24 @@ NORM_BY_DOT_ROWS = 32
 GLUON_BLOCK_M = frozenset({64})
 
 
-def _gluon_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the Gluon kernel runs this call: a Hopper GPU with Triton's Gluon (3.6's API)
-    and TMA-aligned operands."""
-    if not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9):
+@functools.cache
+def _gluon_device(device: torch.device) -> bool:
+    """A Hopper GPU, and a Triton whose Gluon has the API `kernels/linear_gluon.py` uses."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     try:
-        from kernels import linear_gluon
+        from kernels import linear_gluon  # noqa: F401
     except ImportError:
         return False
+    return True
+
+
+def _gluon_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Gluon kernel runs this call: a Gluon device and TMA-aligned operands."""
+    if not _gluon_device(x.device):
+        return False
+    from kernels import linear_gluon
+
     return linear_gluon.usable(x, weight)
 
 

@@ -2,9 +2,9 @@
 
 Every model class takes `(hf_config, dtype)` and offers `forward(input_ids, positions,
 kv_caches, attn_metadata)`, `compute_logits(hidden, float32=True)` (float32=False: the
-model dtype), `logits_and_greedy(hidden)` (model-dtype logits and greedy ids), `load_weights` and `kv_cache_spec(dtype_bytes)`
-(an `engine.kv_cache.spec` layout: the runner allocates `spec.num_layers` tensors of
-`spec.kv_cache_shape(...)`). This module imports no torch.
+model dtype), `logits_and_greedy(hidden)` (model-dtype logits and greedy ids), `load_weights`
+and `kv_cache_spec(dtype_bytes)` (an `engine.kv_cache.spec` layout: the runner allocates
+`spec.num_layers` tensors of `spec.kv_cache_shape(...)`). This module imports no torch.
 """
 
 from __future__ import annotations
