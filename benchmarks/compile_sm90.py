@@ -123,7 +123,7 @@ def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int, parts: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import linear_gluon
+    from kernels import linear_gluon, pdl
 
     def descriptor(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, linear_gluon.BOX_K], gl.bfloat16)
@@ -137,7 +137,8 @@ def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int, parts: int):
                       SS_PARTS_P2=max(parts, 1), SPLIT_K=split_k,
                       STAGES=linear_gluon.stages_for(64, block_n, gated),
                       SUB=linear_gluon.SUB_BOXES, PDL=True,
-                      WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT, num_warps=4)
+                      WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT,
+                      TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4)
     signature = {**args, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
              if name.endswith("_ptr")}

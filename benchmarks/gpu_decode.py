@@ -296,6 +296,25 @@ ATTENTION_VARIANTS = {
 GLUON_VARIANTS = {
     "gluon_all_buckets": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset({16, 32, 64})),),
     "gluon_wait_first": (("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False),),
+    # the Gluon GEMM releasing the next kernel right after its wait, so the next GEMM's
+    # programs request their weights while this one streams (where shared memory leaves room:
+    # with 96 KiB of stages two programs fit on an SM, with 64 KiB three)
+    "gluon_release_early": (("kernels.pdl", "RELEASE_EARLY",
+                             frozenset({"attention", "linear_gluon"})),),
+    "gluon_96k": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
+    "gluon_96k_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),
+                                ("kernels.pdl", "RELEASE_EARLY",
+                                 frozenset({"attention", "linear_gluon"}))),
+    "gluon_64k_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 64 * 1024),
+                                ("kernels.pdl", "RELEASE_EARLY",
+                                 frozenset({"attention", "linear_gluon"}))),
+    "gluon_96k_1box_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),
+                                     ("kernels.linear_gluon", "SUB_BOXES", 1),
+                                     ("kernels.pdl", "RELEASE_EARLY",
+                                      frozenset({"attention", "linear_gluon"}))),
+    "gluon_160k_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 160 * 1024),
+                                 ("kernels.pdl", "RELEASE_EARLY",
+                                  frozenset({"attention", "linear_gluon"}))),
 }
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 
@@ -316,15 +335,15 @@ def switched(settings):
 
 
 def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dict,
-                   context: float, *, label: str) -> dict:
-    """Decode at b=1, 8, 64 with VARIANTS[label]'s settings (graphs recaptured), same process
+                   context: float, *, label: str, batches=(1, 8, 64)) -> dict:
+    """Decode at `batches` with VARIANTS[label]'s settings (graphs recaptured), same process
     and machine; the settings are restored (and the graphs recaptured) after. Keys
     "decode_b{batch}_{label}"."""
     results = {}
     try:
         with switched({**VARIANTS, **EXPERIMENTS}[label]):
             recapture_graphs(core)
-            for batch in (1, 8, 64):
+            for batch in batches:
                 run = engine_decode(core, batch, vocab, new_tokens)
                 run["roofline_tok_s"] = decode_roofline(costs, ceilings, batch, context)
                 results[f"decode_b{batch}_{label}"] = run
@@ -624,6 +643,8 @@ def main() -> int:
                              "VARIANTS; '' for none)")
     parser.add_argument("--variants-only", action="store_true",
                         help="build the engine and run only the variants")
+    parser.add_argument("--variant-batches", default="1,8,64",
+                        help="comma-separated batch sizes of the variant runs")
     args = parser.parse_args()
     from transformers import LlamaConfig
 
@@ -657,7 +678,8 @@ def main() -> int:
                                  results, args.profile)
     for label in filter(None, args.variants.split(",")):
         variant = variant_decode(core, hf_config.vocab_size, new_tokens, costs, ceilings,
-                                 context, label=label)
+                                 context, label=label,
+                                 batches=[int(b) for b in args.variant_batches.split(",")])
         results.update(variant)
         for key, run in variant.items():
             batch = key.split("_")[1]

@@ -53,6 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels import pdl
+
 BOX_K = 64              # K columns per TMA box: 128 bytes of bf16, one 128-byte-swizzled row
 SUB_BOXES = 2           # boxes per pipeline stage: K columns per stage = SUB_BOXES * BOX_K
 STAGE_BUDGET = 192 * 1024   # shared memory for the stages
@@ -147,7 +149,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                    SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
                    SUB: gl.constexpr,
                    PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   TRIGGER_AFTER_LOOP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BOX: gl.constexpr = w_desc.block_type.shape[1]   # K columns per TMA box (128 bytes)
     BK: gl.constexpr = BOX * SUB                      # K columns per stage
@@ -174,12 +176,16 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
 
     if not WEIGHTS_BEFORE_WAIT:
         _gdc_wait(PDL)
+        if not TRIGGER_AFTER_LOOP:
+            _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):      # the weights: written by no kernel
         mbarrier.expect(bars.index(st), stage_bytes, pred=st < num_k)
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
                     (first + st) * BK, st < num_k, SUB, GATED, True, False)
     if WEIGHTS_BEFORE_WAIT:
         _gdc_wait(PDL)                      # x, the residual, partials: the previous kernel's
+        if not TRIGGER_AFTER_LOOP:
+            _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
                     (first + st) * BK, st < num_k, SUB, GATED, False, True)
@@ -228,7 +234,8 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
         acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
     else:
         acc = warpgroup_mma_wait(0, deps=(acc,))
-    _gdc_launch_dependents(PDL)
+    if TRIGGER_AFTER_LOOP:
+        _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
 
@@ -296,5 +303,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
         SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated), SUB=SUB_BOXES,
-        PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT, num_warps=4,
-        **pdl_options)
+        PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
+        TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4, **pdl_options)

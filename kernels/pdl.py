@@ -50,10 +50,10 @@ import triton.language as tl
 
 # False: launch every kernel without PDL (benchmarks compare the two in one process)
 ENABLED = True
-# kernels ("linear": the skinny GEMM, "attention": the one-kernel rotary decode attention) that
-# release the next kernel right after their wait; the others after their main loop (the
-# attention either way: 240.6 / 240.5 tok/s at batch 1). The RMSNorm kernel has no loop and
-# releases right after its wait.
+# kernels ("linear": the Triton skinny GEMM, "linear_gluon": the Gluon one, "attention": the
+# one-kernel rotary decode attention) that release the next kernel right after their wait; the
+# others after their main loop (the attention either way: 240.6 / 240.5 tok/s at batch 1). The
+# RMSNorm kernel has no loop and releases right after its wait.
 RELEASE_EARLY = frozenset({"attention"})
 
 
@@ -72,7 +72,8 @@ def _hopper_or_newer(index: int | None) -> bool:
 
 
 def release_after_loop(kernel: str) -> bool:
-    """The TRIGGER_AFTER_LOOP constexpr of `kernel` ("linear" or "attention")."""
+    """The TRIGGER_AFTER_LOOP constexpr of `kernel` ("linear", "linear_gluon" or
+    "attention")."""
     return kernel not in RELEASE_EARLY
 
 
