@@ -4,8 +4,9 @@ CUDA graph gives bitwise the same results with PDL as without.
 With PDL a kernel starts before the previous one ends; reading the previous kernel's output or
 writing anything before `griddepcontrol.wait` would be a race that shows as wrong bits here. The
 chain is a decode layer's kernels over 8 layers (fused norm + qkv, one-kernel rotary attention
-writing the KV cache, o + residual with split-K, norm + gated gate_up, down + residual, RMSNorm),
-each reading the one before, replayed many times. On CPU (the interpreter) PDL is off and there
+writing the KV cache, o + residual with split-K, norm + gated gate_up, down + residual, RMSNorm;
+the residual GEMMs hand their sums of squares to the next norm), each reading the one before,
+replayed many times, with the Triton GEMMs and (on Hopper) the Gluon ones. On CPU (the interpreter) PDL is off and there
 is nothing to compare: CUDA only.
 """
 
@@ -41,25 +42,33 @@ def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata):
     from kernels import elementwise_triton, linear_triton
     from kernels.rotary_decode_triton import rotary_decode_attention
 
-    for w in layers:
-        qkv = linear_triton.linear(hidden, w["qkv"], config=NORM, norm_eps=1e-5)
+    parts = linear_triton.num_partials(HIDDEN, SPLIT)
+    after_o, after_down = (torch.empty(parts, hidden.shape[0], device=hidden.device)
+                           for _ in range(2))
+    for i, w in enumerate(layers):
+        qkv = linear_triton.linear(hidden, w["qkv"], config=NORM, norm_eps=1e-5,
+                                   sum_squares=after_down if i else None)
         attn = rotary_decode_attention(qkv, HEADS, cos, signed_sin, kv_cache, metadata,
                                        HEAD_DIM ** -0.5)
         linear_triton.linear(attn.view(hidden.shape[0], -1), w["o"], config=SPLIT,
-                             residual=hidden)
+                             residual=hidden, sum_squares_out=after_o)
         act = linear_triton.linear(hidden, w["gate_up"], config=NORM, norm_eps=1e-5,
-                                   gated=True)
-        linear_triton.linear(act, w["down"], config=SPLIT, residual=hidden)
+                                   gated=True, sum_squares=after_o)
+        linear_triton.linear(act, w["down"], config=SPLIT, residual=hidden,
+                             sum_squares_out=after_down)
     weight = torch.ones(HIDDEN, dtype=hidden.dtype, device=hidden.device)
     return elementwise_triton.rms_norm(hidden, weight, 1e-5)
 
 
-def _run(pdl_enabled, release_early, monkeypatch, replays=6):
-    """Per replay (new hidden input): (final norm, KV cache) after a graph of the chain."""
-    from kernels import pdl
+def _run(pdl_enabled, release_early, monkeypatch, replays=6, gluon=False):
+    """Per replay (new hidden input): (final norm, KV cache) after a graph of the chain; with
+    `gluon`, its GEMMs on `kernels/linear_gluon.py` (all but the first norm)."""
+    from kernels import linear_triton, pdl
 
     monkeypatch.setattr(pdl, "ENABLED", pdl_enabled)
     monkeypatch.setattr(pdl, "RELEASE_EARLY", release_early)
+    monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M",
+                        frozenset({16, 32, 64}) if gluon else frozenset())
     layers = _weights(seed=0)
     _, kv_cache, metadata = random_paged_batch(
         [1] * 4, [300, 17, 64, 129], num_q_heads=HEADS, num_kv_heads=KV_HEADS,
@@ -99,6 +108,22 @@ def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_chain_without_pdl(release_earl
         assert torch.equal(out, want_out)
         assert torch.equal(cache, want_cache)
     assert not torch.equal(got[0][0], got[1][0])   # the replays saw different inputs
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon GEMM runs on Hopper")
+@pytest.mark.parametrize("release_early", [frozenset({"attention"}),
+                                           frozenset({"attention", "linear_gluon"})],
+                         ids=["gluon_after_loop", "gluon_early"])
+def test_pdl_chain_of_gluon_gemms_is_bitwise_the_chain_without_pdl(release_early, monkeypatch):
+    """The Gluon GEMM requests its weights before its wait and may release the next kernel
+    right after it: the chain's results are still bitwise those without PDL."""
+    expected = _run(False, frozenset(), monkeypatch, gluon=True)
+    got = _run(True, release_early, monkeypatch, gluon=True)
+    for (out, cache), (want_out, want_cache) in zip(got, expected):
+        assert torch.equal(out, want_out)
+        assert torch.equal(cache, want_cache)
+    assert not torch.equal(got[0][0], got[1][0])
 
 
 def test_pdl_is_off_off_hopper_and_in_the_interpreter(monkeypatch):
