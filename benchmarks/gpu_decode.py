@@ -282,9 +282,29 @@ def _fused_table_64_attn_to_mlp_unfused(device):
         if (e["block_m"], e["boundary"]) != (64, "attn_to_mlp"))
 
 
-# experiments (--variants): a 64-row boundary unfused
+def _fused_table_with(changes: dict):
+    """A stand-in for `kernels.fused_linear._fused_table`: the device's table with `changes`
+    ({(fusion, block_m, out_features, in_features): config keys to set}) applied."""
+    @functools.cache
+    def table(device):
+        from kernels import fused_linear
+        from kernels.backends import device_config_entries
+
+        entries = device_config_entries(fused_linear.CONFIG_KIND, device)
+        configs = fused_linear.fused_table(entries)
+        return {key: {**config, **changes.get(key, {})} for key, config in configs.items()}
+    return table
+
+
+QKV_64 = ("norm", 64, 6144, 4096)   # Llama-3-8B's qkv with its norm, 64-row bucket
+# experiments (--variants): a 64-row boundary unfused; the 64-row qkv (Gluon, norm from
+# handed-over sums of squares) with its K split
 BOUNDARY_VARIANTS = {"attn_to_mlp_64_unfused": (
-    ("kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),)}
+    ("kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),),
+    "qkv_64_split2": (("kernels.fused_linear", "_fused_table",
+                       _fused_table_with({QKV_64: {"SPLIT_K": 2}})),),
+    "qkv_64_split4": (("kernels.fused_linear", "_fused_table",
+                       _fused_table_with({QKV_64: {"SPLIT_K": 4}})),)}
 # experiments (--variants): the one-kernel decode attention's context tile and pipeline depth
 ATTENTION_VARIANTS = {
     "attn_3_stages": (("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
@@ -335,10 +355,11 @@ def switched(settings):
 
 
 def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dict,
-                   context: float, *, label: str, batches=(1, 8, 64)) -> dict:
+                   context: float, *, label: str, batches=(1, 8, 64),
+                   roles: bool = False) -> dict:
     """Decode at `batches` with VARIANTS[label]'s settings (graphs recaptured), same process
     and machine; the settings are restored (and the graphs recaptured) after. Keys
-    "decode_b{batch}_{label}"."""
+    "decode_b{batch}_{label}"; with `roles`, each run also has `layer_roles`'s shares."""
     results = {}
     try:
         with switched({**VARIANTS, **EXPERIMENTS}[label]):
@@ -346,6 +367,8 @@ def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dic
             for batch in batches:
                 run = engine_decode(core, batch, vocab, new_tokens)
                 run["roofline_tok_s"] = decode_roofline(costs, ceilings, batch, context)
+                if roles:
+                    run["layer_roles_us"] = layer_roles(core, batch, vocab)
                 results[f"decode_b{batch}_{label}"] = run
                 print(f"decode b={batch} {label}: {run}", flush=True)
     finally:
@@ -493,6 +516,32 @@ def engine_timeline(core, batch: int, vocab: int, top: int = 12) -> dict:
                              for name, (count, us) in by_time],
             "largest_gaps_us": [(round(g, 1), before[:40], after[:40])
                                 for g, before, after in gaps[:top]]}
+
+
+LAYER_ROLES = ("qkv", "attention", "o", "gate_up", "down")
+
+
+def layer_roles(core, batch: int, vocab: int) -> dict:
+    """Each decode-layer kernel's share of the step at `batch` (a 32-token engine run under
+    torch.profiler): for the kernels of layers 1.. (layer 0's qkv runs another kernel), the
+    time from the previous kernel's end to its own end, median over layers and steps, in us.
+    Under PDL a kernel's own duration includes its wait for the previous one; this does not,
+    so the shares add up to the step's device time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine_decode(core, batch, vocab, 32)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA and not e.name.startswith("Mem"))
+    shares: dict[str, list] = {role: [] for role in LAYER_ROLES}
+    for i in range(5, len(kernels) - 3):
+        if "rotary_decode" not in kernels[i][2] or "rotary_decode" not in kernels[i - 5][2]:
+            continue   # not an attention kernel after a full layer (layer 1 onwards)
+        for offset, role in zip(range(-1, 4), LAYER_ROLES):
+            shares[role].append(kernels[i + offset][1] - kernels[i + offset - 1][1])
+    return {role: round(statistics.median(values), 2) for role, values in shares.items()
+            if values}
 
 
 def _device_us(event) -> float:
@@ -645,6 +694,8 @@ def main() -> int:
                         help="build the engine and run only the variants")
     parser.add_argument("--variant-batches", default="1,8,64",
                         help="comma-separated batch sizes of the variant runs")
+    parser.add_argument("--roles", action="store_true",
+                        help="also time each decode-layer kernel's share in the variant runs")
     args = parser.parse_args()
     from transformers import LlamaConfig
 
@@ -679,7 +730,8 @@ def main() -> int:
     for label in filter(None, args.variants.split(",")):
         variant = variant_decode(core, hf_config.vocab_size, new_tokens, costs, ceilings,
                                  context, label=label,
-                                 batches=[int(b) for b in args.variant_batches.split(",")])
+                                 batches=[int(b) for b in args.variant_batches.split(",")],
+                                 roles=args.roles)
         results.update(variant)
         for key, run in variant.items():
             batch = key.split("_")[1]

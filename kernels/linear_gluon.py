@@ -241,7 +241,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
 
     acc = gl.convert_layout(acc, epi)
     acc_up = gl.convert_layout(acc_up, epi)
-    if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
+    if SPLIT_K > 1:   # (GATED needs one split, NORM handed-over sums: the launcher checks)
         tile_offsets = gl.expand_dims(rows.to(gl.int64), 0) * N + gl.expand_dims(cols, 1)
         gl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=tile_ok)
         _thread_barrier()   # every thread's partial is written before the arrival counts

@@ -6,8 +6,8 @@ writing anything before `griddepcontrol.wait` would be a race that shows as wron
 chain is a decode layer's kernels over 8 layers (fused norm + qkv, one-kernel rotary attention
 writing the KV cache, o + residual with split-K, norm + gated gate_up, down + residual, RMSNorm;
 the residual GEMMs hand their sums of squares to the next norm), each reading the one before,
-replayed many times, with the Triton GEMMs and (on Hopper) the Gluon ones. On CPU (the interpreter) PDL is off and there
-is nothing to compare: CUDA only.
+replayed many times, with the Triton GEMMs and (on Hopper) the Gluon ones. On CPU (the
+interpreter) PDL is off and there is nothing to compare: CUDA only.
 """
 
 import pytest
