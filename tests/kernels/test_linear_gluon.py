@@ -91,6 +91,22 @@ def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated, num_rows):
     assert relative_error(got, product) < 1e-2
 
 
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_gluon_norm_from_sums_of_squares_splits_k(gluon, split_k, monkeypatch):
+    """With handed-over sums of squares the norm GEMM may split K (the last split scales the
+    summed partials); the Triton kernel runs the same config unsplit, to the same values."""
+    eps = 1e-5
+    stream = _randn(64, 1024, seed=15, scale=3.0)
+    partials = stream.float().pow(2).view(64, 16, 64).sum(-1).T.contiguous()   # [16, 64]
+    weight = _randn(192, 1024, seed=16, scale=1024 ** -0.5)
+    config = {**PLAIN, "SPLIT_K": split_k}
+    got = gluon.linear(stream, weight, config=config, norm_eps=eps, sum_squares=partials)
+    assert relative_error(got, F.linear(_rms_normed(stream, eps), weight.double())) < 1e-2
+    monkeypatch.setattr(gluon, "GLUON_BLOCK_M", frozenset())
+    unsplit = gluon.linear(stream, weight, config=config, norm_eps=eps, sum_squares=partials)
+    assert relative_error(got, unsplit.double()) < 4e-3
+
+
 def test_gluon_ragged_k_and_an_empty_trailing_split(gluon):
     """K = 200: the last K tile is cut by the TMA box's zero fill; three splits of 128-column
     tiles leave the third without a tile (it adds zeros, as the Triton kernel's do)."""
