@@ -439,11 +439,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows_per_program = block_m(num_rows)
     use_gluon = (rows_per_program in GLUON_BLOCK_M and (norm_eps is None or ss_parts)
                  and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight))
-    if split_k > 1 and (gated or (norm_eps is not None and not ss_parts)):
-        raise ValueError("gated, and norm_eps without sum_squares, need SPLIT_K=1 (each "
-                         "program must see all of K)")
+    if split_k > 1 and gated:
+        raise ValueError("gated needs SPLIT_K=1 (each program must see all of K)")
     if split_k > 1 and norm_eps is not None and not use_gluon:
-        split_k = 1   # the Triton kernel's norm from sums of squares runs unsplit
+        split_k = 1   # only the Gluon kernel splits a norm GEMM (from handed-over sums)
     block_k = config["BLOCK_K"]
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k
