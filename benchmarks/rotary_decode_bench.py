@@ -1,8 +1,8 @@
 """The one-kernel decode attention against the three unfused kernels, on one GPU.
 
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, 16-token blocks on
-shuffled block tables), 192-token contexts (the decode benchmark's mean), bf16. A CUDA graph of
-32 calls (one per layer, each on its own KV cache) is timed for:
+shuffled block tables), 192-token contexts (the decode benchmark's mean; --contexts), bf16. A
+CUDA graph of 32 calls (one per layer, each on its own KV cache) is timed for:
 - unfused: `elementwise_triton.apply_rotary_write_kv`, then `paged_attention_triton._decode`
   (the split-K decode kernel and, with several splits, its reduce kernel);
 - fused: `rotary_decode_triton.rotary_decode_attention` (one kernel), at the split count the
@@ -13,7 +13,8 @@ microseconds per layer and fused / unfused. With --sweep, the fused kernel is al
 (BLOCK_N, num_warps, num_stages) of `decode_attention_sweep.py`'s grid (the engine runs
 `paged_attention_triton._DECODE_BLOCK_N` / `_DECODE_LAUNCH`, swept for the unfused kernel).
 
-Run: python3 benchmarks/rotary_decode_bench.py [--sweep] [--json PATH]
+Run: python3 benchmarks/rotary_decode_bench.py [--sweep] [--batches 1,8] [--contexts 64,192]
+     [--json PATH]
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the fused kernel at every launch config of the grid")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                        help="comma-separated batch sizes")
+    parser.add_argument("--contexts", default=str(CONTEXT),
+                        help="comma-separated context lengths (tokens, the new one included)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
     from gpu_common import random_paged_batch  # noqa: I001 (tests/kernels on sys.path)
@@ -73,9 +78,10 @@ def main() -> int:
     from kernels import paged_attention_triton as pat
 
     rows = []
-    for batch in BATCHES:
+    for batch, context in itertools.product(map(int, args.batches.split(",")),
+                                            map(int, args.contexts.split(","))):
         _, cache, metadata = random_paged_batch(
-            [1] * batch, [CONTEXT - 1] * batch, num_q_heads=HQ, num_kv_heads=HKV,
+            [1] * batch, [context - 1] * batch, num_q_heads=HQ, num_kv_heads=HKV,
             head_dim=HEAD_DIM, block_size=16, dtype=torch.bfloat16, seed=batch,
             spare_blocks=64)
         caches = [cache] + [cache.clone() for _ in range(LAYERS - 1)]
@@ -97,7 +103,7 @@ def main() -> int:
                                                          metadata, scale)
 
         engine_splits = pat.num_decode_splits(batch, HKV, 8192, pat._num_sms(0))
-        row = {"batch": batch, "splits": engine_splits,
+        row = {"batch": batch, "context": context, "splits": engine_splits,
                "unfused_us": graph_us_per_layer(unfused), "fused_us": graph_us_per_layer(fused)}
         row["fused_over_unfused"] = row["fused_us"] / row["unfused_us"]
         for forced in sorted({1, 2, 4, engine_splits} - {engine_splits}):
@@ -113,7 +119,7 @@ def main() -> int:
                           for k, v in row.items()}), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "context": CONTEXT, "rows": rows}, indent=2))
+                                         "rows": rows}, indent=2))
     return 0
 
 
