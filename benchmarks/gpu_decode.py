@@ -332,6 +332,11 @@ GLUON_VARIANTS = {
                                      ("kernels.linear_gluon", "SUB_BOXES", 1),
                                      ("kernels.pdl", "RELEASE_EARLY",
                                       frozenset({"attention", "linear_gluon"}))),
+    # each 64-row GEMM's last-wave programs prefetch into L2 a share of the next GEMM's first
+    # stages after their K loop (`linear_gluon.NEXT_PREFETCH`)
+    "next_prefetch_quarter": (("kernels.linear_gluon", "NEXT_PREFETCH", 0.25),),
+    "next_prefetch_half": (("kernels.linear_gluon", "NEXT_PREFETCH", 0.5),),
+    "next_prefetch_full": (("kernels.linear_gluon", "NEXT_PREFETCH", 1.0),),
     "gluon_160k_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 160 * 1024),
                                  ("kernels.pdl", "RELEASE_EARLY",
                                   frozenset({"attention", "linear_gluon"}))),

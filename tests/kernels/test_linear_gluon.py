@@ -151,3 +151,21 @@ def test_gluon_row_argmax_epilogue(gluon):
     weight[900] = weight[100] = 0.05          # equal, leading logits in two tiles
     out, ids = linear_row_argmax(x.abs(), weight, config=WIDE)
     assert torch.equal(ids, out.argmax(dim=-1)) and torch.equal(ids, torch.full_like(ids, 100))
+
+
+def test_gluon_learns_the_next_gemm_and_its_prefetch_changes_no_bits(gluon, monkeypatch):
+    """A launch records itself as the previous launch's next GEMM; with NEXT_PREFETCH the
+    previous weight's programs prefetch its first tiles into L2 (results unchanged)."""
+    from kernels import linear_gluon
+
+    x = _randn(64, 1024, seed=71)
+    first = _randn(1024, 1024, seed=72, scale=1024 ** -0.5)
+    second = _randn(2 * 512, 1024, seed=73, scale=1024 ** -0.5)
+    hidden = gluon.linear(x, first, config=SPLIT)
+    gluon.linear(hidden, second, config=PLAIN)
+    following = linear_gluon._next_gemm[first.data_ptr()]
+    assert following.weight is second and following.programs == 1024 // 64
+    assert following.ring_columns == linear_gluon.stages_for(64, 64, False) * 128
+    monkeypatch.setattr(linear_gluon, "NEXT_PREFETCH", 1.0)
+    again = gluon.linear(x, first, config=SPLIT)
+    assert torch.equal(again, hidden)
