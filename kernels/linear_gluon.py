@@ -46,6 +46,7 @@ later versions renamed; `linear_triton` falls back to its own kernel where the i
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -322,9 +323,10 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class _Gemm:
-    """What a prefetch of a GEMM's first weight tiles needs: its weight and launch grid."""
+    """What a prefetch of a GEMM's first weight tiles needs: its weight (a weak reference: the
+    record keeps no weight alive) and launch grid."""
 
-    weight: torch.Tensor
+    weight_ref: weakref.ref
     out_features: int
     block_n: int
     gated: bool
@@ -348,11 +350,12 @@ def _prefetch_args(weight: torch.Tensor, programs: int) -> tuple[list, dict]:
     `num_sms` programs of the first NEXT_PREFETCH of the next GEMM's stage ring, one program
     each (none where the next GEMM is unknown, or its rows are not 16-byte multiples)."""
     following = _next_gemm.get(weight.data_ptr()) if NEXT_PREFETCH > 0 else None
-    k = following.weight.shape[1] if following else 0
-    if following is None or k % 8 or following.weight.data_ptr() % 16:
+    next_weight = following.weight_ref() if following else None
+    k = next_weight.shape[1] if next_weight is not None else 0
+    if next_weight is None or k % 8 or next_weight.data_ptr() % 16:
         return [weight, 1, 8, 1, 0, 0, 0], dict(NEXT_BN=64, NEXT_GATED=False, NEXT_COLS=0)
     columns = max(8, int(following.ring_columns * NEXT_PREFETCH) // 8 * 8)
-    return ([following.weight, following.out_features, k, following.tiles, following.programs,
+    return ([next_weight, following.out_features, k, following.tiles, following.programs,
              following.per_split_columns, max(programs - _num_sms(weight.device), 0)],
             dict(NEXT_BN=following.block_n, NEXT_GATED=following.gated, NEXT_COLS=columns))
 
@@ -392,6 +395,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         **next_constexprs, **pdl_options)
     if _last_weight[0]:
         _next_gemm[_last_weight[0]] = _Gemm(
-            weight, out_features, block_n, gated, tiles, tiles * split_k,
+            weakref.ref(weight), out_features, block_n, gated, tiles, tiles * split_k,
             per_split * BOX_K * SUB_BOXES, stages * BOX_K * SUB_BOXES)
     _last_weight[0] = weight.data_ptr()
