@@ -56,9 +56,7 @@ GLUON_ARGS = {"bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16",
               "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32",
               "max_ptr": "*fp32", "argmax_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
               "k_tiles_per_split": "i32", "residual_stride": "i32", "out_stride": "i32",
-              "eps": "fp32", "next_ptr": "*bf16", "next_n": "i32", "next_k": "i32",
-              "next_tiles": "i32", "next_programs": "i32", "next_per_split": "i32",
-              "next_first": "i32"}
+              "eps": "fp32"}
 
 
 def compile_for_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -140,8 +138,7 @@ def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int, parts: int):
                       STAGES=linear_gluon.stages_for(64, block_n, gated),
                       SUB=linear_gluon.SUB_BOXES, PDL=True,
                       WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT,
-                      TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"),
-                      NEXT_BN=64, NEXT_GATED=True, NEXT_COLS=256, num_warps=4)
+                      TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4)
     signature = {**args, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
              if name.endswith("_ptr")}

@@ -28,14 +28,17 @@ model, so both run the same weights), then measures in one process:
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
    eager step (torch.profiler); with `--profile` also the device timeline of an engine decode
    run at batch 64 (busy and idle time, ops, the largest idle gaps) and CUDA events around each
-   of its graph replays (the replay's time in the engine, the time between replays).
+   of its graph replays (the replay's time in the engine, the time between replays); with
+   `--roles`, each variant run also gets each decode-layer kernel's share of the step
+   (`layer_roles`: qkv, attention, o, gate_up, down).
 
 Rooflines: decode step = max(bytes / bandwidth, FLOPs / matmul rate), bytes = every weight but
 the embedding table (only B rows of it are read) + the KV cache the step reads (B sequences x
 the mean context of the timed steps); prefill = FLOPs / matmul rate, FLOPs = 2 x parameters x
 tokens (LM head: one row per prompt) + causal attention 2 x L^2 x head_dim per head and layer.
 
-Run: python3 benchmarks/gpu_decode.py [--quick] [--json PATH]
+Run: python3 benchmarks/gpu_decode.py [--quick] [--json PATH] [--profile] [--variants A,B]
+     [--variants-only] [--variant-batches 64] [--roles]
 """
 
 from __future__ import annotations
@@ -282,29 +285,9 @@ def _fused_table_64_attn_to_mlp_unfused(device):
         if (e["block_m"], e["boundary"]) != (64, "attn_to_mlp"))
 
 
-def _fused_table_with(changes: dict):
-    """A stand-in for `kernels.fused_linear._fused_table`: the device's table with `changes`
-    ({(fusion, block_m, out_features, in_features): config keys to set}) applied."""
-    @functools.cache
-    def table(device):
-        from kernels import fused_linear
-        from kernels.backends import device_config_entries
-
-        entries = device_config_entries(fused_linear.CONFIG_KIND, device)
-        configs = fused_linear.fused_table(entries)
-        return {key: {**config, **changes.get(key, {})} for key, config in configs.items()}
-    return table
-
-
-QKV_64 = ("norm", 64, 6144, 4096)   # Llama-3-8B's qkv with its norm, 64-row bucket
-# experiments (--variants): a 64-row boundary unfused; the 64-row qkv (Gluon, norm from
-# handed-over sums of squares) with its K split
+# experiments (--variants): a 64-row boundary unfused
 BOUNDARY_VARIANTS = {"attn_to_mlp_64_unfused": (
-    ("kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),),
-    "qkv_64_split2": (("kernels.fused_linear", "_fused_table",
-                       _fused_table_with({QKV_64: {"SPLIT_K": 2}})),),
-    "qkv_64_split4": (("kernels.fused_linear", "_fused_table",
-                       _fused_table_with({QKV_64: {"SPLIT_K": 4}})),)}
+    ("kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),)}
 # experiments (--variants): the one-kernel decode attention's context tile and pipeline depth
 ATTENTION_VARIANTS = {
     "attn_3_stages": (("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
@@ -316,30 +299,11 @@ ATTENTION_VARIANTS = {
 GLUON_VARIANTS = {
     "gluon_all_buckets": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset({16, 32, 64})),),
     "gluon_wait_first": (("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False),),
-    # the Gluon GEMM releasing the next kernel right after its wait, so the next GEMM's
-    # programs request their weights while this one streams (where shared memory leaves room:
-    # with 96 KiB of stages two programs fit on an SM, with 64 KiB three)
+    # the Gluon GEMM releasing the next kernel right after its wait (the next GEMM's programs
+    # then take SMs as soon as this one's leave); its stages in 96 KiB (two programs per SM)
     "gluon_release_early": (("kernels.pdl", "RELEASE_EARLY",
                              frozenset({"attention", "linear_gluon"})),),
     "gluon_96k": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
-    "gluon_96k_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),
-                                ("kernels.pdl", "RELEASE_EARLY",
-                                 frozenset({"attention", "linear_gluon"}))),
-    "gluon_64k_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 64 * 1024),
-                                ("kernels.pdl", "RELEASE_EARLY",
-                                 frozenset({"attention", "linear_gluon"}))),
-    "gluon_96k_1box_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),
-                                     ("kernels.linear_gluon", "SUB_BOXES", 1),
-                                     ("kernels.pdl", "RELEASE_EARLY",
-                                      frozenset({"attention", "linear_gluon"}))),
-    # each 64-row GEMM's last-wave programs prefetch into L2 a share of the next GEMM's first
-    # stages after their K loop (`linear_gluon.NEXT_PREFETCH`)
-    "next_prefetch_quarter": (("kernels.linear_gluon", "NEXT_PREFETCH", 0.25),),
-    "next_prefetch_half": (("kernels.linear_gluon", "NEXT_PREFETCH", 0.5),),
-    "next_prefetch_full": (("kernels.linear_gluon", "NEXT_PREFETCH", 1.0),),
-    "gluon_160k_release_early": (("kernels.linear_gluon", "STAGE_BUDGET", 160 * 1024),
-                                 ("kernels.pdl", "RELEASE_EARLY",
-                                  frozenset({"attention", "linear_gluon"}))),
 }
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 

@@ -37,6 +37,14 @@ BLOCK_M = the row bucket, 16 to 64):
 
 The launch needs BLOCK_N a multiple of 64 (a Hopper wgmma spans 64 rows over 4 warps).
 
+PDL release: after the K loop (`kernels/pdl.py`; "linear_gluon" in `pdl.RELEASE_EARLY` releases
+right after the wait instead). Run 19 (batch 64, same process; benchmarks/RESULTS.md): released
+early 13,017.5 against 13,120.7 / 13,055.8; with 96 KiB of stages (two programs per SM)
+12,221.3, and released early so that the next GEMM's programs share the SMs 11,393.4. Shared
+memory in flight per SM is what the stream needs. An L2 prefetch of the next GEMM's first
+stages by this GEMM's last programs after their K loop lost 2-3% (12,629.7-12,744.3 against
+13,020.6 / 12,960.4), and a K split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
+
 Numerics: as `linear_triton` (float32 accumulation of bf16 products, one rounding); results
 agree with the Triton kernel to bf16 rounding (tests/kernels/test_linear_gluon.py).
 Gluon is experimental in Triton: the code targets 3.6's API (the device's) and two names that
@@ -44,10 +52,6 @@ later versions renamed; `linear_triton` falls back to its own kernel where the i
 """
 
 from __future__ import annotations
-
-import functools
-import weakref
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -64,10 +68,6 @@ SUB_BOXES = 2           # boxes per pipeline stage: K columns per stage = SUB_BO
 STAGE_BUDGET = 192 * 1024   # shared memory for the stages
 # False: request the weight tiles after the PDL wait too (benchmarks compare the two)
 WEIGHTS_BEFORE_WAIT = True
-# Share of the next GEMM's first stages that a GEMM's last-wave programs prefetch into L2 after
-# their K loop (0: none). The next GEMM is the one launched after this weight's last launch
-# (`_next_gemm`), so it is known once a forward has run, e.g. before a CUDA graph's capture.
-NEXT_PREFETCH = 0.0
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # Names that later Triton versions changed (the device runs 3.6; this machine's may be newer,
@@ -90,34 +90,6 @@ def _gdc_launch_dependents(PDL: gl.constexpr):
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_l2(addresses, num_bytes):
-    """Prefetch num_bytes (a multiple of 16) from each 16-byte aligned address into L2."""
-    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [addresses, num_bytes], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _prefetch_next_weights(next_ptr, next_n, next_k, next_tiles, next_programs, next_per_split,
-                           program, NEXT_BN: gl.constexpr, NEXT_GATED: gl.constexpr,
-                           NEXT_COLS: gl.constexpr, num_warps: gl.constexpr):
-    """Into L2: the first NEXT_COLS columns of the weight rows that program `program` of the
-    next GEMM (grid (next_tiles, splits), next_per_split K columns per split) streams first."""
-    if (program >= 0) & (program < next_programs):
-        k0 = (program // next_tiles) * next_per_split
-        cols = gl.minimum(next_k - k0, NEXT_COLS)
-        if cols > 0:
-            layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-            rows = (program % next_tiles) * NEXT_BN + gl.arange(0, NEXT_BN, layout=layout)
-            first = gl.minimum(rows, next_n - 1).to(gl.int64) * next_k + k0
-            sizes = gl.full([NEXT_BN], 0, gl.int32, layout) + cols * 2
-            _prefetch_l2((next_ptr + first).to(gl.int64, bitcast=True), sizes)
-            if NEXT_GATED:
-                _prefetch_l2((next_ptr + first + next_n * next_k).to(gl.int64, bitcast=True),
-                             sizes)
 
 
 @gluon.jit
@@ -178,17 +150,14 @@ def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps
 @gluon.jit
 def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr, counter_ptr,
                    ss_ptr, max_ptr, argmax_ptr, M, N, K, k_tiles_per_split, residual_stride,
-                   out_stride, eps, next_ptr, next_n, next_k, next_tiles, next_programs,
-                   next_per_split, next_first,
+                   out_stride, eps,
                    HAS_BIAS: gl.constexpr, NORM: gl.constexpr, GATED: gl.constexpr,
                    HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr,
                    EMIT_ARGMAX: gl.constexpr, SS_PARTS: gl.constexpr,
                    SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
                    SUB: gl.constexpr,
                    PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
-                   TRIGGER_AFTER_LOOP: gl.constexpr, NEXT_BN: gl.constexpr,
-                   NEXT_GATED: gl.constexpr, NEXT_COLS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   TRIGGER_AFTER_LOOP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BOX: gl.constexpr = w_desc.block_type.shape[1]   # K columns per TMA box (128 bytes)
     BK: gl.constexpr = BOX * SUB                      # K columns per stage
@@ -273,11 +242,6 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
         acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
     else:
         acc = warpgroup_mma_wait(0, deps=(acc,))
-    if NEXT_COLS > 0:   # this program's loads are done: warm L2 for the next GEMM's start
-        _prefetch_next_weights(next_ptr, next_n, next_k, next_tiles, next_programs,
-                               next_per_split,
-                               pid_n + pid_k * gl.num_programs(0) - next_first, NEXT_BN,
-                               NEXT_GATED, NEXT_COLS, num_warps)
     if TRIGGER_AFTER_LOOP:
         _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):
@@ -285,7 +249,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
 
     acc = gl.convert_layout(acc, epi)
     acc_up = gl.convert_layout(acc_up, epi)
-    if SPLIT_K > 1:   # (GATED needs one split, NORM handed-over sums: the launcher checks)
+    if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
         tile_offsets = gl.expand_dims(rows.to(gl.int64), 0) * N + gl.expand_dims(cols, 1)
         gl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=tile_ok)
         _thread_barrier()   # every thread's partial is written before the arrival counts
@@ -321,45 +285,6 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and (weight.stride(0) * weight.element_size()) % 16 == 0)
 
 
-@dataclass(frozen=True)
-class _Gemm:
-    """What a prefetch of a GEMM's first weight tiles needs: its weight (a weak reference: the
-    record keeps no weight alive) and launch grid."""
-
-    weight_ref: weakref.ref
-    out_features: int
-    block_n: int
-    gated: bool
-    tiles: int
-    programs: int
-    per_split_columns: int
-    ring_columns: int       # K columns its stages hold: what it requests before its wait
-
-
-_next_gemm: dict[int, _Gemm] = {}   # weight data_ptr -> the GEMM launched after it last time
-_last_weight: list[int] = [0]
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _prefetch_args(weight: torch.Tensor, programs: int) -> tuple[list, dict]:
-    """The kernel's next_* arguments and NEXT_* constexprs: an L2 prefetch by this GEMM's last
-    `num_sms` programs of the first NEXT_PREFETCH of the next GEMM's stage ring, one program
-    each (none where the next GEMM is unknown, or its rows are not 16-byte multiples)."""
-    following = _next_gemm.get(weight.data_ptr()) if NEXT_PREFETCH > 0 else None
-    next_weight = following.weight_ref() if following else None
-    k = next_weight.shape[1] if next_weight is not None else 0
-    if next_weight is None or k % 8 or next_weight.data_ptr() % 16:
-        return [weight, 1, 8, 1, 0, 0, 0], dict(NEXT_BN=64, NEXT_GATED=False, NEXT_COLS=0)
-    columns = max(8, int(following.ring_columns * NEXT_PREFETCH) // 8 * 8)
-    return ([next_weight, following.out_features, k, following.tiles, following.programs,
-             following.per_split_columns, max(programs - _num_sms(weight.device), 0)],
-            dict(NEXT_BN=following.block_n, NEXT_GATED=following.gated, NEXT_COLS=columns))
-
-
 def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, partial, counters,
            ss_ptr, ss_parts: int, *, block_m: int, block_n: int, split_k: int, norm_eps,
            gated: bool, residual, emit_ss: bool, maxima, columns, emit_argmax: bool,
@@ -379,22 +304,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
                               [block_n, BOX_K], w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, BOX_K], x_layout)
     ss_parts_p2 = triton.next_power_of_2(max(ss_parts, 1))
-    tiles = triton.cdiv(out_features, block_n)
-    stages = stages_for(block_m, block_n, gated)
-    next_args, next_constexprs = _prefetch_args(weight, tiles * split_k)
-    _skinny_kernel[(tiles, split_k)](
+    _skinny_kernel[(triton.cdiv(out_features, block_n), split_k)](
         w_desc, x_desc, bias if bias is not None else weight, out, out, partial, counters,
         ss_ptr, maxima, columns, num_rows, out_features, in_features, per_split, out.stride(0),
-        out.stride(0), 0.0 if norm_eps is None else norm_eps, *next_args,
-        HAS_BIAS=bias is not None,
+        out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
-        SPLIT_K=split_k, STAGES=stages, SUB=SUB_BOXES,
+        SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated), SUB=SUB_BOXES,
         PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
-        TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4,
-        **next_constexprs, **pdl_options)
-    if _last_weight[0]:
-        _next_gemm[_last_weight[0]] = _Gemm(
-            weakref.ref(weight), out_features, block_n, gated, tiles, tiles * split_k,
-            per_split * BOX_K * SUB_BOXES, stages * BOX_K * SUB_BOXES)
-    _last_weight[0] = weight.data_ptr()
+        TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4, **pdl_options)

@@ -389,9 +389,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             first). The rows' sums of squares come from a pre-pass over x (unrolled wide
             loads) or, from NORM_BY_DOT_ROWS rows per program, from the diagonal of x x^T, one
             more tl.dot per K step on the x tile already loaded (an elementwise use of that
-            tile halved the GEMM's speed); the epilogue scales the accumulator. Without
-            sum_squares it needs one K split; with them the Gluon kernel splits K as the
-            config says (the Triton kernel runs such a config unsplit).
+            tile halved the GEMM's speed); the epilogue scales the accumulator. Needs one K
+            split.
         gated: compute `silu(x @ gate.T) * (x @ up.T)` ([M, I]) with gate / up the two row
             halves of weight, rounded as `kernels.activation.silu_and_mul` on the rounded
             halves. Needs one K split and no bias.
@@ -412,10 +411,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
-        ValueError: gated, or norm_eps without sum_squares, with SPLIT_K > 1, gated with a
-            bias, too many output tiles for the split-K arrival counters, sum_squares /
-            sum_squares_out without norm_eps / residual or of the wrong shape or dtype, or
-            row_maxima_out of the wrong shapes or dtypes.
+        ValueError: norm_eps or gated with SPLIT_K > 1, gated with a bias, too many output
+            tiles for the split-K arrival counters, sum_squares / sum_squares_out without
+            norm_eps / residual or of the wrong shape or dtype, or row_maxima_out of the wrong
+            shapes or dtypes.
     """
     out_features, in_features = weight.shape
     if gated:
@@ -434,18 +433,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = dict(config)
     split_k = config.pop("SPLIT_K", 1)
     swap_ab = config.pop("SWAP_AB", False)
+    if split_k > 1 and (norm_eps is not None or gated):
+        raise ValueError("norm_eps and gated need SPLIT_K=1 (each program must see all of K)")
     ss_ptr, ss_parts = _sum_squares_arg(num_rows, out_features, config, norm_eps, residual,
                                         sum_squares, sum_squares_out)
-    rows_per_program = block_m(num_rows)
-    use_gluon = (rows_per_program in GLUON_BLOCK_M and (norm_eps is None or ss_parts)
-                 and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight))
-    if split_k > 1 and gated:
-        raise ValueError("gated needs SPLIT_K=1 (each program must see all of K)")
-    if split_k > 1 and norm_eps is not None and not use_gluon:
-        split_k = 1   # only the Gluon kernel splits a norm GEMM (from handed-over sums)
     block_k = config["BLOCK_K"]
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k
+    rows_per_program = block_m(num_rows)
     # the norm's pre-pass loads [rows_per_program, ss_chunk] tiles of 4K elements (32 float32
     # registers per thread at 4 warps: 16K-element tiles measured ~4.5 us slower per call)
     ss_chunk = min(triton.next_power_of_2(in_features), (1 << 12) // rows_per_program)
@@ -463,7 +458,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         partial = counters = out   # unused
     maxima, columns = _row_maxima_args(num_rows, out_features, config, row_maxima_out, out)
     pdl_options = pdl.launch_options(x.device)
-    if use_gluon:
+    if (rows_per_program in GLUON_BLOCK_M and (norm_eps is None or ss_parts)
+            and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight)):
         from kernels import linear_gluon
 
         linear_gluon.launch(x, weight, bias, out, partial, counters,

@@ -91,22 +91,6 @@ def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated, num_rows):
     assert relative_error(got, product) < 1e-2
 
 
-@pytest.mark.parametrize("split_k", [2, 4])
-def test_gluon_norm_from_sums_of_squares_splits_k(gluon, split_k, monkeypatch):
-    """With handed-over sums of squares the norm GEMM may split K (the last split scales the
-    summed partials); the Triton kernel runs the same config unsplit, to the same values."""
-    eps = 1e-5
-    stream = _randn(64, 1024, seed=15, scale=3.0)
-    partials = stream.float().pow(2).view(64, 16, 64).sum(-1).T.contiguous()   # [16, 64]
-    weight = _randn(192, 1024, seed=16, scale=1024 ** -0.5)
-    config = {**PLAIN, "SPLIT_K": split_k}
-    got = gluon.linear(stream, weight, config=config, norm_eps=eps, sum_squares=partials)
-    assert relative_error(got, F.linear(_rms_normed(stream, eps), weight.double())) < 1e-2
-    monkeypatch.setattr(gluon, "GLUON_BLOCK_M", frozenset())
-    unsplit = gluon.linear(stream, weight, config=config, norm_eps=eps, sum_squares=partials)
-    assert relative_error(got, unsplit.double()) < 4e-3
-
-
 def test_gluon_ragged_k_and_an_empty_trailing_split(gluon):
     """K = 200: the last K tile is cut by the TMA box's zero fill; three splits of 128-column
     tiles leave the third without a tile (it adds zeros, as the Triton kernel's do)."""
@@ -151,21 +135,3 @@ def test_gluon_row_argmax_epilogue(gluon):
     weight[900] = weight[100] = 0.05          # equal, leading logits in two tiles
     out, ids = linear_row_argmax(x.abs(), weight, config=WIDE)
     assert torch.equal(ids, out.argmax(dim=-1)) and torch.equal(ids, torch.full_like(ids, 100))
-
-
-def test_gluon_learns_the_next_gemm_and_its_prefetch_changes_no_bits(gluon, monkeypatch):
-    """A launch records itself as the previous launch's next GEMM; with NEXT_PREFETCH the
-    previous weight's programs prefetch its first tiles into L2 (results unchanged)."""
-    from kernels import linear_gluon
-
-    x = _randn(64, 1024, seed=71)
-    first = _randn(1024, 1024, seed=72, scale=1024 ** -0.5)
-    second = _randn(2 * 512, 1024, seed=73, scale=1024 ** -0.5)
-    hidden = gluon.linear(x, first, config=SPLIT)
-    gluon.linear(hidden, second, config=PLAIN)
-    following = linear_gluon._next_gemm[first.data_ptr()]
-    assert following.weight_ref() is second and following.programs == 1024 // 64
-    assert following.ring_columns == linear_gluon.stages_for(64, 64, False) * 128
-    monkeypatch.setattr(linear_gluon, "NEXT_PREFETCH", 1.0)
-    again = gluon.linear(x, first, config=SPLIT)
-    assert torch.equal(again, hidden)
