@@ -293,6 +293,8 @@ ATTENTION_VARIANTS = {
     "attn_3_stages": (("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
     "attn_32_tiles_3_stages": (("kernels.rotary_decode_triton", "_DECODE_BLOCK_N", 32),
                                ("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
+    # context splits for ~one wave of programs instead of two (fewer splits at batch 8-32)
+    "attn_one_wave": (("kernels.paged_attention_triton", "_WAVES", 1),),
 }
 # experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
 # weights requested before the PDL wait), and the weights requested after the wait instead

@@ -38,6 +38,7 @@ from kernels.attention_metadata import AttentionMetadata
 _DECODE_BLOCK_N = 64      # context tokens per decode tile
 _DECODE_LAUNCH = (4, 2)   # (num_warps, num_stages): benchmarks/decode_attention_sweep.py
 _MAX_SPLITS = 32          # split-K partitions at most (a power of two)
+_WAVES = 2                # split so that the programs fill ~this many waves over the SMs
 
 
 @triton.jit
@@ -185,12 +186,15 @@ def _num_sms(device_index: int) -> int:
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       num_sms: int) -> int:
-    """Split-K partitions for a decode batch: enough programs for ~2 waves over the SMs, no more
-    splits than context tiles, a power of two. Depends on host ints only (graph-safe).
+    """Split-K partitions for a decode batch: enough programs for ~_WAVES waves over the SMs, no
+    more splits than context tiles, a power of two. Depends on host ints only (graph-safe).
     (~4 programs per SM was tried: batch 64 then took 2 splits, and the decode kernel got no
-    faster while the reduce kernel added ~0.1 ms per step on an H200.)"""
+    faster while the reduce kernel added ~0.1 ms per step on an H200. The one-kernel attention
+    alone, 192-token contexts, was faster with fewer splits at batch 16-32 (benchmarks/
+    RESULTS.md run 19: b=32 12.5 us per layer at one split against 15.2 at the two chosen
+    here); not yet measured in the engine: gpu_decode.py's `attn_one_wave` variant.)"""
     programs = num_seqs * num_kv_heads
-    wanted = -(-2 * num_sms // programs)
+    wanted = -(-_WAVES * num_sms // programs)
     useful = -(-max_seq_len // _DECODE_BLOCK_N)
     splits = max(1, min(wanted, useful, _MAX_SPLITS))
     return triton.next_power_of_2(splits) if splits > 1 else 1
