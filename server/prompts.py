@@ -34,6 +34,12 @@ def _flatten_content(message: ChatMessage, index: int) -> str:
             raise APIError(f"{where} is an '{part.type}' part, but this model accepts text "
                            "only; send text parts only.", param=where,
                            code="unsupported_content")
+        if part.type == "refusal" and message.role == "assistant":
+            if part.refusal is None:
+                raise APIError(f"{where} is a refusal part without 'refusal'; add its text.",
+                               param=where, code="invalid_value")
+            texts.append(part.refusal)
+            continue
         if part.type != "text":
             raise APIError(f"{where} has unknown type '{part.type}'; use "
                            "{\"type\": \"text\", \"text\": ...}.", param=where,

@@ -30,10 +30,12 @@ class _Open(BaseModel):
 
 
 class ContentPart(_Open):
-    """One part of a message's content; only `{"type": "text", "text": ...}` is served."""
+    """One part of a message's content: `{"type": "text", "text": ...}`, or in an assistant
+    message's history `{"type": "refusal", "refusal": ...}` (read as its text)."""
 
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(_Open):

@@ -48,17 +48,22 @@ class ToolCallStreamer:
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
         self.content_parts: list[str] = []
+        self.held_space = ""     # whitespace before any content: not sent unless text follows
 
     @property
     def content(self) -> str | None:
         """Content outside tool calls, exactly as streamed (so a stream's concatenated content
-        equals the body's); None when it is only whitespace (only calls were made)."""
-        text = "".join(self.content_parts)
-        return text if text.strip() else None
+        equals the body's); None when there is none but whitespace (only calls were made:
+        whitespace before the first text is held back, and dropped if no text follows)."""
+        return "".join(self.content_parts) or None
 
     def _content(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []
+        if not self.content_parts and not (self.held_space + text).strip():
+            self.held_space += text
+            return []
+        text, self.held_space = self.held_space + text, ""
         self.content_parts.append(text)
         return [{"content": text}]
 

@@ -203,6 +203,19 @@ def test_auto_without_a_call_is_plain_content_and_only_calls_give_null_content()
                            '</tool_call>')
     body = client.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]}).json()
     assert body["choices"][0]["message"]["content"] is None
+    # whitespace between calls is not content, in the stream as in the body
+    calls = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+             '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n')
+    streamer = HermesStreamer(["get_weather", "get_time"])
+    pieces = [p for i in range(0, len(calls), 3) for p in streamer.feed(calls[i:i + 3])]
+    pieces += streamer.finish()
+    assert not [p for p in pieces if "content" in p] and streamer.content is None
+    assert len(streamer.calls) == 2
+    client, _ = client_for(calls)
+    payload = {"messages": USER, "tools": [WEATHER, TIME]}
+    body = client.post("/v1/chat/completions", json=payload).json()
+    assert body["choices"][0]["message"]["content"] is None
+    check_same_in_stream(client, payload, body)
 
 
 def test_required_constrains_to_a_call_array_and_streams_arguments():

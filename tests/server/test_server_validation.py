@@ -179,6 +179,20 @@ def test_content_parts_the_model_cannot_take_are_400(part, text):
     assert text in info.value.message and info.value.param == "messages.0.content.0"
 
 
+def test_an_assistant_refusal_part_reads_as_its_text():
+    tok = CharTokenizer()
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                {"role": "user", "content": "ok"}]
+    as_text = [*messages[:1], {"role": "assistant", "content": "no"}, *messages[2:]]
+    assert (chat_prompt_ids(tok, ChatCompletionRequest(messages=messages).messages, 4096)
+            == chat_prompt_ids(tok, ChatCompletionRequest(messages=as_text).messages, 4096))
+    for message in ({"role": "assistant", "content": [{"type": "refusal"}]},
+                    {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}):
+        with pytest.raises(APIError, match="refusal part without|unknown type 'refusal'"):
+            chat_prompt_ids(tok, ChatCompletionRequest(messages=[message]).messages, 4096)
+
+
 def test_template_refusal_and_empty_messages_are_400():
     tok = CharTokenizer()
     with pytest.raises(APIError, match="chat template rejected"):
