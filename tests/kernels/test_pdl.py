@@ -69,6 +69,13 @@ def _run(pdl_enabled, release_early, monkeypatch, replays=6, gluon=False):
     monkeypatch.setattr(pdl, "RELEASE_EARLY", release_early)
     monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M",
                         frozenset({16, 32, 64}) if gluon else frozenset())
+    gluon_launches = []
+    if gluon:   # count the Gluon kernel's launches: the chain must run on it, not fall back
+        from kernels import linear_gluon
+
+        launch = linear_gluon.launch
+        monkeypatch.setattr(linear_gluon, "launch",
+                            lambda *a, **k: gluon_launches.append(1) or launch(*a, **k))
     layers = _weights(seed=0)
     _, kv_cache, metadata = random_paged_batch(
         [1] * 4, [300, 17, 64, 129], num_q_heads=HEADS, num_kv_heads=KV_HEADS,
@@ -93,37 +100,30 @@ def _run(pdl_enabled, release_early, monkeypatch, replays=6, gluon=False):
         results.append((out.clone(), kv_cache.clone()))
     torch.cuda.synchronize()
     assert not arrival_counters(hidden.device).any()
+    assert bool(gluon_launches) == gluon
     return results
 
 
-@pytest.mark.parametrize("release_early", [frozenset(), frozenset({"attention"}),
-                                           frozenset({"linear", "attention"})],
-                         ids=["after_loops", "attention_early", "all_early"])
-def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_chain_without_pdl(release_early,
+_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+_GLUON = pytest.mark.skipif(not _HOPPER, reason="the Gluon GEMM runs on Hopper")
+
+
+@pytest.mark.parametrize("release_early,gluon", [
+    (frozenset(), False), (frozenset({"attention"}), False),
+    (frozenset({"linear", "attention"}), False),
+    # the Gluon GEMM requests its weights before its wait (and may release right after it)
+    pytest.param(frozenset({"attention"}), True, marks=_GLUON),
+    pytest.param(frozenset({"attention", "linear_gluon"}), True, marks=_GLUON),
+], ids=["after_loops", "attention_early", "all_early", "gluon_after_loop", "gluon_early"])
+def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_chain_without_pdl(release_early, gluon,
                                                                      monkeypatch):
-    expected = _run(False, frozenset(), monkeypatch)
-    got = _run(True, release_early, monkeypatch)
+    expected = _run(False, frozenset(), monkeypatch, gluon=gluon)
+    got = _run(True, release_early, monkeypatch, gluon=gluon)
     for (out, cache), (want_out, want_cache) in zip(got, expected):
         assert torch.isfinite(out.float()).all()
         assert torch.equal(out, want_out)
         assert torch.equal(cache, want_cache)
     assert not torch.equal(got[0][0], got[1][0])   # the replays saw different inputs
-
-
-@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the Gluon GEMM runs on Hopper")
-@pytest.mark.parametrize("release_early", [frozenset({"attention"}),
-                                           frozenset({"attention", "linear_gluon"})],
-                         ids=["gluon_after_loop", "gluon_early"])
-def test_pdl_chain_of_gluon_gemms_is_bitwise_the_chain_without_pdl(release_early, monkeypatch):
-    """The Gluon GEMM requests its weights before its wait and may release the next kernel
-    right after it: the chain's results are still bitwise those without PDL."""
-    expected = _run(False, frozenset(), monkeypatch, gluon=True)
-    got = _run(True, release_early, monkeypatch, gluon=True)
-    for (out, cache), (want_out, want_cache) in zip(got, expected):
-        assert torch.equal(out, want_out)
-        assert torch.equal(cache, want_cache)
-    assert not torch.equal(got[0][0], got[1][0])
 
 
 def test_pdl_is_off_off_hopper_and_in_the_interpreter(monkeypatch):
