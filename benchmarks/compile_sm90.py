@@ -51,12 +51,21 @@ DECODE_LABEL = "rotary decode attention, Llama-3-8B heads"
 # fusion, SPLIT_K, sums of squares as in GEMMS)
 GLUON_GEMMS = [("Gluon down + residual + sums of squares, 64", 64, "residual", 2, -1),
                ("Gluon gate_up + norm from partials, 64 rows", 64, "norm_gated", 1, 64),
-               ("Gluon LM head + row argmax, 64 rows", 128, "argmax", 1, 0)]
+               ("Gluon LM head + row argmax, 64 rows", 128, "argmax", 1, 0),
+               # SPLIT_K None: kernels/linear_gluon_stream_k.py
+               ("Gluon stream-K qkv + norm from partials", 64, "norm", None, 64),
+               ("Gluon stream-K gate_up + norm from partials", 64, "norm_gated", None, 64),
+               ("Gluon stream-K down + residual + sums of sq.", 64, "residual", None, -1)]
 GLUON_ARGS = {"bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16",
               "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32",
               "max_ptr": "*fp32", "argmax_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
               "k_tiles_per_split": "i32", "residual_stride": "i32", "out_stride": "i32",
               "eps": "fp32"}
+STREAM_K_ARGS = {"bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16",
+                 "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32", "M": "i32",
+                 "N": "i32", "K": "i32", "k_steps": "i32", "per_program": "i32",
+                 "total_steps": "i32", "residual_stride": "i32", "out_stride": "i32",
+                 "eps": "fp32"}
 
 
 def compile_for_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -115,34 +124,39 @@ def variants() -> list[tuple]:
     return out
 
 
-def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int, parts: int):
+def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int | None, parts: int):
     """The Gluon GEMM compiled for cuda:90 as `linear_gluon.launch` would launch it on 64 rows
-    of bf16 (TMA descriptors of its box shapes, its stage count, PDL on)."""
+    of bf16 (TMA descriptors of its box shapes, its stage count, PDL on); split_k None: the
+    stream-K kernel (`linear_gluon_stream_k.launch`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import linear_gluon, pdl
+    from kernels import linear_gluon, linear_gluon_stream_k, pdl
 
     def descriptor(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, linear_gluon.BOX_K], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {linear_gluon.BOX_K}],{layout!r}>"
 
     gated = fusion == "norm_gated"
-    args = {"w_desc": descriptor(block_n), "x_desc": descriptor(64), **GLUON_ARGS}
+    stream_k = split_k is None
+    args = {"w_desc": descriptor(block_n), "x_desc": descriptor(64),
+            **(STREAM_K_ARGS if stream_k else GLUON_ARGS)}
     constexprs = dict(HAS_BIAS=False, NORM=fusion.startswith("norm"), GATED=gated,
                       HAS_RESIDUAL=fusion == "residual", EMIT_SS=parts < 0,
-                      EMIT_ARGMAX=fusion == "argmax", SS_PARTS=max(parts, 0),
-                      SS_PARTS_P2=max(parts, 1), SPLIT_K=split_k,
+                      SS_PARTS=max(parts, 0), SS_PARTS_P2=max(parts, 1),
                       STAGES=linear_gluon.stages_for(64, block_n, gated),
                       SUB=linear_gluon.SUB_BOXES, PDL=True,
-                      WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT,
                       TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4)
+    if not stream_k:
+        constexprs.update(EMIT_ARGMAX=fusion == "argmax", SPLIT_K=split_k,
+                          WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT)
     signature = {**args, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
              if name.endswith("_ptr")}
-    source = GluonASTSource(fn=linear_gluon._skinny_kernel, signature=signature,
+    kernel = linear_gluon_stream_k._stream_k_kernel if stream_k else linear_gluon._skinny_kernel
+    source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "launch_pdl": True})

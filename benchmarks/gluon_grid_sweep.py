@@ -5,14 +5,15 @@ SM (192 KiB of pipeline stages each), so a grid of fewer programs than SMs (Llam
 96 output tiles on 132 SMs) can only reach the HBM rate if one program streams its share fast
 enough. This times `linear_gluon.launch` on [M, K] x [N, K]^T with N = 64 x programs (BLOCK_N
 64, one K split) for a range of program counts, K = 4096 and 14336, M = 64 (and M = 16: a
-quarter of the x bytes each program also reads, from L2), and prints per shape:
+quarter of the x bytes each program also reads, from L2), then Llama-3-8B's four decode GEMMs
+per tile and with stream-K (`kernels/linear_gluon_stream_k.py`), and prints per shape:
 microseconds per call, weight bytes per second, that as a fraction of the copy bandwidth
 measured in the same run, and weight bytes per second per program.
 
 Each timing is a CUDA graph of calls on distinct weights (more bytes than L2 holds), chained
 with programmatic dependent launch as in the engine. H200 only (Gluon's Hopper TMA / wgmma).
 
-Run: python3 benchmarks/gluon_grid_sweep.py [--json PATH]
+Run: python3 benchmarks/gluon_grid_sweep.py [--llama-only] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ L2_MULTIPLE_BYTES = 400 * 2 ** 20     # weights per graph: well past the 50 MiB 
 
 
 def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
-            gated: bool = False) -> float:
-    """Microseconds per call of the Gluon GEMM in a graph of calls on distinct weights."""
+            gated: bool = False, stream_k: bool = False) -> float:
+    """Microseconds per call of the Gluon GEMM in a graph of calls on distinct weights; with
+    stream_k, `linear_gluon_stream_k`'s kernel (split_k unused)."""
     from benchmarks.blas_sweep import graph_us
-    from kernels import linear_gluon, pdl
+    from kernels import linear_gluon, linear_gluon_stream_k, pdl
     from kernels.backends import arrival_counters
 
     device = torch.device("cuda")
@@ -51,6 +53,12 @@ def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
 
     def run():
         for weight in weights:
+            if stream_k:
+                linear_gluon_stream_k.launch(
+                    x, weight, None, out, counters, out, 0, block_m=max(16, rows), block_n=64,
+                    norm_eps=None, gated=gated, residual=None, emit_ss=False,
+                    pdl_options=options)
+                continue
             linear_gluon.launch(x, weight, None, out, partial, counters, out, 0,
                                 block_m=max(16, rows), block_n=64, split_k=split_k,
                                 norm_eps=None, gated=gated, residual=None, emit_ss=False,
@@ -63,24 +71,31 @@ def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--llama-only", action="store_true",
+                        help="only Llama-3-8B's four GEMMs, per tile and stream-K")
     args = parser.parse_args()
     from benchmarks.gpu_decode import measure_ceilings
 
     copy_bandwidth = measure_ceilings()["copy_bandwidth_Bps"]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"copy bandwidth {copy_bandwidth / 1e12:.3f} TB/s, {num_sms} SMs", flush=True)
-    cases = [(64, 64 * p, 4096, 1, False) for p in PROGRAMS]
-    cases += [(16, 64 * p, 4096, 1, False) for p in (96, 132)]
-    cases += [(64, 4096, 14336, s, False) for s in (1, 2, 3, 4)]
-    cases += [(64, 64 * p, 14336, 1, False) for p in (96, 132)]
-    cases += [(64, 14336, 4096, 1, True), (64, 4096, 4096, 2, False)]
+    cases = []
+    if not args.llama_only:
+        cases += [(64, 64 * p, 4096, 1, False) for p in PROGRAMS]
+        cases += [(16, 64 * p, 4096, 1, False) for p in (96, 132)]
+        cases += [(64, 4096, 14336, s, False) for s in (1, 2, 3, 4)]
+        cases += [(64, 64 * p, 14336, 1, False) for p in (96, 132)]
+    # Llama-3-8B's decode GEMMs at their 64-row configs (qkv, o, gate_up, down), then stream-K
+    llama = [(64, 6144, 4096, 1, False), (64, 4096, 4096, 2, False),
+             (64, 14336, 4096, 1, True), (64, 4096, 14336, 2, False)]
+    cases += llama + [case[:3] + (0,) + case[4:] for case in llama]
     results = []
     print(f"{'M':>3} {'N':>6} {'K':>6} {'split':>5} {'gated':>5} {'programs':>8} {'us':>8} "
-          f"{'TB/s':>6} {'/copy':>6} {'GB/s/prog':>9}")
+          f"{'TB/s':>6} {'/copy':>6} {'GB/s/prog':>9}   (split 0: stream-K)")
     for rows, n, k, split_k, gated in cases:
-        us = gemm_us(rows, n, k, split_k, gated)
+        us = gemm_us(rows, n, k, split_k, gated, stream_k=split_k == 0)
         weight_bytes = n * (2 if gated else 1) * k * 2
-        programs = (n // 64) * split_k
+        programs = (n // 64) * split_k or num_sms
         rate = weight_bytes / (us * 1e-6)
         row = dict(rows=rows, out_features=n, in_features=k, split_k=split_k, gated=gated,
                    programs=programs, us=us, weight_Bps=rate, of_copy=rate / copy_bandwidth,

@@ -285,6 +285,18 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and (weight.stride(0) * weight.element_size()) % 16 == 0)
 
 
+def descriptors(x: torch.Tensor, weight: torch.Tensor, block_m: int,
+                block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the weight ([block_n, BOX_K] boxes) and x ([block_m, BOX_K] boxes),
+    128-byte swizzled for wgmma."""
+    dtype = _GL_DTYPES[x.dtype]
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BOX_K], dtype)
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BOX_K], dtype)
+    return (TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
+                             [block_n, BOX_K], w_layout),
+            TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, BOX_K], x_layout))
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, partial, counters,
            ss_ptr, ss_parts: int, *, block_m: int, block_n: int, split_k: int, norm_eps,
            gated: bool, residual, emit_ss: bool, maxima, columns, emit_argmax: bool,
@@ -297,12 +309,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
     num_rows, in_features = x.shape
     out_features = out.shape[1]
     per_split = triton.cdiv(triton.cdiv(in_features, BOX_K * SUB_BOXES), split_k)
-    dtype = _GL_DTYPES[x.dtype]
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BOX_K], dtype)
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BOX_K], dtype)
-    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
-                              [block_n, BOX_K], w_layout)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, BOX_K], x_layout)
+    w_desc, x_desc = descriptors(x, weight, block_m, block_n)
     ss_parts_p2 = triton.next_power_of_2(max(ss_parts, 1))
     _skinny_kernel[(triton.cdiv(out_features, block_n), split_k)](
         w_desc, x_desc, bias if bias is not None else weight, out, out, partial, counters,

@@ -460,8 +460,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pdl_options = pdl.launch_options(x.device)
     if (rows_per_program in GLUON_BLOCK_M and (norm_eps is None or ss_parts)
             and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight)):
-        from kernels import linear_gluon
+        from kernels import linear_gluon, linear_gluon_stream_k
 
+        if linear_gluon_stream_k.takes(out_features, config["BLOCK_N"], split_k,
+                                       row_maxima_out is not None, x.device):
+            linear_gluon_stream_k.launch(
+                x, weight, bias, out, arrival_counters(x.device),
+                out if ss_ptr is None else ss_ptr, ss_parts, block_m=rows_per_program,
+                block_n=config["BLOCK_N"], norm_eps=norm_eps, gated=gated, residual=residual,
+                emit_ss=sum_squares_out is not None, pdl_options=pdl_options)
+            return out
         linear_gluon.launch(x, weight, bias, out, partial, counters,
                             out if ss_ptr is None else ss_ptr, ss_parts,
                             block_m=rows_per_program, block_n=config["BLOCK_N"],

@@ -27,11 +27,17 @@ def _randn(*shape, seed, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(DEVICE)
 
 
-@pytest.fixture
-def gluon(monkeypatch):
-    from kernels import linear_triton
+@pytest.fixture(params=["per_tile", "stream_k", "stream_k_7_programs"])
+def gluon(monkeypatch, request):
+    """`linear_triton` with every row bucket on Gluon: one program per output tile (and K
+    split), or stream-K (kernels/linear_gluon_stream_k.py) over the GPU's SMs or over 7
+    programs (runs that start and end inside tiles, several tiles per program)."""
+    from kernels import linear_gluon_stream_k, linear_triton
 
     monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M", frozenset({16, 32, 64}))
+    monkeypatch.setattr(linear_gluon_stream_k, "ENABLED", request.param != "per_tile")
+    if request.param == "stream_k_7_programs":
+        monkeypatch.setattr(linear_gluon_stream_k, "PROGRAMS", 7)
     return linear_triton
 
 
@@ -135,3 +141,12 @@ def test_gluon_row_argmax_epilogue(gluon):
     weight[900] = weight[100] = 0.05          # equal, leading logits in two tiles
     out, ids = linear_row_argmax(x.abs(), weight, config=WIDE)
     assert torch.equal(ids, out.argmax(dim=-1)) and torch.equal(ids, torch.full_like(ids, 100))
+
+
+def test_gluon_rows_do_not_depend_on_the_batch(gluon):
+    """Within a row bucket a row's bits do not depend on the other rows (batch invariance):
+    the tiles and, with stream-K, the split points depend on N, K and the SMs only."""
+    x = _randn(64, 2048, seed=71)
+    weight = _randn(704, 2048, seed=72, scale=2048 ** -0.5)
+    full = gluon.linear(x, weight, config=SPLIT)
+    assert torch.equal(gluon.linear(x[:40].clone(), weight, config=SPLIT), full[:40])
