@@ -32,9 +32,9 @@ L2_MULTIPLE_BYTES = 400 * 2 ** 20     # weights per graph: well past the 50 MiB 
 
 
 def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
-            gated: bool = False, stream_k: bool = False) -> float:
+            gated: bool = False, stream_k: int = 0) -> float:
     """Microseconds per call of the Gluon GEMM in a graph of calls on distinct weights; with
-    stream_k, `linear_gluon_stream_k`'s kernel (split_k unused)."""
+    stream_k, `linear_gluon_stream_k`'s kernel over that many programs (split_k unused)."""
     from benchmarks.blas_sweep import graph_us
     from kernels import linear_gluon, linear_gluon_stream_k, pdl
     from kernels.backends import arrival_counters
@@ -65,7 +65,12 @@ def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
                                 maxima=out, columns=out, emit_argmax=False,
                                 pdl_options=options)
 
-    return graph_us(run) / calls
+    saved = linear_gluon_stream_k.PROGRAMS
+    linear_gluon_stream_k.PROGRAMS = stream_k or None
+    try:
+        return graph_us(run) / calls
+    finally:
+        linear_gluon_stream_k.PROGRAMS = saved
 
 
 def main() -> int:
@@ -88,14 +93,18 @@ def main() -> int:
     # Llama-3-8B's decode GEMMs at their 64-row configs (qkv, o, gate_up, down), then stream-K
     llama = [(64, 6144, 4096, 1, False), (64, 4096, 4096, 2, False),
              (64, 14336, 4096, 1, True), (64, 4096, 14336, 2, False)]
-    cases += llama + [case[:3] + (0,) + case[4:] for case in llama]
+    # stream-K (split -P: over P programs): on the SMs, and on as many programs as tiles (one
+    # whole tile each, no partials: the kernel's own cost against the per-tile kernel's)
+    cases += llama + [case[:3] + (-num_sms,) + case[4:] for case in llama]
+    cases += [(64, 6144, 4096, -96, False), (64, 4096, 14336, -64, False),
+              (64, 4096, 14336, -128, False)]
     results = []
     print(f"{'M':>3} {'N':>6} {'K':>6} {'split':>5} {'gated':>5} {'programs':>8} {'us':>8} "
-          f"{'TB/s':>6} {'/copy':>6} {'GB/s/prog':>9}   (split 0: stream-K)")
+          f"{'TB/s':>6} {'/copy':>6} {'GB/s/prog':>9}   (split -P: stream-K on P programs)")
     for rows, n, k, split_k, gated in cases:
-        us = gemm_us(rows, n, k, split_k, gated, stream_k=split_k == 0)
+        us = gemm_us(rows, n, k, max(split_k, 1), gated, stream_k=max(-split_k, 0))
         weight_bytes = n * (2 if gated else 1) * k * 2
-        programs = (n // 64) * split_k or num_sms
+        programs = (n // 64) * split_k if split_k > 0 else -split_k
         rate = weight_bytes / (us * 1e-6)
         row = dict(rows=rows, out_features=n, in_features=k, split_k=split_k, gated=gated,
                    programs=programs, us=us, weight_Bps=rate, of_copy=rate / copy_bandwidth,

@@ -173,43 +173,46 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])
-    acc = gl.zeros([BLOCK_N, BM], gl.float32, mma)
-    acc_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
-    for i in range(num):
-        step = start + i
-        s = i % STAGES
-        mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-        for j in gl.static_range(SUB):
-            x_t = x_smem.index(s * SUB + j).permute((1, 0))                 # [BOX, BM]
-            acc = warpgroup_mma(w_smem.index(s * SUB + j), x_t, acc, is_async=True)
+    stop = start + num                        # this program's steps: [start, stop)
+    last_tile = (stop - 1) // k_steps
+    for tile in range(start // k_steps, last_tile + 1):   # the run's segment of each tile
+        acc = gl.zeros([BLOCK_N, BM], gl.float32, mma)
+        acc_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
+        for step in range(gl.maximum(start, tile * k_steps),
+                          gl.minimum(stop, (tile + 1) * k_steps)):
+            i = step - start                  # the ring runs on across tiles
+            s = i % STAGES
+            mbarrier.wait(bars.index(s), (i // STAGES) & 1)
+            for j in gl.static_range(SUB):
+                x_t = x_smem.index(s * SUB + j).permute((1, 0))             # [BOX, BM]
+                acc = warpgroup_mma(w_smem.index(s * SUB + j), x_t, acc, is_async=True)
+                if GATED:
+                    acc_up = warpgroup_mma(u_smem.index(s * SUB + j), x_t, acc_up,
+                                           is_async=True)
             if GATED:
-                acc_up = warpgroup_mma(u_smem.index(s * SUB + j), x_t, acc_up, is_async=True)
-        if GATED:
-            acc, acc_up = warpgroup_mma_wait(2 * SUB, deps=(acc, acc_up))
-        else:
-            acc = warpgroup_mma_wait(SUB, deps=(acc,))
-        ahead = i - 1 + STAGES                # refill the previous step's stage
-        ok = (i > 0) & (ahead < num)
-        prev = (i + STAGES - 1) % STAGES
-        n0, up_row, k = _step_coords(start + ahead, k_steps, N, BLOCK_N, BK)
-        mbarrier.expect(bars.index(prev), stage_bytes, pred=ok)
-        _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(prev), prev, n0, up_row,
-                    k, ok, SUB, GATED, True, True)
-        if (step % k_steps == k_steps - 1) | (i == num - 1):   # a tile's segment ends here
-            if GATED:
-                acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+                acc, acc_up = warpgroup_mma_wait(2 * SUB, deps=(acc, acc_up))
             else:
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-            if TRIGGER_AFTER_LOOP:
-                if i == num - 1:
-                    _gdc_launch_dependents(PDL)
-            _finish_segment(gl.convert_layout(acc, epi), gl.convert_layout(acc_up, epi), step,
-                            start, pid, per_program, k_steps, local, rows, part_offsets,
-                            sum_squares, bias_ptr, residual_ptr, out_ptr, partial_ptr,
-                            counter_ptr, ss_ptr, M, N, K, residual_stride, out_stride, eps,
-                            BLOCK_N, BM, HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS)
-            acc = gl.zeros([BLOCK_N, BM], gl.float32, mma)
-            acc_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
+                acc = warpgroup_mma_wait(SUB, deps=(acc,))
+            ahead = i - 1 + STAGES            # refill the previous step's stage
+            ok = (i > 0) & (ahead < num)
+            prev = (i + STAGES - 1) % STAGES
+            n0, up_row, k = _step_coords(start + ahead, k_steps, N, BLOCK_N, BK)
+            mbarrier.expect(bars.index(prev), stage_bytes, pred=ok)
+            _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(prev), prev, n0,
+                        up_row, k, ok, SUB, GATED, True, True)
+        if GATED:
+            acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        if TRIGGER_AFTER_LOOP:
+            if tile == last_tile:
+                _gdc_launch_dependents(PDL)
+        _finish_segment(gl.convert_layout(acc, epi), gl.convert_layout(acc_up, epi),
+                        gl.minimum(stop, (tile + 1) * k_steps) - 1, start, pid, per_program,
+                        k_steps, local, rows, part_offsets, sum_squares, bias_ptr,
+                        residual_ptr, out_ptr, partial_ptr, counter_ptr, ss_ptr, M, N, K,
+                        residual_stride, out_stride, eps, BLOCK_N, BM, HAS_BIAS, NORM, GATED,
+                        HAS_RESIDUAL, EMIT_SS)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
 

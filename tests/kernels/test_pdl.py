@@ -70,12 +70,13 @@ def _run(pdl_enabled, release_early, monkeypatch, replays=6, gluon=False):
     monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M",
                         frozenset({16, 32, 64}) if gluon else frozenset())
     gluon_launches = []
-    if gluon:   # count the Gluon kernel's launches: the chain must run on it, not fall back
-        from kernels import linear_gluon
+    if gluon:   # count the Gluon kernels' launches: the chain must run on them, not fall back
+        from kernels import linear_gluon, linear_gluon_stream_k
 
-        launch = linear_gluon.launch
-        monkeypatch.setattr(linear_gluon, "launch",
-                            lambda *a, **k: gluon_launches.append(1) or launch(*a, **k))
+        for module in (linear_gluon, linear_gluon_stream_k):
+            monkeypatch.setattr(module, "launch",
+                                lambda *a, _launch=module.launch, **k:
+                                gluon_launches.append(1) or _launch(*a, **k))
     layers = _weights(seed=0)
     _, kv_cache, metadata = random_paged_batch(
         [1] * 4, [300, 17, 64, 129], num_q_heads=HEADS, num_kv_heads=KV_HEADS,
