@@ -174,8 +174,15 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])
     stop = start + num                        # this program's steps: [start, stop)
+    first_tile = start // k_steps
     last_tile = (stop - 1) // k_steps
-    for tile in range(start // k_steps, last_tile + 1):   # the run's segment of each tile
+    # a run that starts inside a tile and goes on past it holds that first segment's sums in
+    # registers and finishes it after the run: an arrival's release fence waits for the
+    # copies in flight, which would drain the pipeline mid-run
+    hold_first = (first_tile != last_tile) & (start % k_steps != 0)
+    held = gl.zeros([BLOCK_N, BM], gl.float32, mma)
+    held_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
+    for tile in range(first_tile, last_tile + 1):   # the run's segment of each tile
         acc = gl.zeros([BLOCK_N, BM], gl.float32, mma)
         acc_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
         for step in range(gl.maximum(start, tile * k_steps),
@@ -204,15 +211,26 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
             acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
-        if TRIGGER_AFTER_LOOP:
-            if tile == last_tile:
-                _gdc_launch_dependents(PDL)
-        _finish_segment(gl.convert_layout(acc, epi), gl.convert_layout(acc_up, epi),
-                        gl.minimum(stop, (tile + 1) * k_steps) - 1, start, pid, per_program,
-                        k_steps, local, rows, part_offsets, sum_squares, bias_ptr,
-                        residual_ptr, out_ptr, partial_ptr, counter_ptr, ss_ptr, M, N, K,
-                        residual_stride, out_stride, eps, BLOCK_N, BM, HAS_BIAS, NORM, GATED,
-                        HAS_RESIDUAL, EMIT_SS)
+        if (tile == first_tile) & hold_first:
+            held = acc
+            held_up = acc_up
+        else:
+            if TRIGGER_AFTER_LOOP:
+                if tile == last_tile:
+                    _gdc_launch_dependents(PDL)
+            _finish_segment(gl.convert_layout(acc, epi), gl.convert_layout(acc_up, epi),
+                            gl.minimum(stop, (tile + 1) * k_steps) - 1, start, pid,
+                            per_program, k_steps, local, rows, part_offsets, sum_squares,
+                            bias_ptr, residual_ptr, out_ptr, partial_ptr, counter_ptr, ss_ptr,
+                            M, N, K, residual_stride, out_stride, eps, BLOCK_N, BM, HAS_BIAS,
+                            NORM, GATED, HAS_RESIDUAL, EMIT_SS)
+    if hold_first:
+        _finish_segment(gl.convert_layout(held, epi), gl.convert_layout(held_up, epi),
+                        (first_tile + 1) * k_steps - 1, start, pid, per_program, k_steps,
+                        local, rows, part_offsets, sum_squares, bias_ptr, residual_ptr,
+                        out_ptr, partial_ptr, counter_ptr, ss_ptr, M, N, K, residual_stride,
+                        out_stride, eps, BLOCK_N, BM, HAS_BIAS, NORM, GATED, HAS_RESIDUAL,
+                        EMIT_SS)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
 
