@@ -98,6 +98,9 @@ def main() -> int:
     cases += llama + [case[:3] + (-num_sms,) + case[4:] for case in llama]
     cases += [(64, 6144, 4096, -96, False), (64, 4096, 14336, -64, False),
               (64, 4096, 14336, -128, False)]
+    # 16 rows (a quarter of the x bytes): does stream-K's loss follow x's reads?
+    cases += [(16, 6144, 4096, 1, False), (16, 6144, 4096, -num_sms, False),
+              (16, 4096, 14336, 2, False), (16, 4096, 14336, -num_sms, False)]
     results = []
     print(f"{'M':>3} {'N':>6} {'K':>6} {'split':>5} {'gated':>5} {'programs':>8} {'us':>8} "
           f"{'TB/s':>6} {'/copy':>6} {'GB/s/prog':>9}   (split -P: stream-K on P programs)")

@@ -306,8 +306,8 @@ GLUON_VARIANTS = {
     "gluon_release_early": (("kernels.pdl", "RELEASE_EARLY",
                              frozenset({"attention", "linear_gluon"})),),
     "gluon_96k": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
-    # one Gluon program per output tile (and K split) for every shape, no stream-K
-    "stream_k_off": (("kernels.linear_gluon_stream_k", "ENABLED", False),),
+    # stream-K (kernels/linear_gluon_stream_k.py) where the per-tile grid leaves SMs idle
+    "stream_k": (("kernels.linear_gluon_stream_k", "ENABLED", True),),
 }
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 
