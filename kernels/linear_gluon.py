@@ -110,6 +110,42 @@ def _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bar, stage, n0, up_row, 
 
 
 @gluon.jit
+def _stage_ring(w_desc, x_desc, STAGES: gl.constexpr, SUB: gl.constexpr, GATED: gl.constexpr):
+    """Shared memory for STAGES pipeline stages of SUB boxes each: weight tiles (and up rows'
+    if GATED; else the weight's buffer stands in), x tiles, and one initialised mbarrier per
+    stage. Returns (w_smem, u_smem, x_smem, bars)."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BOX: gl.constexpr = w_desc.block_type.shape[1]
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    dtype: gl.constexpr = w_desc.dtype
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
+    if GATED:
+        u_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
+    else:
+        u_smem = w_smem
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BM, BOX], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(bars.index(st), count=1)
+    return w_smem, u_smem, x_smem, bars
+
+
+@gluon.jit
+def _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS: gl.constexpr,
+                             SS_PARTS_P2: gl.constexpr, layout: gl.constexpr):
+    """[BM] float32 sums of squares of x's rows from SS_PARTS handed-over partials ([SS_PARTS,
+    M] at ss_ptr, summed in order); zeros when SS_PARTS is 0 (no norm from partials)."""
+    sum_squares = gl.zeros(rows.shape, gl.float32, gl.SliceLayout(0, layout))
+    if SS_PARTS > 0:
+        part = gl.arange(0, SS_PARTS_P2, layout=gl.SliceLayout(1, layout))
+        ss_parts = gl.load(ss_ptr + gl.expand_dims(part, 1) * M + gl.expand_dims(rows, 0),
+                           mask=gl.expand_dims(part < SS_PARTS, 1) & gl.expand_dims(rows < M, 0),
+                           other=0.0)
+        sum_squares = gl.sum(ss_parts, axis=0)
+    return sum_squares
+
+
+@gluon.jit
 def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps, bias_ptr,
               out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
               HAS_BIAS: gl.constexpr, NORM: gl.constexpr, GATED: gl.constexpr,
@@ -162,7 +198,6 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     BOX: gl.constexpr = w_desc.block_type.shape[1]   # K columns per TMA box (128 bytes)
     BK: gl.constexpr = BOX * SUB                      # K columns per stage
     BM: gl.constexpr = x_desc.block_type.shape[0]
-    dtype: gl.constexpr = w_desc.dtype
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -170,15 +205,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     first = pid_k * k_tiles_per_split       # this split's first K tile; trailing splits may
     num_k = gl.minimum(k_tiles_per_split, gl.cdiv(K, BK) - first)   # have none (num_k <= 0)
 
-    w_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
-    if GATED:
-        u_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
-    else:
-        u_smem = w_smem
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BM, BOX], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(bars.index(st), count=1)
+    w_smem, u_smem, x_smem, bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED)
     w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
     stage_bytes: gl.constexpr = SUB * (w_bytes + x_desc.block_type.nbytes)
 
@@ -206,13 +233,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     if HAS_RESIDUAL:    # loaded now, so its latency is not added after the K loop
         residual = gl.load(residual_ptr + gl.expand_dims(rows.to(gl.int64), 0) * residual_stride
                            + gl.expand_dims(cols, 1), mask=tile_ok, other=0.0).to(gl.float32)
-    sum_squares = gl.zeros([BM], gl.float32, gl.SliceLayout(0, epi))
-    if SS_PARTS > 0:
-        part = gl.arange(0, SS_PARTS_P2, layout=gl.SliceLayout(1, epi))
-        ss_parts = gl.load(ss_ptr + gl.expand_dims(part, 1) * M + gl.expand_dims(rows, 0),
-                           mask=gl.expand_dims(part < SS_PARTS, 1) & gl.expand_dims(rows < M, 0),
-                           other=0.0)
-        sum_squares = gl.sum(ss_parts, axis=0)
+    sum_squares = _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS, SS_PARTS_P2, epi)
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])

@@ -20,6 +20,24 @@ through tile boundaries. Where a run ends a tile's steps:
 The epilogue is `linear_gluon._epilogue` (norm scale from handed-over sums of squares, bias,
 SiLU gate, residual add, sums of squares out); the row argmax (the LM head) is not offered.
 
+A run that starts inside a tile and goes on past it holds that segment's sums in registers and
+finishes it after the run, so the arrival (a release fence) does not drain the copies in flight.
+
+Measured (H200, benchmarks/gluon_grid_sweep.py, us per call against one program per tile in
+the same process; benchmarks/RESULTS.md run 20): slower on every Llama-3-8B shape at 64 rows:
+qkv 23.4 against 18.0, o 14.7 / 13.8, gate_up 74.0 / 63.1, down 42.4 / 35.0; b=64 decode
+10771-11592 tok/s against 13016-13190 with it off. Runs at scattered K offsets lose most: o's
+runs are exact half tiles (+0.9 us) and so are down's on 128 programs (36.5 / 35.0); qkv on
+one whole tile per program matches the per-tile kernel (17.0 / 18.0). With a quarter of the x
+bytes (16 rows) the loss shrinks (qkv 17.8 / 15.7, down 36.1 / 33.0), which fits this
+reading: where every program reads the same x tile at about the same time one copy in L2
+serves all, while runs at scattered K offsets read each x tile at different times, after the
+weight stream may have evicted it. Not explained: down on one whole tile per program (64
+programs, aligned) took 43.7 and 39.1 us in two calls, against 34.8 per tile (an earlier
+call). So ENABLED is False. Next: TMA loads with an L2 eviction policy (evict-first weights,
+evict-last x): newer Triton's Gluon `async_load` takes a `cache_policy` (3.9 does; the device
+runs 3.6).
+
 Numerics: float32 accumulation of bf16 products, partial tiles summed in float32, one rounding;
 the split points depend on N, K and the SM count, not on M, so rows of a 64-row bucket give
 the same bits whatever the batch (tests/kernels/test_linear_gluon.py).
@@ -39,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
 from kernels import pdl
 from kernels.backends import MAX_ARRIVAL_COUNTERS
 from kernels.linear_gluon import (BOX_K, SUB_BOXES, _epilogue, _gdc_launch_dependents,
-                                  _gdc_wait, _load_stage, _thread_barrier, descriptors,
-                                  stages_for)
+                                  _gdc_wait, _handed_over_sum_squares, _load_stage,
+                                  _stage_ring, _thread_barrier, descriptors, stages_for)
 
 # Off: slower than one program per tile on every Llama-3-8B shape (see above); tests and
 # benchmarks switch it on
@@ -130,20 +148,11 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
     BOX: gl.constexpr = w_desc.block_type.shape[1]   # K columns per TMA box (128 bytes)
     BK: gl.constexpr = BOX * SUB                      # K columns per step
     BM: gl.constexpr = x_desc.block_type.shape[0]
-    dtype: gl.constexpr = w_desc.dtype
     pid = gl.program_id(0)
     start = pid * per_program
     num = gl.minimum(per_program, total_steps - start)
 
-    w_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
-    if GATED:
-        u_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
-    else:
-        u_smem = w_smem
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BM, BOX], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(bars.index(st), count=1)
+    w_smem, u_smem, x_smem, bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED)
     w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
     stage_bytes: gl.constexpr = SUB * (w_bytes + x_desc.block_type.nbytes)
 
@@ -164,13 +173,7 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
     local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))            # [BN]
     rows = gl.arange(0, BM, layout=gl.SliceLayout(0, epi))                  # [BM]
     part_offsets = gl.expand_dims(local, 1) * BM + gl.expand_dims(rows, 0)  # a partial tile
-    sum_squares = gl.zeros([BM], gl.float32, gl.SliceLayout(0, epi))
-    if SS_PARTS > 0:
-        part = gl.arange(0, SS_PARTS_P2, layout=gl.SliceLayout(1, epi))
-        ss_parts = gl.load(ss_ptr + gl.expand_dims(part, 1) * M + gl.expand_dims(rows, 0),
-                           mask=gl.expand_dims(part < SS_PARTS, 1) & gl.expand_dims(rows < M, 0),
-                           other=0.0)
-        sum_squares = gl.sum(ss_parts, axis=0)
+    sum_squares = _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS, SS_PARTS_P2, epi)
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])

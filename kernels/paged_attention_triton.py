@@ -192,7 +192,8 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     faster while the reduce kernel added ~0.1 ms per step on an H200. The one-kernel attention
     alone, 192-token contexts, was faster with fewer splits at batch 16-32 (benchmarks/
     RESULTS.md run 19: b=32 12.5 us per layer at one split against 15.2 at the two chosen
-    here); not yet measured in the engine: gpu_decode.py's `attn_one_wave` variant.)"""
+    here), but not in the engine: with ~one wave (`_WAVES` 1, gpu_decode.py's `attn_one_wave`)
+    decode went 3726.3 -> 3723.1 tok/s at batch 16 and 6550.3 -> 6572.6 at 32, run 20.)"""
     programs = num_seqs * num_kv_heads
     wanted = -(-_WAVES * num_sms // programs)
     useful = -(-max_seq_len // _DECODE_BLOCK_N)
