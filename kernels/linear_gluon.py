@@ -146,6 +146,26 @@ def _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS: gl.constexpr,
 
 
 @gluon.jit
+def _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES: gl.constexpr,
+                    SUB: gl.constexpr, GATED: gl.constexpr):
+    """Step i of the K loop: wait for its stage's copies, then one asynchronous wgmma per box
+    (weight tile A, x^T B) into acc (and acc_up if GATED); returns with this step's MMAs
+    still running and every earlier step's done (so its stage may be refilled)."""
+    s = i % STAGES
+    mbarrier.wait(bars.index(s), (i // STAGES) & 1)
+    for j in gl.static_range(SUB):
+        x_t = x_smem.index(s * SUB + j).permute((1, 0))                     # [BOX, BM]
+        acc = warpgroup_mma(w_smem.index(s * SUB + j), x_t, acc, is_async=True)
+        if GATED:
+            acc_up = warpgroup_mma(u_smem.index(s * SUB + j), x_t, acc_up, is_async=True)
+    if GATED:
+        acc, acc_up = warpgroup_mma_wait(2 * SUB, deps=(acc, acc_up))
+    else:
+        acc = warpgroup_mma_wait(SUB, deps=(acc,))
+    return acc, acc_up
+
+
+@gluon.jit
 def _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps, bias_ptr,
               out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
               HAS_BIAS: gl.constexpr, NORM: gl.constexpr, GATED: gl.constexpr,
@@ -240,19 +260,9 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     acc = gl.zeros([BLOCK_N, BM], gl.float32, mma)
     acc_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
     for i in range(num_k):
-        s = i % STAGES
-        mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-        for j in gl.static_range(SUB):
-            x_t = x_smem.index(s * SUB + j).permute((1, 0))                 # [BOX, BM]
-            acc = warpgroup_mma(w_smem.index(s * SUB + j), x_t, acc, is_async=True)
-            if GATED:
-                acc_up = warpgroup_mma(u_smem.index(s * SUB + j), x_t, acc_up, is_async=True)
-        # this step's MMAs may run on; the previous step's are done: refill its stage with
-        # the tile STAGES after it
-        if GATED:
-            acc, acc_up = warpgroup_mma_wait(2 * SUB, deps=(acc, acc_up))
-        else:
-            acc = warpgroup_mma_wait(SUB, deps=(acc,))
+        acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES,
+                                      SUB, GATED)
+        # the previous step's MMAs are done: refill its stage with the tile STAGES after it
         ahead = i - 1 + STAGES
         ok = (i > 0) & (ahead < num_k)
         prev = (i + STAGES - 1) % STAGES

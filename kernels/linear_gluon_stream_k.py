@@ -51,14 +51,14 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from kernels import pdl
 from kernels.backends import MAX_ARRIVAL_COUNTERS
 from kernels.linear_gluon import (BOX_K, SUB_BOXES, _epilogue, _gdc_launch_dependents,
                                   _gdc_wait, _handed_over_sum_squares, _load_stage,
-                                  _stage_ring, _thread_barrier, descriptors, stages_for)
+                                  _multiply_stage, _stage_ring, _thread_barrier, descriptors,
+                                  stages_for)
 
 # Off: slower than one program per tile on every Llama-3-8B shape (see above); tests and
 # benchmarks switch it on
@@ -192,18 +192,8 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
         for step in range(gl.maximum(start, tile * k_steps),
                           gl.minimum(stop, (tile + 1) * k_steps)):
             i = step - start                  # the ring runs on across tiles
-            s = i % STAGES
-            mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-            for j in gl.static_range(SUB):
-                x_t = x_smem.index(s * SUB + j).permute((1, 0))             # [BOX, BM]
-                acc = warpgroup_mma(w_smem.index(s * SUB + j), x_t, acc, is_async=True)
-                if GATED:
-                    acc_up = warpgroup_mma(u_smem.index(s * SUB + j), x_t, acc_up,
-                                           is_async=True)
-            if GATED:
-                acc, acc_up = warpgroup_mma_wait(2 * SUB, deps=(acc, acc_up))
-            else:
-                acc = warpgroup_mma_wait(SUB, deps=(acc,))
+            acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES,
+                                          SUB, GATED)
             ahead = i - 1 + STAGES            # refill the previous step's stage
             ok = (i > 0) & (ahead < num)
             prev = (i + STAGES - 1) % STAGES
