@@ -24,6 +24,10 @@ _NON_TEXT_PARTS = {"image_url", "input_audio", "audio_url", "video_url", "file",
 
 def _flatten_content(message: ChatMessage, index: int) -> str:
     if message.content is None:
+        if message.role != "assistant":   # only an assistant turn (tool calls) may omit it
+            raise APIError(f"messages.{index}.content is missing or null; a '{message.role}' "
+                           "message needs content: a string or a list of text parts.",
+                           param=f"messages.{index}.content", code="invalid_value")
         return ""
     if isinstance(message.content, str):
         return message.content

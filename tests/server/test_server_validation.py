@@ -193,6 +193,17 @@ def test_an_assistant_refusal_part_reads_as_its_text():
             chat_prompt_ids(tok, ChatCompletionRequest(messages=[message]).messages, 4096)
 
 
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+def test_a_message_without_content_is_400_unless_it_is_the_assistants(role):
+    with pytest.raises(APIError, match="content is missing or null") as info:
+        chat_prompt_ids(CharTokenizer(), ChatCompletionRequest(
+            messages=[{"role": role, "content": None}]).messages, 4096)
+    assert info.value.param == "messages.0.content"
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "ok"}]
+    chat_prompt_ids(CharTokenizer(), ChatCompletionRequest(messages=messages).messages, 4096)
+
+
 def test_template_refusal_and_empty_messages_are_400():
     tok = CharTokenizer()
     with pytest.raises(APIError, match="chat template rejected"):
