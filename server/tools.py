@@ -55,7 +55,9 @@ class ToolConfig:
     def parameters(self, name: str) -> dict[str, Any]:
         for tool in self.tools:
             if tool["function"]["name"] == name:
-                return tool["function"].get("parameters") or {"type": "object"}
+                # no parameters (or {}): an empty parameter list, as OpenAI reads it
+                return (tool["function"].get("parameters")
+                        or {"type": "object", "properties": {}, "additionalProperties": False})
         raise KeyError(name)
 
     @property

@@ -22,6 +22,7 @@ import torch
 import xgrammar as xgr
 
 from engine.structured.backend import GrammarError, GrammarKey
+from engine.structured.enforceable import LOOKAROUND, check_enforceable
 
 # "[13:57:30] /project/cpp/regex_converter.cc:94: Check failed: (x) is false: message"
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -50,62 +51,6 @@ def _declare_required(schema: Any) -> Any:
         if missing:
             schema["properties"] = {**properties, **{name: {} for name in missing}}
     return schema
-
-
-# keywords XGrammar accepts but does not enforce: generating under them could violate the schema
-_IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-                     "dependencies")
-_SCHEMA_VALUES = ("items", "additionalProperties", "contains", "propertyNames", "not", "if",
-                  "then", "else", "unevaluatedProperties", "unevaluatedItems",
-                  "additionalItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-
-
-def _check_enforceable(schema: Any, path: str = "#", in_branch: bool = False) -> None:
-    """Refuse (GrammarError) what XGrammar would silently ignore, so that no output can violate
-    the schema: `not`, `if`/`then`/`else`, `dependent*`, `uniqueItems: true`, `allOf` with more
-    than one subschema, `$ref` outside the document, and a `required` property that
-    `additionalProperties: false` forbids (no output can satisfy it; not checked inside an
-    `anyOf` / `oneOf` branch, where another branch may still be satisfiable)."""
-    if not isinstance(schema, dict):
-        return
-    for keyword in _IGNORED_KEYWORDS:
-        if keyword in schema:
-            raise GrammarError(f"JSON schema keyword {keyword!r} at {path} is not supported "
-                               "(it cannot be enforced while generating); remove it")
-    if schema.get("uniqueItems") is True:
-        raise GrammarError(f"JSON schema keyword 'uniqueItems' at {path} is not supported (it "
-                           "cannot be enforced while generating); remove it")
-    all_of = schema.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
-        raise GrammarError(f"'allOf' with {len(all_of)} subschemas at {path} is not supported; "
-                           "merge them into one schema")
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        raise GrammarError(f"'$ref': {ref!r} at {path} points outside the schema; only local "
-                           "references ('#/$defs/...') are supported, so inline it")
-    required, properties = schema.get("required"), schema.get("properties") or {}
-    if (not in_branch and schema.get("additionalProperties") is False
-            and isinstance(required, list) and "patternProperties" not in schema
-            and isinstance(properties, dict)):
-        forbidden = [name for name in required if name not in properties]
-        if forbidden:
-            raise GrammarError(f"the object at {path} requires {forbidden} but "
-                               "'additionalProperties': false forbids them (no output can "
-                               "satisfy it); add them to 'properties'")
-    for key in _SCHEMA_VALUES:
-        if isinstance(schema.get(key), dict):
-            _check_enforceable(schema[key], f"{path}/{key}", in_branch)
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                _check_enforceable(sub, f"{path}/{key}/{name}", in_branch)
-    for key in _SCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                _check_enforceable(sub, f"{path}/{key}/{i}",
-                                   in_branch or key in ("anyOf", "oneOf"))
 
 
 class XGrammarMatcher:
@@ -167,7 +112,7 @@ class XGrammarBackend:
                         raise GrammarError("the JSON schema `false` allows no value; send a "
                                            "schema object")
                     schema = {}
-                _check_enforceable(schema)
+                check_enforceable(schema)
                 return self._compiler.compile_json_schema(
                     _declare_required(schema), any_whitespace=False, strict_mode=True)
             if schema_type == "json_object":
@@ -175,6 +120,9 @@ class XGrammarBackend:
                                                           any_whitespace=False,
                                                           strict_mode=False)
             if schema_type == "regex":
+                if LOOKAROUND.search(schema):
+                    raise GrammarError("the regex uses a lookahead or lookbehind, which cannot "
+                                       "be enforced while generating; rewrite it without one")
                 return self._compiler.compile_regex(schema)
             if schema_type == "ebnf":
                 return self._compiler.compile_grammar(schema)

@@ -114,6 +114,29 @@ def test_grammar_key_is_canonical_and_checks_types():
     ({"schema_type": "json", "schema": {"type": "object", "properties": {}, "required": ["b"],
                                         "additionalProperties": False}}, r"requires \['b'\]"),
     ({"schema_type": "json", "schema": "false"}, "allows no value"),
+    # accepted by XGrammar but not enforced (black-box testing: outputs violated each)
+    ({"schema_type": "json", "schema": {"type": "integer", "multipleOf": 7}},
+     "keyword 'multipleOf' at #"),
+    ({"schema_type": "json", "schema": {"type": "array", "contains": {"const": 5}}},
+     "keyword 'contains' at #"),
+    ({"schema_type": "json", "schema": {"oneOf": [{"type": "integer", "maximum": 10},
+                                                  {"type": "integer", "minimum": 5}]}},
+     "'oneOf' at # is generated as 'anyOf'"),
+    ({"schema_type": "json", "schema": {"type": "string", "pattern": "^[a-z]+$",
+                                        "maxLength": 3}}, r"\['maxLength'\] together with"),
+    ({"schema_type": "json", "schema": {"type": "string", "format": "date", "maxLength": 4}},
+     r"\['maxLength'\] together with \['format'\]"),
+    ({"schema_type": "json", "schema": {"enum": ["abc", "xyz"], "pattern": "^x"}},
+     r"\['pattern'\] next to 'enum'"),
+    ({"schema_type": "json", "schema": {"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]{3}$"}},
+     "lookahead or lookbehind"),
+    ({"schema_type": "regex", "schema": "a(?!b)[a-z]"}, "lookahead or lookbehind"),
+    ({"schema_type": "json", "schema": {"type": "object", "additionalProperties": {
+        "type": "integer"}, "minProperties": 3}}, "generated keys may repeat"),
+    ({"schema_type": "json", "schema": {"type": "object", "patternProperties": {
+        "^[a-c]$": {"type": "boolean"}}, "maxProperties": 2}}, "generated keys may repeat"),
+    ({"schema_type": "json", "schema": {"type": "object", "minProperties": 2}},
+     "'minProperties': 2 at #, but the object names 0"),
     # compiles, but no token can start it (found by black-box testing: a 200 of forbidden
     # tokens)
     ({"schema_type": "regex", "schema": "[^\\x00-\\U0010FFFF]"}, "matches no string"),
@@ -127,13 +150,27 @@ def test_invalid_constraint_is_a_clear_value_error(llm, so_args, message):
 
 
 def test_enforceable_schemas_pass_the_keyword_check():
-    from engine.structured.xgrammar_backend import _check_enforceable
+    from engine.structured.enforceable import check_enforceable
 
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {
+        "type": "integer"}}, "required": ["kind"]}
+    dog = {"type": "object", "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]}
     for schema in [{"allOf": [{"type": "integer"}]}, {"$ref": "#/$defs/a", "$defs": {"a": {}}},
                    {"type": "array", "uniqueItems": False},
                    {"type": "object", "properties": {"not": {"type": "string"}},
-                    "required": ["not"], "additionalProperties": False}]:
-        _check_enforceable(schema)
+                    "required": ["not"], "additionalProperties": False},
+                   # oneOf whose branches provably exclude each other: distinct types,
+                   # disjoint constants, a discriminating required property (through $ref)
+                   {"oneOf": [{"type": "string", "maxLength": 3}, {"type": "integer"},
+                              {"type": "null"}]},
+                   {"oneOf": [{"const": "a"}, {"enum": ["b", "c"]}]},
+                   {"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+                    "$defs": {"cat": cat, "dog": dog}},
+                   {"type": "string", "pattern": "^[a-z]{1,3}$"}, {"enum": [1, 2], "type":
+                                                                   "integer"},
+                   {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1,
+                    "maxProperties": 2}]:
+        check_enforceable(schema)
 
 
 def test_sampling_params_refuse_ignore_eos_and_min_tokens_with_so_args():

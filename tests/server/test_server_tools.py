@@ -254,6 +254,19 @@ def test_named_function_generates_its_arguments_under_its_schema():
     check_same_in_stream(client, payload, body)
 
 
+def test_a_function_without_parameters_takes_an_empty_object():
+    """Found by black-box testing: a named function with no `parameters` got made-up arguments
+    (it was constrained to any object); OpenAI reads it as an empty parameter list."""
+    client, engine = client_for("{}")
+    noargs = {"type": "function", "function": {"name": "noargs"}}
+    payload = {"messages": USER, "tools": [noargs],
+               "tool_choice": {"type": "function", "function": {"name": "noargs"}}}
+    body = client.post("/v1/chat/completions", json=payload).json()
+    assert sent_params(engine)[0].so_args == {"schema_type": "json", "schema": {
+        "type": "object", "properties": {}, "additionalProperties": False}}
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
 def test_tool_turns_go_back_through_the_template():
     client, engine = client_for()
     call = {"id": "call_1", "type": "function",

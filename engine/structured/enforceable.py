@@ -1,0 +1,195 @@
+"""Which JSON schemas XGrammar enforces exactly: `check_enforceable` refuses the rest.
+
+XGrammar (engine/structured/xgrammar_backend.py) compiles a JSON schema into a grammar, but
+some keywords it accepts and then ignores, or drops in combination with others; generating
+under such a schema can produce output that does not validate. This module refuses those
+schemas with a `GrammarError` (a 400 at the server) that names the keyword, where it is and
+what to send instead. Most entries were found by black-box testing against the real server
+(outputs checked with `jsonschema`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from engine.structured.backend import GrammarError
+
+# keywords XGrammar accepts but does not enforce: generating under them could violate the schema
+_IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                     "dependencies", "multipleOf", "contains", "minContains", "maxContains")
+# value constraints XGrammar drops next to `enum` / `const`, and string lengths it drops next to
+# `pattern` / `format` (black-box testing found outputs violating each)
+_VALUE_KEYWORDS = ("pattern", "format", "minLength", "maxLength", "minimum", "maximum",
+                   "exclusiveMinimum", "exclusiveMaximum")
+LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")   # (?= (?! (?<= (?<!, not escaped
+_SCHEMA_VALUES = ("items", "additionalProperties", "contains", "propertyNames", "not", "if",
+                  "then", "else", "unevaluatedProperties", "unevaluatedItems",
+                  "additionalItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def _resolve(schema: Any, root: Any) -> Any:
+    """A local `$ref` ("#/$defs/a", any JSON pointer into the document) followed; anything else
+    as it is (an unresolvable reference is XGrammar's to report)."""
+    seen = 0
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and seen < 32:
+        node = root
+        for part in schema["$ref"].lstrip("#").split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                return schema
+            node = node[part]
+        schema, seen = node, seen + 1
+    return schema
+
+
+def _type_group(branch: dict) -> str | None:
+    """The JSON type a branch's `type` allows, integer and number as one; None for several."""
+    kind = branch.get("type")
+    if isinstance(kind, str):
+        return "number" if kind == "integer" else kind
+    return None
+
+
+def _constant_values(branch: dict) -> list | None:
+    if "const" in branch:
+        return [branch["const"]]
+    return branch["enum"] if isinstance(branch.get("enum"), list) else None
+
+
+def _discriminator(branch: dict, name: str) -> list | None:
+    """The values a required property `name` may take in an object branch, if constant."""
+    properties = branch.get("properties")
+    if (not isinstance(properties, dict) or not isinstance(properties.get(name), dict)
+            or name not in (branch.get("required") or [])):
+        return None
+    return _constant_values(properties[name])
+
+
+def _disjoint(value_lists: list[list | None]) -> bool:
+    if any(values is None for values in value_lists):
+        return False
+    keys = [json.dumps(value, sort_keys=True) for values in value_lists for value in values]
+    return len(keys) == len(set(keys))
+
+
+def _exclusive(branches: list, root: Any) -> bool:
+    """Whether no value can match two of `oneOf`'s branches, by one of three simple proofs:
+    distinct JSON types; constant values (`const` / `enum`) that no two branches share; or a
+    required property with such constant values in every (object) branch (a discriminated
+    union). XGrammar generates `oneOf` as `anyOf`, which is exact only then."""
+    branches = [_resolve(branch, root) for branch in branches]
+    if not all(isinstance(branch, dict) for branch in branches):
+        return False
+    groups = [_type_group(branch) for branch in branches]
+    if None not in groups and len(set(groups)) == len(groups):
+        return True
+    if _disjoint([_constant_values(branch) for branch in branches]):
+        return True
+    first = branches[0].get("properties")
+    names = list(first) if isinstance(first, dict) else []
+    return any(_disjoint([_discriminator(branch, name) for branch in branches])
+               for name in names)
+
+
+def _check_values(schema: dict, path: str) -> None:
+    """Refuse value keywords XGrammar drops in combination (see _VALUE_KEYWORDS), and regex
+    lookarounds in `pattern` (XGrammar accepts and ignores them)."""
+    if "enum" in schema or "const" in schema:
+        dropped = [key for key in _VALUE_KEYWORDS if key in schema]
+        if dropped:
+            raise GrammarError(f"{dropped} next to 'enum' / 'const' at {path} cannot be "
+                               "enforced; keep only the allowed values that satisfy them and "
+                               "drop those keywords")
+    lengths = [key for key in ("minLength", "maxLength") if key in schema]
+    shaped = [key for key in ("pattern", "format") if key in schema]
+    if lengths and shaped:
+        raise GrammarError(f"{lengths} together with {shaped} at {path} cannot be enforced "
+                           "(the length is dropped); write the length into the pattern, "
+                           "e.g. '^[a-z]{1,3}$'")
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and LOOKAROUND.search(pattern):
+        raise GrammarError(f"the pattern at {path} uses a lookahead or lookbehind, which "
+                           "cannot be enforced while generating; rewrite it without one")
+
+
+def _check_object(schema: dict, path: str) -> None:
+    """Refuse `minProperties` / `maxProperties` on an object whose keys are not all named in
+    `properties`: generated keys may repeat (`{"a": 1, "a": 2}`), so the count cannot be
+    enforced."""
+    counts = [key for key in ("minProperties", "maxProperties") if key in schema]
+    open_keys = [key for key in ("patternProperties", "propertyNames") if key in schema]
+    if schema.get("additionalProperties") not in (None, False):
+        open_keys.append("additionalProperties")
+    if counts and open_keys:
+        raise GrammarError(f"{counts} with {open_keys} at {path} cannot be enforced (generated "
+                           "keys may repeat); name the properties in 'properties' instead")
+    minimum = schema.get("minProperties")
+    properties, required = schema.get("properties") or {}, schema.get("required") or []
+    if isinstance(properties, dict) and isinstance(required, list):
+        named = set(properties) | {name for name in required if isinstance(name, str)}
+        if isinstance(minimum, int) and not open_keys and minimum > len(named):
+            raise GrammarError(f"'minProperties': {minimum} at {path}, but the object names "
+                               f"{len(named)} properties and no others are generated; "
+                               "declare them in 'properties'")
+
+
+def check_enforceable(schema: Any, path: str = "#", in_branch: bool = False,
+                       root: Any = None) -> None:
+    """Refuse (GrammarError) what XGrammar would silently ignore, so that no output can violate
+    the schema: `not`, `if`/`then`/`else`, `dependent*`, `multipleOf`, `contains`,
+    `uniqueItems: true`, `allOf` with more than one subschema, a `oneOf` whose branches are not
+    provably exclusive, `$ref` outside the document, the value combinations of `_check_values`
+    and `_check_object`, and a `required` property that `additionalProperties: false` forbids
+    (no output can satisfy it; not checked inside an `anyOf` / `oneOf` branch, where another
+    branch may still be satisfiable)."""
+    if not isinstance(schema, dict):
+        return
+    root = schema if root is None else root
+    for keyword in _IGNORED_KEYWORDS:
+        if keyword in schema:
+            raise GrammarError(f"JSON schema keyword {keyword!r} at {path} is not supported "
+                               "(it cannot be enforced while generating); remove it")
+    if schema.get("uniqueItems") is True:
+        raise GrammarError(f"JSON schema keyword 'uniqueItems' at {path} is not supported (it "
+                           "cannot be enforced while generating); remove it")
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        raise GrammarError(f"'allOf' with {len(all_of)} subschemas at {path} is not supported; "
+                           "merge them into one schema")
+    one_of = schema.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1 and not _exclusive(one_of, root):
+        raise GrammarError(f"'oneOf' at {path} is generated as 'anyOf', and a value could "
+                           "match several of its branches; use 'anyOf', or make the branches "
+                           "exclusive (distinct types, distinct 'const' / 'enum' values, or a "
+                           "required property with a distinct 'const' in each)")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise GrammarError(f"'$ref': {ref!r} at {path} points outside the schema; only local "
+                           "references ('#/$defs/...') are supported, so inline it")
+    _check_values(schema, path)
+    _check_object(schema, path)
+    required, properties = schema.get("required"), schema.get("properties") or {}
+    if (not in_branch and schema.get("additionalProperties") is False
+            and isinstance(required, list) and "patternProperties" not in schema
+            and isinstance(properties, dict)):
+        forbidden = [name for name in required if name not in properties]
+        if forbidden:
+            raise GrammarError(f"the object at {path} requires {forbidden} but "
+                               "'additionalProperties': false forbids them (no output can "
+                               "satisfy it); add them to 'properties'")
+    for key in _SCHEMA_VALUES:
+        if isinstance(schema.get(key), dict):
+            check_enforceable(schema[key], f"{path}/{key}", in_branch, root)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                check_enforceable(sub, f"{path}/{key}/{name}", in_branch, root)
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                check_enforceable(sub, f"{path}/{key}/{i}",
+                                   in_branch or key in ("anyOf", "oneOf"), root)
