@@ -80,9 +80,10 @@ def main() -> int:
                         help="only Llama-3-8B's four GEMMs, per tile and stream-K")
     args = parser.parse_args()
     from benchmarks.gpu_decode import measure_ceilings
+    from kernels import backends
 
     copy_bandwidth = measure_ceilings()["copy_bandwidth_Bps"]
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_sms = backends.num_sms(0)
     print(f"copy bandwidth {copy_bandwidth / 1e12:.3f} TB/s, {num_sms} SMs", flush=True)
     cases = []
     if not args.llama_only:

@@ -76,6 +76,7 @@ def main() -> int:
 
     from kernels import elementwise_triton, rotary_decode_triton
     from kernels import paged_attention_triton as pat
+    from kernels.backends import num_sms
 
     rows = []
     for batch, context in itertools.product(map(int, args.batches.split(",")),
@@ -102,7 +103,7 @@ def main() -> int:
             rotary_decode_triton.rotary_decode_attention(qkv, HQ, cos, sin, caches[layer],
                                                          metadata, scale)
 
-        engine_splits = pat.num_decode_splits(batch, HKV, 8192, pat._num_sms(0))
+        engine_splits = pat.num_decode_splits(batch, HKV, 8192, num_sms(0))
         row = {"batch": batch, "context": context, "splits": engine_splits,
                "unfused_us": graph_us_per_layer(unfused), "fused_us": graph_us_per_layer(fused)}
         row["fused_over_unfused"] = row["fused_us"] / row["unfused_us"]

@@ -104,6 +104,13 @@ class Backends:
         return self.load(self.resolve(backend, device))
 
 
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device `device_index` (the Triton kernels size their
+    grids by it: split-K decode attention, stream-K GEMM)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 MAX_ARRIVAL_COUNTERS = 1 << 16   # per device: output tiles (or groups) one call may count in
 _arrival_counters: dict[torch.device, torch.Tensor] = {}
 

@@ -21,7 +21,8 @@ The epilogue is `linear_gluon._epilogue` (norm scale from handed-over sums of sq
 SiLU gate, residual add, sums of squares out); the row argmax (the LM head) is not offered.
 
 A run that starts inside a tile and goes on past it holds that segment's sums in registers and
-finishes it after the run, so the arrival (a release fence) does not drain the copies in flight.
+finishes it after the run (a guess that the arrival's release fence drained the copies in
+flight mid-run; the version that finished it at once measured the same, run 20).
 
 Measured (H200, benchmarks/gluon_grid_sweep.py, us per call against one program per tile in
 the same process; benchmarks/RESULTS.md run 20): slower on every Llama-3-8B shape at 64 rows:
@@ -45,8 +46,6 @@ the same bits whatever the batch (tests/kernels/test_linear_gluon.py).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -54,7 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from kernels import pdl
-from kernels.backends import MAX_ARRIVAL_COUNTERS
+from kernels.backends import MAX_ARRIVAL_COUNTERS, num_sms
 from kernels.linear_gluon import (BOX_K, SUB_BOXES, _epilogue, _gdc_launch_dependents,
                                   _gdc_wait, _handed_over_sum_squares, _load_stage,
                                   _multiply_stage, _stage_ring, _thread_barrier, descriptors,
@@ -181,8 +180,8 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
     first_tile = start // k_steps
     last_tile = (stop - 1) // k_steps
     # a run that starts inside a tile and goes on past it holds that first segment's sums in
-    # registers and finishes it after the run: an arrival's release fence waits for the
-    # copies in flight, which would drain the pipeline mid-run
+    # registers and finishes it after the run (so no arrival fence comes mid-run; it measured
+    # the same as finishing at once, run 20)
     hold_first = (first_tile != last_tile) & (start % k_steps != 0)
     held = gl.zeros([BLOCK_N, BM], gl.float32, mma)
     held_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
@@ -229,20 +228,21 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
         mbarrier.invalidate(bars.index(st))
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _programs(device: torch.device) -> int:
+    """Programs to split a GEMM's steps over: PROGRAMS, or one per SM."""
+    return PROGRAMS or num_sms(device.index or 0)
 
 
 def takes(out_features: int, block_n: int, split_k: int, emit_argmax: bool,
           device: torch.device) -> bool:
     """Whether stream-K runs this Gluon call: ENABLED, no row argmax, and a per-tile grid
     (out tiles x K splits programs) that is under four waves and not whole waves."""
+    if not ENABLED or emit_argmax:
+        return False
     tiles = triton.cdiv(out_features, block_n)
-    sms = PROGRAMS or _num_sms(device.index or 0)
+    sms = _programs(device)
     programs = tiles * split_k
-    return (ENABLED and not emit_argmax and tiles <= MAX_ARRIVAL_COUNTERS
-            and programs < 4 * sms and programs % sms != 0)
+    return tiles <= MAX_ARRIVAL_COUNTERS and programs < 4 * sms and programs % sms != 0
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, counters, ss_ptr,
@@ -255,7 +255,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, count
     out_features = out.shape[1]
     k_steps = triton.cdiv(in_features, BOX_K * SUB_BOXES)
     total_steps = triton.cdiv(out_features, block_n) * k_steps
-    per_program = triton.cdiv(total_steps, PROGRAMS or _num_sms(x.device.index or 0))
+    per_program = triton.cdiv(total_steps, _programs(x.device))
     programs = triton.cdiv(total_steps, per_program)
     partial = torch.empty(programs * 2 * (2 if gated else 1) * block_n * block_m,
                           dtype=torch.float32, device=x.device)

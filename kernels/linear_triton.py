@@ -50,9 +50,9 @@ two torch reductions, ~17 us per step on an H200; benchmarks/RESULTS.md run 18).
 
 Gluon: for the row buckets in GLUON_BLOCK_M (64 rows) on Hopper, `linear` runs
 `kernels/linear_gluon.py`'s kernel instead, on the same tile config and buffers: it requests the
-weight's first tiles by TMA before the PDL wait (+2.5-3.6% at batch 64, run 18). Where the
-config's grid (output tiles x K splits) leaves SMs idle, `kernels/linear_gluon_stream_k.py`
-splits the K steps evenly over the SMs instead (stream-K).
+weight's first tiles by TMA before the PDL wait (+2.5-3.6% at batch 64, run 18). Switched on
+(`linear_gluon_stream_k.ENABLED`), grids that leave SMs idle run stream-K instead (the K
+steps split evenly over the SMs); off, as it was slower on every shape measured (run 20).
 
 Numerics: float32 accumulation of bf16/fp16 products; vs F.linear (cuBLAS) the summation order
 differs: relative error ~1e-3 in bf16. float32 inputs use IEEE dot products (no tf32).

@@ -27,12 +27,11 @@ index 0 = K, 1 = V; slot = block_id * block_size + offset.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels import backends
 from kernels.attention_metadata import AttentionMetadata
 
 _DECODE_BLOCK_N = 64      # context tokens per decode tile
@@ -179,11 +178,6 @@ def _decode_reduce_kernel(part_ptr, m_ptr, l_ptr, out_ptr, out_stride_t, out_str
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       num_sms: int) -> int:
     """Split-K partitions for a decode batch: enough programs for ~_WAVES waves over the SMs, no
@@ -207,7 +201,7 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMeta
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 8
+    num_sms = backends.num_sms(query.device.index or 0) if query.is_cuda else 8
     splits = num_decode_splits(num_seqs, num_kv_heads, metadata.max_seq_len, num_sms)
     part = m = l = out  # placeholders when one split writes the output directly
     if splits > 1:

@@ -41,10 +41,9 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.attention_metadata import AttentionMetadata
-from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters
+from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, num_sms
 from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_context,
-                                            _check_cache, _num_sms, _precision,
-                                            num_decode_splits)
+                                            _check_cache, _precision, num_decode_splits)
 
 
 @triton.jit
@@ -197,8 +196,8 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_seqs == 0:
         return out
-    num_sms = _num_sms(qkv.device.index or 0) if qkv.is_cuda else 8
-    splits = num_decode_splits(num_seqs, num_kv_heads, metadata.max_seq_len, num_sms)
+    sms = num_sms(qkv.device.index or 0) if qkv.is_cuda else 8
+    splits = num_decode_splits(num_seqs, num_kv_heads, metadata.max_seq_len, sms)
     counters = arrival_counters(qkv.device)   # int32 even when unused (the kernel compiles
     part = m = sums = out                     # its split path); placeholders for one split
     if splits > 1:
