@@ -13,7 +13,12 @@ measured in the same run, and weight bytes per second per program.
 Each timing is a CUDA graph of calls on distinct weights (more bytes than L2 holds), chained
 with programmatic dependent launch as in the engine. H200 only (Gluon's Hopper TMA / wgmma).
 
-Run: python3 benchmarks/gluon_grid_sweep.py [--llama-only] [--json PATH]
+With --tiles: the same four GEMMs at other one-wave tilings (wider weight tiles read x once
+for two or four wgmma row blocks; more K splits keep the programs near the SM count) and with
+x's tiles in a ring of their own (`linear_gluon.X_STAGES`: more of the shared memory, and of
+what is requested before the PDL wait, for the weight).
+
+Run: python3 benchmarks/gluon_grid_sweep.py [--llama-only | --tiles] [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ L2_MULTIPLE_BYTES = 400 * 2 ** 20     # weights per graph: well past the 50 MiB 
 
 
 def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
-            gated: bool = False, stream_k: int = 0) -> float:
-    """Microseconds per call of the Gluon GEMM in a graph of calls on distinct weights; with
-    stream_k, `linear_gluon_stream_k`'s kernel over that many programs (split_k unused)."""
+            gated: bool = False, stream_k: int = 0, block_n: int = 64,
+            x_stages: int = 0) -> float:
+    """Microseconds per call of the Gluon GEMM ([block_n]-row weight tiles, an x ring of
+    x_stages stages) in a graph of calls on distinct weights; with stream_k,
+    `linear_gluon_stream_k`'s kernel over that many programs (split_k unused)."""
     from benchmarks.blas_sweep import graph_us
     from kernels import linear_gluon, linear_gluon_stream_k, pdl
     from kernels.backends import arrival_counters
@@ -55,22 +62,57 @@ def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
         for weight in weights:
             if stream_k:
                 linear_gluon_stream_k.launch(
-                    x, weight, None, out, counters, out, 0, block_m=max(16, rows), block_n=64,
+                    x, weight, None, out, counters, out, 0, block_m=max(16, rows),
+                    block_n=block_n,
                     norm_eps=None, gated=gated, residual=None, emit_ss=False,
                     pdl_options=options)
                 continue
             linear_gluon.launch(x, weight, None, out, partial, counters, out, 0,
-                                block_m=max(16, rows), block_n=64, split_k=split_k,
+                                block_m=max(16, rows), block_n=block_n, split_k=split_k,
                                 norm_eps=None, gated=gated, residual=None, emit_ss=False,
                                 maxima=out, columns=out, emit_argmax=False,
                                 pdl_options=options)
 
-    saved = linear_gluon_stream_k.PROGRAMS
-    linear_gluon_stream_k.PROGRAMS = stream_k or None
+    saved = linear_gluon_stream_k.PROGRAMS, linear_gluon.X_STAGES
+    linear_gluon_stream_k.PROGRAMS, linear_gluon.X_STAGES = stream_k or None, x_stages
     try:
         return graph_us(run) / calls
     finally:
-        linear_gluon_stream_k.PROGRAMS = saved
+        linear_gluon_stream_k.PROGRAMS, linear_gluon.X_STAGES = saved
+
+
+# --tiles: Llama-3-8B's 64-row decode GEMMs (rows, N, K, gated) and the one-wave (BLOCK_N,
+# SPLIT_K) tilings tried for each (the first: the committed config), each with x in the
+# weight stages and in its own ring of 2 or 3 stages
+TILINGS = {"qkv": ((64, 6144, 4096, False), ((64, 1), (128, 2), (128, 1), (256, 4), (256, 2))),
+           "o": ((64, 4096, 4096, False), ((64, 2), (128, 4), (128, 2), (256, 8), (256, 4))),
+           "gate_up": ((64, 14336, 4096, True), ((64, 1), (128, 1))),
+           "down": ((64, 4096, 14336, False), ((64, 2), (128, 4), (128, 2), (256, 8),
+                                               (256, 4)))}
+X_RINGS = (0, 2, 3)
+
+
+def tiling_sweep(copy_bandwidth: float) -> list[dict]:
+    """Each TILINGS case at each X_RINGS depth: us per call, and against the committed
+    config (its first tiling, x in the weight stages) of the same GEMM."""
+    results = []
+    print(f"{'gemm':>8} {'BLOCK_N':>7} {'split':>5} {'x ring':>6} {'programs':>8} {'us':>8} "
+          f"{'/copy':>6} {'/committed':>10}")
+    for name, ((rows, n, k, gated), tilings) in TILINGS.items():
+        committed = None
+        for block_n, split_k in tilings:
+            for x_stages in X_RINGS:
+                us = gemm_us(rows, n, k, split_k, gated, block_n=block_n, x_stages=x_stages)
+                committed = committed or us
+                rate = n * (2 if gated else 1) * k * 2 / (us * 1e-6)
+                row = dict(gemm=name, block_n=block_n, split_k=split_k, x_stages=x_stages,
+                           programs=-(-n // block_n) * split_k, us=us,
+                           of_copy=rate / copy_bandwidth, of_committed=us / committed)
+                results.append(row)
+                print(f"{name:>8} {block_n:>7} {split_k:>5} {x_stages:>6} {row['programs']:>8} "
+                      f"{us:>8.2f} {row['of_copy']:>6.3f} {row['of_committed']:>10.3f}",
+                      flush=True)
+    return results
 
 
 def main() -> int:
@@ -78,6 +120,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--llama-only", action="store_true",
                         help="only Llama-3-8B's four GEMMs, per tile and stream-K")
+    parser.add_argument("--tiles", action="store_true",
+                        help="only Llama-3-8B's four GEMMs at other tilings and x rings")
     args = parser.parse_args()
     from benchmarks.gpu_decode import measure_ceilings
     from kernels import backends
@@ -85,6 +129,12 @@ def main() -> int:
     copy_bandwidth = measure_ceilings()["copy_bandwidth_Bps"]
     num_sms = backends.num_sms(0)
     print(f"copy bandwidth {copy_bandwidth / 1e12:.3f} TB/s, {num_sms} SMs", flush=True)
+    if args.tiles:
+        results = tiling_sweep(copy_bandwidth)
+        if args.json:
+            args.json.write_text(json.dumps(dict(copy_bandwidth_Bps=copy_bandwidth,
+                                                  num_sms=num_sms, tilings=results), indent=1))
+        return 0
     cases = []
     if not args.llama_only:
         cases += [(64, 64 * p, 4096, 1, False) for p in PROGRAMS]

@@ -308,7 +308,34 @@ GLUON_VARIANTS = {
     "gluon_96k": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
     # stream-K (kernels/linear_gluon_stream_k.py) where the per-tile grid leaves SMs idle
     "stream_k": (("kernels.linear_gluon_stream_k", "ENABLED", True),),
+    # x's tiles in a ring of their own, the rest of the stages' memory for the weight
+    "gluon_x_ring2": (("kernels.linear_gluon", "X_STAGES", 2),),
+    "gluon_x_ring3": (("kernels.linear_gluon", "X_STAGES", 3),),
 }
+# the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
+FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),
+               "gate_up": ("norm_gated", 28672, 4096), "down": ("residual", 4096, 14336)}
+
+
+def gluon_tiles_variant(spec: str) -> tuple:
+    """The settings of the "gluon_tiles" experiment: the 64-row fused GEMMs at the tilings of
+    `spec` ("qkv=128x2,o=128x4": GEMM=BLOCK_NxSPLIT_K) instead of the config file's."""
+    tilings = {}
+    for item in filter(None, spec.split(",")):
+        name, tiling = item.split("=")
+        block_n, split_k = (int(v) for v in tiling.split("x"))
+        tilings[(FUSED_GEMMS[name][0], 64, *FUSED_GEMMS[name][1:])] = dict(BLOCK_N=block_n,
+                                                                        SPLIT_K=split_k)
+
+    @functools.cache
+    def table(device):
+        from kernels import fused_linear
+        from kernels.backends import device_config_entries
+
+        fused = fused_linear.fused_table(device_config_entries(fused_linear.CONFIG_KIND, device))
+        return {key: {**config, **tilings.get(key, {})} for key, config in fused.items()}
+
+    return (("kernels.fused_linear", "_fused_table", table),)
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 
 
@@ -334,8 +361,9 @@ def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dic
     and machine; the settings are restored (and the graphs recaptured) after. Keys
     "decode_b{batch}_{label}"; with `roles`, each run also has `layer_roles`'s shares."""
     results = {}
-    try:
-        with switched({**VARIANTS, **EXPERIMENTS}[label]):
+    known = {**VARIANTS, **EXPERIMENTS}
+    try:   # "a+b": both variants' settings
+        with switched(sum((known[part] for part in label.split("+")), ())):
             recapture_graphs(core)
             for batch in batches:
                 run = engine_decode(core, batch, vocab, new_tokens)
@@ -669,7 +697,12 @@ def main() -> int:
                         help="comma-separated batch sizes of the variant runs")
     parser.add_argument("--roles", action="store_true",
                         help="also time each decode-layer kernel's share in the variant runs")
+    parser.add_argument("--gluon-tiles", default="",
+                        help="the gluon_tiles experiment's 64-row tilings, e.g. "
+                             "qkv=128x2,o=128x4 (GEMM=BLOCK_NxSPLIT_K)")
     args = parser.parse_args()
+    if args.gluon_tiles:
+        EXPERIMENTS["gluon_tiles"] = gluon_tiles_variant(args.gluon_tiles)
     from transformers import LlamaConfig
 
     hf_config = LlamaConfig(**LLAMA3_8B)

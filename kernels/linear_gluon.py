@@ -66,6 +66,9 @@ from kernels import pdl
 BOX_K = 64              # K columns per TMA box: 128 bytes of bf16, one 128-byte-swizzled row
 SUB_BOXES = 2           # boxes per pipeline stage: K columns per stage = SUB_BOXES * BOX_K
 STAGE_BUDGET = 192 * 1024   # shared memory for the stages
+# x's own ring of this many stages (its copies come from L2, so fewer than the weight's), the
+# rest of STAGE_BUDGET for weight stages; 0: each stage holds its weight and x tiles
+X_STAGES = 0
 # False: request the weight tiles after the PDL wait too (benchmarks compare the two)
 WEIGHTS_BEFORE_WAIT = True
 
@@ -110,24 +113,34 @@ def _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bar, stage, n0, up_row, 
 
 
 @gluon.jit
-def _stage_ring(w_desc, x_desc, STAGES: gl.constexpr, SUB: gl.constexpr, GATED: gl.constexpr):
+def _stage_ring(w_desc, x_desc, STAGES: gl.constexpr, SUB: gl.constexpr, GATED: gl.constexpr,
+                X_STAGES: gl.constexpr):
     """Shared memory for STAGES pipeline stages of SUB boxes each: weight tiles (and up rows'
     if GATED; else the weight's buffer stands in), x tiles, and one initialised mbarrier per
-    stage. Returns (w_smem, u_smem, x_smem, bars)."""
+    stage. X_STAGES 0: each stage holds its x tile too (one barrier for both); else x has its
+    own ring of X_STAGES stages and barriers. Returns (w_smem, u_smem, x_smem, bars, x_bars)
+    (x_bars is bars with X_STAGES 0)."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BOX: gl.constexpr = w_desc.block_type.shape[1]
     BM: gl.constexpr = x_desc.block_type.shape[0]
+    XS: gl.constexpr = STAGES if X_STAGES == 0 else X_STAGES
     dtype: gl.constexpr = w_desc.dtype
     w_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
     if GATED:
         u_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
     else:
         u_smem = w_smem
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BM, BOX], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(dtype, [XS * SUB, BM, BOX], x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(bars.index(st), count=1)
-    return w_smem, u_smem, x_smem, bars
+    if X_STAGES == 0:
+        x_bars = bars
+    else:
+        x_bars = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(X_STAGES):
+            mbarrier.init(x_bars.index(st), count=1)
+    return w_smem, u_smem, x_smem, bars, x_bars
 
 
 @gluon.jit
@@ -146,15 +159,21 @@ def _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS: gl.constexpr,
 
 
 @gluon.jit
-def _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES: gl.constexpr,
-                    SUB: gl.constexpr, GATED: gl.constexpr):
-    """Step i of the K loop: wait for its stage's copies, then one asynchronous wgmma per box
-    (weight tile A, x^T B) into acc (and acc_up if GATED); returns with this step's MMAs
-    still running and every earlier step's done (so its stage may be refilled)."""
+def _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, x_bars, i, STAGES: gl.constexpr,
+                    X_STAGES: gl.constexpr, SUB: gl.constexpr, GATED: gl.constexpr):
+    """Step i of the K loop: wait for its stage's copies (and its x stage's with an x ring of
+    X_STAGES > 0), then one asynchronous wgmma per box (weight tile A, x^T B) into acc (and
+    acc_up if GATED); returns with this step's MMAs still running and every earlier step's done
+    (so its stages may be refilled)."""
     s = i % STAGES
     mbarrier.wait(bars.index(s), (i // STAGES) & 1)
+    if X_STAGES == 0:
+        xs = s
+    else:
+        xs = i % X_STAGES
+        mbarrier.wait(x_bars.index(xs), (i // X_STAGES) & 1)
     for j in gl.static_range(SUB):
-        x_t = x_smem.index(s * SUB + j).permute((1, 0))                     # [BOX, BM]
+        x_t = x_smem.index(xs * SUB + j).permute((1, 0))                    # [BOX, BM]
         acc = warpgroup_mma(w_smem.index(s * SUB + j), x_t, acc, is_async=True)
         if GATED:
             acc_up = warpgroup_mma(u_smem.index(s * SUB + j), x_t, acc_up, is_async=True)
@@ -211,7 +230,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                    HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr,
                    EMIT_ARGMAX: gl.constexpr, SS_PARTS: gl.constexpr,
                    SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
-                   SUB: gl.constexpr,
+                   SUB: gl.constexpr, X_STAGES: gl.constexpr,
                    PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
                    TRIGGER_AFTER_LOOP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -225,9 +244,13 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     first = pid_k * k_tiles_per_split       # this split's first K tile; trailing splits may
     num_k = gl.minimum(k_tiles_per_split, gl.cdiv(K, BK) - first)   # have none (num_k <= 0)
 
-    w_smem, u_smem, x_smem, bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED)
-    w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
-    stage_bytes: gl.constexpr = SUB * (w_bytes + x_desc.block_type.nbytes)
+    w_smem, u_smem, x_smem, bars, x_bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED,
+                                                       X_STAGES)
+    XS: gl.constexpr = STAGES if X_STAGES == 0 else X_STAGES
+    w_bytes: gl.constexpr = SUB * w_desc.block_type.nbytes * (2 if GATED else 1)
+    x_bytes: gl.constexpr = SUB * x_desc.block_type.nbytes
+    # a weight stage's expected bytes (its x tile's too without an x ring)
+    stage_bytes: gl.constexpr = w_bytes + (x_bytes if X_STAGES == 0 else 0)
 
     if not WEIGHTS_BEFORE_WAIT:
         _gdc_wait(PDL)
@@ -241,8 +264,10 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
         _gdc_wait(PDL)                      # x, the residual, partials: the previous kernel's
         if not TRIGGER_AFTER_LOOP:
             _gdc_launch_dependents(PDL)
-    for st in gl.static_range(STAGES):
-        _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
+    for st in gl.static_range(XS):
+        if X_STAGES > 0:
+            mbarrier.expect(x_bars.index(st), x_bytes, pred=st < num_k)
+        _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, x_bars.index(st), st, n0, up_row,
                     (first + st) * BK, st < num_k, SUB, GATED, False, True)
 
     epi: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
@@ -260,15 +285,23 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     acc = gl.zeros([BLOCK_N, BM], gl.float32, mma)
     acc_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
     for i in range(num_k):
-        acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES,
-                                      SUB, GATED)
+        acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, x_bars, i,
+                                      STAGES, X_STAGES, SUB, GATED)
         # the previous step's MMAs are done: refill its stage with the tile STAGES after it
+        # (and its x stage with the x tile X_STAGES after it)
         ahead = i - 1 + STAGES
         ok = (i > 0) & (ahead < num_k)
         prev = (i + STAGES - 1) % STAGES
         mbarrier.expect(bars.index(prev), stage_bytes, pred=ok)
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(prev), prev, n0, up_row,
-                    (first + ahead) * BK, ok, SUB, GATED, True, True)
+                    (first + ahead) * BK, ok, SUB, GATED, True, X_STAGES == 0)
+        if X_STAGES > 0:
+            x_ahead = i - 1 + X_STAGES
+            x_ok = (i > 0) & (x_ahead < num_k)
+            x_prev = (i + X_STAGES - 1) % X_STAGES
+            mbarrier.expect(x_bars.index(x_prev), x_bytes, pred=x_ok)
+            _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, x_bars.index(x_prev), x_prev,
+                        n0, up_row, (first + x_ahead) * BK, x_ok, SUB, GATED, False, True)
     if GATED:
         acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
     else:
@@ -277,6 +310,9 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
         _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
+    if X_STAGES > 0:
+        for st in gl.static_range(X_STAGES):
+            mbarrier.invalidate(x_bars.index(st))
 
     acc = gl.convert_layout(acc, epi)
     acc_up = gl.convert_layout(acc_up, epi)
@@ -302,10 +338,21 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                   HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX)
 
 
-def stages_for(block_m: int, block_n: int, gated: bool) -> int:
-    """Pipeline stages that fit STAGE_BUDGET bytes of shared memory (2 to 8)."""
-    stage_bytes = (block_n * (2 if gated else 1) + block_m) * BOX_K * SUB_BOXES * 2
-    return max(2, min(8, STAGE_BUDGET // stage_bytes))
+def sub_boxes(block_n: int, gated: bool) -> int:
+    """Boxes per stage: SUB_BOXES, or one where a box of weight rows (gate and up rows if
+    gated) is wider than 128 rows (so a stage's weight stays within 32 KiB)."""
+    return SUB_BOXES if block_n * (2 if gated else 1) <= 128 else 1
+
+
+def stages_for(block_m: int, block_n: int, gated: bool, x_stages: int = 0) -> int:
+    """Weight pipeline stages that fit STAGE_BUDGET bytes of shared memory with an x ring of
+    x_stages stages (0: x in the weight stages): 2 to 8 (to 12 with an x ring)."""
+    sub = sub_boxes(block_n, gated)
+    weight_bytes = block_n * (2 if gated else 1) * BOX_K * sub * 2
+    x_bytes = block_m * BOX_K * sub * 2
+    if x_stages:
+        return max(2, min(12, (STAGE_BUDGET - x_stages * x_bytes) // weight_bytes))
+    return max(2, min(8, STAGE_BUDGET // (weight_bytes + x_bytes)))
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -339,7 +386,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
     zeros, as in `linear_triton`)."""
     num_rows, in_features = x.shape
     out_features = out.shape[1]
-    per_split = triton.cdiv(triton.cdiv(in_features, BOX_K * SUB_BOXES), split_k)
+    per_split = triton.cdiv(triton.cdiv(in_features, BOX_K * sub_boxes(block_n, gated)),
+                            split_k)
     w_desc, x_desc = descriptors(x, weight, block_m, block_n)
     ss_parts_p2 = triton.next_power_of_2(max(ss_parts, 1))
     _skinny_kernel[(triton.cdiv(out_features, block_n), split_k)](
@@ -348,6 +396,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
-        SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated), SUB=SUB_BOXES,
+        SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated, X_STAGES),
+        SUB=sub_boxes(block_n, gated), X_STAGES=X_STAGES,
         PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
         TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4, **pdl_options)

@@ -9,7 +9,7 @@ down programs (64 tiles x 2 splits) and 224 gate_up programs (1.7 waves) on 132 
 Stream-K (Osama, Merrill, Cecka, Garland, Owens, "Stream-K: Work-centric Parallel
 Decomposition for Dense Matrix-Matrix Multiplication on the GPU", PPoPP 2023) cuts the GEMM's
 iteration space instead of its output: the tiles' K steps laid end to end (tile-major, a step
-= SUB_BOXES * BOX_K columns of K) are split into equal contiguous runs, one per SM. Program p
+= `sub_boxes` * BOX_K columns of K) are split into equal contiguous runs, one per SM. Program p
 takes steps [p * per_program, (p + 1) * per_program); its weight pipeline runs straight
 through tile boundaries. Where a run ends a tile's steps:
 - a tile whose steps one program covers entirely gets the epilogue from that program;
@@ -54,10 +54,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from kernels import pdl
 from kernels.backends import MAX_ARRIVAL_COUNTERS, num_sms
-from kernels.linear_gluon import (BOX_K, SUB_BOXES, _epilogue, _gdc_launch_dependents,
+from kernels.linear_gluon import (BOX_K, _epilogue, _gdc_launch_dependents,
                                   _gdc_wait, _handed_over_sum_squares, _load_stage,
                                   _multiply_stage, _stage_ring, _thread_barrier, descriptors,
-                                  stages_for)
+                                  stages_for, sub_boxes)
 
 # Off: slower than one program per tile on every Llama-3-8B shape (see above); tests and
 # benchmarks switch it on
@@ -151,7 +151,7 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
     start = pid * per_program
     num = gl.minimum(per_program, total_steps - start)
 
-    w_smem, u_smem, x_smem, bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED)
+    w_smem, u_smem, x_smem, bars, x_bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED, 0)
     w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
     stage_bytes: gl.constexpr = SUB * (w_bytes + x_desc.block_type.nbytes)
 
@@ -191,8 +191,8 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
         for step in range(gl.maximum(start, tile * k_steps),
                           gl.minimum(stop, (tile + 1) * k_steps)):
             i = step - start                  # the ring runs on across tiles
-            acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES,
-                                          SUB, GATED)
+            acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, x_bars, i,
+                                          STAGES, 0, SUB, GATED)
             ahead = i - 1 + STAGES            # refill the previous step's stage
             ok = (i > 0) & (ahead < num)
             prev = (i + STAGES - 1) % STAGES
@@ -253,7 +253,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, count
     [programs, 2, 1 or 2 (gated), block_n, block_m] are allocated here."""
     num_rows, in_features = x.shape
     out_features = out.shape[1]
-    k_steps = triton.cdiv(in_features, BOX_K * SUB_BOXES)
+    sub = sub_boxes(block_n, gated)
+    k_steps = triton.cdiv(in_features, BOX_K * sub)
     total_steps = triton.cdiv(out_features, block_n) * k_steps
     per_program = triton.cdiv(total_steps, _programs(x.device))
     programs = triton.cdiv(total_steps, per_program)
@@ -267,6 +268,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, count
         out.stride(0), out.stride(0), 0.0 if norm_eps is None else norm_eps,
         HAS_BIAS=bias is not None, NORM=norm_eps is not None, GATED=gated,
         HAS_RESIDUAL=residual is not None, EMIT_SS=emit_ss, SS_PARTS=ss_parts,
-        SS_PARTS_P2=ss_parts_p2, STAGES=stages_for(block_m, block_n, gated), SUB=SUB_BOXES,
+        SS_PARTS_P2=ss_parts_p2, STAGES=stages_for(block_m, block_n, gated), SUB=sub,
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"),
         num_warps=4, **pdl_options)

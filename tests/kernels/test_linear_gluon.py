@@ -20,6 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 PLAIN = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 WIDE = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4}
 SPLIT = {**PLAIN, "SPLIT_K": 2}
+# 128- and 256-row weight tiles (x read once for two or four wgmma row blocks; 256: one box
+# per stage), split K
+WIDE_SPLIT = {**WIDE, "SPLIT_K": 2}
+WIDEST_SPLIT = {**PLAIN, "BLOCK_N": 256, "SPLIT_K": 4}
 
 
 def _randn(*shape, seed, scale=1.0):
@@ -27,14 +31,17 @@ def _randn(*shape, seed, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(DEVICE)
 
 
-@pytest.fixture(params=["per_tile", "stream_k", "stream_k_7_programs"])
+@pytest.fixture(params=["per_tile", "per_tile_x_ring", "stream_k", "stream_k_7_programs"])
 def gluon(monkeypatch, request):
     """`linear_triton` with every row bucket on Gluon: one program per output tile (and K
-    split), or stream-K (kernels/linear_gluon_stream_k.py) over the GPU's SMs or over 7
-    programs (runs that start and end inside tiles, several tiles per program)."""
-    from kernels import linear_gluon_stream_k, linear_triton
+    split), with x's tiles in the weight stages or in a ring of their own (X_STAGES 2), or
+    stream-K (kernels/linear_gluon_stream_k.py) over the GPU's SMs or over 7 programs (runs
+    that start and end inside tiles, several tiles per program)."""
+    from kernels import linear_gluon, linear_gluon_stream_k, linear_triton
 
     monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M", frozenset({16, 32, 64}))
+    if request.param == "per_tile_x_ring":
+        monkeypatch.setattr(linear_gluon, "X_STAGES", 2)
     monkeypatch.setattr(linear_gluon_stream_k, "ENABLED", request.param != "per_tile")
     if request.param == "stream_k_7_programs":
         monkeypatch.setattr(linear_gluon_stream_k, "PROGRAMS", 7)
@@ -47,7 +54,8 @@ def _rms_normed(x, eps):
 
 
 @pytest.mark.parametrize("num_rows", [64, 48, 33, 32, 17, 16, 1])
-@pytest.mark.parametrize("config", [PLAIN, WIDE, SPLIT], ids=["plain", "wide", "split_k"])
+@pytest.mark.parametrize("config", [PLAIN, WIDE, SPLIT, WIDE_SPLIT, WIDEST_SPLIT],
+                         ids=["plain", "wide", "split_k", "wide_split_k", "widest_split_k"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_gluon_linear_matches_f_linear(gluon, num_rows, config, with_bias):
     x = _randn(num_rows, 1024, seed=1)
@@ -73,11 +81,13 @@ def test_gluon_norm_without_sums_of_squares_runs_the_triton_kernel(gluon, gated)
     assert relative_error(got, product) < 1e-2
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["norm", "norm_gated"])
+@pytest.mark.parametrize("gated, norm_config", [(False, PLAIN), (True, PLAIN),
+                                                (False, WIDE_SPLIT), (True, WIDE)],
+                         ids=["norm", "norm_gated", "norm_split_k", "norm_gated_wide"])
 @pytest.mark.parametrize("num_rows", [64, 5])
-def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated, num_rows):
+def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated, norm_config, num_rows):
     """The residual GEMM writes its rows' sums of squares; the norm GEMM reads them: as the
-    unfused RMSNorm then linear (SiLU-gated)."""
+    unfused RMSNorm then linear (SiLU-gated). With split K the finish scales the sum."""
     eps = 1e-5
     x = _randn(num_rows, 512, seed=11)
     w_o = _randn(1024, 512, seed=12, scale=512 ** -0.5)
@@ -89,7 +99,7 @@ def test_gluon_norm_from_handed_over_sums_of_squares(gluon, gated, num_rows):
     assert relative_error(partials.double().sum(0), stream.double().pow(2).sum(-1)) < 1e-5
 
     weight = _randn(2 * 192 if gated else 192, 1024, seed=14, scale=1024 ** -0.5)
-    got = gluon.linear(stream, weight, config=PLAIN, norm_eps=eps, gated=gated,
+    got = gluon.linear(stream, weight, config=norm_config, norm_eps=eps, gated=gated,
                        sum_squares=partials)
     product = F.linear(_rms_normed(stream, eps), weight.double())
     if gated:
