@@ -158,7 +158,8 @@ def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int | None, parts
         constexprs.update(EMIT_ARGMAX=fusion == "argmax", SPLIT_K=split_k,
                           WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT,
                           STAGES=linear_gluon.stages_for(64, block_n, gated, x_stages),
-                          SUB=linear_gluon.sub_boxes(block_n, gated), X_STAGES=x_stages)
+                          SUB=linear_gluon.sub_boxes(block_n, gated), X_STAGES=x_stages,
+                          ROTATE_K=linear_gluon.ROTATE_K)
     signature = {**args, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
              if name.endswith("_ptr")}

@@ -311,6 +311,8 @@ GLUON_VARIANTS = {
     # x's tiles in a ring of their own, the rest of the stages' memory for the weight
     "gluon_x_ring2": (("kernels.linear_gluon", "X_STAGES", 2),),
     "gluon_x_ring3": (("kernels.linear_gluon", "X_STAGES", 3),),
+    # each program's K loop starting at another x tile (not all programs on the same one)
+    "gluon_rotate_k": (("kernels.linear_gluon", "ROTATE_K", True),),
 }
 # the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
 FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),

@@ -69,6 +69,8 @@ STAGE_BUDGET = 192 * 1024   # shared memory for the stages
 # x's own ring of this many stages (its copies come from L2, so fewer than the weight's), the
 # rest of STAGE_BUDGET for weight stages; 0: each stage holds its weight and x tiles
 X_STAGES = 0
+# True: each program starts its K loop at another x tile (its tile index mod its K steps)
+ROTATE_K = False
 # False: request the weight tiles after the PDL wait too (benchmarks compare the two)
 WEIGHTS_BEFORE_WAIT = True
 
@@ -110,6 +112,15 @@ def _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bar, stage, n0, up_row, 
                           pred=ok)
         if X:
             _tma_load(x_desc, [0, k + j * BOX], bar, x_smem.index(stage * SUB + j), pred=ok)
+
+
+@gluon.jit
+def _k_col(first, t, rot, num_k, BK: gl.constexpr, ROTATE: gl.constexpr):
+    """The first K column of a split's t-th step: its (first + t)-th tile of BK columns, or
+    with ROTATE its (first + (t + rot) mod num_k)-th."""
+    if ROTATE:
+        t = (t + rot) % gl.maximum(num_k, 1)
+    return (first + t) * BK
 
 
 @gluon.jit
@@ -230,7 +241,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                    HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr,
                    EMIT_ARGMAX: gl.constexpr, SS_PARTS: gl.constexpr,
                    SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
-                   SUB: gl.constexpr, X_STAGES: gl.constexpr,
+                   SUB: gl.constexpr, X_STAGES: gl.constexpr, ROTATE_K: gl.constexpr,
                    PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
                    TRIGGER_AFTER_LOOP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -243,6 +254,9 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     up_row = N + n0                         # GATED: the up rows follow the N gate rows
     first = pid_k * k_tiles_per_split       # this split's first K tile; trailing splits may
     num_k = gl.minimum(k_tiles_per_split, gl.cdiv(K, BK) - first)   # have none (num_k <= 0)
+    # ROTATE_K: program n runs its K tiles from the (n mod num_k)-th on, wrapping around, so
+    # the programs read different x tiles at a time
+    rot = pid_n % gl.maximum(num_k, 1)
 
     w_smem, u_smem, x_smem, bars, x_bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED,
                                                        X_STAGES)
@@ -259,7 +273,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     for st in gl.static_range(STAGES):      # the weights: written by no kernel
         mbarrier.expect(bars.index(st), stage_bytes, pred=st < num_k)
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
-                    (first + st) * BK, st < num_k, SUB, GATED, True, False)
+                    _k_col(first, st, rot, num_k, BK, ROTATE_K), st < num_k, SUB, GATED, True, False)
     if WEIGHTS_BEFORE_WAIT:
         _gdc_wait(PDL)                      # x, the residual, partials: the previous kernel's
         if not TRIGGER_AFTER_LOOP:
@@ -268,7 +282,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
         if X_STAGES > 0:
             mbarrier.expect(x_bars.index(st), x_bytes, pred=st < num_k)
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, x_bars.index(st), st, n0, up_row,
-                    (first + st) * BK, st < num_k, SUB, GATED, False, True)
+                    _k_col(first, st, rot, num_k, BK, ROTATE_K), st < num_k, SUB, GATED, False, True)
 
     epi: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))        # [BN]
@@ -294,14 +308,16 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
         prev = (i + STAGES - 1) % STAGES
         mbarrier.expect(bars.index(prev), stage_bytes, pred=ok)
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(prev), prev, n0, up_row,
-                    (first + ahead) * BK, ok, SUB, GATED, True, X_STAGES == 0)
+                    _k_col(first, ahead, rot, num_k, BK, ROTATE_K), ok, SUB, GATED, True,
+                    X_STAGES == 0)
         if X_STAGES > 0:
             x_ahead = i - 1 + X_STAGES
             x_ok = (i > 0) & (x_ahead < num_k)
             x_prev = (i + X_STAGES - 1) % X_STAGES
             mbarrier.expect(x_bars.index(x_prev), x_bytes, pred=x_ok)
             _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, x_bars.index(x_prev), x_prev,
-                        n0, up_row, (first + x_ahead) * BK, x_ok, SUB, GATED, False, True)
+                        n0, up_row, _k_col(first, x_ahead, rot, num_k, BK, ROTATE_K), x_ok,
+                        SUB, GATED, False, True)
     if GATED:
         acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
     else:
@@ -397,6 +413,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
         SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated, X_STAGES),
-        SUB=sub_boxes(block_n, gated), X_STAGES=X_STAGES,
+        SUB=sub_boxes(block_n, gated), X_STAGES=X_STAGES, ROTATE_K=ROTATE_K,
         PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
         TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4, **pdl_options)
