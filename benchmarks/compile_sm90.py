@@ -124,12 +124,10 @@ def variants() -> list[tuple]:
     return out
 
 
-def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int | None, parts: int,
-                           x_stages: int | None = None):
+def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int | None, parts: int):
     """The Gluon GEMM compiled for cuda:90 as `linear_gluon.launch` would launch it on 64 rows
-    of bf16 (TMA descriptors of its box shapes, its stage count, PDL on) with an x ring of
-    x_stages stages (None: `linear_gluon.X_STAGES`); split_k None: the stream-K kernel
-    (`linear_gluon_stream_k.launch`)."""
+    of bf16 (TMA descriptors of its box shapes, its stage count, PDL on); split_k None: the
+    stream-K kernel (`linear_gluon_stream_k.launch`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -148,18 +146,12 @@ def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int | None, parts
     constexprs = dict(HAS_BIAS=False, NORM=fusion.startswith("norm"), GATED=gated,
                       HAS_RESIDUAL=fusion == "residual", EMIT_SS=parts < 0,
                       SS_PARTS=max(parts, 0), SS_PARTS_P2=max(parts, 1),
-                      PDL=True,
+                      STAGES=linear_gluon.stages_for(64, block_n, gated),
+                      SUB=linear_gluon.sub_boxes(block_n, gated), PDL=True,
                       TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4)
-    if stream_k:
-        constexprs.update(STAGES=linear_gluon.stages_for(64, block_n, gated),
-                          SUB=linear_gluon.sub_boxes(block_n, gated))
-    else:
-        x_stages = linear_gluon.X_STAGES if x_stages is None else x_stages
+    if not stream_k:
         constexprs.update(EMIT_ARGMAX=fusion == "argmax", SPLIT_K=split_k,
-                          WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT,
-                          STAGES=linear_gluon.stages_for(64, block_n, gated, x_stages),
-                          SUB=linear_gluon.sub_boxes(block_n, gated), X_STAGES=x_stages,
-                          ROTATE_K=linear_gluon.ROTATE_K)
+                          WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT)
     signature = {**args, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
              if name.endswith("_ptr")}

@@ -13,14 +13,10 @@ measured in the same run, and weight bytes per second per program.
 Each timing is a CUDA graph of calls on distinct weights (more bytes than L2 holds), chained
 with programmatic dependent launch as in the engine. H200 only (Gluon's Hopper TMA / wgmma).
 
-With --tiles: the same four GEMMs with other `linear_gluon` settings (KNOBS: x's tiles in a
-ring of their own, more of the shared memory and of what is requested before the PDL wait for
-the weight; each program's K loop starting at another x tile) and, with --all-tilings, at
-other one-wave tilings (wider weight tiles read x once for two or four wgmma row blocks; more
-K splits keep the programs near the SM count).
+With --tiles: the same four GEMMs at other one-wave tilings (wider weight tiles read x once for
+two or four wgmma row blocks; more K splits keep the programs near the SM count).
 
-Run: python3 benchmarks/gluon_grid_sweep.py [--llama-only | --tiles [--knobs A,B]
-     [--all-tilings]] [--json PATH]
+Run: python3 benchmarks/gluon_grid_sweep.py [--llama-only | --tiles] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,11 +35,10 @@ L2_MULTIPLE_BYTES = 400 * 2 ** 20     # weights per graph: well past the 50 MiB 
 
 
 def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
-            gated: bool = False, stream_k: int = 0, block_n: int = 64,
-            knobs: dict | None = None) -> float:
-    """Microseconds per call of the Gluon GEMM ([block_n]-row weight tiles, `linear_gluon`'s
-    module settings `knobs` set, e.g. {"X_STAGES": 2}) in a graph of calls on distinct weights;
-    with stream_k, `linear_gluon_stream_k`'s kernel over that many programs (split_k unused)."""
+            gated: bool = False, stream_k: int = 0, block_n: int = 64) -> float:
+    """Microseconds per call of the Gluon GEMM ([block_n]-row weight tiles) in a graph of calls
+    on distinct weights; with stream_k, `linear_gluon_stream_k`'s kernel over that many
+    programs (split_k unused)."""
     from benchmarks.blas_sweep import graph_us
     from kernels import linear_gluon, linear_gluon_stream_k, pdl
     from kernels.backends import arrival_counters
@@ -75,17 +70,12 @@ def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
                                 maxima=out, columns=out, emit_argmax=False,
                                 pdl_options=options)
 
-    knobs = {**(knobs or {})}
-    saved = linear_gluon_stream_k.PROGRAMS, {name: getattr(linear_gluon, name) for name in knobs}
+    saved = linear_gluon_stream_k.PROGRAMS
     linear_gluon_stream_k.PROGRAMS = stream_k or None
-    for name, value in knobs.items():
-        setattr(linear_gluon, name, value)
     try:
         return graph_us(run) / calls
     finally:
-        linear_gluon_stream_k.PROGRAMS = saved[0]
-        for name, value in saved[1].items():
-            setattr(linear_gluon, name, value)
+        linear_gluon_stream_k.PROGRAMS = saved
 
 
 # --tiles: Llama-3-8B's 64-row decode GEMMs (rows, N, K, gated) and the one-wave (BLOCK_N,
@@ -95,31 +85,23 @@ TILINGS = {"qkv": ((64, 6144, 4096, False), ((64, 1), (128, 2), (128, 1), (256, 
            "gate_up": ((64, 14336, 4096, True), ((64, 1), (128, 1))),
            "down": ((64, 4096, 14336, False), ((64, 2), (128, 4), (128, 2), (256, 8),
                                                (256, 4)))}
-# ... each with these `linear_gluon` settings: the committed ones, x's tiles in a ring of
-# their own (3 stages), each program's K loop starting at another x tile
-KNOBS = {"committed": {}, "x_ring3": {"X_STAGES": 3}, "rotate_k": {"ROTATE_K": True}}
-
-
-def tiling_sweep(copy_bandwidth: float, knobs: list[str], all_tilings: bool) -> list[dict]:
-    """TILINGS' cases (the committed tiling only unless all_tilings) with each of KNOBS'
-    `knobs`: us per call, and against the committed tiling and settings of the same GEMM."""
+def tiling_sweep(copy_bandwidth: float) -> list[dict]:
+    """TILINGS' cases: us per call, and against the committed tiling of the same GEMM."""
     results = []
-    print(f"{'gemm':>8} {'BLOCK_N':>7} {'split':>5} {'knobs':>10} {'programs':>8} {'us':>8} "
-          f"{'/copy':>6} {'/committed':>10}")
+    print(f"{'gemm':>8} {'BLOCK_N':>7} {'split':>5} {'programs':>8} {'us':>8} {'/copy':>6} "
+          f"{'/committed':>10}")
     for name, ((rows, n, k, gated), tilings) in TILINGS.items():
         committed = None
-        for block_n, split_k in tilings if all_tilings else tilings[:1]:
-            for knob in knobs:
-                us = gemm_us(rows, n, k, split_k, gated, block_n=block_n, knobs=KNOBS[knob])
-                committed = committed or us
-                rate = n * (2 if gated else 1) * k * 2 / (us * 1e-6)
-                row = dict(gemm=name, block_n=block_n, split_k=split_k, knobs=knob,
-                           programs=-(-n // block_n) * split_k, us=us,
-                           of_copy=rate / copy_bandwidth, of_committed=us / committed)
-                results.append(row)
-                print(f"{name:>8} {block_n:>7} {split_k:>5} {knob:>10} {row['programs']:>8} "
-                      f"{us:>8.2f} {row['of_copy']:>6.3f} {row['of_committed']:>10.3f}",
-                      flush=True)
+        for block_n, split_k in tilings:
+            us = gemm_us(rows, n, k, split_k, gated, block_n=block_n)
+            committed = committed or us
+            rate = n * (2 if gated else 1) * k * 2 / (us * 1e-6)
+            row = dict(gemm=name, block_n=block_n, split_k=split_k,
+                       programs=-(-n // block_n) * split_k, us=us,
+                       of_copy=rate / copy_bandwidth, of_committed=us / committed)
+            results.append(row)
+            print(f"{name:>8} {block_n:>7} {split_k:>5} {row['programs']:>8} {us:>8.2f} "
+                  f"{row['of_copy']:>6.3f} {row['of_committed']:>10.3f}", flush=True)
     return results
 
 
@@ -129,10 +111,7 @@ def main() -> int:
     parser.add_argument("--llama-only", action="store_true",
                         help="only Llama-3-8B's four GEMMs, per tile and stream-K")
     parser.add_argument("--tiles", action="store_true",
-                        help="only Llama-3-8B's four GEMMs with other KNOBS (and tilings)")
-    parser.add_argument("--knobs", default=",".join(KNOBS), help="--tiles: which KNOBS")
-    parser.add_argument("--all-tilings", action="store_true",
-                        help="--tiles: every tiling of TILINGS, not only the committed one")
+                        help="only Llama-3-8B's four GEMMs at the tilings of TILINGS")
     args = parser.parse_args()
     from benchmarks.gpu_decode import measure_ceilings
     from kernels import backends
@@ -141,7 +120,7 @@ def main() -> int:
     num_sms = backends.num_sms(0)
     print(f"copy bandwidth {copy_bandwidth / 1e12:.3f} TB/s, {num_sms} SMs", flush=True)
     if args.tiles:
-        results = tiling_sweep(copy_bandwidth, args.knobs.split(","), args.all_tilings)
+        results = tiling_sweep(copy_bandwidth)
         if args.json:
             args.json.write_text(json.dumps(dict(copy_bandwidth_Bps=copy_bandwidth,
                                                   num_sms=num_sms, tilings=results), indent=1))

@@ -186,6 +186,7 @@ def hf_throughput(hf_model, vocab: int, quick: bool) -> dict:
 
 
 def build_engine(model_dir: Path, model):
+    from engine.async_llm import freeze_startup_heap
     from engine.config import EngineConfig
     from engine.engine_core import EngineCore
 
@@ -197,6 +198,7 @@ def build_engine(model_dir: Path, model):
         kv_transfer={"kv_store": "none"})
     start = time.perf_counter()
     core = EngineCore(config, model=model)
+    freeze_startup_heap()   # as the server does: no collector pauses over the model's objects
     kv = core.model_runner.kv_caches
     print(f"engine ready in {time.perf_counter() - start:.1f} s: KV cache {kv[0].shape[1]} "
           f"blocks, {len(kv) * kv[0].numel() * 2 / 1e9:.1f} GB, max_model_len "
@@ -308,11 +310,6 @@ GLUON_VARIANTS = {
     "gluon_96k": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
     # stream-K (kernels/linear_gluon_stream_k.py) where the per-tile grid leaves SMs idle
     "stream_k": (("kernels.linear_gluon_stream_k", "ENABLED", True),),
-    # x's tiles in a ring of their own, the rest of the stages' memory for the weight
-    "gluon_x_ring2": (("kernels.linear_gluon", "X_STAGES", 2),),
-    "gluon_x_ring3": (("kernels.linear_gluon", "X_STAGES", 3),),
-    # each program's K loop starting at another x tile (not all programs on the same one)
-    "gluon_rotate_k": (("kernels.linear_gluon", "ROTATE_K", True),),
 }
 # the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
 FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),

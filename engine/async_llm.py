@@ -9,6 +9,7 @@ HTTP handling runs while a step computes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -26,6 +27,25 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5
+
+
+def freeze_startup_heap() -> int:
+    """Collect garbage, then move every object alive now into the garbage collector's
+    permanent generation (`gc.freeze`), so later collections do not scan the model, tokenizer
+    and libraries loaded at startup.
+
+    A full collection of a SmolLM2 server's ~300,000 startup objects took ~140 ms on a 2-core
+    CPU machine (a generation-1 one ~1.4 ms): a pause of every request in flight, whenever the
+    collector decides. vLLM's engine process and SGLang's scheduler freeze their startup heap
+    the same way. Call it once per serving process, when startup is done; objects frozen and
+    later dropped are still freed by reference counting, only cycles among them are kept.
+
+    Returns:
+        the number of frozen objects.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class AsyncLLM:

@@ -22,7 +22,7 @@ buckets keep the Triton kernel.
 Design (one [BLOCK_N, BLOCK_M] output tile of `y^T = W x^T` per program, K split SPLIT_K ways;
 BLOCK_M = the row bucket, 16 to 64):
 - a ring of STAGES shared-memory stages (as many as STAGE_BUDGET holds, 2-8), each SUB_BOXES
-  boxes of 64 K columns (128 bytes, the widest 128-byte-swizzled TMA box) of a weight tile
+  (one for weight tiles of more than 128 rows, `sub_boxes`) boxes of 64 K columns (128 bytes, the widest 128-byte-swizzled TMA box) of a weight tile
   [BLOCK_N, 64] (two with GATED: gate and up rows) and of an x tile [BLOCK_M, 64], filled by
   TMA copies that complete on the stage's mbarrier; rows of x past M are zero-filled by the
   copy. Run 18 measured one box per stage without the deferred wait below, and 96 / 128 / 160
@@ -45,6 +45,14 @@ memory in flight per SM is what the stream needs. An L2 prefetch of the next GEM
 stages by this GEMM's last programs after their K loop lost 2-3% (12,629.7-12,744.3 against
 13,020.6 / 12,960.4), and a K split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
 
+Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, `benchmarks/gluon_grid_sweep.py --tiles
+--all-tilings`): the committed tiles (BLOCK_N 64; K split 2 for o and down) beat every other
+one-wave tiling (128- or 256-row tiles, which read x once for two or four wgmma row blocks: 5-
+250% slower); x's tiles in a ring of their own (3 / 2 stages, the rest for the weight's) lost 13-29% /
+64-112%, and each
+program starting its K loop at another x tile lost 2.6% at batch 64 in the engine. The programs
+reading the same x tile at the same time, from one ring, is what this design keeps.
+
 Numerics: as `linear_triton` (float32 accumulation of bf16 products, one rounding); results
 agree with the Triton kernel to bf16 rounding (tests/kernels/test_linear_gluon.py).
 Gluon is experimental in Triton: the code targets 3.6's API (the device's) and two names that
@@ -66,11 +74,6 @@ from kernels import pdl
 BOX_K = 64              # K columns per TMA box: 128 bytes of bf16, one 128-byte-swizzled row
 SUB_BOXES = 2           # boxes per pipeline stage: K columns per stage = SUB_BOXES * BOX_K
 STAGE_BUDGET = 192 * 1024   # shared memory for the stages
-# x's own ring of this many stages (its copies come from L2, so fewer than the weight's), the
-# rest of STAGE_BUDGET for weight stages; 0: each stage holds its weight and x tiles
-X_STAGES = 0
-# True: each program starts its K loop at another x tile (its tile index mod its K steps)
-ROTATE_K = False
 # False: request the weight tiles after the PDL wait too (benchmarks compare the two)
 WEIGHTS_BEFORE_WAIT = True
 
@@ -115,43 +118,24 @@ def _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bar, stage, n0, up_row, 
 
 
 @gluon.jit
-def _k_col(first, t, rot, num_k, BK: gl.constexpr, ROTATE: gl.constexpr):
-    """The first K column of a split's t-th step: its (first + t)-th tile of BK columns, or
-    with ROTATE its (first + (t + rot) mod num_k)-th."""
-    if ROTATE:
-        t = (t + rot) % gl.maximum(num_k, 1)
-    return (first + t) * BK
-
-
-@gluon.jit
-def _stage_ring(w_desc, x_desc, STAGES: gl.constexpr, SUB: gl.constexpr, GATED: gl.constexpr,
-                X_STAGES: gl.constexpr):
+def _stage_ring(w_desc, x_desc, STAGES: gl.constexpr, SUB: gl.constexpr, GATED: gl.constexpr):
     """Shared memory for STAGES pipeline stages of SUB boxes each: weight tiles (and up rows'
     if GATED; else the weight's buffer stands in), x tiles, and one initialised mbarrier per
-    stage. X_STAGES 0: each stage holds its x tile too (one barrier for both); else x has its
-    own ring of X_STAGES stages and barriers. Returns (w_smem, u_smem, x_smem, bars, x_bars)
-    (x_bars is bars with X_STAGES 0)."""
+    stage. Returns (w_smem, u_smem, x_smem, bars)."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BOX: gl.constexpr = w_desc.block_type.shape[1]
     BM: gl.constexpr = x_desc.block_type.shape[0]
-    XS: gl.constexpr = STAGES if X_STAGES == 0 else X_STAGES
     dtype: gl.constexpr = w_desc.dtype
     w_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
     if GATED:
         u_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_N, BOX], w_desc.layout)
     else:
         u_smem = w_smem
-    x_smem = gl.allocate_shared_memory(dtype, [XS * SUB, BM, BOX], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BM, BOX], x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(bars.index(st), count=1)
-    if X_STAGES == 0:
-        x_bars = bars
-    else:
-        x_bars = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(X_STAGES):
-            mbarrier.init(x_bars.index(st), count=1)
-    return w_smem, u_smem, x_smem, bars, x_bars
+    return w_smem, u_smem, x_smem, bars
 
 
 @gluon.jit
@@ -170,21 +154,15 @@ def _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS: gl.constexpr,
 
 
 @gluon.jit
-def _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, x_bars, i, STAGES: gl.constexpr,
-                    X_STAGES: gl.constexpr, SUB: gl.constexpr, GATED: gl.constexpr):
-    """Step i of the K loop: wait for its stage's copies (and its x stage's with an x ring of
-    X_STAGES > 0), then one asynchronous wgmma per box (weight tile A, x^T B) into acc (and
-    acc_up if GATED); returns with this step's MMAs still running and every earlier step's done
-    (so its stages may be refilled)."""
+def _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES: gl.constexpr,
+                    SUB: gl.constexpr, GATED: gl.constexpr):
+    """Step i of the K loop: wait for its stage's copies, then one asynchronous wgmma per box
+    (weight tile A, x^T B) into acc (and acc_up if GATED); returns with this step's MMAs
+    still running and every earlier step's done (so its stage may be refilled)."""
     s = i % STAGES
     mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-    if X_STAGES == 0:
-        xs = s
-    else:
-        xs = i % X_STAGES
-        mbarrier.wait(x_bars.index(xs), (i // X_STAGES) & 1)
     for j in gl.static_range(SUB):
-        x_t = x_smem.index(xs * SUB + j).permute((1, 0))                    # [BOX, BM]
+        x_t = x_smem.index(s * SUB + j).permute((1, 0))                     # [BOX, BM]
         acc = warpgroup_mma(w_smem.index(s * SUB + j), x_t, acc, is_async=True)
         if GATED:
             acc_up = warpgroup_mma(u_smem.index(s * SUB + j), x_t, acc_up, is_async=True)
@@ -241,7 +219,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                    HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr,
                    EMIT_ARGMAX: gl.constexpr, SS_PARTS: gl.constexpr,
                    SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
-                   SUB: gl.constexpr, X_STAGES: gl.constexpr, ROTATE_K: gl.constexpr,
+                   SUB: gl.constexpr,
                    PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
                    TRIGGER_AFTER_LOOP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -254,17 +232,10 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     up_row = N + n0                         # GATED: the up rows follow the N gate rows
     first = pid_k * k_tiles_per_split       # this split's first K tile; trailing splits may
     num_k = gl.minimum(k_tiles_per_split, gl.cdiv(K, BK) - first)   # have none (num_k <= 0)
-    # ROTATE_K: program n runs its K tiles from the (n mod num_k)-th on, wrapping around, so
-    # the programs read different x tiles at a time
-    rot = pid_n % gl.maximum(num_k, 1)
 
-    w_smem, u_smem, x_smem, bars, x_bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED,
-                                                       X_STAGES)
-    XS: gl.constexpr = STAGES if X_STAGES == 0 else X_STAGES
-    w_bytes: gl.constexpr = SUB * w_desc.block_type.nbytes * (2 if GATED else 1)
-    x_bytes: gl.constexpr = SUB * x_desc.block_type.nbytes
-    # a weight stage's expected bytes (its x tile's too without an x ring)
-    stage_bytes: gl.constexpr = w_bytes + (x_bytes if X_STAGES == 0 else 0)
+    w_smem, u_smem, x_smem, bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED)
+    w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
+    stage_bytes: gl.constexpr = SUB * (w_bytes + x_desc.block_type.nbytes)
 
     if not WEIGHTS_BEFORE_WAIT:
         _gdc_wait(PDL)
@@ -273,16 +244,14 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     for st in gl.static_range(STAGES):      # the weights: written by no kernel
         mbarrier.expect(bars.index(st), stage_bytes, pred=st < num_k)
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
-                    _k_col(first, st, rot, num_k, BK, ROTATE_K), st < num_k, SUB, GATED, True, False)
+                    (first + st) * BK, st < num_k, SUB, GATED, True, False)
     if WEIGHTS_BEFORE_WAIT:
         _gdc_wait(PDL)                      # x, the residual, partials: the previous kernel's
         if not TRIGGER_AFTER_LOOP:
             _gdc_launch_dependents(PDL)
-    for st in gl.static_range(XS):
-        if X_STAGES > 0:
-            mbarrier.expect(x_bars.index(st), x_bytes, pred=st < num_k)
-        _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, x_bars.index(st), st, n0, up_row,
-                    _k_col(first, st, rot, num_k, BK, ROTATE_K), st < num_k, SUB, GATED, False, True)
+    for st in gl.static_range(STAGES):
+        _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
+                    (first + st) * BK, st < num_k, SUB, GATED, False, True)
 
     epi: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))        # [BN]
@@ -299,25 +268,15 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     acc = gl.zeros([BLOCK_N, BM], gl.float32, mma)
     acc_up = gl.zeros([BLOCK_N, BM], gl.float32, mma)
     for i in range(num_k):
-        acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, x_bars, i,
-                                      STAGES, X_STAGES, SUB, GATED)
+        acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES,
+                                      SUB, GATED)
         # the previous step's MMAs are done: refill its stage with the tile STAGES after it
-        # (and its x stage with the x tile X_STAGES after it)
         ahead = i - 1 + STAGES
         ok = (i > 0) & (ahead < num_k)
         prev = (i + STAGES - 1) % STAGES
         mbarrier.expect(bars.index(prev), stage_bytes, pred=ok)
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(prev), prev, n0, up_row,
-                    _k_col(first, ahead, rot, num_k, BK, ROTATE_K), ok, SUB, GATED, True,
-                    X_STAGES == 0)
-        if X_STAGES > 0:
-            x_ahead = i - 1 + X_STAGES
-            x_ok = (i > 0) & (x_ahead < num_k)
-            x_prev = (i + X_STAGES - 1) % X_STAGES
-            mbarrier.expect(x_bars.index(x_prev), x_bytes, pred=x_ok)
-            _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, x_bars.index(x_prev), x_prev,
-                        n0, up_row, _k_col(first, x_ahead, rot, num_k, BK, ROTATE_K), x_ok,
-                        SUB, GATED, False, True)
+                    (first + ahead) * BK, ok, SUB, GATED, True, True)
     if GATED:
         acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
     else:
@@ -326,9 +285,6 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
         _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
-    if X_STAGES > 0:
-        for st in gl.static_range(X_STAGES):
-            mbarrier.invalidate(x_bars.index(st))
 
     acc = gl.convert_layout(acc, epi)
     acc_up = gl.convert_layout(acc_up, epi)
@@ -360,15 +316,10 @@ def sub_boxes(block_n: int, gated: bool) -> int:
     return SUB_BOXES if block_n * (2 if gated else 1) <= 128 else 1
 
 
-def stages_for(block_m: int, block_n: int, gated: bool, x_stages: int = 0) -> int:
-    """Weight pipeline stages that fit STAGE_BUDGET bytes of shared memory with an x ring of
-    x_stages stages (0: x in the weight stages): 2 to 8 (to 12 with an x ring)."""
-    sub = sub_boxes(block_n, gated)
-    weight_bytes = block_n * (2 if gated else 1) * BOX_K * sub * 2
-    x_bytes = block_m * BOX_K * sub * 2
-    if x_stages:
-        return max(2, min(12, (STAGE_BUDGET - x_stages * x_bytes) // weight_bytes))
-    return max(2, min(8, STAGE_BUDGET // (weight_bytes + x_bytes)))
+def stages_for(block_m: int, block_n: int, gated: bool) -> int:
+    """Pipeline stages that fit STAGE_BUDGET bytes of shared memory (2 to 8)."""
+    stage_bytes = (block_n * (2 if gated else 1) + block_m) * BOX_K * sub_boxes(block_n, gated) * 2
+    return max(2, min(8, STAGE_BUDGET // stage_bytes))
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -412,7 +363,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         out.stride(0), 0.0 if norm_eps is None else norm_eps, HAS_BIAS=bias is not None,
         NORM=norm_eps is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
-        SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated, X_STAGES),
-        SUB=sub_boxes(block_n, gated), X_STAGES=X_STAGES, ROTATE_K=ROTATE_K,
+        SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated),
+        SUB=sub_boxes(block_n, gated),
         PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
         TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4, **pdl_options)

@@ -151,7 +151,7 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
     start = pid * per_program
     num = gl.minimum(per_program, total_steps - start)
 
-    w_smem, u_smem, x_smem, bars, x_bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED, 0)
+    w_smem, u_smem, x_smem, bars = _stage_ring(w_desc, x_desc, STAGES, SUB, GATED)
     w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
     stage_bytes: gl.constexpr = SUB * (w_bytes + x_desc.block_type.nbytes)
 
@@ -191,8 +191,8 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
         for step in range(gl.maximum(start, tile * k_steps),
                           gl.minimum(stop, (tile + 1) * k_steps)):
             i = step - start                  # the ring runs on across tiles
-            acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, x_bars, i,
-                                          STAGES, 0, SUB, GATED)
+            acc, acc_up = _multiply_stage(acc, acc_up, w_smem, u_smem, x_smem, bars, i, STAGES,
+                                          SUB, GATED)
             ahead = i - 1 + STAGES            # refill the previous step's stage
             ok = (i > 0) & (ahead < num)
             prev = (i + STAGES - 1) % STAGES

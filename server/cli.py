@@ -240,7 +240,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
     try:
-        from engine.async_llm import AsyncLLM
+        from engine.async_llm import AsyncLLM, freeze_startup_heap
         from server.app import build_app
 
         engine = AsyncLLM(config)
@@ -255,8 +255,10 @@ def serve(args: argparse.Namespace) -> int:
     # instead of the process dying mid-cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    app = build_app(engine, api_key=key)
+    freeze_startup_heap()   # no collector pauses over the startup heap while serving
     try:
-        asyncio.run(_serve_http(build_app(engine, api_key=key), args))
+        asyncio.run(_serve_http(app, args))
     finally:
         engine.shutdown()
     print("deepinfer: stopped", flush=True)

@@ -31,20 +31,14 @@ def _randn(*shape, seed, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(DEVICE)
 
 
-@pytest.fixture(params=["per_tile", "per_tile_x_ring", "per_tile_rotate_k", "stream_k",
-                        "stream_k_7_programs"])
+@pytest.fixture(params=["per_tile", "stream_k", "stream_k_7_programs"])
 def gluon(monkeypatch, request):
     """`linear_triton` with every row bucket on Gluon: one program per output tile (and K
-    split), with x's tiles in the weight stages or in a ring of their own (X_STAGES 2), its K
-    loop in order or starting at another tile per program (ROTATE_K), or stream-K (kernels/linear_gluon_stream_k.py) over the GPU's SMs or over 7 programs (runs
-    that start and end inside tiles, several tiles per program)."""
-    from kernels import linear_gluon, linear_gluon_stream_k, linear_triton
+    split), or stream-K (kernels/linear_gluon_stream_k.py) over the GPU's SMs or over 7
+    programs (runs that start and end inside tiles, several tiles per program)."""
+    from kernels import linear_gluon_stream_k, linear_triton
 
     monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M", frozenset({16, 32, 64}))
-    if request.param == "per_tile_x_ring":
-        monkeypatch.setattr(linear_gluon, "X_STAGES", 2)
-    if request.param == "per_tile_rotate_k":
-        monkeypatch.setattr(linear_gluon, "ROTATE_K", True)
     monkeypatch.setattr(linear_gluon_stream_k, "ENABLED", request.param != "per_tile")
     if request.param == "stream_k_7_programs":
         monkeypatch.setattr(linear_gluon_stream_k, "PROGRAMS", 7)
