@@ -45,13 +45,13 @@ memory in flight per SM is what the stream needs. An L2 prefetch of the next GEM
 stages by this GEMM's last programs after their K loop lost 2-3% (12,629.7-12,744.3 against
 13,020.6 / 12,960.4), and a K split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
 
-Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, `benchmarks/gluon_grid_sweep.py --tiles
---all-tilings`): the committed tiles (BLOCK_N 64; K split 2 for o and down) beat every other
-one-wave tiling (128- or 256-row tiles, which read x once for two or four wgmma row blocks: 5-
-250% slower); x's tiles in a ring of their own (3 / 2 stages, the rest for the weight's) lost 13-29% /
-64-112%, and each
-program starting its K loop at another x tile lost 2.6% at batch 64 in the engine. The programs
-reading the same x tile at the same time, from one ring, is what this design keeps.
+Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, `benchmarks/gluon_grid_sweep.py
+--tiles`): the committed tiles (BLOCK_N 64; K split 2 for o and down) beat every other one-wave
+tiling (128- or 256-row tiles, which read x once for two or four wgmma row blocks: 5-247%
+slower); x's tiles in a ring of their own (3 / 2 stages, the rest for the weight's) lost 20-29%
+/ 64-111%; each program starting its K loop at another x tile lost 2.6% at batch 64 in the
+engine. All programs reading the same x tile at about the same time, from one ring, is what
+this design keeps.
 
 Numerics: as `linear_triton` (float32 accumulation of bf16 products, one rounding); results
 agree with the Triton kernel to bf16 rounding (tests/kernels/test_linear_gluon.py).
