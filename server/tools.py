@@ -221,11 +221,12 @@ def _arguments(call: dict[str, Any]) -> Any:
 
 
 def _check_tool_messages(conversation: list[dict[str, Any]]) -> None:
+    """400s for tool turns the model could not have made sense of, as OpenAI's API refuses
+    them: malformed `tool_calls`, and a tool message that does not answer a call of the
+    assistant message its run of tool messages follows (no id, no such assistant message, or
+    an id that is none of its calls' ids)."""
+    answered: tuple[int, set[str] | None] | None = None   # (assistant index, its call ids)
     for i, message in enumerate(conversation):
-        if message["role"] == "tool" and not message.get("tool_call_id"):
-            raise APIError(f"messages.{i} has role 'tool' but no tool_call_id; send the id of "
-                           "the assistant tool call it answers.", param=f"messages.{i}",
-                           code="missing_required_parameter")
         calls = message.get("tool_calls")
         if calls is not None and (not isinstance(calls, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("function"), dict)
@@ -234,6 +235,27 @@ def _check_tool_messages(conversation: list[dict[str, Any]]) -> None:
                            "{\"id\", \"type\": \"function\", \"function\": {\"name\", "
                            "\"arguments\"}}.", param=f"messages.{i}.tool_calls",
                            code="invalid_value")
+        if message["role"] != "tool":
+            ids = [c.get("id") for c in calls or ()]
+            answered = ((i, set(ids) if all(isinstance(v, str) for v in ids) else None)
+                        if message["role"] == "assistant" and calls else None)
+            continue
+        call_id = message.get("tool_call_id")
+        if not call_id:
+            raise APIError(f"messages.{i} has role 'tool' but no tool_call_id; send the id of "
+                           "the assistant tool call it answers.", param=f"messages.{i}",
+                           code="missing_required_parameter")
+        if answered is None:
+            raise APIError(f"messages.{i} has role 'tool' but does not follow an assistant "
+                           "message with tool_calls; a tool message answers one of the calls "
+                           "of the assistant message before it.", param=f"messages.{i}",
+                           code="invalid_value")
+        index, ids = answered
+        if ids is not None and call_id not in ids:
+            raise APIError(f"messages.{i}.tool_call_id {call_id!r} is not the id of a call in "
+                           f"messages.{index}.tool_calls ({', '.join(sorted(map(repr, ids)))}); "
+                           "send the id of the call it answers.",
+                           param=f"messages.{i}.tool_call_id", code="invalid_value")
 
 
 def template_inputs(tokenizer: Any, conversation: list[dict[str, Any]],

@@ -24,6 +24,8 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}}}}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
 def client_for(reply: str = "Hello world") -> tuple[TestClient, ScriptedEngine]:
@@ -124,6 +126,22 @@ def test_completions_take_structured_fields():
     ({"guided_json": SCHEMA, "stop": "}"}, "stop", "drop stop"),
     ({"tools": [WEATHER], "messages": USER + [{"role": "tool", "content": "sunny"}]},
      "messages.1", "no tool_call_id"),
+    # found by black-box testing: tool results that answer no call reached the template
+    ({"tools": [WEATHER], "messages": USER + [
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]},
+     "messages.1", "does not follow an assistant message with tool_calls"),
+    ({"tools": [WEATHER], "messages": USER + [
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_9", "content": "rain"}]},
+     "messages.3.tool_call_id", "'call_9' is not the id of a call in messages.1.tool_calls "
+                                "('call_1')"),
+    ({"tools": [WEATHER], "messages": USER + [
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "and tomorrow?"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]},
+     "messages.4", "does not follow an assistant message with tool_calls"),
 ])
 def test_bad_constraints_and_tools_are_400_before_queueing(fields, param, text):
     client, engine = client_for()
@@ -269,9 +287,7 @@ def test_a_function_without_parameters_takes_an_empty_object():
 
 def test_tool_turns_go_back_through_the_template():
     client, engine = client_for()
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [CALL]},
                        {"role": "tool", "tool_call_id": "call_1", "content": "22C, sunny"}]
     response = client.post("/v1/chat/completions", json={"messages": messages,
                                                          "tools": [WEATHER]})
