@@ -111,7 +111,7 @@ class ChatCompletionRequest(SamplingFields):
     # accepted and ignored, as OpenAI clients send them routinely
     metadata: dict[str, str] | None = None
     store: StrictBool | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # OpenAI fields this server does not serve (CHAT_FIELDS_NOT_SERVED): accepted when null, as

@@ -76,11 +76,11 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
     }
 
 
-def _check_max_tokens(name: str, value: int | None) -> None:
+def _check_max_tokens(name: str, value: int | None, omitted: str) -> None:
+    """400 unless value is None or >= 1; `omitted`: what leaving it out does."""
     if value is not None and value < 1:
         raise APIError(f"{name}={value} must be >= 1; send a positive number of tokens or omit "
-                       "it to generate up to the context window.", param=name,
-                       code="invalid_value")
+                       f"it to {omitted}.", param=name, code="invalid_value")
 
 
 def _check_not_served(req: ChatCompletionRequest) -> None:
@@ -103,8 +103,8 @@ def chat_kwargs(req: ChatCompletionRequest) -> tuple[dict[str, Any], int | None]
     """
     kwargs = _common_kwargs(req)
     _check_not_served(req)
-    _check_max_tokens("max_tokens", req.max_tokens)
-    _check_max_tokens("max_completion_tokens", req.max_completion_tokens)
+    for name in ("max_tokens", "max_completion_tokens"):
+        _check_max_tokens(name, getattr(req, name), "generate up to the context window")
     _in_range("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(f"top_logprobs={req.top_logprobs} needs logprobs=true; set logprobs=true "
@@ -124,7 +124,8 @@ def completion_kwargs(req: CompletionRequest) -> tuple[dict[str, Any], int | Non
     vLLM (chat, by contrast, runs up to the context window).
     """
     kwargs = _common_kwargs(req)
-    _check_max_tokens("max_tokens", req.max_tokens)
+    _check_max_tokens("max_tokens", req.max_tokens,
+                      f"generate up to {COMPLETIONS_DEFAULT_MAX_TOKENS} tokens (the default)")
     _in_range("logprobs", req.logprobs, 0, MAX_LOGPROBS)
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:

@@ -163,7 +163,8 @@ def test_completions_logprobs_and_stream(client):
     ({"messages": USER, "temperature": "hot"}, 400, "temperature", "invalid_type", "'hot'"),
     ({"messages": USER, "top_p": 0}, 400, "top_p", "invalid_value", "(0, 1]"),
     ({"messages": USER, "n": 200}, 400, "n", "invalid_value", "[1, 128]"),
-    ({"messages": USER, "max_tokens": 0}, 400, "max_tokens", "invalid_value", ">= 1"),
+    ({"messages": USER, "max_tokens": 0}, 400, "max_tokens", "invalid_value",
+     ">= 1; send a positive number of tokens or omit it to generate up to the context window"),
     ({"messages": USER, "max_tokens": 60}, 400, "max_tokens", "context_length_exceeded",
      "exceeds max_model_len=64; lower max_tokens"),
     ({"messages": [{"role": "user", "content": "x" * 70}]}, 400, "messages",
@@ -184,6 +185,9 @@ def test_completions_logprobs_and_stream(client):
     ({"messages": USER, "logprobs": 1}, 400, "logprobs", "invalid_type", "boolean"),
     ({"messages": USER, "reasoning_effort": "high"}, 400, "reasoning_effort",
      "unsupported_parameter", "not supported"),
+    # found by black-box testing: any string was accepted
+    ({"messages": USER, "service_tier": "bogus"}, 400, "service_tier", "invalid_type",
+     "'auto', 'default', 'flex', 'scale' or 'priority'"),
 ])
 def test_chat_bad_inputs(client, payload, status, param, code, text):
     assert_error(client.post("/v1/chat/completions", json=payload), status, param, code, text)

@@ -153,6 +153,9 @@ def test_completion_kwargs():
         completion_kwargs(CompletionRequest(prompt="x", suffix="y"))
     with pytest.raises(APIError, match="echo with logprobs"):
         completion_kwargs(CompletionRequest(prompt="x", echo=True, logprobs=1))
+    # found by black-box testing: the advice was the chat endpoint's (up to the context window)
+    with pytest.raises(APIError, match=r"omit it to generate up to 16 tokens \(the default\)"):
+        completion_kwargs(CompletionRequest(prompt="x", max_tokens=0))
 
 
 def test_chat_template_is_encoded_without_a_second_bos():
