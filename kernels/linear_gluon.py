@@ -22,8 +22,9 @@ buckets keep the Triton kernel.
 Design (one [BLOCK_N, BLOCK_M] output tile of `y^T = W x^T` per program, K split SPLIT_K ways;
 BLOCK_M = the row bucket, 16 to 64):
 - a ring of STAGES shared-memory stages (as many as STAGE_BUDGET holds, 2-8), each SUB_BOXES
-  (one for weight tiles of more than 128 rows, `sub_boxes`) boxes of 64 K columns (128 bytes, the widest 128-byte-swizzled TMA box) of a weight tile
-  [BLOCK_N, 64] (two with GATED: gate and up rows) and of an x tile [BLOCK_M, 64], filled by
+  (one for weight tiles of more than 128 rows, `sub_boxes`) boxes of 64 K columns (128
+  bytes, the widest 128-byte-swizzled TMA box) of a weight tile [BLOCK_N, 64] (two with
+  GATED: gate and up rows) and of an x tile [BLOCK_M, 64], filled by
   TMA copies that complete on the stage's mbarrier; rows of x past M are zero-filled by the
   copy. Run 18 measured one box per stage without the deferred wait below, and 96 / 128 / 160
   / 224 KiB of stages: 192 KiB and two boxes were fastest (within ~1% of 128 and 160 KiB);
