@@ -60,9 +60,8 @@ def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
             if stream_k:
                 linear_gluon_stream_k.launch(
                     x, weight, None, out, counters, out, 0, block_m=max(16, rows),
-                    block_n=block_n,
-                    norm_eps=None, gated=gated, residual=None, emit_ss=False,
-                    pdl_options=options)
+                    block_n=block_n, norm_eps=None, gated=gated, residual=None,
+                    emit_ss=False, pdl_options=options)
                 continue
             linear_gluon.launch(x, weight, None, out, partial, counters, out, 0,
                                 block_m=max(16, rows), block_n=block_n, split_k=split_k,
@@ -85,6 +84,8 @@ TILINGS = {"qkv": ((64, 6144, 4096, False), ((64, 1), (128, 2), (128, 1), (256, 
            "gate_up": ((64, 14336, 4096, True), ((64, 1), (128, 1))),
            "down": ((64, 4096, 14336, False), ((64, 2), (128, 4), (128, 2), (256, 8),
                                                (256, 4)))}
+
+
 def tiling_sweep(copy_bandwidth: float) -> list[dict]:
     """TILINGS' cases: us per call, and against the committed tiling of the same GEMM."""
     results = []

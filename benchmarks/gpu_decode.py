@@ -318,7 +318,8 @@ FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),
 
 def gluon_tiles_variant(spec: str) -> tuple:
     """The settings of the "gluon_tiles" experiment: the 64-row fused GEMMs at the tilings of
-    `spec` ("qkv=128x2,o=128x4": GEMM=BLOCK_NxSPLIT_K) instead of the config file's."""
+    `spec` ("o=128x4,down=128x4": GEMM=BLOCK_NxSPLIT_K; qkv and gate_up take one split)
+    instead of the config file's."""
     tilings = {}
     for item in filter(None, spec.split(",")):
         name, tiling = item.split("=")
@@ -335,6 +336,8 @@ def gluon_tiles_variant(spec: str) -> tuple:
         return {key: {**config, **tilings.get(key, {})} for key, config in fused.items()}
 
     return (("kernels.fused_linear", "_fused_table", table),)
+
+
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
 
 
@@ -698,7 +701,7 @@ def main() -> int:
                         help="also time each decode-layer kernel's share in the variant runs")
     parser.add_argument("--gluon-tiles", default="",
                         help="the gluon_tiles experiment's 64-row tilings, e.g. "
-                             "qkv=128x2,o=128x4 (GEMM=BLOCK_NxSPLIT_K)")
+                             "o=128x4,down=128x4 (GEMM=BLOCK_NxSPLIT_K)")
     args = parser.parse_args()
     if args.gluon_tiles:
         EXPERIMENTS["gluon_tiles"] = gluon_tiles_variant(args.gluon_tiles)

@@ -391,9 +391,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             first). The rows' sums of squares come from a pre-pass over x (unrolled wide
             loads) or, from NORM_BY_DOT_ROWS rows per program, from the diagonal of x x^T, one
             more tl.dot per K step on the x tile already loaded (an elementwise use of that
-            tile halved the GEMM's speed); the epilogue scales the accumulator. The Triton
-            kernel runs it with one K split whatever SPLIT_K says; the Gluon kernel (64 rows,
-            with `sum_squares`) splits K and scales the split-K finish's sum.
+            tile halved the GEMM's speed); the epilogue scales the accumulator. Needs one K
+            split.
         gated: compute `silu(x @ gate.T) * (x @ up.T)` ([M, I]) with gate / up the two row
             halves of weight, rounded as `kernels.activation.silu_and_mul` on the rounded
             halves. Needs one K split and no bias.
@@ -414,7 +413,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
-        ValueError: gated with SPLIT_K > 1, gated with a bias, too many output
+        ValueError: norm_eps or gated with SPLIT_K > 1, gated with a bias, too many output
             tiles for the split-K arrival counters, sum_squares / sum_squares_out without
             norm_eps / residual or of the wrong shape or dtype, or row_maxima_out of the wrong
             shapes or dtypes.
@@ -436,17 +435,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = dict(config)
     split_k = config.pop("SPLIT_K", 1)
     swap_ab = config.pop("SWAP_AB", False)
-    if split_k > 1 and gated:
-        raise ValueError("gated needs SPLIT_K=1 (each program must see all of K)")
+    if split_k > 1 and (norm_eps is not None or gated):
+        raise ValueError("norm_eps and gated need SPLIT_K=1 (each program must see all of K)")
     ss_ptr, ss_parts = _sum_squares_arg(num_rows, out_features, config, norm_eps, residual,
                                         sum_squares, sum_squares_out)
     rows_per_program = block_m(num_rows)
     gluon = (rows_per_program in GLUON_BLOCK_M and (norm_eps is None or ss_parts)
              and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight))
-    if norm_eps is not None and not gluon:
-        # the Triton kernel's norm needs all of K in one program; the Gluon kernel's (from
-        # handed-over sums of squares) scales the split-K finish's sum instead
-        split_k = 1
     block_k = config["BLOCK_K"]
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k

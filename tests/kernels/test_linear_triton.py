@@ -190,16 +190,13 @@ def test_residual_epilogue_adds_into_the_residual_in_place(dtype, config):
     assert relative_error(residual, expected) < TOLERANCE[dtype]
 
 
-def test_gated_refuses_split_k_and_a_bias_and_the_norm_runs_one_split():
-    """The Triton kernel's norm needs all of K per program: a SPLIT_K config runs unsplit
-    (bitwise the same as without SPLIT_K); the gated GEMM refuses it."""
+def test_norm_and_gated_refuse_split_k_and_gated_refuses_a_bias():
     from kernels.linear_triton import linear
 
     x = _randn(2, 64, dtype=DTYPES[-1], seed=41)
     weight = _randn(64, 64, dtype=DTYPES[-1], seed=42)
-    unsplit = {k: v for k, v in SPLIT.items() if k != "SPLIT_K"}
-    assert torch.equal(linear(x, weight, config=SPLIT, norm_eps=1e-6),
-                       linear(x, weight, config=unsplit, norm_eps=1e-6))
+    with pytest.raises(ValueError, match="SPLIT_K=1"):
+        linear(x, weight, config=SPLIT, norm_eps=1e-6)
     with pytest.raises(ValueError, match="SPLIT_K=1"):
         linear(x, weight, config=SPLIT, gated=True)
     with pytest.raises(ValueError, match="no bias"):

@@ -126,7 +126,7 @@ def test_completions_take_structured_fields():
     ({"guided_json": SCHEMA, "stop": "}"}, "stop", "drop stop"),
     ({"tools": [WEATHER], "messages": USER + [{"role": "tool", "content": "sunny"}]},
      "messages.1", "no tool_call_id"),
-    # found by black-box testing: tool results that answer no call reached the template
+    # tool results that answer no call reached the template
     ({"tools": [WEATHER], "messages": USER + [
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]},
      "messages.1", "does not follow an assistant message with tool_calls"),
