@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from typing import Any, Sequence
@@ -222,21 +221,7 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def fix_blas_threads() -> None:
-    """Turn MKL's dynamic thread count off unless the environment sets MKL_DYNAMIC.
-
-    MKL (torch's CPU BLAS) may pick fewer threads per call when the machine is busy, and with
-    them another float32 summation order: with two busy processes beside it, a request's
-    logprobs moved in their last bits between two runs (tests/engine/test_async_scheduling.py's
-    seeded-sampling test; with MKL_DYNAMIC=FALSE it passed). Seeded outputs should not depend
-    on the machine's load. MKL reads the variable when torch loads it: call before importing
-    torch.
-    """
-    os.environ.setdefault("MKL_DYNAMIC", "FALSE")
-
-
 def serve(args: argparse.Namespace) -> int:
-    fix_blas_threads()
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

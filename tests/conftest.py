@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import engine  # noqa: F401  (first: sets MKL_DYNAMIC before any test module loads torch)
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:

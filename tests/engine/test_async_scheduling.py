@@ -106,11 +106,9 @@ def test_seeded_sampling_logprobs_and_n_copies_equal_sync(sync_llm, async_llm):
     expected = sync_llm.generate(prompts, params)
     got = async_llm.generate(prompts, params)
     assert summary(got) == summary(expected)
-    # the top-2 ids exactly; their float32 logprobs to 1e-5: once, in a CI run on a loaded
-    # machine, one request's values moved in their last bits with every token the same
-    top = [[[(i, pytest.approx(v, rel=1e-5, abs=1e-6)) for i, v in lp.top]
-            for lp in o.logprobs] for o in expected]
-    assert [[lp.top for lp in o.logprobs] for o in got] == top
+    # bitwise: on a loaded machine this held only with MKL_DYNAMIC off (engine/__init__.py)
+    assert [[lp.top for lp in o.logprobs] for o in got] == [
+        [lp.top for lp in o.logprobs] for o in expected]
     assert expected[0].token_ids == expected[3].token_ids != expected[1].token_ids
     assert_all_blocks_free(async_llm)
 

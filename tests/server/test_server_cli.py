@@ -1,6 +1,5 @@
 """`deepinfer` CLI: config precedence (defaults <- env <- flags given), help without torch."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -174,13 +173,3 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
     finally:
         server.kill()
 
-
-def test_serve_fixes_mkl_threads_unless_the_environment_sets_them(monkeypatch):
-    from server.cli import fix_blas_threads
-
-    monkeypatch.delenv("MKL_DYNAMIC", raising=False)
-    fix_blas_threads()
-    assert os.environ["MKL_DYNAMIC"] == "FALSE"
-    monkeypatch.setenv("MKL_DYNAMIC", "TRUE")
-    fix_blas_threads()
-    assert os.environ["MKL_DYNAMIC"] == "TRUE"
