@@ -162,6 +162,40 @@ def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int | None, parts
                           options={"num_warps": 4, "launch_pdl": True})
 
 
+LAYER_LABEL = "Gluon layer: o, gate_up, down, next qkv"
+LAYER_ARGS = {**{f"{g}_{d}": d for g in ("o", "gu", "dn", "qkv") for d in ("w", "x")},
+              "hidden_ptr": "*bf16", "act_ptr": "*bf16", "qkv_ptr": "*bf16",
+              "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_o_ptr": "*fp32",
+              "ss_dn_ptr": "*fp32", "M": "i32", "o_in": "i32", "hidden_size": "i32",
+              "intermediate": "i32", "qkv_size": "i32", "o_k_per_split": "i32",
+              "gu_k_per_split": "i32", "dn_k_per_split": "i32", "qkv_k_per_split": "i32",
+              "eps_mlp": "fp32", "eps_qkv": "fp32"}
+
+
+def compile_gluon_layer_for_sm90():
+    """`kernels/linear_gluon_layer.py`'s persistent kernel for cuda:90 as Llama-3-8B's 64-row
+    decode would launch it (o and down split twice, the next qkv present, PDL on)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import linear_gluon, linear_gluon_layer
+
+    layout = gl.NVMMASharedLayout.get_default_for([64, linear_gluon.BOX_K], gl.bfloat16)
+    desc = f"tensordesc<bf16[64, {linear_gluon.BOX_K}],{layout!r}>"
+    args = {name: (desc if kind in ("w", "x") else kind) for name, kind in LAYER_ARGS.items()}
+    constexprs = dict(SS_PARTS=64, SS_P2=64, O_SPLIT=2, DN_SPLIT=2, HAS_QKV=True,
+                      STAGES=linear_gluon_layer.STAGES, PDL=True, num_warps=4)
+    signature = {**args, **{name: "constexpr" for name in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
+             if name.endswith("_ptr")}
+    source = GluonASTSource(fn=linear_gluon_layer._layer_kernel, signature=signature,
+                            constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "launch_pdl": True})
+
+
 def compile_variant(label: str):
     """The compiled kernel of the variant called `label`."""
     for name, fn, arg_types, constexprs, warps, stages in variants():
@@ -170,6 +204,8 @@ def compile_variant(label: str):
     for name, *gluon_args in GLUON_GEMMS:
         if name == label:
             return compile_gluon_for_sm90(*gluon_args)
+    if label == LAYER_LABEL:
+        return compile_gluon_layer_for_sm90()
     raise KeyError(label)
 
 
@@ -180,7 +216,7 @@ def main() -> int:
     import triton
 
     print(f"Triton {triton.__version__}, target cuda:90")
-    labels = [v[0] for v in variants()] + [g[0] for g in GLUON_GEMMS]
+    labels = [v[0] for v in variants()] + [g[0] for g in GLUON_GEMMS] + [LAYER_LABEL]
     for label in labels:
         kernel = compile_variant(label)
         print(f"{label:42s} {describe(kernel)}", flush=True)

@@ -141,15 +141,18 @@ def _stage_ring(w_desc, x_desc, STAGES: gl.constexpr, SUB: gl.constexpr, GATED: 
 
 @gluon.jit
 def _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS: gl.constexpr,
-                             SS_PARTS_P2: gl.constexpr, layout: gl.constexpr):
+                             SS_PARTS_P2: gl.constexpr, layout: gl.constexpr,
+                             CACHE: gl.constexpr):
     """[BM] float32 sums of squares of x's rows from SS_PARTS handed-over partials ([SS_PARTS,
-    M] at ss_ptr, summed in order); zeros when SS_PARTS is 0 (no norm from partials)."""
+    M] at ss_ptr, summed in order); zeros when SS_PARTS is 0 (no norm from partials). CACHE:
+    the loads' cache modifier (".cg": from L2, for partials written by other programs of the
+    same kernel)."""
     sum_squares = gl.zeros(rows.shape, gl.float32, gl.SliceLayout(0, layout))
     if SS_PARTS > 0:
         part = gl.arange(0, SS_PARTS_P2, layout=gl.SliceLayout(1, layout))
         ss_parts = gl.load(ss_ptr + gl.expand_dims(part, 1) * M + gl.expand_dims(rows, 0),
                            mask=gl.expand_dims(part < SS_PARTS, 1) & gl.expand_dims(rows < M, 0),
-                           other=0.0)
+                           other=0.0, cache_modifier=CACHE)
         sum_squares = gl.sum(ss_parts, axis=0)
     return sum_squares
 
@@ -262,7 +265,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     if HAS_RESIDUAL:    # loaded now, so its latency is not added after the K loop
         residual = gl.load(residual_ptr + gl.expand_dims(rows.to(gl.int64), 0) * residual_stride
                            + gl.expand_dims(cols, 1), mask=tile_ok, other=0.0).to(gl.float32)
-    sum_squares = _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS, SS_PARTS_P2, epi)
+    sum_squares = _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS, SS_PARTS_P2, epi, "")
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])
@@ -287,17 +290,33 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
 
-    acc = gl.convert_layout(acc, epi)
-    acc_up = gl.convert_layout(acc_up, epi)
-    if SPLIT_K > 1:   # (NORM and GATED need one split: the launcher checks)
+    _finish_tile(gl.convert_layout(acc, epi), gl.convert_layout(acc_up, epi), sum_squares,
+                 residual, rows, cols, tile_ok, N, K, eps, bias_ptr, out_ptr, out_stride, ss_ptr,
+                 max_ptr, argmax_ptr, partial_ptr, counter_ptr, M, pid_n, pid_k, HAS_BIAS, NORM,
+                 GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX, SPLIT_K)
+
+
+@gluon.jit
+def _finish_tile(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps, bias_ptr,
+                 out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, partial_ptr, counter_ptr, M,
+                 pid_n, pid_k, HAS_BIAS: gl.constexpr, NORM: gl.constexpr,
+                 GATED: gl.constexpr, HAS_RESIDUAL: gl.constexpr, EMIT_SS: gl.constexpr,
+                 EMIT_ARGMAX: gl.constexpr, SPLIT_K: gl.constexpr):
+    """Output tile pid_n's epilogue from K split pid_k's accumulators (in the epilogue layout):
+    with one split, `_epilogue` on them; else the split's float32 partial is stored and the
+    split that arrives last on the tile's counter (counter_ptr + pid_n) sums all partials in
+    split order, runs `_epilogue` and resets the counter. Returns whether this program wrote
+    the tile's output (a scalar)."""
+    if SPLIT_K > 1:   # (NORM and GATED need one split: the launchers check)
         tile_offsets = gl.expand_dims(rows.to(gl.int64), 0) * N + gl.expand_dims(cols, 1)
         gl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=tile_ok)
         _thread_barrier()   # every thread's partial is written before the arrival counts
         counter = counter_ptr + pid_n
         arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:   # the last split of this tile: sum all, in split order
+        wrote = arrived == SPLIT_K - 1
+        if wrote:   # the last split of this tile: sum all, in split order
             _thread_barrier()
-            total = gl.zeros([BLOCK_N, BM], gl.float32, epi)
+            total = gl.zeros_like(acc)
             for split in gl.static_range(SPLIT_K):
                 total += gl.load(partial_ptr + split * M * N + tile_offsets, mask=tile_ok,
                                  other=0.0, cache_modifier=".cg")
@@ -306,9 +325,11 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                       HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX)
             gl.atomic_xchg(counter, 0)
     else:
+        wrote = pid_n >= 0
         _epilogue(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, eps,
                   bias_ptr, out_ptr, out_stride, ss_ptr, max_ptr, argmax_ptr, M, pid_n,
                   HAS_BIAS, NORM, GATED, HAS_RESIDUAL, EMIT_SS, EMIT_ARGMAX)
+    return wrote
 
 
 def sub_boxes(block_n: int, gated: bool) -> int:

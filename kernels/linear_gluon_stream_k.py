@@ -172,7 +172,7 @@ def _stream_k_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_pt
     local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))            # [BN]
     rows = gl.arange(0, BM, layout=gl.SliceLayout(0, epi))                  # [BM]
     part_offsets = gl.expand_dims(local, 1) * BM + gl.expand_dims(rows, 0)  # a partial tile
-    sum_squares = _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS, SS_PARTS_P2, epi)
+    sum_squares = _handed_over_sum_squares(ss_ptr, rows, M, SS_PARTS, SS_PARTS_P2, epi, "")
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])

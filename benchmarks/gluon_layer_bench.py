@@ -1,0 +1,90 @@
+"""A layer's 64-row decode GEMMs after its attention (o, gate_up, down, next qkv): four Gluon
+kernels against the persistent layer kernel, on an H200.
+
+Llama-3-8B shapes (hidden 4096, intermediate 14336, qkv 6144; o and down split twice, as
+`kernels/configs` tunes them), LAYERS layers with distinct weights (more bytes than L2 holds),
+each path captured in a CUDA graph with PDL as in the engine. Prints microseconds per layer,
+the weight bytes per layer over that time as a fraction of the copy bandwidth measured in the
+same run (the decode roofline's rate), and the persistent kernel's time over the four
+kernels'. Runs alternate (A B A B) so that drift shows.
+
+Run: python3 benchmarks/gluon_layer_bench.py [--rows 64] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
+LAYERS = 8
+
+
+def layer_weights(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """LAYERS (o, gate_up, down, qkv) weights of random bf16."""
+    def weight(rows, cols):
+        return torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * cols ** -0.5
+
+    return [(weight(HIDDEN, HIDDEN), weight(2 * INTERMEDIATE, HIDDEN),
+             weight(HIDDEN, INTERMEDIATE), weight(QKV, HIDDEN)) for _ in range(LAYERS)]
+
+
+def path_us(launch, rows: int, weights) -> float:
+    """Median graph replay microseconds per layer of `launch` over the layers."""
+    from benchmarks.blas_sweep import graph_us
+    from kernels import pdl
+
+    device = weights[0][0].device
+    attn_out = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
+    stream = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
+    options = pdl.launch_options(device)
+
+    def run():
+        for layer in weights:
+            launch(attn_out, stream, *layer, 1e-5, 1e-5, o_split=2, down_split=2,
+                   pdl_options=options)
+
+    return graph_us(run) / len(weights)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    from benchmarks.gpu_decode import measure_ceilings
+    from kernels import linear_gluon_layer
+
+    copy_bandwidth = measure_ceilings()["copy_bandwidth_Bps"]
+    weights = layer_weights(torch.device("cuda"))
+    layer_bytes = sum(w.numel() * w.element_size() for w in weights[0])
+    print(f"copy bandwidth {copy_bandwidth / 1e12:.3f} TB/s; {layer_bytes / 1e6:.1f} MB of "
+          f"weights per layer; {args.rows} rows", flush=True)
+    paths = {"four kernels": linear_gluon_layer.launch_separately,
+             "persistent": linear_gluon_layer.launch}
+    results = []
+    for label in list(paths) * 2:
+        us = path_us(paths[label], args.rows, weights)
+        fraction = layer_bytes / (us * 1e-6) / copy_bandwidth
+        results.append(dict(path=label, us_per_layer=us, of_copy=fraction))
+        print(f"{label:>13}: {us:8.2f} us per layer, {fraction:.3f} of the copy bandwidth",
+              flush=True)
+    separate = [r["us_per_layer"] for r in results if r["path"] == "four kernels"]
+    persistent = [r["us_per_layer"] for r in results if r["path"] == "persistent"]
+    ratio = min(persistent) / min(separate)
+    print(f"persistent / four kernels (best of two each): {ratio:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(copy_bandwidth_Bps=copy_bandwidth, rows=args.rows,
+                                             layer_bytes=layer_bytes, runs=results,
+                                             persistent_over_separate=ratio), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
