@@ -186,7 +186,8 @@ def compile_gluon_layer_for_sm90():
     desc = f"tensordesc<bf16[64, {linear_gluon.BOX_K}],{layout!r}>"
     args = {name: (desc if kind in ("w", "x") else kind) for name, kind in LAYER_ARGS.items()}
     constexprs = dict(SS_PARTS=64, SS_P2=64, O_SPLIT=2, DN_SPLIT=2, HAS_QKV=True,
-                      STAGES=linear_gluon_layer.STAGES, PDL=True, num_warps=4)
+                      STAGES=linear_gluon_layer.STAGES, PDL=True, **linear_gluon_layer.VARIANT,
+                      num_warps=4)
     signature = {**args, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
              if name.endswith("_ptr")}

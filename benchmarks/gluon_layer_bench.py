@@ -8,7 +8,10 @@ the weight bytes per layer over that time as a fraction of the copy bandwidth me
 same run (the decode roofline's rate), and the persistent kernel's time over the four
 kernels'. Runs alternate (A B A B) so that drift shows.
 
-Run: python3 benchmarks/gluon_layer_bench.py [--rows 64] [--json PATH]
+With --variants, the persistent kernel also runs with each of VARIANTS' synchronisation
+settings (`linear_gluon_layer.VARIANT`).
+
+Run: python3 benchmarks/gluon_layer_bench.py [--rows 64] [--variants a,b] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
 LAYERS = 8
+VARIANTS = {"producer_fence": dict(PRODUCER_FENCE=True),
+            "no_consumer_fence": dict(CONSUMER_FENCE=False),
+            "prefetch_after": dict(PREFETCH_FIRST=False)}
 
 
 def layer_weights(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
@@ -56,6 +62,7 @@ def path_us(launch, rows: int, weights) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--variants", default="")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from benchmarks.gpu_decode import measure_ceilings
@@ -69,12 +76,21 @@ def main() -> int:
     paths = {"four kernels": linear_gluon_layer.launch_separately,
              "persistent": linear_gluon_layer.launch}
     results = []
-    for label in list(paths) * 2:
-        us = path_us(paths[label], args.rows, weights)
+
+    def timed(label, launch):
+        us = path_us(launch, args.rows, weights)
         fraction = layer_bytes / (us * 1e-6) / copy_bandwidth
         results.append(dict(path=label, us_per_layer=us, of_copy=fraction))
-        print(f"{label:>13}: {us:8.2f} us per layer, {fraction:.3f} of the copy bandwidth",
+        print(f"{label:>17}: {us:8.2f} us per layer, {fraction:.3f} of the copy bandwidth",
               flush=True)
+
+    for label in list(paths) * 2:
+        timed(label, paths[label])
+    committed = dict(linear_gluon_layer.VARIANT)
+    for name in filter(None, args.variants.split(",")):
+        linear_gluon_layer.VARIANT = {**committed, **VARIANTS[name]}
+        timed(name, linear_gluon_layer.launch)
+    linear_gluon_layer.VARIANT = committed
     separate = [r["us_per_layer"] for r in results if r["path"] == "four kernels"]
     persistent = [r["us_per_layer"] for r in results if r["path"] == "persistent"]
     ratio = min(persistent) / min(separate)

@@ -59,6 +59,10 @@ _SLOTS = gl.constexpr(DONE_SLOTS)
 _DONE_AT = gl.constexpr(MAX_ARRIVAL_COUNTERS - DONE_SLOTS)
 # False: `fused_linear` runs the four GEMMs as separate kernels (benchmarks compare the two)
 ENABLED = True
+# synchronisation variants (benchmarks/gluon_layer_bench.py --variants): a proxy fence before
+# each done count; one after each wait (before TMA copies of the data it guards); the next
+# item's weights requested before the finished tile's epilogue (else after its count)
+VARIANT = dict(PRODUCER_FENCE=False, CONSUMER_FENCE=True, PREFETCH_FIRST=True)
 
 
 @gluon.jit
@@ -70,14 +74,21 @@ def _fence_proxy_async():
 
 
 @gluon.jit
-def _wait_count(ptr, target):
-    """Spin until the counter at ptr reaches target (acquire), then make the data it guards
-    visible to all threads' loads and TMA copies."""
-    count = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+def _load_acquire(ptr):
+    """This thread's acquire load (gpu scope) of the int32 at ptr."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_count(ptr, target, FENCE: gl.constexpr):
+    """Spin until the counter at ptr reaches target (each thread's own acquire loads), then
+    (FENCE) order the TMA copies that follow after them."""
+    count = _load_acquire(ptr)
     while count < target:
-        count = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    _thread_barrier()
-    _fence_proxy_async()
+        count = _load_acquire(ptr)
+    if FENCE:
+        _fence_proxy_async()
 
 
 @gluon.jit
@@ -175,6 +186,28 @@ def _mainloop(w_desc, x_desc, w_smem, x_smem, bars, pos, n0, up_row, k0, num_k,
 
 
 @gluon.jit
+def _prefetch_next(pos, pid, t, items, next_items, one, w_desc, x_desc, N, K, k_per_split,
+                   next_w, next_x, next_N, next_K, next_k_per_split, w_smem, x_smem, bars,
+                   STAGES: gl.constexpr, SPLIT_K: gl.constexpr, GATED: gl.constexpr,
+                   NEXT: gl.constexpr, NEXT_SPLIT_K: gl.constexpr, NEXT_GATED: gl.constexpr):
+    """Request the weights of this program's next item at ring position pos: item t of this
+    GEMM if t < items, else (NEXT) the next GEMM's item pid if it has one. Returns 1 if
+    something was requested, else 0 (int32)."""
+    prefetched = one - 1
+    if t < items:
+        _prefetch(w_desc, x_desc, w_smem, x_smem, bars, pos, t, N, K, k_per_split, STAGES,
+                  SPLIT_K, GATED)
+        prefetched = one
+    else:
+        if NEXT:
+            if pid < next_items:
+                _prefetch(next_w, next_x, w_smem, x_smem, bars, pos, pid, next_N, next_K,
+                          next_k_per_split, STAGES, NEXT_SPLIT_K, NEXT_GATED)
+                prefetched = one
+    return prefetched
+
+
+@gluon.jit
 def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out_ptr, ss_in_ptr,
           ss_out_ptr, eps, partial_ptr, counter_ptr, wait_ptr, wait_target, done_ptr,
           next_w, next_x, next_N, next_K, next_k_per_split, w_smem, x_smem, bars, M,
@@ -183,7 +216,8 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
           WAIT: gl.constexpr,
           NEXT: gl.constexpr, NEXT_GATED: gl.constexpr, NEXT_SPLIT_K: gl.constexpr,
           LAST: gl.constexpr, PDL: gl.constexpr, STAGES: gl.constexpr,
-          num_warps: gl.constexpr):
+          PRODUCER_FENCE: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
+          PREFETCH_FIRST: gl.constexpr, num_warps: gl.constexpr):
     """This program's items of one GEMM (t = pid, pid + programs, ...; `_tile`), after waiting
     (if WAIT) for wait_ptr's count to reach wait_target. Item pid's weights were requested
     already if `prefetched` (1). After each K loop the next item's weights are requested (this
@@ -199,7 +233,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
             _prefetch(w_desc, x_desc, w_smem, x_smem, bars, pos, pid, N, K, k_per_split, STAGES,
                       SPLIT_K, GATED)
         if WAIT:
-            _wait_count(wait_ptr, wait_target)
+            _wait_count(wait_ptr, wait_target, CONSUMER_FENCE)
         epi: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
         rows = gl.arange(0, BM, layout=gl.SliceLayout(0, epi))                   # [BM]
         # sums of squares from the previous GEMM: read after the wait, from L2
@@ -217,19 +251,15 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
             acc, acc_up = _mainloop(w_desc, x_desc, w_smem, x_smem, bars, pos, n0, up_row, k0,
                                     num_k, STAGES, GATED, num_warps)
             pos += gl.maximum(num_k, 0)
-            if t + programs < items:
-                _prefetch(w_desc, x_desc, w_smem, x_smem, bars, pos, t + programs, N, K,
-                          k_per_split, STAGES, SPLIT_K, GATED)
-                prefetched = one
-            else:
-                prefetched = one - 1
-                if NEXT:
-                    if pid < next_items:
-                        _prefetch(next_w, next_x, w_smem, x_smem, bars, pos, pid, next_N,
-                                  next_K, next_k_per_split, STAGES, NEXT_SPLIT_K, NEXT_GATED)
-                        prefetched = one
-                if LAST:
+            if LAST:
+                if t + programs >= items:
                     _gdc_launch_dependents(PDL)
+            if PREFETCH_FIRST:
+                prefetched = _prefetch_next(pos, pid, t + programs, items, next_items, one,
+                                            w_desc, x_desc, N, K, k_per_split, next_w, next_x,
+                                            next_N, next_K, next_k_per_split, w_smem, x_smem,
+                                            bars, STAGES, SPLIT_K, GATED, NEXT, NEXT_SPLIT_K,
+                                            NEXT_GATED)
             wrote = _finish_tile(gl.convert_layout(acc, epi), gl.convert_layout(acc_up, epi),
                                  sum_squares, residual, rows, cols, tile_ok, N, K, eps,
                                  out_ptr, out_ptr, N, ss_out_ptr, ss_out_ptr, ss_out_ptr,
@@ -237,8 +267,15 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
                                  RESIDUAL, RESIDUAL, False, SPLIT_K)
             if wrote:
                 _thread_barrier()           # every thread's stores precede the count
-                _fence_proxy_async()
+                if PRODUCER_FENCE:
+                    _fence_proxy_async()
                 gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+            if not PREFETCH_FIRST:
+                prefetched = _prefetch_next(pos, pid, t + programs, items, next_items, one,
+                                            w_desc, x_desc, N, K, k_per_split, next_w, next_x,
+                                            next_N, next_K, next_k_per_split, w_smem, x_smem,
+                                            bars, STAGES, SPLIT_K, GATED, NEXT, NEXT_SPLIT_K,
+                                            NEXT_GATED)
     else:
         prefetched = one - 1
     return pos, prefetched
@@ -251,7 +288,8 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
                   eps_mlp, eps_qkv, SS_PARTS: gl.constexpr, SS_P2: gl.constexpr,
                   O_SPLIT: gl.constexpr, DN_SPLIT: gl.constexpr,
                   HAS_QKV: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  PRODUCER_FENCE: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
+                  PREFETCH_FIRST: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     dtype: gl.constexpr = o_w.dtype
@@ -276,27 +314,31 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
         pos, prefetched, pid, programs, o_w, o_x, hidden_size, o_in, o_k_per_split,
         hidden_ptr, ss_o_ptr, ss_o_ptr, 0.0, partial_ptr, counter_ptr, done, 0, done,
         gu_w, gu_x, intermediate, hidden_size, gu_k_per_split, w_smem, x_smem, bars, M,
-        False, False, True, 0, 1, O_SPLIT, False, True, True, 1, False, PDL, STAGES,
+        False, False, True, 0, 1, O_SPLIT, False, True, True, 1, False, PDL, STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
+        PREFETCH_FIRST,
         num_warps)
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, gu_w, gu_x, intermediate, hidden_size, gu_k_per_split,
         act_ptr, ss_o_ptr, ss_o_ptr, eps_mlp, partial_ptr, counter_ptr, done, o_tiles,
         done + 1, dn_w, dn_x, hidden_size, intermediate, dn_k_per_split, w_smem, x_smem, bars,
         M, True, True, False, SS_PARTS, SS_P2, 1, True, True, False, DN_SPLIT, False, PDL,
-        STAGES, num_warps)
+        STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
+        PREFETCH_FIRST, num_warps)
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, dn_w, dn_x, hidden_size, intermediate, dn_k_per_split,
         hidden_ptr, ss_dn_ptr, ss_dn_ptr, 0.0, partial_ptr, counter_ptr, done + 1, gu_tiles,
         done + 2, qkv_w, qkv_x, qkv_size, hidden_size, qkv_k_per_split, w_smem, x_smem, bars,
         M, False, False, True, 0, 1, DN_SPLIT, True, HAS_QKV, False, 1, not HAS_QKV, PDL,
-        STAGES, num_warps)
+        STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
+        PREFETCH_FIRST, num_warps)
     if HAS_QKV:
         pos, prefetched = _gemm(
             pos, prefetched, pid, programs, qkv_w, qkv_x, qkv_size, hidden_size,
             qkv_k_per_split, qkv_ptr, ss_dn_ptr, ss_dn_ptr, eps_qkv, partial_ptr, counter_ptr,
             done + 2, o_tiles, done + 3, qkv_w, qkv_x, qkv_size, hidden_size, qkv_k_per_split,
             w_smem, x_smem, bars, M, True, False, False, SS_PARTS, SS_P2, 1, True, False,
-            False, 1, True, PDL, STAGES, num_warps)
+            False, 1, True, PDL, STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
+        PREFETCH_FIRST, num_warps)
     _gdc_launch_dependents(PDL)     # (programs without an item in the last GEMM)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
@@ -376,7 +418,7 @@ def launch(attn_out: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
         per_split(intermediate, down_split), per_split(hidden_size, 1), eps_mlp, eps_qkv,
         SS_PARTS=parts, SS_P2=triton.next_power_of_2(parts), O_SPLIT=o_split,
         DN_SPLIT=down_split, HAS_QKV=qkv_weight is not None, STAGES=STAGES,
-        PDL=bool(pdl_options), num_warps=4, **pdl_options)
+        PDL=bool(pdl_options), **VARIANT, num_warps=4, **pdl_options)
     return qkv, ss_dn
 
 
