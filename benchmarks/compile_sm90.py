@@ -169,10 +169,10 @@ LAYER_ARGS = {**{f"{g}_{d}": d for g in ("o", "gu", "dn", "qkv") for d in ("w", 
               "ss_dn_ptr": "*fp32", "M": "i32", "o_in": "i32", "hidden_size": "i32",
               "intermediate": "i32", "qkv_size": "i32", "o_k_per_split": "i32",
               "gu_k_per_split": "i32", "dn_k_per_split": "i32", "qkv_k_per_split": "i32",
-              "eps_mlp": "fp32", "eps_qkv": "fp32"}
+              "eps_mlp": "fp32", "eps_qkv": "fp32", "trace_ptr": "*i64"}
 
 
-def compile_gluon_layer_for_sm90():
+def compile_gluon_layer_for_sm90(trace: bool = False):
     """`kernels/linear_gluon_layer.py`'s persistent kernel for cuda:90 as Llama-3-8B's 64-row
     decode would launch it (o and down split twice, the next qkv present, PDL on)."""
     import triton
@@ -187,7 +187,7 @@ def compile_gluon_layer_for_sm90():
     args = {name: (desc if kind in ("w", "x") else kind) for name, kind in LAYER_ARGS.items()}
     constexprs = dict(SS_PARTS=64, SS_P2=64, O_SPLIT=2, DN_SPLIT=2, HAS_QKV=True,
                       STAGES=linear_gluon_layer.STAGES, PDL=True, **linear_gluon_layer.VARIANT,
-                      num_warps=4)
+                      TRACE=trace, num_warps=4)
     signature = {**args, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
              if name.endswith("_ptr")}

@@ -11,7 +11,13 @@ kernels'. Runs alternate (A B A B) so that drift shows.
 With --variants, the persistent kernel also runs with each of VARIANTS' synchronisation
 settings (`linear_gluon_layer.VARIANT`).
 
-Run: python3 benchmarks/gluon_layer_bench.py [--rows 64] [--variants a,b] [--json PATH]
+With --trace, one eager chain of the persistent kernel stores each program's global timer at
+its GEMMs' waits, K-loop ends and done counts (`linear_gluon_layer.launch(trace=...)`), and a
+middle layer's timeline is printed: per GEMM, microseconds from the kernel's start to its first
+program's wait ending, to the median and last K-loop end, and to its last done count.
+
+Run: python3 benchmarks/gluon_layer_bench.py [--rows 64] [--variants a,b] [--trace]
+     [--json PATH]
 """
 
 from __future__ import annotations
@@ -59,10 +65,45 @@ def path_us(launch, rows: int, weights) -> float:
     return graph_us(run) / len(weights)
 
 
+def timeline(rows: int, weights) -> list[dict]:
+    """Per GEMM of a middle layer's persistent kernel: microseconds from the kernel's first
+    program past the PDL wait to (first wait end, median K-loop end, last K-loop end, last
+    done count)."""
+    from kernels import linear_gluon_layer, pdl
+
+    device = weights[0][0].device
+    attn_out = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
+    stream = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
+    traces = [torch.zeros(256, 16, dtype=torch.int64, device=device) for _ in weights]
+    for layer, trace in zip(weights, traces):
+        linear_gluon_layer.launch(attn_out, stream, *layer, 1e-5, 1e-5, o_split=2,
+                                  down_split=2, pdl_options=pdl.launch_options(device),
+                                  trace=trace)
+    torch.cuda.synchronize()
+    stamps = traces[len(traces) // 2].cpu().double()
+    start = stamps[:, 0][stamps[:, 0] > 0].min()
+    rows_out = []
+    for gemm, name in enumerate(("o", "gate_up", "down", "qkv")):
+        waited, looped, done = (stamps[:, 3 * gemm + j] for j in (1, 2, 3))
+        waited, looped, done = (v[v > 0] - start for v in (waited, looped, done))
+        row = dict(gemm=name, first_wait_end_us=waited.min().item() / 1e3,
+                   median_loop_end_us=looped.median().item() / 1e3,
+                   last_loop_end_us=looped.max().item() / 1e3,
+                   last_done_us=done.max().item() / 1e3)
+        rows_out.append(row)
+        print(f"{name:>8}: wait ends {row['first_wait_end_us']:7.2f}  K loops end median "
+              f"{row['median_loop_end_us']:7.2f} last {row['last_loop_end_us']:7.2f}  last "
+              f"done {row['last_done_us']:7.2f} us", flush=True)
+    end = stamps[:, 13][stamps[:, 13] > 0].max() - start
+    print(f"     end: {end.item() / 1e3:7.2f} us", flush=True)
+    return rows_out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--variants", default="")
+    parser.add_argument("--trace", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from benchmarks.gpu_decode import measure_ceilings
@@ -84,6 +125,7 @@ def main() -> int:
         print(f"{label:>17}: {us:8.2f} us per layer, {fraction:.3f} of the copy bandwidth",
               flush=True)
 
+    trace = timeline(args.rows, weights) if args.trace else None
     for label in list(paths) * 2:
         timed(label, paths[label])
     committed = dict(linear_gluon_layer.VARIANT)
@@ -98,6 +140,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(dict(copy_bandwidth_Bps=copy_bandwidth, rows=args.rows,
                                              layer_bytes=layer_bytes, runs=results,
+                                             timeline=trace,
                                              persistent_over_separate=ratio), indent=1))
     return 0
 

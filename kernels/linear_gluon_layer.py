@@ -81,6 +81,15 @@ def _load_acquire(ptr):
 
 
 @gluon.jit
+def _stamp(trace_ptr, pid, slot, TRACE: gl.constexpr):
+    """With TRACE, store the global timer (ns) at trace_ptr[pid, slot] ([programs, 16] int64)."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                        is_pure=False, pack=1)
+        gl.store(trace_ptr + pid * 16 + slot, now)
+
+
+@gluon.jit
 def _wait_count(ptr, target, FENCE: gl.constexpr):
     """Spin until the counter at ptr reaches target (each thread's own acquire loads), then
     (FENCE) order the TMA copies that follow after them."""
@@ -217,7 +226,8 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
           NEXT: gl.constexpr, NEXT_GATED: gl.constexpr, NEXT_SPLIT_K: gl.constexpr,
           LAST: gl.constexpr, PDL: gl.constexpr, STAGES: gl.constexpr,
           PRODUCER_FENCE: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
-          PREFETCH_FIRST: gl.constexpr, num_warps: gl.constexpr):
+          PREFETCH_FIRST: gl.constexpr, trace_ptr, TRACE: gl.constexpr, PHASE: gl.constexpr,
+          num_warps: gl.constexpr):
     """This program's items of one GEMM (t = pid, pid + programs, ...; `_tile`), after waiting
     (if WAIT) for wait_ptr's count to reach wait_target. Item pid's weights were requested
     already if `prefetched` (1). After each K loop the next item's weights are requested (this
@@ -234,6 +244,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
                       SPLIT_K, GATED)
         if WAIT:
             _wait_count(wait_ptr, wait_target, CONSUMER_FENCE)
+        _stamp(trace_ptr, pid, 3 * PHASE + 1, TRACE)
         epi: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
         rows = gl.arange(0, BM, layout=gl.SliceLayout(0, epi))                   # [BM]
         # sums of squares from the previous GEMM: read after the wait, from L2
@@ -251,6 +262,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
             acc, acc_up = _mainloop(w_desc, x_desc, w_smem, x_smem, bars, pos, n0, up_row, k0,
                                     num_k, STAGES, GATED, num_warps)
             pos += gl.maximum(num_k, 0)
+            _stamp(trace_ptr, pid, 3 * PHASE + 2, TRACE)
             if LAST:
                 if t + programs >= items:
                     _gdc_launch_dependents(PDL)
@@ -270,6 +282,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
                 if PRODUCER_FENCE:
                     _fence_proxy_async()
                 gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+            _stamp(trace_ptr, pid, 3 * PHASE + 3, TRACE)
             if not PREFETCH_FIRST:
                 prefetched = _prefetch_next(pos, pid, t + programs, items, next_items, one,
                                             w_desc, x_desc, N, K, k_per_split, next_w, next_x,
@@ -289,7 +302,8 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
                   O_SPLIT: gl.constexpr, DN_SPLIT: gl.constexpr,
                   HAS_QKV: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
                   PRODUCER_FENCE: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
-                  PREFETCH_FIRST: gl.constexpr, num_warps: gl.constexpr):
+                  PREFETCH_FIRST: gl.constexpr, trace_ptr, TRACE: gl.constexpr,
+                  num_warps: gl.constexpr):
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     dtype: gl.constexpr = o_w.dtype
@@ -309,28 +323,28 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
         _prefetch(o_w, o_x, w_smem, x_smem, bars, 0, pid, hidden_size, o_in, o_k_per_split, STAGES, O_SPLIT, False)
         prefetched += 1
     _gdc_wait(PDL)                  # the attention output, the stream, the counters
+    _stamp(trace_ptr, pid, 0, TRACE)
     pos = pid * 0
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, o_w, o_x, hidden_size, o_in, o_k_per_split,
         hidden_ptr, ss_o_ptr, ss_o_ptr, 0.0, partial_ptr, counter_ptr, done, 0, done,
         gu_w, gu_x, intermediate, hidden_size, gu_k_per_split, w_smem, x_smem, bars, M,
         False, False, True, 0, 1, O_SPLIT, False, True, True, 1, False, PDL, STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST,
-        num_warps)
+        PREFETCH_FIRST, trace_ptr, TRACE, 0, num_warps)
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, gu_w, gu_x, intermediate, hidden_size, gu_k_per_split,
         act_ptr, ss_o_ptr, ss_o_ptr, eps_mlp, partial_ptr, counter_ptr, done, o_tiles,
         done + 1, dn_w, dn_x, hidden_size, intermediate, dn_k_per_split, w_smem, x_smem, bars,
         M, True, True, False, SS_PARTS, SS_P2, 1, True, True, False, DN_SPLIT, False, PDL,
         STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, num_warps)
+        PREFETCH_FIRST, trace_ptr, TRACE, 1, num_warps)
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, dn_w, dn_x, hidden_size, intermediate, dn_k_per_split,
         hidden_ptr, ss_dn_ptr, ss_dn_ptr, 0.0, partial_ptr, counter_ptr, done + 1, gu_tiles,
         done + 2, qkv_w, qkv_x, qkv_size, hidden_size, qkv_k_per_split, w_smem, x_smem, bars,
         M, False, False, True, 0, 1, DN_SPLIT, True, HAS_QKV, False, 1, not HAS_QKV, PDL,
         STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, num_warps)
+        PREFETCH_FIRST, trace_ptr, TRACE, 2, num_warps)
     if HAS_QKV:
         pos, prefetched = _gemm(
             pos, prefetched, pid, programs, qkv_w, qkv_x, qkv_size, hidden_size,
@@ -338,10 +352,11 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
             done + 2, o_tiles, done + 3, qkv_w, qkv_x, qkv_size, hidden_size, qkv_k_per_split,
             w_smem, x_smem, bars, M, True, False, False, SS_PARTS, SS_P2, 1, True, False,
             False, 1, True, PDL, STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, num_warps)
+        PREFETCH_FIRST, trace_ptr, TRACE, 3, num_warps)
     _gdc_launch_dependents(PDL)     # (programs without an item in the last GEMM)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
+    _stamp(trace_ptr, pid, 13, TRACE)
     _thread_barrier()
     exited = gl.atomic_add(done + 4, 1, sem="acq_rel", scope="gpu")
     if exited == programs - 1:      # the last program out: reset for the next launch
@@ -363,8 +378,8 @@ def layer_usable(attn_out: torch.Tensor, hidden: torch.Tensor, weights) -> bool:
 def launch(attn_out: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
            gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
            qkv_weight: torch.Tensor | None, eps_mlp: float, eps_qkv: float, *, o_split: int,
-           down_split: int, pdl_options: dict, programs: int | None = None
-           ) -> tuple[torch.Tensor | None, torch.Tensor]:
+           down_split: int, pdl_options: dict, programs: int | None = None,
+           trace: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """o, gate_up, down and the next layer's qkv of M <= 64 decode rows in one kernel.
 
     Args:
@@ -380,6 +395,9 @@ def launch(attn_out: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
         programs: the grid (default: the SM count, or fewer where no GEMM has that many
             tiles); at most one program per SM fits (tests use fewer, so that programs run
             several tiles of a GEMM).
+        trace: [programs, 16] int64 zeros, or None: each program stores the global timer
+            (ns) at 0 after the PDL wait, 3 g + 1 after GEMM g's wait, 3 g + 2 / 3 g + 3 after
+            its last tile's K loop / done count, 13 at its end (benchmarks' timelines).
     Returns:
         (qkv [M, N_qkv] or None, down's sums-of-squares partials [H / 64, M] float32 for the
         next norm: `kernels.fused_linear.AddedRows`).
@@ -418,7 +436,8 @@ def launch(attn_out: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
         per_split(intermediate, down_split), per_split(hidden_size, 1), eps_mlp, eps_qkv,
         SS_PARTS=parts, SS_P2=triton.next_power_of_2(parts), O_SPLIT=o_split,
         DN_SPLIT=down_split, HAS_QKV=qkv_weight is not None, STAGES=STAGES,
-        PDL=bool(pdl_options), **VARIANT, num_warps=4, **pdl_options)
+        PDL=bool(pdl_options), **VARIANT, trace_ptr=trace if trace is not None else partial,
+        TRACE=trace is not None, num_warps=4, **pdl_options)
     return qkv, ss_dn
 
 
