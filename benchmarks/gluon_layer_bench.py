@@ -33,9 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
 LAYERS = 8
-VARIANTS = {"producer_fence": dict(PRODUCER_FENCE=True),
-            "no_consumer_fence": dict(CONSUMER_FENCE=False),
-            "prefetch_after": dict(PREFETCH_FIRST=False)}
+# name: (`linear_gluon_layer.VARIANT` settings, o's K split)
+VARIANTS = {"producer_fence": (dict(PRODUCER_FENCE=True), 2),
+            "no_consumer_fence": (dict(CONSUMER_FENCE=False), 2),
+            "prefetch_after": (dict(PREFETCH_FIRST=False), 2),
+            "early2": (dict(EARLY=2), 2), "early2_after": (dict(EARLY=2, PREFETCH_FIRST=False), 2),
+            "o_split1": ({}, 1), "o_split1_early2": (dict(EARLY=2), 1)}
 
 
 def layer_weights(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
@@ -47,7 +50,7 @@ def layer_weights(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
              weight(HIDDEN, INTERMEDIATE), weight(QKV, HIDDEN)) for _ in range(LAYERS)]
 
 
-def path_us(launch, rows: int, weights) -> float:
+def path_us(launch, rows: int, weights, o_split: int = 2) -> float:
     """Median graph replay microseconds per layer of `launch` over the layers."""
     from benchmarks.blas_sweep import graph_us
     from kernels import pdl
@@ -59,13 +62,13 @@ def path_us(launch, rows: int, weights) -> float:
 
     def run():
         for layer in weights:
-            launch(attn_out, stream, *layer, 1e-5, 1e-5, o_split=2, down_split=2,
+            launch(attn_out, stream, *layer, 1e-5, 1e-5, o_split=o_split, down_split=2,
                    pdl_options=options)
 
     return graph_us(run) / len(weights)
 
 
-def timeline(rows: int, weights) -> list[dict]:
+def timeline(rows: int, weights, o_split: int = 2) -> list[dict]:
     """Per GEMM of a middle layer's persistent kernel: microseconds from the kernel's first
     program past the PDL wait to (first wait end, median K-loop end, last K-loop end, last
     done count)."""
@@ -76,7 +79,7 @@ def timeline(rows: int, weights) -> list[dict]:
     stream = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
     traces = [torch.zeros(256, 16, dtype=torch.int64, device=device) for _ in weights]
     for layer, trace in zip(weights, traces):
-        linear_gluon_layer.launch(attn_out, stream, *layer, 1e-5, 1e-5, o_split=2,
+        linear_gluon_layer.launch(attn_out, stream, *layer, 1e-5, 1e-5, o_split=o_split,
                                   down_split=2, pdl_options=pdl.launch_options(device),
                                   trace=trace)
     torch.cuda.synchronize()
@@ -118,8 +121,8 @@ def main() -> int:
              "persistent": linear_gluon_layer.launch}
     results = []
 
-    def timed(label, launch):
-        us = path_us(launch, args.rows, weights)
+    def timed(label, launch, o_split=2):
+        us = path_us(launch, args.rows, weights, o_split)
         fraction = layer_bytes / (us * 1e-6) / copy_bandwidth
         results.append(dict(path=label, us_per_layer=us, of_copy=fraction))
         print(f"{label:>17}: {us:8.2f} us per layer, {fraction:.3f} of the copy bandwidth",
@@ -130,8 +133,12 @@ def main() -> int:
         timed(label, paths[label])
     committed = dict(linear_gluon_layer.VARIANT)
     for name in filter(None, args.variants.split(",")):
-        linear_gluon_layer.VARIANT = {**committed, **VARIANTS[name]}
-        timed(name, linear_gluon_layer.launch)
+        settings, o_split = VARIANTS[name]
+        linear_gluon_layer.VARIANT = {**committed, **settings}
+        if args.trace:
+            print(f"{name} timeline:")
+            timeline(args.rows, weights, o_split)
+        timed(name, linear_gluon_layer.launch, o_split)
     linear_gluon_layer.VARIANT = committed
     separate = [r["us_per_layer"] for r in results if r["path"] == "four kernels"]
     persistent = [r["us_per_layer"] for r in results if r["path"] == "persistent"]

@@ -62,7 +62,7 @@ ENABLED = True
 # synchronisation variants (benchmarks/gluon_layer_bench.py --variants): a proxy fence before
 # each done count; one after each wait (before TMA copies of the data it guards); the next
 # item's weights requested before the finished tile's epilogue (else after its count)
-VARIANT = dict(PRODUCER_FENCE=False, CONSUMER_FENCE=True, PREFETCH_FIRST=True)
+VARIANT = dict(PRODUCER_FENCE=False, CONSUMER_FENCE=True, PREFETCH_FIRST=True, EARLY=STAGES)
 
 
 @gluon.jit
@@ -137,9 +137,10 @@ def _tile(t, N, K, k_per_split, SPLIT_K: gl.constexpr, GATED: gl.constexpr):
 
 @gluon.jit
 def _prefetch(w_desc, x_desc, w_smem, x_smem, bars, pos, t, N, K, k_per_split,
-              STAGES: gl.constexpr, SPLIT_K: gl.constexpr, GATED: gl.constexpr):
-    """Request item t's first STAGES weight steps into ring positions pos..; its x copies
-    follow in `_mainloop` (each stage's barrier expects both)."""
+              STAGES: gl.constexpr, SPLIT_K: gl.constexpr, GATED: gl.constexpr,
+              EARLY: gl.constexpr):
+    """Request item t's first EARLY weight steps into ring positions pos..; its x copies and
+    the other stages' weights follow in `_mainloop` (each stage's barrier expects both)."""
     BK: gl.constexpr = _BOX if GATED else 2 * _BOX
     _, _, n0, up_row, k0, num_k = _tile(t, N, K, k_per_split, SPLIT_K, GATED)
     nbytes: gl.constexpr = (2 * w_desc.block_type.nbytes
@@ -147,13 +148,15 @@ def _prefetch(w_desc, x_desc, w_smem, x_smem, bars, pos, t, N, K, k_per_split,
     for j in gl.static_range(STAGES):
         ok = j < num_k
         mbarrier.expect(bars.index((pos + j) % STAGES), nbytes, pred=ok)
-        _request(w_desc, x_desc, w_smem, x_smem, bars, pos + j, n0, up_row, k0 + j * BK, ok,
-                 STAGES, GATED, True, False)
+        if j < EARLY:
+            _request(w_desc, x_desc, w_smem, x_smem, bars, pos + j, n0, up_row, k0 + j * BK,
+                     ok, STAGES, GATED, True, False)
 
 
 @gluon.jit
 def _mainloop(w_desc, x_desc, w_smem, x_smem, bars, pos, n0, up_row, k0, num_k,
-              STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+              STAGES: gl.constexpr, GATED: gl.constexpr, EARLY: gl.constexpr,
+              num_warps: gl.constexpr):
     """The K loop of a tile whose weight steps `_prefetch` requested at ring position pos:
     x's copies, then per step one wgmma per box (weight A, x^T B), the stage refilled once its
     wgmmas are done. Returns the [_BN, BM] float32 accumulators (gate, up if GATED)."""
@@ -163,7 +166,7 @@ def _mainloop(w_desc, x_desc, w_smem, x_smem, bars, pos, n0, up_row, k0, num_k,
                             + (1 if GATED else 2) * x_desc.block_type.nbytes)
     for j in gl.static_range(STAGES):
         _request(w_desc, x_desc, w_smem, x_smem, bars, pos + j, n0, up_row, k0 + j * BK,
-                 j < num_k, STAGES, GATED, False, True)
+                 j < num_k, STAGES, GATED, j >= EARLY, True)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])
     acc = gl.zeros([_BN, BM], gl.float32, mma)
@@ -198,20 +201,21 @@ def _mainloop(w_desc, x_desc, w_smem, x_smem, bars, pos, n0, up_row, k0, num_k,
 def _prefetch_next(pos, pid, t, items, next_items, one, w_desc, x_desc, N, K, k_per_split,
                    next_w, next_x, next_N, next_K, next_k_per_split, w_smem, x_smem, bars,
                    STAGES: gl.constexpr, SPLIT_K: gl.constexpr, GATED: gl.constexpr,
-                   NEXT: gl.constexpr, NEXT_SPLIT_K: gl.constexpr, NEXT_GATED: gl.constexpr):
+                   NEXT: gl.constexpr, NEXT_SPLIT_K: gl.constexpr, NEXT_GATED: gl.constexpr,
+                   EARLY: gl.constexpr):
     """Request the weights of this program's next item at ring position pos: item t of this
     GEMM if t < items, else (NEXT) the next GEMM's item pid if it has one. Returns 1 if
     something was requested, else 0 (int32)."""
     prefetched = one - 1
     if t < items:
         _prefetch(w_desc, x_desc, w_smem, x_smem, bars, pos, t, N, K, k_per_split, STAGES,
-                  SPLIT_K, GATED)
+                  SPLIT_K, GATED, EARLY)
         prefetched = one
     else:
         if NEXT:
             if pid < next_items:
                 _prefetch(next_w, next_x, w_smem, x_smem, bars, pos, pid, next_N, next_K,
-                          next_k_per_split, STAGES, NEXT_SPLIT_K, NEXT_GATED)
+                          next_k_per_split, STAGES, NEXT_SPLIT_K, NEXT_GATED, EARLY)
                 prefetched = one
     return prefetched
 
@@ -226,7 +230,8 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
           NEXT: gl.constexpr, NEXT_GATED: gl.constexpr, NEXT_SPLIT_K: gl.constexpr,
           LAST: gl.constexpr, PDL: gl.constexpr, STAGES: gl.constexpr,
           PRODUCER_FENCE: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
-          PREFETCH_FIRST: gl.constexpr, trace_ptr, TRACE: gl.constexpr, PHASE: gl.constexpr,
+          PREFETCH_FIRST: gl.constexpr, EARLY: gl.constexpr, trace_ptr, TRACE: gl.constexpr,
+          PHASE: gl.constexpr,
           num_warps: gl.constexpr):
     """This program's items of one GEMM (t = pid, pid + programs, ...; `_tile`), after waiting
     (if WAIT) for wait_ptr's count to reach wait_target. Item pid's weights were requested
@@ -241,7 +246,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
     if pid < items:
         if prefetched == 0:
             _prefetch(w_desc, x_desc, w_smem, x_smem, bars, pos, pid, N, K, k_per_split, STAGES,
-                      SPLIT_K, GATED)
+                      SPLIT_K, GATED, EARLY)
         if WAIT:
             _wait_count(wait_ptr, wait_target, CONSUMER_FENCE)
         _stamp(trace_ptr, pid, 3 * PHASE + 1, TRACE)
@@ -260,7 +265,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
                                    + gl.expand_dims(cols, 1), mask=tile_ok, other=0.0,
                                    cache_modifier=".cg").to(gl.float32)
             acc, acc_up = _mainloop(w_desc, x_desc, w_smem, x_smem, bars, pos, n0, up_row, k0,
-                                    num_k, STAGES, GATED, num_warps)
+                                    num_k, STAGES, GATED, EARLY, num_warps)
             pos += gl.maximum(num_k, 0)
             _stamp(trace_ptr, pid, 3 * PHASE + 2, TRACE)
             if LAST:
@@ -271,7 +276,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
                                             w_desc, x_desc, N, K, k_per_split, next_w, next_x,
                                             next_N, next_K, next_k_per_split, w_smem, x_smem,
                                             bars, STAGES, SPLIT_K, GATED, NEXT, NEXT_SPLIT_K,
-                                            NEXT_GATED)
+                                            NEXT_GATED, EARLY)
             wrote = _finish_tile(gl.convert_layout(acc, epi), gl.convert_layout(acc_up, epi),
                                  sum_squares, residual, rows, cols, tile_ok, N, K, eps,
                                  out_ptr, out_ptr, N, ss_out_ptr, ss_out_ptr, ss_out_ptr,
@@ -288,7 +293,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
                                             w_desc, x_desc, N, K, k_per_split, next_w, next_x,
                                             next_N, next_K, next_k_per_split, w_smem, x_smem,
                                             bars, STAGES, SPLIT_K, GATED, NEXT, NEXT_SPLIT_K,
-                                            NEXT_GATED)
+                                            NEXT_GATED, EARLY)
     else:
         prefetched = one - 1
     return pos, prefetched
@@ -302,8 +307,8 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
                   O_SPLIT: gl.constexpr, DN_SPLIT: gl.constexpr,
                   HAS_QKV: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
                   PRODUCER_FENCE: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
-                  PREFETCH_FIRST: gl.constexpr, trace_ptr, TRACE: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  PREFETCH_FIRST: gl.constexpr, EARLY: gl.constexpr, trace_ptr,
+                  TRACE: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     dtype: gl.constexpr = o_w.dtype
@@ -320,7 +325,7 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
 
     prefetched = pid * 0
     if pid < o_tiles * O_SPLIT:   # o's weights: written by no kernel, requested before the wait
-        _prefetch(o_w, o_x, w_smem, x_smem, bars, 0, pid, hidden_size, o_in, o_k_per_split, STAGES, O_SPLIT, False)
+        _prefetch(o_w, o_x, w_smem, x_smem, bars, 0, pid, hidden_size, o_in, o_k_per_split, STAGES, O_SPLIT, False, EARLY)
         prefetched += 1
     _gdc_wait(PDL)                  # the attention output, the stream, the counters
     _stamp(trace_ptr, pid, 0, TRACE)
@@ -330,21 +335,21 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
         hidden_ptr, ss_o_ptr, ss_o_ptr, 0.0, partial_ptr, counter_ptr, done, 0, done,
         gu_w, gu_x, intermediate, hidden_size, gu_k_per_split, w_smem, x_smem, bars, M,
         False, False, True, 0, 1, O_SPLIT, False, True, True, 1, False, PDL, STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, trace_ptr, TRACE, 0, num_warps)
+        PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 0, num_warps)
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, gu_w, gu_x, intermediate, hidden_size, gu_k_per_split,
         act_ptr, ss_o_ptr, ss_o_ptr, eps_mlp, partial_ptr, counter_ptr, done, o_tiles,
         done + 1, dn_w, dn_x, hidden_size, intermediate, dn_k_per_split, w_smem, x_smem, bars,
         M, True, True, False, SS_PARTS, SS_P2, 1, True, True, False, DN_SPLIT, False, PDL,
         STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, trace_ptr, TRACE, 1, num_warps)
+        PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 1, num_warps)
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, dn_w, dn_x, hidden_size, intermediate, dn_k_per_split,
         hidden_ptr, ss_dn_ptr, ss_dn_ptr, 0.0, partial_ptr, counter_ptr, done + 1, gu_tiles,
         done + 2, qkv_w, qkv_x, qkv_size, hidden_size, qkv_k_per_split, w_smem, x_smem, bars,
         M, False, False, True, 0, 1, DN_SPLIT, True, HAS_QKV, False, 1, not HAS_QKV, PDL,
         STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, trace_ptr, TRACE, 2, num_warps)
+        PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 2, num_warps)
     if HAS_QKV:
         pos, prefetched = _gemm(
             pos, prefetched, pid, programs, qkv_w, qkv_x, qkv_size, hidden_size,
@@ -352,7 +357,7 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
             done + 2, o_tiles, done + 3, qkv_w, qkv_x, qkv_size, hidden_size, qkv_k_per_split,
             w_smem, x_smem, bars, M, True, False, False, SS_PARTS, SS_P2, 1, True, False,
             False, 1, True, PDL, STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, trace_ptr, TRACE, 3, num_warps)
+        PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 3, num_warps)
     _gdc_launch_dependents(PDL)     # (programs without an item in the last GEMM)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
