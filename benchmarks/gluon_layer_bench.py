@@ -34,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
 LAYERS = 8
 # name: (`linear_gluon_layer.VARIANT` settings, o's K split)
-VARIANTS = {"producer_fence": (dict(PRODUCER_FENCE=True), 2),
-            "no_consumer_fence": (dict(CONSUMER_FENCE=False), 2),
-            "prefetch_after": (dict(PREFETCH_FIRST=False), 2),
-            "early2": (dict(EARLY=2), 2), "early2_after": (dict(EARLY=2, PREFETCH_FIRST=False), 2),
-            "o_split1": ({}, 1), "o_split1_early2": (dict(EARLY=2), 1)}
+VARIANTS = {"prefetch_first": (dict(PREFETCH_FIRST=True, EARLY=6), 2),
+            "prefetch_after": (dict(PREFETCH_FIRST=False, EARLY=6), 2),
+            "early2_first": (dict(PREFETCH_FIRST=True, EARLY=2), 2),
+            "o_split1": ({}, 1)}
 
 
 def layer_weights(device: torch.device) -> list[tuple[torch.Tensor, ...]]:

@@ -1,14 +1,14 @@
 """A decoder layer's 64-row decode GEMMs after its attention, o -> gate_up -> down -> the next
-layer's qkv, in one persistent Gluon kernel on Hopper.
+layer's qkv, in one persistent Gluon kernel on Hopper (an experiment: not used by the engine).
 
 At batch 64 each of `kernels/linear_gluon.py`'s GEMMs loses ~4-6 us at its boundaries
 (benchmarks/RESULTS.md runs 19-21): its last programs drain while the others idle, it exits,
 and only then do the next GEMM's programs get the SMs and request their weights. Here one
-program per SM runs all four GEMMs' tiles in order. When a program finishes a tile's K loop it
-at once requests the weight tiles of its next tile, the next GEMM's included (weights are
-written by no kernel), and only then runs the finished tile's epilogue and waits for the GEMM
-its next tile depends on. So the weight stream does not stop at a GEMM boundary: each
-program's stage ring refills while the slowest tile of the previous GEMM finishes.
+program per SM runs all four GEMMs' tiles in order. Once a program has finished a tile (or,
+with VARIANT's PREFETCH_FIRST, right after its K loop) it requests the first weight tiles of
+its next tile, the next GEMM's included (weights are written by no kernel), and only then
+waits for the GEMM its next tile depends on. So a program's stage ring refills while the
+slowest tile of the previous GEMM finishes, with no kernel exit and launch in between.
 
 Dependencies between GEMMs are counters in global memory (`kernels.backends.arrival_counters`,
 the last DONE_SLOTS): the program that writes an output tile (for a split-K tile, the split
@@ -27,6 +27,16 @@ One ring of STAGES stages of 32 KiB serves every GEMM: a stage holds two [64, 64
 and two x boxes; a plain GEMM fills them with two K boxes (128 columns), the gated gate_up with
 its gate and up rows of one K box (64 columns, one x box).
 
+Measured (H200, Llama-3-8B shapes, 64 rows, 8 layers in a CUDA graph; benchmarks/
+gluon_layer_bench.py, benchmarks/RESULTS.md run 22): **slower than the four kernels**, 136.8-
+143.8 us per layer against 126.0-128.1, so the engine does not use it. Its timeline
+(`launch(trace=...)`) shows where: the split-K finishes of o and down take 4-6 us from the last
+K loop to the last done count (a chain of dependent memory operations, queued behind the weight
+stream), gate_up's 224 tiles on 132 programs take ~4 us longer than the separate kernel's two
+waves, and the boundary between two layer kernels still costs ~4 us. The next steps it points
+to: gate_up stages of its own shape (24 KiB: 8 stages of one K box, ~112 KiB of weights in
+flight against 80 here), and a split-K finish off the critical path.
+
 Roles (as `kernels.fused_linear` runs them at 64 rows): o adds into the residual stream in
 place and writes its rows' sums of squares per output tile (K split O_SPLIT ways); gate_up
 normalises from them and applies SiLU(gate) * up; down adds into the stream and writes the sums
@@ -43,11 +53,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from kernels import pdl
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, num_sms
 from kernels.linear_gluon import (BOX_K, _finish_tile, _gdc_launch_dependents, _gdc_wait,
                                   _handed_over_sum_squares, _thread_barrier, _tma_load,
-                                  descriptors, usable)
+                                  descriptors)
 
 BLOCK_N = 64            # output features per tile (one wgmma row block)
 STAGES = 6              # pipeline stages of 32 KiB: 192 KiB, one program per SM
@@ -57,12 +66,12 @@ _BN = gl.constexpr(BLOCK_N)
 _BOX = gl.constexpr(BOX_K)
 _SLOTS = gl.constexpr(DONE_SLOTS)
 _DONE_AT = gl.constexpr(MAX_ARRIVAL_COUNTERS - DONE_SLOTS)
-# False: `fused_linear` runs the four GEMMs as separate kernels (benchmarks compare the two)
-ENABLED = True
-# synchronisation variants (benchmarks/gluon_layer_bench.py --variants): a proxy fence before
-# each done count; one after each wait (before TMA copies of the data it guards); the next
-# item's weights requested before the finished tile's epilogue (else after its count)
-VARIANT = dict(PRODUCER_FENCE=False, CONSUMER_FENCE=True, PREFETCH_FIRST=True, EARLY=STAGES)
+# Where the next item's weights are requested (benchmarks/gluon_layer_bench.py --variants):
+# PREFETCH_FIRST, before the finished tile's epilogue (else after its done count); EARLY, how
+# many of its stages' weights before the wait for the GEMM it depends on (the rest with x's
+# copies after it). Run 22: 6 stages before the epilogue 140.7-143.8 us per layer, 6 after it
+# 137.9-140.2, 2 after it 137.1 (benchmarks/RESULTS.md).
+VARIANT = dict(PREFETCH_FIRST=False, EARLY=2)
 
 
 @gluon.jit
@@ -90,14 +99,13 @@ def _stamp(trace_ptr, pid, slot, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def _wait_count(ptr, target, FENCE: gl.constexpr):
+def _wait_count(ptr, target):
     """Spin until the counter at ptr reaches target (each thread's own acquire loads), then
-    (FENCE) order the TMA copies that follow after them."""
+    order the TMA copies that follow after them (they read data the count guards)."""
     count = _load_acquire(ptr)
     while count < target:
         count = _load_acquire(ptr)
-    if FENCE:
-        _fence_proxy_async()
+    _fence_proxy_async()
 
 
 @gluon.jit
@@ -229,7 +237,6 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
           WAIT: gl.constexpr,
           NEXT: gl.constexpr, NEXT_GATED: gl.constexpr, NEXT_SPLIT_K: gl.constexpr,
           LAST: gl.constexpr, PDL: gl.constexpr, STAGES: gl.constexpr,
-          PRODUCER_FENCE: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
           PREFETCH_FIRST: gl.constexpr, EARLY: gl.constexpr, trace_ptr, TRACE: gl.constexpr,
           PHASE: gl.constexpr,
           num_warps: gl.constexpr):
@@ -248,7 +255,7 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
             _prefetch(w_desc, x_desc, w_smem, x_smem, bars, pos, pid, N, K, k_per_split, STAGES,
                       SPLIT_K, GATED, EARLY)
         if WAIT:
-            _wait_count(wait_ptr, wait_target, CONSUMER_FENCE)
+            _wait_count(wait_ptr, wait_target)
         _stamp(trace_ptr, pid, 3 * PHASE + 1, TRACE)
         epi: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
         rows = gl.arange(0, BM, layout=gl.SliceLayout(0, epi))                   # [BM]
@@ -284,8 +291,6 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
                                  RESIDUAL, RESIDUAL, False, SPLIT_K)
             if wrote:
                 _thread_barrier()           # every thread's stores precede the count
-                if PRODUCER_FENCE:
-                    _fence_proxy_async()
                 gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
             _stamp(trace_ptr, pid, 3 * PHASE + 3, TRACE)
             if not PREFETCH_FIRST:
@@ -302,11 +307,10 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
 @gluon.jit
 def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, act_ptr, qkv_ptr,
                   partial_ptr, counter_ptr, ss_o_ptr, ss_dn_ptr, M, o_in, hidden_size,
-                  intermediate, qkv_size, o_k_per_split, gu_k_per_split, dn_k_per_split, qkv_k_per_split,
-                  eps_mlp, eps_qkv, SS_PARTS: gl.constexpr, SS_P2: gl.constexpr,
+                  intermediate, qkv_size, o_k_per_split, gu_k_per_split, dn_k_per_split,
+                  qkv_k_per_split, eps_mlp, eps_qkv, SS_PARTS: gl.constexpr, SS_P2: gl.constexpr,
                   O_SPLIT: gl.constexpr, DN_SPLIT: gl.constexpr,
                   HAS_QKV: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                  PRODUCER_FENCE: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
                   PREFETCH_FIRST: gl.constexpr, EARLY: gl.constexpr, trace_ptr,
                   TRACE: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
@@ -325,39 +329,39 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
 
     prefetched = pid * 0
     if pid < o_tiles * O_SPLIT:   # o's weights: written by no kernel, requested before the wait
-        _prefetch(o_w, o_x, w_smem, x_smem, bars, 0, pid, hidden_size, o_in, o_k_per_split, STAGES, O_SPLIT, False, EARLY)
+        _prefetch(o_w, o_x, w_smem, x_smem, bars, 0, pid, hidden_size, o_in, o_k_per_split,
+                  STAGES, O_SPLIT, False, EARLY)
         prefetched += 1
     _gdc_wait(PDL)                  # the attention output, the stream, the counters
     _stamp(trace_ptr, pid, 0, TRACE)
     pos = pid * 0
+    # flags after M: NORM, GATED, RESIDUAL, SS_PARTS, SS_P2, SPLIT_K, WAIT, NEXT, NEXT_GATED,
+    # NEXT_SPLIT_K, LAST
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, o_w, o_x, hidden_size, o_in, o_k_per_split,
         hidden_ptr, ss_o_ptr, ss_o_ptr, 0.0, partial_ptr, counter_ptr, done, 0, done,
         gu_w, gu_x, intermediate, hidden_size, gu_k_per_split, w_smem, x_smem, bars, M,
-        False, False, True, 0, 1, O_SPLIT, False, True, True, 1, False, PDL, STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 0, num_warps)
+        False, False, True, 0, 1, O_SPLIT, False, True, True, 1, False,
+        PDL, STAGES, PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 0, num_warps)
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, gu_w, gu_x, intermediate, hidden_size, gu_k_per_split,
         act_ptr, ss_o_ptr, ss_o_ptr, eps_mlp, partial_ptr, counter_ptr, done, o_tiles,
         done + 1, dn_w, dn_x, hidden_size, intermediate, dn_k_per_split, w_smem, x_smem, bars,
-        M, True, True, False, SS_PARTS, SS_P2, 1, True, True, False, DN_SPLIT, False, PDL,
-        STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 1, num_warps)
+        M, True, True, False, SS_PARTS, SS_P2, 1, True, True, False, DN_SPLIT, False,
+        PDL, STAGES, PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 1, num_warps)
     pos, prefetched = _gemm(
         pos, prefetched, pid, programs, dn_w, dn_x, hidden_size, intermediate, dn_k_per_split,
         hidden_ptr, ss_dn_ptr, ss_dn_ptr, 0.0, partial_ptr, counter_ptr, done + 1, gu_tiles,
         done + 2, qkv_w, qkv_x, qkv_size, hidden_size, qkv_k_per_split, w_smem, x_smem, bars,
-        M, False, False, True, 0, 1, DN_SPLIT, True, HAS_QKV, False, 1, not HAS_QKV, PDL,
-        STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 2, num_warps)
+        M, False, False, True, 0, 1, DN_SPLIT, True, HAS_QKV, False, 1, not HAS_QKV,
+        PDL, STAGES, PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 2, num_warps)
     if HAS_QKV:
         pos, prefetched = _gemm(
             pos, prefetched, pid, programs, qkv_w, qkv_x, qkv_size, hidden_size,
             qkv_k_per_split, qkv_ptr, ss_dn_ptr, ss_dn_ptr, eps_qkv, partial_ptr, counter_ptr,
             done + 2, o_tiles, done + 3, qkv_w, qkv_x, qkv_size, hidden_size, qkv_k_per_split,
             w_smem, x_smem, bars, M, True, False, False, SS_PARTS, SS_P2, 1, True, False,
-            False, 1, True, PDL, STAGES, PRODUCER_FENCE, CONSUMER_FENCE,
-        PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 3, num_warps)
+            False, 1, True, PDL, STAGES, PREFETCH_FIRST, EARLY, trace_ptr, TRACE, 3, num_warps)
     _gdc_launch_dependents(PDL)     # (programs without an item in the last GEMM)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
@@ -367,17 +371,6 @@ def _layer_kernel(o_w, o_x, gu_w, gu_x, dn_w, dn_x, qkv_w, qkv_x, hidden_ptr, ac
     if exited == programs - 1:      # the last program out: reset for the next launch
         for slot in gl.static_range(_SLOTS):
             gl.atomic_xchg(done + slot, 0)
-
-
-def layer_usable(attn_out: torch.Tensor, hidden: torch.Tensor, weights) -> bool:
-    """Whether `launch` takes these operands: a Hopper GPU, at most 64 rows, bf16 / fp16, TMA-
-    aligned contiguous operands, every weight's rows and columns multiples of 128."""
-    if not (ENABLED and attn_out.is_cuda and 0 < attn_out.shape[0] <= 64
-            and torch.cuda.get_device_capability(attn_out.device)[0] == 9
-            and hidden.is_contiguous() and attn_out.is_contiguous()):
-        return False
-    return all(w.is_contiguous() and w.dtype == attn_out.dtype and w.shape[0] % 128 == 0
-               and w.shape[1] % 128 == 0 and usable(attn_out, w) for w in weights)
 
 
 def launch(attn_out: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
