@@ -308,8 +308,6 @@ GLUON_VARIANTS = {
     "gluon_release_early": (("kernels.pdl", "RELEASE_EARLY",
                              frozenset({"attention", "linear_gluon"})),),
     "gluon_96k": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
-    # gate_up's stages of one K box (16 KiB of weight, 8 stages) instead of two (32 KiB, 4)
-    "gluon_gated_1box": (("kernels.linear_gluon", "GATED_SUB_BOXES", 1),),
     # stream-K (kernels/linear_gluon_stream_k.py) where the per-tile grid leaves SMs idle
     "stream_k": (("kernels.linear_gluon_stream_k", "ENABLED", True),),
 }

@@ -74,9 +74,6 @@ from kernels import pdl
 
 BOX_K = 64              # K columns per TMA box: 128 bytes of bf16, one 128-byte-swizzled row
 SUB_BOXES = 2           # boxes per pipeline stage: K columns per stage = SUB_BOXES * BOX_K
-# the same for a gated GEMM's 64-row tiles (gate and up rows: 32 KiB of weight per stage with
-# two boxes; with one, 16 KiB per stage and 8 stages instead of 4; benchmarks compare the two)
-GATED_SUB_BOXES = 2
 STAGE_BUDGET = 192 * 1024   # shared memory for the stages
 # False: request the weight tiles after the PDL wait too (benchmarks compare the two)
 WEIGHTS_BEFORE_WAIT = True
@@ -336,12 +333,9 @@ def _finish_tile(acc, acc_up, sum_squares, residual, rows, cols, tile_ok, N, K, 
 
 
 def sub_boxes(block_n: int, gated: bool) -> int:
-    """Boxes per stage: SUB_BOXES (GATED_SUB_BOXES if gated), or one where a box of weight
-    rows (gate and up rows if gated) is wider than 128 rows (so a stage's weight stays within
-    32 KiB)."""
-    if block_n * (2 if gated else 1) > 128:
-        return 1
-    return GATED_SUB_BOXES if gated else SUB_BOXES
+    """Boxes per stage: SUB_BOXES, or one where a box of weight rows (gate and up rows if
+    gated) is wider than 128 rows (so a stage's weight stays within 32 KiB)."""
+    return SUB_BOXES if block_n * (2 if gated else 1) <= 128 else 1
 
 
 def stages_for(block_m: int, block_n: int, gated: bool) -> int:
