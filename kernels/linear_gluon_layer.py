@@ -33,9 +33,10 @@ gluon_layer_bench.py, benchmarks/RESULTS.md run 22): **slower than the four kern
 (`launch(trace=...)`) shows where: the split-K finishes of o and down take 4-6 us from the last
 K loop to the last done count (a chain of dependent memory operations, queued behind the weight
 stream), gate_up's 224 tiles on 132 programs take ~4 us longer than the separate kernel's two
-waves, and the boundary between two layer kernels still costs ~4 us. The next steps it points
-to: gate_up stages of its own shape (24 KiB: 8 stages of one K box, ~112 KiB of weights in
-flight against 80 here), and a split-K finish off the critical path.
+waves (its 64-column steps and fixed tile-to-program assignment: more weight in flight did
+not help the separate kernel either, run 22 call 7), and the boundary between two layer kernels
+still costs ~4 us. The next steps it points to: a split-K finish off the critical path, and
+gate_up's second-wave tiles handed out dynamically.
 
 Roles (as `kernels.fused_linear` runs them at 64 rows): o adds into the residual stream in
 place and writes its rows' sums of squares per output tile (K split O_SPLIT ways); gate_up
