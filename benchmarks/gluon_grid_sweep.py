@@ -80,9 +80,10 @@ def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
 # --tiles: Llama-3-8B's 64-row decode GEMMs (rows, N, K, gated) and the one-wave (BLOCK_N,
 # SPLIT_K) tilings tried for each (the first: the committed config)
 TILINGS = {"qkv": ((64, 6144, 4096, False), ((64, 1), (128, 2), (128, 1), (256, 4), (256, 2))),
-           "o": ((64, 4096, 4096, False), ((64, 2), (128, 4), (128, 2), (256, 8), (256, 4))),
+           "o": ((64, 4096, 4096, False), ((64, 1), (64, 2), (128, 4), (128, 2), (256, 8),
+                                           (256, 4))),
            "gate_up": ((64, 14336, 4096, True), ((64, 1), (128, 1))),
-           "down": ((64, 4096, 14336, False), ((64, 2), (128, 4), (128, 2), (256, 8),
+           "down": ((64, 4096, 14336, False), ((64, 2), (64, 1), (128, 4), (128, 2), (256, 8),
                                                (256, 4)))}
 
 
@@ -133,7 +134,7 @@ def main() -> int:
         cases += [(64, 4096, 14336, s, False) for s in (1, 2, 3, 4)]
         cases += [(64, 64 * p, 14336, 1, False) for p in (96, 132)]
     # Llama-3-8B's decode GEMMs at their 64-row configs (qkv, o, gate_up, down), then stream-K
-    llama = [(64, 6144, 4096, 1, False), (64, 4096, 4096, 2, False),
+    llama = [(64, 6144, 4096, 1, False), (64, 4096, 4096, 1, False),
              (64, 14336, 4096, 1, True), (64, 4096, 14336, 2, False)]
     # stream-K (split -P: over P programs): on the SMs, and on as many programs as tiles (one
     # whole tile each, no partials: the kernel's own cost against the per-tile kernel's)

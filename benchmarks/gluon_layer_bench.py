@@ -2,11 +2,11 @@
 kernels against the persistent layer kernel, on an H200.
 
 Llama-3-8B shapes (hidden 4096, intermediate 14336, qkv 6144; o and down split twice, as
-`kernels/configs` tunes them), LAYERS layers with distinct weights (more bytes than L2 holds),
-each path captured in a CUDA graph with PDL as in the engine. Prints microseconds per layer,
-the weight bytes per layer over that time as a fraction of the copy bandwidth measured in the
-same run (the decode roofline's rate), and the persistent kernel's time over the four
-kernels'. Runs alternate (A B A B) so that drift shows.
+`kernels/configs` tuned them until run 22, which left o unsplit), LAYERS layers with distinct
+weights (more bytes than L2 holds), each path captured in a CUDA graph with PDL as in the
+engine. Prints microseconds per layer, the weight bytes per layer over that time as a
+fraction of the copy bandwidth measured in the same run (the decode roofline's rate), and the
+persistent kernel's time over the four kernels'. Runs alternate (A B A B) so that drift shows.
 
 With --variants, the persistent kernel also runs with each of VARIANTS' synchronisation
 settings (`linear_gluon_layer.VARIANT`).

@@ -47,12 +47,14 @@ stages by this GEMM's last programs after their K loop lost 2-3% (12,629.7-12,74
 13,020.6 / 12,960.4), and a K split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
 
 Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, `benchmarks/gluon_grid_sweep.py
---tiles`): the committed tiles (BLOCK_N 64; K split 2 for o and down) beat every other one-wave
+--tiles`): the then committed tiles (BLOCK_N 64; K split 2 for o and down) beat every one-wave
 tiling (128- or 256-row tiles, which read x once for two or four wgmma row blocks: 5-247%
 slower); x's tiles in a ring of their own (3 / 2 stages, the rest for the weight's) lost 20-29%
 / 64-111%; each program starting its K loop at another x tile lost 2.6% at batch 64 in the
 engine. All programs reading the same x tile at about the same time, from one ring, is what
-this design keeps.
+this design keeps. Run 22: o unsplit (64 programs; run 21's sweep had not tried it) took 12.4
+against 13.9 us split twice, and decode at batch 64 gained 0.45-0.84% in one process, so the
+H200 config runs o unsplit; down unsplit was slower (35.3 against 34.9 us) and stays split.
 
 Numerics: as `linear_triton` (float32 accumulation of bf16 products, one rounding); results
 agree with the Triton kernel to bf16 rounding (tests/kernels/test_linear_gluon.py).
