@@ -235,18 +235,17 @@ def _gemm(pos, prefetched, pid, programs, w_desc, x_desc, N, K, k_per_split, out
           next_w, next_x, next_N, next_K, next_k_per_split, w_smem, x_smem, bars, M,
           NORM: gl.constexpr, GATED: gl.constexpr, RESIDUAL: gl.constexpr,
           SS_PARTS: gl.constexpr, SS_P2: gl.constexpr, SPLIT_K: gl.constexpr,
-          WAIT: gl.constexpr,
-          NEXT: gl.constexpr, NEXT_GATED: gl.constexpr, NEXT_SPLIT_K: gl.constexpr,
-          LAST: gl.constexpr, PDL: gl.constexpr, STAGES: gl.constexpr,
-          PREFETCH_FIRST: gl.constexpr, EARLY: gl.constexpr, trace_ptr, TRACE: gl.constexpr,
-          PHASE: gl.constexpr,
-          num_warps: gl.constexpr):
+          WAIT: gl.constexpr, NEXT: gl.constexpr, NEXT_GATED: gl.constexpr,
+          NEXT_SPLIT_K: gl.constexpr, LAST: gl.constexpr, PDL: gl.constexpr,
+          STAGES: gl.constexpr, PREFETCH_FIRST: gl.constexpr, EARLY: gl.constexpr, trace_ptr,
+          TRACE: gl.constexpr, PHASE: gl.constexpr, num_warps: gl.constexpr):
     """This program's items of one GEMM (t = pid, pid + programs, ...; `_tile`), after waiting
     (if WAIT) for wait_ptr's count to reach wait_target. Item pid's weights were requested
-    already if `prefetched` (1). After each K loop the next item's weights are requested (this
-    GEMM's or, with NEXT, the next GEMM's item pid), then the tile's epilogue runs and a
-    finished tile counts itself done at done_ptr. Returns (ring position, next GEMM's item
-    prefetched). `prefetched` is an int32 0 / 1 (a runtime value, as it is loop-carried)."""
+    already if `prefetched` (1). After each K loop the tile's epilogue runs and a finished tile
+    counts itself done at done_ptr; the next item's weights (this GEMM's, or with NEXT the next
+    GEMM's item pid) are requested before that epilogue with PREFETCH_FIRST, else after the
+    count. Returns (ring position, next GEMM's item prefetched). `prefetched` is an int32 0 / 1
+    (a runtime value, as it is loop-carried). PHASE: this GEMM's trace slots (`launch`)."""
     one = pid * 0 + 1
     BM: gl.constexpr = x_desc.block_type.shape[0]
     items = gl.cdiv(N, _BN) * SPLIT_K
