@@ -18,4 +18,3 @@ def test_engine_import_sets_mkl_dynamic_unless_given(given, expected):
     out = subprocess.run([sys.executable, "-c", PRINT], env=env, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == expected
-

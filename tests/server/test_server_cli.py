@@ -172,4 +172,3 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
         assert "Traceback" not in server.log() and "deepinfer: stopped" in server.log()
     finally:
         server.kill()
-
