@@ -32,9 +32,7 @@ DECODE_ARGS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cach
                "slot_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "out_ptr": "*bf16", "part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                "counter_ptr": "*i32", "scale": "fp32", "qkv_stride": "i32", "cos_stride": "i32",
-               "sin_stride": "i32", "bt_stride": "i32", "v_offset": "i32",
-               "prefetch_ptr": "*bf16", "prefetch_n": "i32", "prefetch_stride": "i32",
-               "prefetch_bytes": "i32"}
+               "sin_stride": "i32", "bt_stride": "i32", "v_offset": "i32"}
 NOT_MULTIPLE_OF_16 = {"M", "eps", "scale"}   # decode row counts; float scalars
 
 # (label, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, fusion, SWAP_AB, sums of squares:
@@ -120,7 +118,7 @@ def variants() -> list[tuple]:
                     stages))
     decode = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128,
                   BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=32, PRECISION="tf32",
-                  PDL=True, TRIGGER_AFTER_LOOP=False, PREFETCH=True, EVICT_LAST=True)
+                  PDL=True, TRIGGER_AFTER_LOOP=False)
     out.append((DECODE_LABEL, rotary_decode_triton._rotary_decode_kernel, DECODE_ARGS, decode,
                 4, 2))
     return out

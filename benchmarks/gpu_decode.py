@@ -297,11 +297,6 @@ ATTENTION_VARIANTS = {
                                ("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
     # context splits for ~one wave of programs instead of two (fewer splits at batch 8-32)
     "attn_one_wave": (("kernels.paged_attention_triton", "_WAVES", 1),),
-    # the attention's programs request (all / half of each row of) the o GEMM's weight into
-    # L2 as they start (kernels/l2_prefetch.py), with the evict-last policy
-    "attn_prefetch_o": (("kernels.rotary_decode_triton", "L2_PREFETCH_FRACTION", 1.0),),
-    "attn_prefetch_o_half": (("kernels.rotary_decode_triton", "L2_PREFETCH_FRACTION", 0.5),),
-    "prefetch_evict_last": (("kernels.rotary_decode_triton", "L2_PREFETCH_EVICT_LAST", True),),
 }
 # experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
 # weights requested before the PDL wait), and the weights requested after the wait instead

@@ -88,8 +88,7 @@ FUSED_ROTARY_DECODE = True
 def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                            cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
                            metadata: AttentionMetadata, scale: float,
-                           backend: str = "auto",
-                           prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           backend: str = "auto") -> torch.Tensor:
     """A step's attention from its fused q|k|v projection: rotate q and k, store k and v at
     `metadata.slot_mapping`, attend (`kernels.rotary.apply_rotary_write_kv`, then
     `paged_attention`). On the "triton" backend a decode-only batch runs all of it in one
@@ -102,8 +101,6 @@ def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
         cos, signed_sin: [num_tokens, 1, head_dim] from `RotaryEmbedding.forward`.
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
         metadata, scale, backend: as `paged_attention`.
-        prefetch: the weight of the GEMM that reads the result (o_proj's), which the fused
-            decode kernel may request into L2 as it starts (`rotary_decode_attention`).
     Returns:
         [num_tokens, num_q_heads, head_dim], qkv's dtype.
     """
@@ -112,7 +109,7 @@ def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
         from kernels.rotary_decode_triton import rotary_decode_attention
 
         return rotary_decode_attention(qkv, num_q_heads, cos, signed_sin, kv_cache, metadata,
-                                       scale, prefetch=prefetch)
+                                       scale)
     from kernels.rotary import apply_rotary_write_kv
 
     query = apply_rotary_write_kv(qkv, num_q_heads, num_kv_heads, cos, signed_sin, kv_cache,

@@ -42,15 +42,8 @@ import triton.language as tl
 from kernels import pdl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, num_sms
-from kernels.l2_prefetch import prefetch_rows, row_prefix
 from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_context,
                                             _check_cache, _precision, num_decode_splits)
-
-# Of each row of the next kernel's weight (`rotary_decode_attention(prefetch=...)`), the
-# fraction requested into L2 before the PDL wait (0: none; benchmarks compare settings)
-L2_PREFETCH_FRACTION = 0.0
-# True: those lines are requested with the evict-last L2 policy (kept over the KV stream)
-L2_PREFETCH_EVICT_LAST = False
 
 
 @triton.jit
@@ -66,21 +59,15 @@ def _rotate(x, x_partner, cos, sin):
 def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_tables_ptr,
                           seq_lens_ptr, out_ptr, part_ptr, m_ptr, l_ptr, counter_ptr, scale,
                           qkv_stride, cos_stride, sin_stride, bt_stride, v_offset,
-                          prefetch_ptr, prefetch_n, prefetch_stride, prefetch_bytes,
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           PRECISION: tl.constexpr, PDL: tl.constexpr,
-                          TRIGGER_AFTER_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
-                          EVICT_LAST: tl.constexpr):
+                          TRIGGER_AFTER_LOOP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:   # the next kernel's weight into L2 (written by no kernel: before the wait)
-        prefetch_rows(prefetch_ptr, prefetch_n, prefetch_stride, prefetch_bytes,
-                      (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split,
-                      tl.num_programs(0) * NUM_KV_HEADS * NUM_SPLITS, EVICT_LAST)
     # everything below reads the previous kernels' outputs or writes
     pdl.wait_and_release(PDL, not TRIGGER_AFTER_LOOP)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -173,8 +160,7 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
 
 def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tensor,
                             signed_sin: torch.Tensor, kv_cache: torch.Tensor,
-                            metadata: AttentionMetadata, scale: float,
-                            prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                            metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """Rotate q and k of a decode batch's fused projection, write k and v into the paged cache
     and attend: `kernels.rotary.apply_rotary_write_kv` then `paged_attention`, in one kernel.
 
@@ -191,10 +177,6 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
             max_seq_len (host int: sets the split count, so a graph captured at the largest
             length stays valid below it).
         scale: softmax scale.
-        prefetch: the next kernel's weight ([rows, K], e.g. o_proj's), of which the programs
-            request the first L2_PREFETCH_FRACTION of each row into L2 before their PDL wait
-            (`kernels/l2_prefetch.py`; evict-last if L2_PREFETCH_EVICT_LAST; on Hopper only);
-            None: nothing.
     Returns:
         [num_seqs, num_q_heads, head_dim], qkv's dtype.
     Raises:
@@ -226,17 +208,13 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
     group = num_q_heads // num_kv_heads
     block_tables = metadata.block_tables
     pdl_options = pdl.launch_options(qkv.device)
-    prefix = row_prefix(prefetch, L2_PREFETCH_FRACTION) if pdl_options else None
-    n_rows, row_bytes = prefix or (0, 0)
     _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
         qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, block_tables, metadata.seq_lens,
         out, part, m, sums, counters, scale, qkv.stride(0), cos.stride(0), signed_sin.stride(0),
-        block_tables.stride(0), kv_cache[0].numel(), prefetch if prefix else qkv, n_rows,
-        prefetch.stride(0) if prefix else 0, row_bytes, NUM_Q_HEADS=num_q_heads,
+        block_tables.stride(0), kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_precision(qkv),
         PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("attention"),
-        PREFETCH=prefix is not None, EVICT_LAST=L2_PREFETCH_EVICT_LAST, num_warps=_DECODE_LAUNCH[0],
-        num_stages=_DECODE_LAUNCH[1], **pdl_options)
+        num_warps=_DECODE_LAUNCH[0], num_stages=_DECODE_LAUNCH[1], **pdl_options)
     return out

@@ -60,10 +60,8 @@ class LlamaAttention(nn.Module):
     def attend(self, rope: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor,
                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """qkv: [T, q_size + 2 kv_size] -> attention output [T, q_size] (o_proj's input)."""
-        # rotate q and k, store k and v in the cache, attend: one kernel at decode on CUDA,
-        # which may request o_proj's weight (read next) into L2 as it starts
-        return self.attn.rotary_attend(qkv, rope, kv_cache, attn_metadata,
-                                       prefetch=self.o_proj.weight)  # [T, q_size]
+        # rotate q and k, store k and v in the cache, attend: one kernel at decode on CUDA
+        return self.attn.rotary_attend(qkv, rope, kv_cache, attn_metadata)  # [T, q_size]
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

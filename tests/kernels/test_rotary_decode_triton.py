@@ -85,30 +85,6 @@ def test_fused_decode_matches_rotary_write_then_attention(case, dtype):
     assert not arrival_counters(kv_cache.device).any()
 
 
-@pytest.mark.parametrize("fraction,evict_last", [(1.0, False), (0.3, True)])
-def test_l2_prefetch_changes_no_bits(monkeypatch, fraction, evict_last):
-    """The next GEMM's weight requested into L2 (all / 30% of each row, evict-normal / -last;
-    300 rows over the programs): the same output and cache bits as without; a weight the bulk
-    copy cannot take (rows not 16-byte aligned) is skipped."""
-    from kernels import rotary_decode_triton
-
-    context_lens, hq, hkv, d, block_size, bound = CASES["gqa_two_splits"]
-    scale, dtype = d ** -0.5, DTYPES[-1]
-    results = []
-    for settings in ((0.0, False), (fraction, evict_last)):
-        monkeypatch.setattr(rotary_decode_triton, "L2_PREFETCH_FRACTION", settings[0])
-        monkeypatch.setattr(rotary_decode_triton, "L2_PREFETCH_EVICT_LAST", settings[1])
-        for weight in (torch.randn(300, 520, device=DEVICE).to(torch.bfloat16),
-                       torch.randn(300, 517, device=DEVICE).to(torch.bfloat16)):
-            qkv, cos, signed_sin, kv_cache, metadata = _inputs(
-                context_lens, hq, hkv, d, block_size, dtype, seed=5)
-            out = rotary_decode_triton.rotary_decode_attention(
-                qkv, hq, cos, signed_sin, kv_cache, metadata, scale, prefetch=weight)
-            results.append((out, kv_cache))
-    for (out, cache), (base_out, base_cache) in zip(results[2:], results[:2]):
-        assert torch.equal(out, base_out) and torch.equal(cache, base_cache)
-
-
 def test_padding_rows_give_zeros_and_write_nothing():
     """CUDA-graph padding (seq_len 0, slot -1) beside a real row, many splits."""
     from kernels.rotary_decode_triton import rotary_decode_attention

@@ -49,16 +49,13 @@ class PagedAttention(nn.Module):
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 
     def rotary_attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                      prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """`forward` from the fused q|k|v projection: rotate q and k, write k and v, attend
         (`kernels.paged_attention.rotary_paged_attention`: one kernel for a decode batch on
         CUDA). qkv: [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]; rope: (cos,
-        signed_sin) from `RotaryEmbedding.forward` -> [num_tokens, num_heads * head_dim];
-        prefetch: the o projection's weight, which the decode kernel may request into L2."""
+        signed_sin) from `RotaryEmbedding.forward` -> [num_tokens, num_heads * head_dim]."""
         out = rotary_paged_attention(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache,
-                                     attn_metadata, self.scale, backend=self.backend,
-                                     prefetch=prefetch)
+                                     attn_metadata, self.scale, backend=self.backend)
         return out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
