@@ -298,6 +298,11 @@ ATTENTION_VARIANTS = {
     # context splits for ~one wave of programs instead of two (fewer splits at batch 8-32)
     "attn_one_wave": (("kernels.paged_attention_triton", "_WAVES", 1),),
 }
+# the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
+FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),
+               "gate_up": ("norm_gated", 28672, 4096), "down": ("residual", 4096, 14336)}
+
+
 # experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
 # weights requested before the PDL wait), and the weights requested after the wait instead
 GLUON_VARIANTS = {
@@ -308,12 +313,16 @@ GLUON_VARIANTS = {
     "gluon_release_early": (("kernels.pdl", "RELEASE_EARLY",
                              frozenset({"attention", "linear_gluon"})),),
     "gluon_96k": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
+    # the Gluon GEMMs of some epilogue roles (`linear_gluon.epilogue_role`) releasing the next
+    # kernel right after their wait: its programs take the SMs this GEMM leaves idle (o: 64
+    # programs; gate_up's second wave: 92) and request their first weight stages there
+    **{f"release_{'_'.join(roles)}": (("kernels.pdl", "RELEASE_EARLY", frozenset(
+        {"attention", *(f"linear_gluon {role}" for role in roles)})),)
+       for roles in (("gated",), ("gated", "residual"), ("gated", "residual", "norm"))},
+    "gluon_release_late": (("kernels.pdl", "RELEASE_EARLY", frozenset({"attention"})),),
     # stream-K (kernels/linear_gluon_stream_k.py) where the per-tile grid leaves SMs idle
     "stream_k": (("kernels.linear_gluon_stream_k", "ENABLED", True),),
 }
-# the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
-FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),
-               "gate_up": ("norm_gated", 28672, 4096), "down": ("residual", 4096, 14336)}
 
 
 def gluon_tiles_variant(spec: str) -> tuple:

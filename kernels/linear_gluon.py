@@ -38,10 +38,12 @@ BLOCK_M = the row bucket, 16 to 64):
 
 The launch needs BLOCK_N a multiple of 64 (a Hopper wgmma spans 64 rows over 4 warps).
 
-PDL release: after the K loop (`kernels/pdl.py`; "linear_gluon" in `pdl.RELEASE_EARLY` releases
-right after the wait instead). Run 19 (batch 64, same process; benchmarks/RESULTS.md): released
+PDL release: after the K loop for qkv and the LM head, right after the wait for gate_up, o and
+down (`pdl.RELEASE_EARLY` names them by `epilogue_role`; run 23: the next GEMM's programs then
+take the SMs o and gate_up's second wave leave idle, +0.9-1.4% at batch 64). Run 19 (batch 64, same process; benchmarks/RESULTS.md): released
 early 13,017.5 against 13,120.7 / 13,055.8; with 96 KiB of stages (two programs per SM)
-12,221.3, and released early so that the next GEMM's programs share the SMs 11,393.4. Shared
+12,221.3, and released early so that the next GEMM's programs share the SMs 11,393.4 (every
+Gluon GEMM released early, run 23: -2%, from qkv's release). Shared
 memory in flight per SM is what the stream needs. An L2 prefetch of the next GEMM's first
 stages by this GEMM's last programs after their K loop lost 2-3% (12,629.7-12,744.3 against
 13,020.6 / 12,960.4), and a K split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
@@ -390,4 +392,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated),
         SUB=sub_boxes(block_n, gated),
         PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
-        TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4, **pdl_options)
+        TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon", epilogue_role(
+            gated, residual is not None, norm_eps is not None)), num_warps=4, **pdl_options)
+
+
+def epilogue_role(gated: bool, residual: bool, norm: bool) -> str:
+    """A GEMM's role for `pdl.release_after_loop`, named by its epilogue: "gated" (SiLU gate:
+    an MLP's gate_up, whose output feeds the down GEMM), "residual" (o, down: added into the
+    residual stream, which feeds the next norm GEMM), "norm" (normed input: qkv, read next by
+    the attention), "plain"."""
+    return "gated" if gated else "residual" if residual else "norm" if norm else "plain"

@@ -51,10 +51,15 @@ import triton.language as tl
 # False: launch every kernel without PDL (benchmarks compare the two in one process)
 ENABLED = True
 # kernels ("linear": the Triton skinny GEMM, "linear_gluon": the Gluon one, "attention": the
-# one-kernel rotary decode attention) that release the next kernel right after their wait; the
-# others after their main loop (the attention either way: 240.6 / 240.5 tok/s at batch 1). The
-# RMSNorm kernel has no loop and releases right after its wait.
-RELEASE_EARLY = frozenset({"attention"})
+# one-kernel rotary decode attention; "linear_gluon ROLE": the Gluon GEMMs of one epilogue role,
+# `linear_gluon.epilogue_role`) that release the next kernel right after their wait; the others
+# after their main loop (the attention either way: 240.6 / 240.5 tok/s at batch 1). The RMSNorm
+# kernel has no loop and releases right after its wait. The Gluon GEMMs whose next kernel is a
+# GEMM (gate_up -> down, o / down -> the next norm GEMM) release early: its programs take the
+# SMs this GEMM leaves idle (o's 64 programs, gate_up's second wave of 92) and stream their first
+# weight stages there while this one runs; benchmarks/RESULTS.md run 23: +0.9-1.4% at batch 64.
+# qkv (next: the attention, whose early programs can only wait) releasing early lost 1.7-2.3%.
+RELEASE_EARLY = frozenset({"attention", "linear_gluon gated", "linear_gluon residual"})
 
 
 def supported(device: torch.device) -> bool:
@@ -71,10 +76,11 @@ def _hopper_or_newer(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def release_after_loop(kernel: str) -> bool:
+def release_after_loop(kernel: str, role: str | None = None) -> bool:
     """The TRIGGER_AFTER_LOOP constexpr of `kernel` ("linear", "linear_gluon" or
-    "attention")."""
-    return kernel not in RELEASE_EARLY
+    "attention"); a GEMM whose epilogue has `role` ("gated", "residual", "norm", "plain")
+    also releases early where RELEASE_EARLY names "kernel role" ("linear_gluon gated")."""
+    return kernel not in RELEASE_EARLY and f"{kernel} {role}" not in RELEASE_EARLY
 
 
 def launch_options(device: torch.device) -> dict:

@@ -115,7 +115,11 @@ _GLUON = pytest.mark.skipif(not _HOPPER, reason="the Gluon GEMM runs on Hopper")
     # the Gluon GEMM requests its weights before its wait (and may release right after it)
     pytest.param(frozenset({"attention"}), True, marks=_GLUON),
     pytest.param(frozenset({"attention", "linear_gluon"}), True, marks=_GLUON),
-], ids=["after_loops", "attention_early", "all_early", "gluon_after_loop", "gluon_early"])
+    # the committed release points: gate_up, o and down early, qkv after its K loop
+    pytest.param(frozenset({"attention", "linear_gluon gated", "linear_gluon residual"}), True,
+                 marks=_GLUON),
+], ids=["after_loops", "attention_early", "all_early", "gluon_after_loop", "gluon_early",
+        "gluon_by_role"])
 def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_chain_without_pdl(release_early, gluon,
                                                                      monkeypatch):
     expected = _run(False, frozenset(), monkeypatch, gluon=gluon)
