@@ -82,13 +82,17 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _copy_seconds(numel: int) -> float:
+    """Median seconds of one device copy of `numel` random bf16 values (freed on return)."""
+    src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return _timed(lambda: dst.copy_(src), 20)
+
+
 def measure_ceilings() -> dict:
     """Copy bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) on random data."""
-    src = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16)  # 4 GiB
-    dst = torch.empty_like(src)
-    copy_s = _timed(lambda: dst.copy_(src), 20)
-    bandwidth = 2 * src.numel() * src.element_size() / copy_s
-    del src, dst
+    numel = 1 << 31                                       # 4 GiB of bf16
+    bandwidth = 2 * numel * 2 / _copy_seconds(numel)      # bytes read + written
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     matmul_s = _timed(lambda: a @ b, 20)

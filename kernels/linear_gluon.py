@@ -39,14 +39,15 @@ BLOCK_M = the row bucket, 16 to 64):
 The launch needs BLOCK_N a multiple of 64 (a Hopper wgmma spans 64 rows over 4 warps).
 
 PDL release: after the K loop for qkv and the LM head, right after the wait for gate_up, o and
-down (`pdl.RELEASE_EARLY` names them by `epilogue_role`; run 23: the next GEMM's programs then
-take the SMs o and gate_up's second wave leave idle, +0.9-1.4% at batch 64). Run 19 (batch 64, same process; benchmarks/RESULTS.md): released
-early 13,017.5 against 13,120.7 / 13,055.8; with 96 KiB of stages (two programs per SM)
-12,221.3, and released early so that the next GEMM's programs share the SMs 11,393.4 (every
-Gluon GEMM released early, run 23: -2%, from qkv's release). Shared
-memory in flight per SM is what the stream needs. An L2 prefetch of the next GEMM's first
-stages by this GEMM's last programs after their K loop lost 2-3% (12,629.7-12,744.3 against
-13,020.6 / 12,960.4), and a K split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
+down (`pdl.RELEASE_EARLY` names them by `epilogue_role`). Run 23 (batch 64, same process;
+benchmarks/RESULTS.md): +0.9-1.4%, the next GEMM's programs taking the SMs that o and gate_up's
+second wave leave idle; every Gluon GEMM released early lost (run 19: 13,017.5 against
+13,120.7 / 13,055.8; run 23: -1.9%), from qkv's release (the attention's programs then wait on
+the SMs qkv leaves idle). With 96 KiB of stages (two programs per SM) 12,221.3, and released
+early so that the next GEMM's programs share the SMs 11,393.4: shared memory in flight per SM
+is what the stream needs. An L2 prefetch of the next GEMM's first stages by this GEMM's last
+programs after their K loop lost 2-3% (12,629.7-12,744.3 against 13,020.6 / 12,960.4), and a K
+split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
 
 Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, `benchmarks/gluon_grid_sweep.py
 --tiles`): the then committed tiles (BLOCK_N 64; K split 2 for o and down) beat every one-wave
