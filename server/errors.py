@@ -196,6 +196,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                          "UTF-8, nesting too deep, or an integer of more than 4,300 digits); "
                          "send a UTF-8 JSON object with Content-Type: application/json."
                          ), "invalid_json"
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":   # compressed bodies are not decompressed here
+            message = (f"Content-Encoding {encoding!r} is not supported; send the JSON body "
+                       "uncompressed.")
     err = APIError(message, status_code=exc.status_code, code=code,
                    type=_HTTP_TYPES.get(exc.status_code, "invalid_request_error"))
     return JSONResponse(err.body(), status_code=exc.status_code,

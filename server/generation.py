@@ -226,10 +226,11 @@ async def respond(raw: Request, engine: Any, metrics: ServerMetrics, request_id:
     A request of more choices than the engine ever holds at once is a 400 (a 429's retry could
     never succeed)."""
     if len(subs) > engine.max_in_flight:
+        several_prompts = len({tuple(sub.prompt_token_ids) for sub in subs}) > 1
         raise APIError(f"this request makes {len(subs)} choices (n times prompts), more than the "
                        f"{engine.max_in_flight} requests this server holds at once (max_num_seqs "
-                       "+ max_waiting_requests); split it into smaller requests.", param="n",
-                       code="invalid_value")
+                       "+ max_waiting_requests); split it into smaller requests.",
+                       param="prompt" if several_prompts else "n", code="invalid_value")
     if stream:
         outputs = await unless_disconnected(raw, start_stream(engine, metrics, request_id,
                                                                subs))

@@ -1,5 +1,6 @@
 """The HTTP layer over a scripted engine: routes, bodies, SSE framing, fan-out, status codes."""
 
+import gzip
 import json
 
 import pytest
@@ -205,6 +206,11 @@ def test_malformed_and_missing_bodies_are_openai_400s(client):
         assert_error(client.post("/v1/completions", content=body,
                                  headers={"content-type": "application/json"}),
                      400, None, "invalid_json", "could not be decoded as JSON")
+    gzipped = gzip.compress(b'{"prompt": "hi"}')   # found by black-box testing
+    assert_error(client.post("/v1/completions", content=gzipped,
+                             headers={"content-type": "application/json",
+                                      "content-encoding": "gzip"}),
+                 400, None, "invalid_json", "Content-Encoding 'gzip' is not supported")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, None, "invalid_type")
     assert_error(client.post("/v1/chat/completions", content=b'{"messages": []}',
                              headers={"content-type": "text/plain"}),
@@ -243,8 +249,10 @@ def test_more_choices_than_the_server_ever_holds_is_400_not_429(client, engine):
     holding 260 requests)."""
     engine.max_in_flight = 5
     error = assert_error(client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3}),
-                         400, "n", "invalid_value", "6 choices")
+                         400, "prompt", "invalid_value", "6 choices")
     assert "5 requests this server holds at once" in error["message"]
+    assert_error(client.post("/v1/completions", json={"prompt": "a", "n": 6}), 400, "n",
+                 "invalid_value", "6 choices")   # the field to shrink: n, or the prompt list
     assert client.post("/v1/completions", json={"prompt": ["a"], "n": 5}).status_code == 200
 
 
