@@ -92,7 +92,7 @@ def _copy_seconds(numel: int) -> float:
 def measure_ceilings() -> dict:
     """Copy bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) on random data."""
     numel = 1 << 31                                       # 4 GiB of bf16
-    bandwidth = 2 * numel * 2 / _copy_seconds(numel)      # bytes read + written
+    bandwidth = 2 * numel * torch.bfloat16.itemsize / _copy_seconds(numel)   # read + written
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     matmul_s = _timed(lambda: a @ b, 20)
@@ -302,11 +302,6 @@ ATTENTION_VARIANTS = {
     # context splits for ~one wave of programs instead of two (fewer splits at batch 8-32)
     "attn_one_wave": (("kernels.paged_attention_triton", "_WAVES", 1),),
 }
-# the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
-FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),
-               "gate_up": ("norm_gated", 28672, 4096), "down": ("residual", 4096, 14336)}
-
-
 # experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
 # weights requested before the PDL wait), and the weights requested after the wait instead
 GLUON_VARIANTS = {
@@ -327,6 +322,9 @@ GLUON_VARIANTS = {
     # stream-K (kernels/linear_gluon_stream_k.py) where the per-tile grid leaves SMs idle
     "stream_k": (("kernels.linear_gluon_stream_k", "ENABLED", True),),
 }
+# the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
+FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),
+               "gate_up": ("norm_gated", 28672, 4096), "down": ("residual", 4096, 14336)}
 
 
 def gluon_tiles_variant(spec: str) -> tuple:

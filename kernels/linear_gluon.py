@@ -40,7 +40,7 @@ The launch needs BLOCK_N a multiple of 64 (a Hopper wgmma spans 64 rows over 4 w
 
 PDL release: after the K loop for qkv and the LM head, right after the wait for gate_up, o and
 down (`pdl.RELEASE_EARLY` names them by `epilogue_role`). Run 23 (batch 64, same process;
-benchmarks/RESULTS.md): +0.9-1.4%, the next GEMM's programs taking the SMs that o and gate_up's
+benchmarks/RESULTS.md): +0.9-1.5%, the next GEMM's programs taking the SMs that o and gate_up's
 second wave leave idle; every Gluon GEMM released early lost (run 19: 13,017.5 against
 13,120.7 / 13,055.8; run 23: -1.9%), from qkv's release (the attention's programs then wait on
 the SMs qkv leaves idle). With 96 KiB of stages (two programs per SM) 12,221.3, and released

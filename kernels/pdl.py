@@ -57,8 +57,8 @@ ENABLED = True
 # kernel has no loop and releases right after its wait. The Gluon GEMMs whose next kernel is a
 # GEMM (gate_up -> down, o / down -> the next norm GEMM) release early: its programs take the
 # SMs this GEMM leaves idle (o's 64 programs, gate_up's second wave of 92) and stream their first
-# weight stages there while this one runs; benchmarks/RESULTS.md run 23: +0.9-1.4% at batch 64.
-# qkv (next: the attention, whose early programs can only wait) releasing early lost 1.7-2.3%.
+# weight stages there while this one runs; benchmarks/RESULTS.md run 23: +0.9-1.5% at batch 64.
+# qkv (next: the attention, whose early programs can only wait) releasing early lost 1.7-2.2%.
 RELEASE_EARLY = frozenset({"attention", "linear_gluon gated", "linear_gluon residual"})
 
 

@@ -219,18 +219,18 @@ async def respond(raw: Request, engine: Any, metrics: ServerMetrics, request_id:
                   subs: list[SubRequest], stream: bool,
                   events: Callable[[AsyncIterator[tuple[int, RequestOutput]]],
                                    AsyncIterator[bytes]],
-                  body: Callable[[list[ChoiceState]], Any]) -> Response:
+                  body: Callable[[list[ChoiceState]], Any],
+                  choices_param: str = "n") -> Response:
     """Run the sub-requests and answer: SSE built by `events`, or the JSON model `body` makes
     from the finished choices. 499 when the client left before the end (non-stream) or before
     the first output (stream: while queued or prefilling); its engine requests are aborted.
     A request of more choices than the engine ever holds at once is a 400 (a 429's retry could
-    never succeed)."""
+    never succeed) naming `choices_param`, the field to shrink ("prompt" for a prompt list)."""
     if len(subs) > engine.max_in_flight:
-        several_prompts = len({tuple(sub.prompt_token_ids) for sub in subs}) > 1
         raise APIError(f"this request makes {len(subs)} choices (n times prompts), more than the "
                        f"{engine.max_in_flight} requests this server holds at once (max_num_seqs "
                        "+ max_waiting_requests); split it into smaller requests.",
-                       param="prompt" if several_prompts else "n", code="invalid_value")
+                       param=choices_param, code="invalid_value")
     if stream:
         outputs = await unless_disconnected(raw, start_stream(engine, metrics, request_id,
                                                                subs))

@@ -56,7 +56,8 @@ class CompletionServing:
         return await gen.respond(
             raw, self.engine, self.metrics, request_id, subs, bool(req.stream),
             events=lambda outputs: self._events(req, request_id, n, echoes, outputs),
-            body=lambda states: self._body(req, request_id, n, echoes, states))
+            body=lambda states: self._body(req, request_id, n, echoes, states),
+            choices_param="prompt" if len(prompts) > 1 else "n")
 
     def _body(self, req: CompletionRequest, request_id: str, n: int, echoes: list[str],
               states: list[gen.ChoiceState]) -> CompletionResponse:
