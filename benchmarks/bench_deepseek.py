@@ -46,7 +46,7 @@ def build_checkpoint(path: Path) -> None:
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from engine.loader import load_tokenizer, resolve_model_dir
+    from deepinfer.engine.loader import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir(None, None))
     config = DeepseekV3Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -85,7 +85,7 @@ def hf_run(model_dir: Path, prompts: list[list[int]], new_tokens: int
 
 def deepinfer_run(llm, prompts: list[list[int]], new_tokens: int
                   ) -> tuple[float, list[list[int]]]:
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -110,8 +110,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from engine.llm import LLM
+    from deepinfer.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from deepinfer.engine.llm import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)

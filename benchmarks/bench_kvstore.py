@@ -49,7 +49,7 @@ def start_redis() -> tuple[subprocess.Popen, str]:
 
 def ttft(core, prompt_ids: list[int], request_id: str) -> tuple[float, int]:
     """Seconds from add_request to the first token, and the prompt tokens served from cache."""
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     request = core.make_request(prompt_ids, params, request_id)
@@ -126,9 +126,9 @@ def main() -> None:
     parser.add_argument("--skip-ttft", action="store_true", help="measure goodput only")
     args = parser.parse_args()
 
-    from engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
+    from deepinfer.engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
                                SchedulerConfig)
-    from engine.engine_core import EngineCore
+    from deepinfer.engine.engine_core import EngineCore
 
     process, url = (None, args.redis_url) if args.redis_url else start_redis()
     try:

@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
 
-    from engine.loader import resolve_model_dir
+    from deepinfer.engine.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model, None)
     prompts = (PROMPTS * 4)[:args.concurrency]

@@ -67,9 +67,9 @@ def random_walk(backend, compiled, eos: list[int], closing: set[int], rng: rando
 
 def corpus_stats(per_split: int, walk_tokens: int) -> None:
     import jsonschema
-    from engine.loader import load_tokenizer, resolve_model_dir
-    from engine.structured import GrammarError
-    from engine.structured.xgrammar_backend import XGrammarBackend
+    from deepinfer.engine.loader import load_tokenizer, resolve_model_dir
+    from deepinfer.engine.structured import GrammarError
+    from deepinfer.engine.structured.xgrammar_backend import XGrammarBackend
     from structured_schemas import HAND_WRITTEN, bench_sample, is_exact
 
     tokenizer = load_tokenizer(resolve_model_dir(None, None))
@@ -113,9 +113,9 @@ def corpus_stats(per_split: int, walk_tokens: int) -> None:
 
 
 def decode_throughput(new_tokens: int, concurrency: int, rounds: int) -> None:
-    from engine.config import CacheConfig, EngineConfig, ModelConfig
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from deepinfer.engine.llm import LLM
+    from deepinfer.engine.sampling_params import SamplingParams
 
     llm = LLM(config=EngineConfig(model=ModelConfig(device="cpu"),
                                   cache=CacheConfig(num_blocks=2048)))

@@ -53,8 +53,8 @@ def main() -> int:
     parser.add_argument("--write-configs", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    from kernels.backends import write_device_config
-    from kernels.blas_choice import CONFIG_KIND, preferring
+    from deepinfer.kernels.backends import write_device_config
+    from deepinfer.kernels.blas_choice import CONFIG_KIND, preferring
 
     entries = []
     for name, (out_features, in_features) in SHAPES.items():

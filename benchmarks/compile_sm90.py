@@ -101,7 +101,7 @@ def describe(kernel) -> str:
 
 def variants() -> list[tuple]:
     """(label, kernel, arg types, constexprs, num_warps, num_stages) of every variant."""
-    from kernels import linear_triton, rotary_decode_triton
+    from deepinfer.kernels import linear_triton, rotary_decode_triton
 
     out = []
     for label, block_m, block_n, block_k, warps, stages, fusion, swap, parts in GEMMS:
@@ -133,7 +133,7 @@ def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int | None, parts
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import linear_gluon, linear_gluon_stream_k, pdl
+    from deepinfer.kernels import linear_gluon, linear_gluon_stream_k, pdl
 
     def descriptor(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, linear_gluon.BOX_K], gl.bfloat16)
@@ -180,7 +180,7 @@ def compile_gluon_layer_for_sm90(trace: bool = False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import linear_gluon, linear_gluon_layer
+    from deepinfer.kernels import linear_gluon, linear_gluon_layer
 
     layout = gl.NVMMASharedLayout.get_default_for([64, linear_gluon.BOX_K], gl.bfloat16)
     desc = f"tensordesc<bf16[64, {linear_gluon.BOX_K}],{layout!r}>"

@@ -36,7 +36,7 @@ def main() -> int:
 
     from benchmarks.blas_sweep import graph_us
 
-    from kernels import paged_attention_triton as pat
+    from deepinfer.kernels import paged_attention_triton as pat
 
     print(f"defaults (BLOCK_N, num_warps, num_stages): "
           f"{(pat._DECODE_BLOCK_N, *pat._DECODE_LAUNCH)}")

@@ -59,9 +59,9 @@ CANDIDATES = {
 def unfused_boundary(x, first, second, residual, ones, fusion):
     """The engine's ops without fusion (kernels.linear dispatch, Triton add + RMSNorm with the
     folded norm's all-ones weight `ones`, SiLU-mul)."""
-    from kernels.activation import silu_and_mul
-    from kernels.linear import linear
-    from kernels.rms_norm import rms_norm
+    from deepinfer.kernels.activation import silu_and_mul
+    from deepinfer.kernels.linear import linear
+    from deepinfer.kernels.rms_norm import rms_norm
 
     normed, _ = rms_norm(linear(x, first), ones, EPS, residual)
     out = linear(normed, second)
@@ -71,7 +71,7 @@ def unfused_boundary(x, first, second, residual, ones, fusion):
 def fused_call(fusion: str, x, weight, residual, config: dict, added=None):
     """The fused kernel as the engine runs it: a residual GEMM returns the stream (and writes
     its rows' sums of squares); a norm GEMM reads `added`'s where given."""
-    from kernels.fused_linear import fused_linear_add, fused_norm_linear
+    from deepinfer.kernels.fused_linear import fused_linear_add, fused_norm_linear
 
     if fusion == "residual":
         return fused_linear_add(x, weight, None, residual, config)[1]
@@ -81,7 +81,7 @@ def fused_call(fusion: str, x, weight, residual, config: dict, added=None):
 def fused_chain(second_fusion: str, x, weights, residual, configs):
     """A fused boundary: the residual GEMM (every boundary's first), then the norm GEMM on its
     stream and sums of squares (`kernels.fused_linear.AddedRows`)."""
-    from kernels.fused_linear import fused_linear_add
+    from deepinfer.kernels.fused_linear import fused_linear_add
 
     added, stream = fused_linear_add(x, weights[0], None, residual, configs[0])
     return fused_call(second_fusion, stream, weights[1], None, configs[1], added)
@@ -90,7 +90,7 @@ def fused_chain(second_fusion: str, x, weights, residual, configs):
 def handed_over(stream: torch.Tensor, tiles: int = 64):
     """AddedRows for `stream` [M, H] as a residual GEMM of H / tiles columns per tile writes
     them (what the engine's norm GEMM reads; None with the handoff off)."""
-    from kernels import fused_linear
+    from deepinfer.kernels import fused_linear
 
     if not fused_linear.SUM_SQUARES_HANDOFF:
         return None
@@ -212,10 +212,10 @@ def main() -> int:
                         help="norm GEMMs compute their own sums of squares "
                              "(fused_linear.SUM_SQUARES_HANDOFF off)")
     args = parser.parse_args()
-    from kernels import fused_linear
+    from deepinfer.kernels import fused_linear
 
     fused_linear.SUM_SQUARES_HANDOFF = not args.no_handoff
-    from kernels.backends import update_device_config
+    from deepinfer.kernels.backends import update_device_config
 
     buckets = [int(b) for b in args.buckets.split(",")]
     entries = [entry for bucket in buckets for label in BOUNDARIES

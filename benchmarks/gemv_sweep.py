@@ -86,7 +86,7 @@ def graph_us_per_call(fn, weights: list[torch.Tensor]) -> float:
 
 
 def sweep_shape(name: str, bucket: int, out_features: int, in_features: int) -> dict:
-    from kernels import linear_triton
+    from deepinfer.kernels import linear_triton
 
     weight_bytes = out_features * in_features * 2
     copies = max(4, min(32, -(-(1 << 30) // weight_bytes)))
@@ -138,8 +138,8 @@ def main() -> int:
                         help="comma-separated row buckets; with --write-configs the other "
                              "buckets keep their entries")
     args = parser.parse_args()
-    from kernels import linear_triton
-    from kernels.backends import update_device_config
+    from deepinfer.kernels import linear_triton
+    from deepinfer.kernels.backends import update_device_config
 
     names = args.shapes.split(",")
     entries = [sweep_shape(name, bucket, *SHAPES[name])

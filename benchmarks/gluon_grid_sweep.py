@@ -40,8 +40,8 @@ def gemm_us(rows: int, out_features: int, in_features: int, split_k: int = 1,
     on distinct weights; with stream_k, `linear_gluon_stream_k`'s kernel over that many
     programs (split_k unused)."""
     from benchmarks.blas_sweep import graph_us
-    from kernels import linear_gluon, linear_gluon_stream_k, pdl
-    from kernels.backends import arrival_counters
+    from deepinfer.kernels import linear_gluon, linear_gluon_stream_k, pdl
+    from deepinfer.kernels.backends import arrival_counters
 
     device = torch.device("cuda")
     weight_rows = out_features * (2 if gated else 1)
@@ -116,7 +116,7 @@ def main() -> int:
                         help="only Llama-3-8B's four GEMMs at the tilings of TILINGS")
     args = parser.parse_args()
     from benchmarks.gpu_decode import measure_ceilings
-    from kernels import backends
+    from deepinfer.kernels import backends
 
     copy_bandwidth = measure_ceilings()["copy_bandwidth_Bps"]
     num_sms = backends.num_sms(0)

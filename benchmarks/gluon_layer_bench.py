@@ -52,7 +52,7 @@ def layer_weights(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
 def path_us(launch, rows: int, weights, o_split: int = 2) -> float:
     """Median graph replay microseconds per layer of `launch` over the layers."""
     from benchmarks.blas_sweep import graph_us
-    from kernels import pdl
+    from deepinfer.kernels import pdl
 
     device = weights[0][0].device
     attn_out = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
@@ -71,7 +71,7 @@ def timeline(rows: int, weights, o_split: int = 2) -> list[dict]:
     """Per GEMM of a middle layer's persistent kernel: microseconds from the kernel's first
     program past the PDL wait to (first wait end, median K-loop end, last K-loop end, last
     done count)."""
-    from kernels import linear_gluon_layer, pdl
+    from deepinfer.kernels import linear_gluon_layer, pdl
 
     device = weights[0][0].device
     attn_out = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
@@ -109,7 +109,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from benchmarks.gpu_decode import measure_ceilings
-    from kernels import linear_gluon_layer
+    from deepinfer.kernels import linear_gluon_layer
 
     copy_bandwidth = measure_ceilings()["copy_bandwidth_Bps"]
     weights = layer_weights(torch.device("cuda"))

@@ -117,7 +117,7 @@ def build_models(hf_config):
     """(HF model, deepinfer model) on CUDA in bf16, holding the same random weights."""
     from transformers import LlamaForCausalLM as HFLlama
 
-    from engine.models.llama import LlamaForCausalLM
+    from deepinfer.engine.models.llama import LlamaForCausalLM
 
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
@@ -190,9 +190,9 @@ def hf_throughput(hf_model, vocab: int, quick: bool) -> dict:
 
 
 def build_engine(model_dir: Path, model):
-    from engine.async_llm import freeze_startup_heap
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from deepinfer.engine.async_llm import freeze_startup_heap
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.engine_core import EngineCore
 
     config = EngineConfig().replace(
         model={"model": str(model_dir), "device": "cuda", "dtype": "bfloat16"},
@@ -213,7 +213,7 @@ def build_engine(model_dir: Path, model):
 def _run_requests(core, prompts, max_tokens: int) -> tuple[float, int, int]:
     """Submit, then step to completion. Returns (seconds after every request has its first
     token, tokens generated in that window, steps in that window)."""
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for prompt in prompts:
@@ -242,7 +242,7 @@ def engine_decode(core, batch: int, vocab: int, new_tokens: int) -> dict:
 
 def set_async_scheduling(core, enabled: bool) -> None:
     """Switch the idle engine between async (engine/async_step.py) and synchronous steps."""
-    from engine.async_step import AsyncStepper
+    from deepinfer.engine.async_step import AsyncStepper
 
     assert not core.has_unfinished_requests()
     core.async_steps = AsyncStepper(core) if enabled else None
@@ -258,23 +258,23 @@ def recapture_graphs(core) -> None:
 
 
 # every linear on cuBLAS: the fused and plain Triton skinny GEMMs and the cuBLASLt choice off
-CUBLAS_ONLY = (("kernels.linear", "SKINNY_MAX_ROWS", 0), ("kernels.blas_choice", "MAX_ROWS", 0),
-               ("kernels.fused_linear", "ENABLED", False))
+CUBLAS_ONLY = (("deepinfer.kernels.linear", "SKINNY_MAX_ROWS", 0), ("deepinfer.kernels.blas_choice", "MAX_ROWS", 0),
+               ("deepinfer.kernels.fused_linear", "ENABLED", False))
 # same-process comparisons: label -> the (module, attribute, value) settings it switches
-VARIANTS = {"unfused": (("kernels.fused_linear", "ENABLED", False),),
-            "unfused_attention": (("kernels.paged_attention", "FUSED_ROTARY_DECODE", False),),
+VARIANTS = {"unfused": (("deepinfer.kernels.fused_linear", "ENABLED", False),),
+            "unfused_attention": (("deepinfer.kernels.paged_attention", "FUSED_ROTARY_DECODE", False),),
             "cublas_linears": CUBLAS_ONLY,
-            "no_cublaslt": (("kernels.blas_choice", "MAX_ROWS", 0),),
-            "no_pdl": (("kernels.pdl", "ENABLED", False),),
-            "no_ss_handoff": (("kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),),
-            "argmax_pass": (("kernels.linear", "ROW_ARGMAX_EPILOGUE", False),),
-            "gluon_off": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset()),)}
+            "no_cublaslt": (("deepinfer.kernels.blas_choice", "MAX_ROWS", 0),),
+            "no_pdl": (("deepinfer.kernels.pdl", "ENABLED", False),),
+            "no_ss_handoff": (("deepinfer.kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),),
+            "argmax_pass": (("deepinfer.kernels.linear", "ROW_ARGMAX_EPILOGUE", False),),
+            "gluon_off": (("deepinfer.kernels.linear_triton", "GLUON_BLOCK_M", frozenset()),)}
 # experiments (--variants): the committed settings alone, and which kernels release the next
 # one right after their wait
 PDL_VARIANTS = {
     "baseline": (),   # the committed settings (a reference for --variants-only)
-    "pdl_all_late": (("kernels.pdl", "RELEASE_EARLY", frozenset()),),
-    "pdl_all_early": (("kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
+    "pdl_all_late": (("deepinfer.kernels.pdl", "RELEASE_EARLY", frozenset()),),
+    "pdl_all_early": (("deepinfer.kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
 }
 
 
@@ -283,8 +283,8 @@ def _fused_table_64_attn_to_mlp_unfused(device):
     """`kernels.fused_linear._fused_table` with the 64-row attn_to_mlp boundary (o + residual,
     gate_up + norm + SiLU) left unfused, as run 16's sweep chose before the UNFUSED_MARGIN
     rule. Cached: the engine's eager steps look it up per linear."""
-    from kernels import fused_linear
-    from kernels.backends import device_config_entries
+    from deepinfer.kernels import fused_linear
+    from deepinfer.kernels.backends import device_config_entries
 
     return fused_linear.fused_table(
         e for e in device_config_entries(fused_linear.CONFIG_KIND, device)
@@ -293,34 +293,34 @@ def _fused_table_64_attn_to_mlp_unfused(device):
 
 # experiments (--variants): a 64-row boundary unfused
 BOUNDARY_VARIANTS = {"attn_to_mlp_64_unfused": (
-    ("kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),)}
+    ("deepinfer.kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),)}
 # experiments (--variants): the one-kernel decode attention's context tile and pipeline depth
 ATTENTION_VARIANTS = {
-    "attn_3_stages": (("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
-    "attn_32_tiles_3_stages": (("kernels.rotary_decode_triton", "_DECODE_BLOCK_N", 32),
-                               ("kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
+    "attn_3_stages": (("deepinfer.kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
+    "attn_32_tiles_3_stages": (("deepinfer.kernels.rotary_decode_triton", "_DECODE_BLOCK_N", 32),
+                               ("deepinfer.kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
     # context splits for ~one wave of programs instead of two (fewer splits at batch 8-32)
-    "attn_one_wave": (("kernels.paged_attention_triton", "_WAVES", 1),),
+    "attn_one_wave": (("deepinfer.kernels.paged_attention_triton", "_WAVES", 1),),
 }
 # experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
 # weights requested before the PDL wait), and the weights requested after the wait instead
 GLUON_VARIANTS = {
-    "gluon_all_buckets": (("kernels.linear_triton", "GLUON_BLOCK_M", frozenset({16, 32, 64})),),
-    "gluon_wait_first": (("kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False),),
+    "gluon_all_buckets": (("deepinfer.kernels.linear_triton", "GLUON_BLOCK_M", frozenset({16, 32, 64})),),
+    "gluon_wait_first": (("deepinfer.kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False),),
     # the Gluon GEMM releasing the next kernel right after its wait (the next GEMM's programs
     # then take SMs as soon as this one's leave); its stages in 96 KiB (two programs per SM)
-    "gluon_release_early": (("kernels.pdl", "RELEASE_EARLY",
+    "gluon_release_early": (("deepinfer.kernels.pdl", "RELEASE_EARLY",
                              frozenset({"attention", "linear_gluon"})),),
-    "gluon_96k": (("kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
+    "gluon_96k": (("deepinfer.kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
     # the Gluon GEMMs of some epilogue roles (`linear_gluon.epilogue_role`) releasing the next
     # kernel right after their wait: its programs take the SMs this GEMM leaves idle (o: 64
     # programs; gate_up's second wave: 92) and request their first weight stages there
-    **{f"release_{'_'.join(roles)}": (("kernels.pdl", "RELEASE_EARLY", frozenset(
+    **{f"release_{'_'.join(roles)}": (("deepinfer.kernels.pdl", "RELEASE_EARLY", frozenset(
         {"attention", *(f"linear_gluon {role}" for role in roles)})),)
        for roles in (("gated",), ("gated", "residual"), ("gated", "residual", "norm"))},
-    "gluon_release_late": (("kernels.pdl", "RELEASE_EARLY", frozenset({"attention"})),),
+    "gluon_release_late": (("deepinfer.kernels.pdl", "RELEASE_EARLY", frozenset({"attention"})),),
     # stream-K (kernels/linear_gluon_stream_k.py) where the per-tile grid leaves SMs idle
-    "stream_k": (("kernels.linear_gluon_stream_k", "ENABLED", True),),
+    "stream_k": (("deepinfer.kernels.linear_gluon_stream_k", "ENABLED", True),),
 }
 # the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
 FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),
@@ -340,13 +340,13 @@ def gluon_tiles_variant(spec: str) -> tuple:
 
     @functools.cache
     def table(device):
-        from kernels import fused_linear
-        from kernels.backends import device_config_entries
+        from deepinfer.kernels import fused_linear
+        from deepinfer.kernels.backends import device_config_entries
 
         fused = fused_linear.fused_table(device_config_entries(fused_linear.CONFIG_KIND, device))
         return {key: {**config, **tilings.get(key, {})} for key, config in fused.items()}
 
-    return (("kernels.fused_linear", "_fused_table", table),)
+    return (("deepinfer.kernels.fused_linear", "_fused_table", table),)
 
 
 EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
@@ -392,7 +392,7 @@ def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dic
 
 def engine_prefill(core, vocab: int, num_prompts: int) -> float:
     """Prefill tokens/s: 2,048-token prompts, one new token each (8,192-token steps)."""
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompts = _random_prompts(num_prompts, PREFILL_TOKENS, vocab, 7)
@@ -444,7 +444,7 @@ class StageTimer:
 def gemm_only_ms(model, batch: int) -> float:
     """Replay time of a graph holding only the step's matmuls (every Linear of every layer and
     the LM head) at `batch` rows: the floor the rest of the forward adds to."""
-    from engine.models.layers.linear import Linear
+    from deepinfer.engine.models.layers.linear import Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     inputs = {m.in_features: torch.randn(batch, m.in_features, device="cuda",
@@ -567,7 +567,7 @@ def _breakdown_inputs(graphs, size: int, context: int) -> None:
     tokens through the block tables left in its buffers by the last run, and write no KV."""
     import numpy as np
 
-    from kernels.decode_inputs import pack_decode_inputs
+    from deepinfer.kernels.decode_inputs import pack_decode_inputs
 
     host = np.zeros(graphs.packed.numel(), dtype=np.int32)
     rows = np.zeros(size, dtype=np.int64)

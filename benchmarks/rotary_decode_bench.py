@@ -45,7 +45,7 @@ def sweep_launch_configs(fused) -> dict[str, float]:
     """{"BLOCK_N/num_warps/num_stages": us per layer} of the fused kernel over the unfused
     sweep's grid; configs Triton cannot build are left out. The defaults are restored."""
     from benchmarks.decode_attention_sweep import BLOCK_NS, STAGES, WARPS
-    from kernels import rotary_decode_triton as fused_module
+    from deepinfer.kernels import rotary_decode_triton as fused_module
 
     saved = fused_module._DECODE_BLOCK_N, fused_module._DECODE_LAUNCH
     timings = {}
@@ -74,9 +74,9 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
     from gpu_common import random_paged_batch  # noqa: I001 (tests/kernels on sys.path)
 
-    from kernels import elementwise_triton, rotary_decode_triton
-    from kernels import paged_attention_triton as pat
-    from kernels.backends import num_sms
+    from deepinfer.kernels import elementwise_triton, rotary_decode_triton
+    from deepinfer.kernels import paged_attention_triton as pat
+    from deepinfer.kernels.backends import num_sms
 
     rows = []
     for batch, context in itertools.product(map(int, args.batches.split(",")),

@@ -18,8 +18,9 @@ RUN groupadd --gid 10001 deepinfer \
     && pip install --no-cache-dir -r /tmp/router-requirements.txt \
     && rm /tmp/router-requirements.txt
 
-# only what `deepinfer router` runs: the CLI entry point (server/cli.py) and router/
-COPY pyproject.toml README.md /tmp/deepinfer/
+# only what `deepinfer router` runs: the namespace package, the CLI entry point (server/cli.py) and router/
+COPY pyproject.toml setup.py README.md /tmp/deepinfer/
+COPY deepinfer /tmp/deepinfer/deepinfer
 COPY server /tmp/deepinfer/server
 COPY router /tmp/deepinfer/router
 RUN pip install --no-cache-dir --no-deps /tmp/deepinfer \

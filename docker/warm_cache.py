@@ -35,8 +35,8 @@ def _entry_names(directory: Path) -> set[str]:
 
 def _warm_model(check: bool) -> str | None:
     """Convert the configured model (the embedded default) into the cache; an error or None."""
-    from engine.config import EngineConfig, env_overrides
-    from engine.loader import DEFAULT_CACHE_DIR, resolve_model_dir
+    from deepinfer.engine.config import EngineConfig, env_overrides
+    from deepinfer.engine.loader import DEFAULT_CACHE_DIR, resolve_model_dir
 
     model = EngineConfig().replace(**env_overrides()).model
     cache_root = Path(model.cache_dir or DEFAULT_CACHE_DIR).expanduser()
@@ -51,7 +51,7 @@ def _warm_model(check: bool) -> str | None:
 
 def _warm_cpu_kernels() -> str | None:
     """Compile (or, when up to date, only load) the C++ CPU kernels; an error or None."""
-    from kernels.cpu_extension import _cpu_has_avx2, cpu_extension
+    from deepinfer.kernels.cpu_extension import _cpu_has_avx2, cpu_extension
 
     if not _cpu_has_avx2():
         print("warm_cache: this CPU lacks AVX2/FMA/F16C, the C++ CPU kernels are not built; "

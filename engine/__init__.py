@@ -14,19 +14,19 @@ import os
 # unless the environment says otherwise. Set here, before any engine module loads torch.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
-from engine.sampling_params import SamplingParams  # noqa: E402
+from deepinfer.engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "EngineConfig"]
 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from engine.llm import LLM
+        from deepinfer.engine.llm import LLM
         return LLM
     if name == "AsyncLLM":
-        from engine.async_llm import AsyncLLM
+        from deepinfer.engine.async_llm import AsyncLLM
         return AsyncLLM
     if name == "EngineConfig":
-        from engine.config import EngineConfig
+        from deepinfer.engine.config import EngineConfig
         return EngineConfig
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

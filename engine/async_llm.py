@@ -17,12 +17,12 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.errors import EngineDeadError, EngineShuttingDownError, QueueFullError
-from engine.outputs import RequestOutput, SchedulerStats
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.engine_core import EngineCore
+from deepinfer.engine.errors import EngineDeadError, EngineShuttingDownError, QueueFullError
+from deepinfer.engine.outputs import RequestOutput, SchedulerStats
+from deepinfer.engine.request import Request
+from deepinfer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

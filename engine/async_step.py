@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.input_batch import CachedRequestState
-from engine.kv_transfer import IDLE_WAIT_S
-from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprobs
-from engine.request import Request
-from engine.sampling_metadata import uses_penalty
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.input_batch import CachedRequestState
+from deepinfer.engine.kv_transfer import IDLE_WAIT_S
+from deepinfer.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprobs
+from deepinfer.engine.request import Request
+from deepinfer.engine.sampling_metadata import uses_penalty
+from deepinfer.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine_core import EngineCore
+    from deepinfer.engine.engine_core import EngineCore
 
 
 

@@ -48,9 +48,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.input_batch import StepInputs
-from kernels.attention_metadata import AttentionMetadata
-from kernels.decode_inputs import pack_decode_inputs, packed_size, unpack_decode_inputs
+from deepinfer.engine.input_batch import StepInputs
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.decode_inputs import pack_decode_inputs, packed_size, unpack_decode_inputs
 
 logger = logging.getLogger(__name__)
 

@@ -15,20 +15,20 @@ from pathlib import Path
 
 import torch
 
-from engine import loader
-from engine.async_step import AsyncStepper
-from engine.config import EngineConfig, ModelConfig
-from engine.errors import PromptTooLongError, outside_vocabulary
-from engine.kv_cache.manager import KVCacheManager
-from engine.kv_transfer import IDLE_WAIT_S, KVTransfer, NoKVTransfer, model_fingerprint
-from engine.kv_cache.spec import num_blocks_for_budget
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
-from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.scheduler import Scheduler
-from engine.structured.manager import xgrammar_manager
+from deepinfer.engine import loader
+from deepinfer.engine.async_step import AsyncStepper
+from deepinfer.engine.config import EngineConfig, ModelConfig
+from deepinfer.engine.errors import PromptTooLongError, outside_vocabulary
+from deepinfer.engine.kv_cache.manager import KVCacheManager
+from deepinfer.engine.kv_transfer import IDLE_WAIT_S, KVTransfer, NoKVTransfer, model_fingerprint
+from deepinfer.engine.kv_cache.spec import num_blocks_for_budget
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.structured.manager import xgrammar_manager
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class EngineCore:
             return cache.kv_cache_memory_bytes
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
-        from engine.gpu_memory import profile_kv_cache_budget
+        from deepinfer.engine.gpu_memory import profile_kv_cache_budget
 
         scheduler = self.config.scheduler
         return profile_kv_cache_budget(

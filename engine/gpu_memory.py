@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass

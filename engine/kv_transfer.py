@@ -39,12 +39,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import KVTransferConfig
-from engine.kv_cache.manager import KVCacheManager
-from engine.outputs import KVBlocks, KVStoreStats, RequestOutput
-from engine.request import Request
-from kvstore import KVStore, KVStoreError, open_store
-from kvstore.codec import BlockHeader, CodecError, decode_block, encode_block
+from deepinfer.engine.config import KVTransferConfig
+from deepinfer.engine.kv_cache.manager import KVCacheManager
+from deepinfer.engine.outputs import KVBlocks, KVStoreStats, RequestOutput
+from deepinfer.engine.request import Request
+from deepinfer.kvstore import KVStore, KVStoreError, open_store
+from deepinfer.kvstore.codec import BlockHeader, CodecError, decode_block, encode_block
 
 logger = logging.getLogger(__name__)
 

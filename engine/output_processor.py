@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer, Tokenizer
-from engine.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from deepinfer.engine.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from deepinfer.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -13,7 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.outputs import TokenLogprobs
-from engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from deepinfer.engine.outputs import TokenLogprobs
+from deepinfer.engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "build_sampling_metadata",
            "apply_penalties", "filter_candidates", "request_key", "random_bits",
@@ -417,7 +417,7 @@ def _apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                            rows: list[int] | None) -> torch.Tensor:
     """[B, V] float32 -> [B, V] float32 (a copy) with the tokens `bitmask` forbids in `rows`
     set to -inf. bitmask: [B, ceil(V / 32)] int32 (XGrammar's layout, see SamplingMetadata)."""
-    from engine.structured.xgrammar_backend import apply_token_bitmask_
+    from deepinfer.engine.structured.xgrammar_backend import apply_token_bitmask_
 
     logits = logits.clone()
     apply_token_bitmask_(logits, bitmask, list(range(logits.shape[0])) if rows is None else rows)

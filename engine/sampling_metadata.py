@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.sampling_params import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperature below this samples greedily (argmax)
 

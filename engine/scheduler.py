@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.config import SchedulerConfig
-from engine.errors import QueueFullError
-from engine.kv_cache.manager import KVCacheManager
-from engine.outputs import (CachedRequestData, EngineCoreOutput, KVBlocks, ModelRunnerOutput,
+from deepinfer.engine.config import SchedulerConfig
+from deepinfer.engine.errors import QueueFullError
+from deepinfer.engine.kv_cache.manager import KVCacheManager
+from deepinfer.engine.outputs import (CachedRequestData, EngineCoreOutput, KVBlocks, ModelRunnerOutput,
                             NewRequestData, SchedulerOutput, SchedulerStats)
-from engine.request import Request, RequestStatus
+from deepinfer.engine.request import Request, RequestStatus
 
 
 class Scheduler:

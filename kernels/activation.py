@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends import triton_available
+from deepinfer.kernels.backends import triton_available
 
 BACKENDS = ("reference", "triton")
 
@@ -28,12 +28,12 @@ def silu_and_mul(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         use_triton = gate_up.is_cuda and gate_up.stride(-1) == 1 and triton_available()
         backend = "triton" if use_triton else "reference"
     if backend == "triton":
-        from kernels import elementwise_triton
+        from deepinfer.kernels import elementwise_triton
 
         return elementwise_triton.silu_and_mul(gate_up)
     if backend != "reference":
         raise ValueError(f"activation backend={backend!r} is unknown; use 'auto' or one of "
                          f"{BACKENDS}.")
-    from kernels.reference.activation import silu_and_mul as reference
+    from deepinfer.kernels.reference.activation import silu_and_mul as reference
 
     return reference(gate_up)

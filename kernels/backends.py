@@ -72,7 +72,7 @@ class Backends:
 
     Args:
         op: the op's name, for error messages ("paged attention").
-        modules: backend name -> module path, e.g. {"torch": "kernels.paged_attention_torch"}.
+        modules: backend name -> module path, e.g. {"torch": "deepinfer.kernels.paged_attention_torch"}.
         auto: device -> backend name that "auto" means there; default: always "torch".
     """
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kernels.backends import device_config_entries
+from deepinfer.kernels.backends import device_config_entries
 
 CONFIG_KIND = "blas_library"   # kernels/configs/blas_library_<device name>.json
 MAX_ROWS = 256

@@ -28,13 +28,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.backends import Backends, triton_available
-from kernels.reference.decode_inputs import HEADER, ROW_FIELDS
+from deepinfer.kernels.backends import Backends, triton_available
+from deepinfer.kernels.reference.decode_inputs import HEADER, ROW_FIELDS
 
 INT32_MAX = np.iinfo(np.int32).max
 
-BACKENDS = Backends("decode inputs", {"reference": "kernels.reference.decode_inputs",
-                                      "triton": "kernels.decode_inputs_triton"},
+BACKENDS = Backends("decode inputs", {"reference": "deepinfer.kernels.reference.decode_inputs",
+                                      "triton": "deepinfer.kernels.decode_inputs_triton"},
                     auto=lambda device: "triton" if device.type == "cuda"
                     and triton_available() else "reference")
 

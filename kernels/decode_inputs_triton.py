@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference.decode_inputs import HEADER, ROW_FIELDS
+from deepinfer.kernels.reference.decode_inputs import HEADER, ROW_FIELDS
 
 TABLE_BLOCK = 128   # block-table entries copied per vector load
 

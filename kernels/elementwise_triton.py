@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from deepinfer.kernels import pdl
 
 
 @triton.jit

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.activation import silu_and_mul
-from kernels.backends import device_config_entries, triton_available
-from kernels.linear import SKINNY_MAX_ROWS, linear
-from kernels.rms_norm import rms_norm
+from deepinfer.kernels.activation import silu_and_mul
+from deepinfer.kernels.backends import device_config_entries, triton_available
+from deepinfer.kernels.linear import SKINNY_MAX_ROWS, linear
+from deepinfer.kernels.rms_norm import rms_norm
 
 CONFIG_KIND = "fused_linear"   # kernels/configs/fused_linear_<device name>.json
 
@@ -104,7 +104,7 @@ def fused_config(fusion: str, x: torch.Tensor, weight: torch.Tensor) -> dict | N
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.is_contiguous() and triton_available()):
         return None
-    from kernels.linear_triton import block_m
+    from deepinfer.kernels.linear_triton import block_m
 
     table = _fused_table(weight.device)
     return table.get((fusion, block_m(x.shape[0]), *weight.shape)) if table else None
@@ -167,7 +167,7 @@ def fused_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      ) -> tuple[AddedRows | None, torch.Tensor]:
     """`linear_add`'s fused kernel with launch `config`: (AddedRows, or None with
     SUM_SQUARES_HANDOFF off; the residual stream, added in place)."""
-    from kernels import linear_triton
+    from deepinfer.kernels import linear_triton
 
     partials = None
     if SUM_SQUARES_HANDOFF:
@@ -183,7 +183,7 @@ def fused_norm_linear(added: AddedRows | None, residual: torch.Tensor, eps: floa
                       gated: bool = False) -> torch.Tensor:
     """`add_norm_linear`'s fused kernel with launch `config` on a stream with nothing pending:
     the norm's sums of squares from `added` where given, else from the stream's rows."""
-    from kernels import linear_triton
+    from deepinfer.kernels import linear_triton
 
     return linear_triton.linear(residual, weight, bias, config=config, norm_eps=eps,
                                 gated=gated,

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backends import triton_available
-from kernels.blas_choice import preferred_library, preferring
-from kernels.quantized_linear import QuantizedWeight, cpu_kernel_available, quantized_linear
-from kernels.quantized_linear import recover_quantized
+from deepinfer.kernels.backends import triton_available
+from deepinfer.kernels.blas_choice import preferred_library, preferring
+from deepinfer.kernels.quantized_linear import QuantizedWeight, cpu_kernel_available, quantized_linear
+from deepinfer.kernels.quantized_linear import recover_quantized
 
 # Up to this many input rows the quantized kernel was measured faster than oneDNN's packed fp32
 # GEMM (2-core AVX2 machine, SmolLM2-135M shapes: 1.25x at 64 rows); larger inputs (prefill
@@ -86,7 +86,7 @@ def _skinny_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.is_contiguous() and triton_available()):
         return None
-    from kernels import linear_triton
+    from deepinfer.kernels import linear_triton
 
     return linear_triton.tuned_config(x.shape[0], weight)
 
@@ -108,7 +108,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     config = _skinny_config(x, weight)
     if config is not None:
-        from kernels import linear_triton
+        from deepinfer.kernels import linear_triton
 
         return linear_triton.linear(x, weight, bias, config=config)
     if (quantized is not None and x.numel() <= QUANTIZED_MAX_ROWS * x.shape[-1]
@@ -137,6 +137,6 @@ def linear_row_argmax(x: torch.Tensor,
     config = _skinny_config(x, weight)
     if config is None or not ROW_ARGMAX_EPILOGUE:
         return linear(x, weight), None
-    from kernels import linear_triton
+    from deepinfer.kernels import linear_triton
 
     return linear_triton.linear_row_argmax(x, weight, config=config)

@@ -54,8 +54,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, num_sms
-from kernels.linear_gluon import (BOX_K, _finish_tile, _gdc_launch_dependents, _gdc_wait,
+from deepinfer.kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, num_sms
+from deepinfer.kernels.linear_gluon import (BOX_K, _finish_tile, _gdc_launch_dependents, _gdc_wait,
                                   _handed_over_sum_squares, _thread_barrier, _tma_load,
                                   descriptors)
 
@@ -446,7 +446,7 @@ def launch_separately(attn_out: torch.Tensor, hidden: torch.Tensor, o_weight: to
                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`launch`'s work as four `linear_gluon` kernels (the path it replaces): same arguments,
     same results, bitwise."""
-    from kernels import linear_gluon
+    from deepinfer.kernels import linear_gluon
 
     rows = attn_out.shape[0]
     hidden_size = hidden.shape[1]

@@ -52,9 +52,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
-from kernels import pdl
-from kernels.backends import MAX_ARRIVAL_COUNTERS, num_sms
-from kernels.linear_gluon import (BOX_K, _epilogue, _gdc_launch_dependents,
+from deepinfer.kernels import pdl
+from deepinfer.kernels.backends import MAX_ARRIVAL_COUNTERS, num_sms
+from deepinfer.kernels.linear_gluon import (BOX_K, _epilogue, _gdc_launch_dependents,
                                   _gdc_wait, _handed_over_sum_squares, _load_stage,
                                   _multiply_stage, _stage_ring, _thread_barrier, descriptors,
                                   stages_for, sub_boxes)

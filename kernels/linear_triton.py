@@ -66,8 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, device_config_entries
+from deepinfer.kernels import pdl
+from deepinfer.kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, device_config_entries
 
 CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.json
 
@@ -356,7 +356,7 @@ def _gluon_device(device: torch.device) -> bool:
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     try:
-        from kernels import linear_gluon  # noqa: F401
+        from deepinfer.kernels import linear_gluon  # noqa: F401
     except ImportError:
         return False
     return True
@@ -366,7 +366,7 @@ def _gluon_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Gluon kernel runs this call: a Gluon device and TMA-aligned operands."""
     if not _gluon_device(x.device):
         return False
-    from kernels import linear_gluon
+    from deepinfer.kernels import linear_gluon
 
     return linear_gluon.usable(x, weight)
 
@@ -463,7 +463,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     maxima, columns = _row_maxima_args(num_rows, out_features, config, row_maxima_out, out)
     pdl_options = pdl.launch_options(x.device)
     if gluon:
-        from kernels import linear_gluon, linear_gluon_stream_k
+        from deepinfer.kernels import linear_gluon, linear_gluon_stream_k
 
         if linear_gluon_stream_k.takes(out_features, config["BLOCK_N"], split_k,
                                        row_maxima_out is not None, x.device):

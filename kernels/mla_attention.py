@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.backends import Backends
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.backends import Backends
 
 _BACKENDS = Backends("MLA attention", {
-    "reference": "kernels.reference.mla_attention",
-    "torch": "kernels.mla_attention_torch",
+    "reference": "deepinfer.kernels.reference.mla_attention",
+    "torch": "deepinfer.kernels.mla_attention_torch",
 })
 BACKENDS = _BACKENDS.names
 

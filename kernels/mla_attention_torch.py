@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 
 def _flat_cache(kv_cache: torch.Tensor) -> torch.Tensor:

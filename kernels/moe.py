@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends import Backends
+from deepinfer.kernels.backends import Backends
 
-_BACKENDS = Backends("MoE", {"reference": "kernels.reference.moe", "torch": "kernels.moe_torch"})
+_BACKENDS = Backends("MoE", {"reference": "deepinfer.kernels.reference.moe", "torch": "deepinfer.kernels.moe_torch"})
 BACKENDS = _BACKENDS.names
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.backends import Backends, triton_available
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.backends import Backends, triton_available
 
 
 def _auto_backend(device: torch.device) -> str:
@@ -37,10 +37,10 @@ def _auto_backend(device: torch.device) -> str:
 
 
 _BACKENDS = Backends("paged attention", {
-    "reference": "kernels.reference.paged_attention",
-    "torch": "kernels.paged_attention_torch",
-    "cpu": "kernels.paged_attention_cpu",
-    "triton": "kernels.paged_attention_triton",
+    "reference": "deepinfer.kernels.reference.paged_attention",
+    "torch": "deepinfer.kernels.paged_attention_torch",
+    "cpu": "deepinfer.kernels.paged_attention_cpu",
+    "triton": "deepinfer.kernels.paged_attention_triton",
 }, auto=_auto_backend)
 BACKENDS = _BACKENDS.names
 __all__ = ["BACKENDS", "paged_attention", "rotary_paged_attention", "triton_available",
@@ -106,11 +106,11 @@ def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
     """
     name = _BACKENDS.resolve(backend, qkv.device)
     if name == "triton" and metadata.is_decode_only and FUSED_ROTARY_DECODE:
-        from kernels.rotary_decode_triton import rotary_decode_attention
+        from deepinfer.kernels.rotary_decode_triton import rotary_decode_attention
 
         return rotary_decode_attention(qkv, num_q_heads, cos, signed_sin, kv_cache, metadata,
                                        scale)
-    from kernels.rotary import apply_rotary_write_kv
+    from deepinfer.kernels.rotary import apply_rotary_write_kv
 
     query = apply_rotary_write_kv(qkv, num_q_heads, num_kv_heads, cos, signed_sin, kv_cache,
                                   metadata.slot_mapping,

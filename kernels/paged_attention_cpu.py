@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import paged_attention_torch
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels import paged_attention_torch
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 write_kv = paged_attention_torch.write_kv
 
 
 def _extension():
-    from kernels.cpu_extension import cpu_extension
+    from deepinfer.kernels.cpu_extension import cpu_extension
 
     return cpu_extension()
 

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import backends
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels import backends
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 _DECODE_BLOCK_N = 64      # context tokens per decode tile
 _DECODE_LAUNCH = (4, 2)   # (num_warps, num_stages): benchmarks/decode_attention_sweep.py

@@ -177,7 +177,7 @@ def recover_quantized(weight: torch.Tensor) -> QuantizedWeight | None:
 
 def _cpu_extension():
     """The compiled CPU kernels module (kernels/cpu_extension.py), or None (logged once)."""
-    from kernels.cpu_extension import cpu_extension
+    from deepinfer.kernels.cpu_extension import cpu_extension
 
     return cpu_extension()
 
@@ -218,7 +218,7 @@ def quantized_linear(x: torch.Tensor, qweight: QuantizedWeight,
     lead_shape = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])                                 # [M, K]
     if backend == "reference":
-        from kernels.reference.quantized_linear import quantized_linear as reference
+        from deepinfer.kernels.reference.quantized_linear import quantized_linear as reference
 
         y = reference(x2d, qweight, bias)
     else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends import triton_available
+from deepinfer.kernels.backends import triton_available
 
 BACKENDS = ("reference", "cpu", "triton")
 
@@ -37,7 +37,7 @@ _loaded = []  # [module or None] once the extension was asked for
 
 def _extension():
     if not _loaded:
-        from kernels.cpu_extension import cpu_extension
+        from deepinfer.kernels.cpu_extension import cpu_extension
 
         _loaded.append(cpu_extension())
     return _loaded[0]
@@ -67,14 +67,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         use_triton = x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and triton_available()
         backend = "triton" if use_triton else "reference"
     if backend == "triton":
-        from kernels import elementwise_triton
+        from deepinfer.kernels import elementwise_triton
 
         return elementwise_triton.rms_norm(x, weight, eps, residual)
     if backend not in BACKENDS:
         raise ValueError(f"rms_norm backend={backend!r} is unknown; use 'auto' or one of "
                          f"{BACKENDS}.")
     if backend == "reference":
-        from kernels.reference.rms_norm import rms_norm as reference
+        from deepinfer.kernels.reference.rms_norm import rms_norm as reference
 
         return reference(x, weight, eps, residual)
     ext = _extension()

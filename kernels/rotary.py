@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends import triton_available
+from deepinfer.kernels.backends import triton_available
 
 BACKENDS = ("reference", "triton")
 
@@ -34,13 +34,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
         use_triton = x.is_cuda and x.stride(-1) == 1 and triton_available()
         backend = "triton" if use_triton else "reference"
     if backend == "triton":
-        from kernels import elementwise_triton
+        from deepinfer.kernels import elementwise_triton
 
         return elementwise_triton.apply_rotary(x, cos, signed_sin)
     if backend != "reference":
         raise ValueError(f"rotary backend={backend!r} is unknown; use 'auto' or one of "
                          f"{BACKENDS}.")
-    from kernels.reference.rotary import apply_rotary as reference
+    from deepinfer.kernels.reference.rotary import apply_rotary as reference
 
     return reference(x, cos, signed_sin)
 
@@ -66,14 +66,14 @@ def apply_rotary_write_kv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
         use_triton = qkv.is_cuda and qkv.stride(-1) == 1 and triton_available()
         backend = "triton" if use_triton else "reference"
     if backend == "triton":
-        from kernels import elementwise_triton
+        from deepinfer.kernels import elementwise_triton
 
         return elementwise_triton.apply_rotary_write_kv(qkv, num_q_heads, num_kv_heads, cos,
                                                         signed_sin, kv_cache, slot_mapping)
     if backend != "reference":
         raise ValueError(f"rotary backend={backend!r} is unknown; use 'auto' or one of "
                          f"{BACKENDS}.")
-    from kernels.paged_attention import write_kv
+    from deepinfer.kernels.paged_attention import write_kv
 
     num_tokens, head_dim = qkv.shape[0], kv_cache.shape[-1]
     qk_end = (num_q_heads + num_kv_heads) * head_dim

@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.attention_metadata import AttentionMetadata
-from kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, num_sms
-from kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_context,
+from deepinfer.kernels import pdl
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, num_sms
+from deepinfer.kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_context,
                                             _check_cache, _precision, num_decode_splits)
 
 

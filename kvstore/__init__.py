@@ -8,9 +8,9 @@
 Imports nothing of ours and no torch/numpy: values are bytes, keys are strings.
 """
 
-from kvstore.base import KVStore, KVStoreError, open_store
-from kvstore.codec import CodecError, decode_block, encode_block
-from kvstore.memory import MemoryKVStore
+from deepinfer.kvstore.base import KVStore, KVStoreError, open_store
+from deepinfer.kvstore.codec import CodecError, decode_block, encode_block
+from deepinfer.kvstore.memory import MemoryKVStore
 
 __all__ = ["KVStore", "KVStoreError", "open_store", "CodecError", "decode_block",
            "encode_block", "MemoryKVStore"]

@@ -67,11 +67,11 @@ def open_store(url: str, *, memory_capacity_bytes: int = 1 << 30, ttl_s: int | N
         ValueError: an unknown URL scheme.
     """
     if url == "memory":
-        from kvstore.memory import MemoryKVStore
+        from deepinfer.kvstore.memory import MemoryKVStore
 
         return MemoryKVStore(memory_capacity_bytes)
     if url.startswith(("redis://", "rediss://")):
-        from kvstore.redis_store import RedisKVStore
+        from deepinfer.kvstore.redis_store import RedisKVStore
 
         return RedisKVStore(url, ttl_s=ttl_s, timeout_s=timeout_s)
     raise ValueError(f"kv store {url!r} is not supported; use 'memory', 'redis://host:port/db' "

@@ -15,7 +15,7 @@ import asyncio
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
-from kvstore.base import KVStoreError
+from deepinfer.kvstore.base import KVStoreError
 
 NAMESPACE = "deepinfer:kv:"
 

@@ -25,12 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from router.config import RouterConfig
-from router.discovery import Resolver, Service, ServiceDiscovery, resolve_dns
-from router.errors import error_response
-from router.metrics import RouterMetrics
-from router.proxy import Proxy
-from router.registry import Registry, Replica
+from deepinfer.router.config import RouterConfig
+from deepinfer.router.discovery import Resolver, Service, ServiceDiscovery, resolve_dns
+from deepinfer.router.errors import error_response
+from deepinfer.router.metrics import RouterMetrics
+from deepinfer.router.proxy import Proxy
+from deepinfer.router.registry import Registry, Replica
 
 MODELS_TIMEOUT_S = 10.0
 # Idle connections to workers are dropped after this many seconds, well before a worker closes

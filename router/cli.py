@@ -19,7 +19,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from router.config import DISCOVERY_MODES, POLICY_NAMES, RouterConfig
+from deepinfer.router.config import DISCOVERY_MODES, POLICY_NAMES, RouterConfig
 
 # seconds between ending the relays still running at the drain deadline and uvicorn
 # cancelling whatever has not finished
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     import uvicorn
 
-    from router.app import CLIENT_KEEP_ALIVE_S, build_app
+    from deepinfer.router.app import CLIENT_KEEP_ALIVE_S, build_app
 
     mode = (f"prefill {list(config.prefill)} -> decode {list(config.decode)}"
             if config.disaggregated else f"backends {list(config.backends)}")

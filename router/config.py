@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from router.discovery import Service
+from deepinfer.router.discovery import Service
 
 POLICY_NAMES = ("round_robin", "least_outstanding", "prefix_affinity")
 DISCOVERY_MODES = ("static", "dns")

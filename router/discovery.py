@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:
     import httpx
 
-    from router.registry import Registry, Replica
+    from deepinfer.router.registry import Registry, Replica
 
 logger = logging.getLogger("deepinfer.router")
 

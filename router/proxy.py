@@ -34,11 +34,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from router.config import RouterConfig
-from router.errors import error_response, sse_error_event
-from router.metrics import RouterMetrics
-from router.policies import RequestFeatures, make_policy, request_features
-from router.registry import Registry, Replica
+from deepinfer.router.config import RouterConfig
+from deepinfer.router.errors import error_response, sse_error_event
+from deepinfer.router.metrics import RouterMetrics
+from deepinfer.router.policies import RequestFeatures, make_policy, request_features
+from deepinfer.router.registry import Registry, Replica
 
 logger = logging.getLogger("deepinfer.router")
 

@@ -19,12 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import APIError, install_error_handlers
-from server.logprobs import TokenDecoder
-from server.metrics import ServerMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from server.serving_chat import ChatServing
-from server.serving_completion import CompletionServing
+from deepinfer.server.errors import APIError, install_error_handlers
+from deepinfer.server.logprobs import TokenDecoder
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deepinfer.server.serving_chat import ChatServing
+from deepinfer.server.serving_completion import CompletionServing
 
 
 class APIKeyMiddleware:

@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_sections(args: argparse.Namespace,
                     environ: dict[str, str] | None = None) -> dict[str, dict]:
     """`EngineConfig.replace` sections: environment overrides, then the flags given."""
-    from engine.config import env_overrides
+    from deepinfer.engine.config import env_overrides
 
     sections = env_overrides(environ)
     for dest, (section, field, convert) in ENGINE_FLAGS.items():
@@ -156,7 +156,7 @@ def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         ValueError: the key given is empty or blank (almost surely an unfilled secret, which
             would silently serve an open API).
     """
-    from engine.config import server_env
+    from deepinfer.engine.config import server_env
 
     key = args.api_key if args.api_key is not None else server_env(environ).get("api_key")
     if key is not None and not key.strip():
@@ -169,7 +169,7 @@ def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
 def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
     """The engine config of the environment and the flags (a bad value from a variable is
     reported naming the variable)."""
-    from engine.config import config_from
+    from deepinfer.engine.config import config_from
 
     given = {ENGINE_FLAGS[dest][:2] for dest in ENGINE_FLAGS if dest in args}
     return config_from(engine_sections(args, environ), environ, given)
@@ -240,8 +240,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
     try:
-        from engine.async_llm import AsyncLLM, freeze_startup_heap
-        from server.app import build_app
+        from deepinfer.engine.async_llm import AsyncLLM, freeze_startup_heap
+        from deepinfer.server.app import build_app
 
         engine = AsyncLLM(config)
     except (FileNotFoundError, ValueError) as exc:   # no model, no tokenizer, unsupported arch
@@ -268,7 +268,7 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["router"]:  # the router never imports torch or the engine
-        from router.cli import main as router_main
+        from deepinfer.router.cli import main as router_main
 
         return router_main(argv[1:])
     args = build_parser().parse_args(argv)

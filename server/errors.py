@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import (EngineDeadError, EngineShuttingDownError, PromptTooLongError,
+from deepinfer.engine.errors import (EngineDeadError, EngineShuttingDownError, PromptTooLongError,
                            QueueFullError)
 
 logger = logging.getLogger("deepinfer.server")

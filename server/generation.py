@@ -18,12 +18,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from engine.outputs import RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams
-from server.errors import APIError, as_api_error, from_engine_error
-from server.metrics import ServerMetrics
-from server.protocol import PromptTokensDetails, Usage
-from server.sse import DONE, HEADERS, MEDIA_TYPE, sse_error
+from deepinfer.engine.outputs import RequestOutput, TokenLogprobs
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.server.errors import APIError, as_api_error, from_engine_error
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.protocol import PromptTokensDetails, Usage
+from deepinfer.server.sse import DONE, HEADERS, MEDIA_TYPE, sse_error
 
 logger = logging.getLogger("deepinfer.server")
 T = TypeVar("T")

@@ -17,8 +17,8 @@ import math
 import re
 from typing import Any
 
-from engine.outputs import TokenLogprobs
-from server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from deepinfer.engine.outputs import TokenLogprobs
+from deepinfer.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 _FLOOR = -9999.0
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 
-from engine.outputs import KVStoreStats, RequestOutput, SchedulerStats
+from deepinfer.engine.outputs import KVStoreStats, RequestOutput, SchedulerStats
 
 logger = logging.getLogger("deepinfer.server")
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from engine.errors import outside_vocabulary
-from server.errors import APIError, check_unicode
-from server.protocol import ChatMessage
-from server.tools import ToolConfig, template_inputs
+from deepinfer.engine.errors import outside_vocabulary
+from deepinfer.server.errors import APIError, check_unicode
+from deepinfer.server.protocol import ChatMessage
+from deepinfer.server.tools import ToolConfig, template_inputs
 
 _NON_TEXT_PARTS = {"image_url", "input_audio", "audio_url", "video_url", "file", "input_image"}
 

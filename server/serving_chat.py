@@ -14,19 +14,19 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request, Response
 
-from engine.outputs import RequestOutput
-from server import generation as gen
-from server.errors import APIError
-from server.logprobs import TokenDecoder, chat_logprobs
-from server.metrics import ServerMetrics
-from server.prompts import chat_prompt_ids
-from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.server import generation as gen
+from deepinfer.server.errors import APIError
+from deepinfer.server.logprobs import TokenDecoder, chat_logprobs
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.prompts import chat_prompt_ids
+from deepinfer.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              DeltaMessage)
-from server.sse import sse_event
-from server.structured import check_compiles, so_args_from_request
-from server.tools import ToolConfig, tool_config, tool_so_args, tool_streamer
-from server.validation import (build_params, chat_kwargs, check_kv_transfer_params, check_model,
+from deepinfer.server.sse import sse_event
+from deepinfer.server.structured import check_compiles, so_args_from_request
+from deepinfer.server.tools import ToolConfig, tool_config, tool_so_args, tool_streamer
+from deepinfer.server.validation import (build_params, chat_kwargs, check_kv_transfer_params, check_model,
                                fit_max_tokens)
 
 

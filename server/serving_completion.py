@@ -11,15 +11,15 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request, Response
 
-from engine.outputs import RequestOutput
-from server import generation as gen
-from server.logprobs import CompletionLogprobsBuilder, TokenDecoder
-from server.metrics import ServerMetrics
-from server.prompts import Prompt, completion_prompts
-from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from server.sse import sse_event
-from server.structured import check_compiles, so_args_from_request
-from server.validation import (build_params, check_kv_transfer_params, check_model,
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.server import generation as gen
+from deepinfer.server.logprobs import CompletionLogprobsBuilder, TokenDecoder
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.prompts import Prompt, completion_prompts
+from deepinfer.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from deepinfer.server.sse import sse_event
+from deepinfer.server.structured import check_compiles, so_args_from_request
+from deepinfer.server.validation import (build_params, check_kv_transfer_params, check_model,
                                completion_kwargs, fit_max_tokens)
 
 

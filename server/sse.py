@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from server.errors import APIError
+from deepinfer.server.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.errors import APIError
-from server.protocol import SamplingFields
+from deepinfer.server.errors import APIError
+from deepinfer.server.protocol import SamplingFields
 
 _REGEX_SPECIAL = set("\\.^$|?*+()[]{}/-")
 

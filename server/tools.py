@@ -26,9 +26,9 @@ from typing import Any
 
 import jsonschema
 
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
-from server.tool_parser import (TOOL_CALL_END, TOOL_CALL_START, CallArrayStreamer,
+from deepinfer.server.errors import APIError
+from deepinfer.server.protocol import ChatCompletionRequest
+from deepinfer.server.tool_parser import (TOOL_CALL_END, TOOL_CALL_START, CallArrayStreamer,
                                 HermesStreamer, NamedCallStreamer, ToolCallStreamer)
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from server.errors import APIError, check_unicode
-from server.protocol import (CHAT_FIELDS_NOT_SERVED, ChatCompletionRequest, CompletionRequest,
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.server.errors import APIError, check_unicode
+from deepinfer.server.protocol import (CHAT_FIELDS_NOT_SERVED, ChatCompletionRequest, CompletionRequest,
                              SamplingFields)
 
 MAX_N = 128

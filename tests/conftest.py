@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-import engine  # noqa: F401  (first: sets MKL_DYNAMIC before any test module loads torch)
+# first: sets MKL_DYNAMIC before any test module loads torch, and (deepinfer/__init__.py) moves
+# the repository's root, where `python -m pytest` puts it, to the end of sys.path
+import deepinfer.engine  # noqa: F401
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """HF-format directory of SmolLM2-135M-Instruct (float32 safetensors, tokenizer, configs)."""
-    from engine.loader import resolve_model_dir
+    from deepinfer.engine.loader import resolve_model_dir
 
     return resolve_model_dir(None, None)
 
@@ -22,7 +24,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     """The SmolLM2 tokenizer (byte-level BPE with a chat template), from the converted dir."""
-    from engine.loader import load_tokenizer
+    from deepinfer.engine.loader import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
 

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 def deepinfer(*args: str) -> Callable[[int], list[str]]:
     """The command line `deepinfer ARGS --port P` (run as `python -m server.cli`)."""
-    return lambda port: [sys.executable, "-m", "server.cli", *args, "--port", str(port)]
+    return lambda port: [sys.executable, "-m", "deepinfer.server.cli", *args, "--port", str(port)]
 
 
 class ServerProcess:

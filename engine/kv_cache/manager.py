@@ -10,9 +10,9 @@ Built from numbers alone; pure module, no torch import.
 
 from __future__ import annotations
 
-from engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from engine.kv_cache.hashing import extend_block_hashes
-from engine.request import Request
+from deepinfer.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from deepinfer.engine.kv_cache.hashing import extend_block_hashes
+from deepinfer.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

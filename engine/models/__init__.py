@@ -13,10 +13,10 @@ import importlib
 
 # architecture -> (module, class name)
 _MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("engine.models.llama", "Qwen2ForCausalLM"),
-    "DeepseekV2ForCausalLM": ("engine.models.deepseek", "DeepseekV2ForCausalLM"),
-    "DeepseekV3ForCausalLM": ("engine.models.deepseek", "DeepseekV3ForCausalLM"),
+    "LlamaForCausalLM": ("deepinfer.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("deepinfer.engine.models.llama", "Qwen2ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepinfer.engine.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepinfer.engine.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -28,19 +28,19 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from engine.kv_cache.spec import MLAAttentionSpec
-from engine.models.fp8 import dequantize_fp8_weights, fp8_block_size
-from engine.models.layers.decoder import PreNormDecoderLayer
-from engine.models.layers.linear import Linear
-from engine.models.layers.lm_head import CausalLMLogits
-from engine.models.layers.mlp import GatedMLP
-from engine.models.layers.moe import MoE
-from engine.models.layers.rms_norm import RMSNorm
-from engine.models.layers.rotary import (RotaryEmbedding, apply_rotary, rope_parameters,
+from deepinfer.engine.kv_cache.spec import MLAAttentionSpec
+from deepinfer.engine.models.fp8 import dequantize_fp8_weights, fp8_block_size
+from deepinfer.engine.models.layers.decoder import PreNormDecoderLayer
+from deepinfer.engine.models.layers.linear import Linear
+from deepinfer.engine.models.layers.lm_head import CausalLMLogits
+from deepinfer.engine.models.layers.mlp import GatedMLP
+from deepinfer.engine.models.layers.moe import MoE
+from deepinfer.engine.models.layers.rms_norm import RMSNorm
+from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, apply_rotary, rope_parameters,
                                          yarn_get_mscale)
-from engine.moe.gating import RoutingConfig
-from kernels.attention_metadata import AttentionMetadata
-from kernels.mla_attention import mla_attention, write_latent
+from deepinfer.engine.moe.gating import RoutingConfig
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.mla_attention import mla_attention, write_latent
 
 # checkpoint name -> (destination tensor, optional transform applied to the checkpoint tensor)
 Targets = dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]]

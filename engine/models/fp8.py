@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from kernels.fp8 import dequantize_block_fp8
+from deepinfer.kernels.fp8 import dequantize_block_fp8
 
 _SCALE_SUFFIX = ".weight_scale_inv"
 

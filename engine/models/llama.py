@@ -13,16 +13,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.kv_cache.spec import FullAttentionSpec
-from engine.models.layers.attention import PagedAttention
-from engine.models.layers.decoder import PreNormDecoderLayer
-from engine.models.layers.linear import Linear
-from engine.models.layers.lm_head import CausalLMLogits
-from engine.models.layers.mlp import GatedMLP
-from engine.models.layers.rms_norm import RMSNorm
-from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
-from kernels.attention_metadata import AttentionMetadata
-from kernels.fused_linear import AddedRows, add_norm_linear, fold_norm_weight, linear_add
+from deepinfer.engine.kv_cache.spec import FullAttentionSpec
+from deepinfer.engine.models.layers.attention import PagedAttention
+from deepinfer.engine.models.layers.decoder import PreNormDecoderLayer
+from deepinfer.engine.models.layers.linear import Linear
+from deepinfer.engine.models.layers.lm_head import CausalLMLogits
+from deepinfer.engine.models.layers.mlp import GatedMLP
+from deepinfer.engine.models.layers.rms_norm import RMSNorm
+from deepinfer.engine.models.layers.rotary import RotaryEmbedding, rope_parameters
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.fused_linear import AddedRows, add_norm_linear, fold_norm_weight, linear_add
 
 # HF checkpoint projection -> (our fused parameter, shard)
 _FUSED_SHARDS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),

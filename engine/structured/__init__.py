@@ -9,6 +9,6 @@
 Light on purpose: importing this package imports neither torch nor xgrammar.
 """
 
-from engine.structured.backend import GrammarError, grammar_key
+from deepinfer.engine.structured.backend import GrammarError, grammar_key
 
 __all__ = ["GrammarError", "grammar_key"]

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from engine.structured.backend import GrammarError
+from deepinfer.engine.structured.backend import GrammarError
 
 # keywords XGrammar accepts but does not enforce: generating under them could violate the schema
 _IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas",

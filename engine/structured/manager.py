@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from engine.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, grammar_key
+from deepinfer.engine.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, grammar_key
 
 
 class StructuredOutputManager:
@@ -112,7 +112,7 @@ def xgrammar_manager(tokenizer: Any, vocab_size: int,
     """The default manager: XGrammar over the served model's tokenizer (imported lazily)."""
 
     def factory() -> GrammarBackend:
-        from engine.structured.xgrammar_backend import XGrammarBackend
+        from deepinfer.engine.structured.xgrammar_backend import XGrammarBackend
         return XGrammarBackend(tokenizer, vocab_size, eos_token_ids)
 
     return StructuredOutputManager(factory)

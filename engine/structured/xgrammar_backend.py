@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from engine.structured.backend import GrammarError, GrammarKey
-from engine.structured.enforceable import LOOKAROUND, check_enforceable
+from deepinfer.engine.structured.backend import GrammarError, GrammarKey
+from deepinfer.engine.structured.enforceable import LOOKAROUND, check_enforceable
 
 # "[13:57:30] /project/cpp/regex_converter.cc:94: Check failed: (x) is false: message"
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

@@ -104,8 +104,8 @@ def _args(objects, workload, container) -> list[str]:
 
 @EACH_OVERLAY
 def test_worker_command_line_and_settings_are_accepted(overlay):
-    from engine.config import EngineConfig
-    from server.cli import ABORT_MARGIN_S, api_key, build_engine_config, build_parser
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.server.cli import ABORT_MARGIN_S, api_key, build_engine_config, build_parser
 
     objects = render_overlay(overlay)
     workers = [(w, c) for w, c in _deepinfer_containers(objects) if c["args"][0] == "serve"]
@@ -166,7 +166,7 @@ def test_credentials_are_not_shipped(overlay):
 
 
 def test_router_reaches_both_pools_through_their_headless_services():
-    from router.cli import build_parser, config_from_args
+    from deepinfer.router.cli import build_parser, config_from_args
 
     objects = render_overlay("disaggregated")
     workload, container = next((w, c) for w, c in _deepinfer_containers(objects)

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis
 
-from kvstore import open_store
+from deepinfer.kvstore import open_store
 from manifests import container_env, containers, render_overlay
 from tests.conftest import RedisServer
 

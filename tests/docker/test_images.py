@@ -33,7 +33,7 @@ from tests.processes import free_port
 
 WORKERS = ["worker-cpu", "worker-cuda"]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-OUR_PACKAGES = {"engine", "kernels", "kvstore", "server", "router"}
+OUR_PACKAGES = {"deepinfer"}
 
 
 def final_stage(name: str):
@@ -42,8 +42,8 @@ def final_stage(name: str):
 
 def cmd_args(name: str, extra: list[str] = ()):
     """The image's CMD (plus `extra`) parsed by the parser `deepinfer` hands it to."""
-    from router.cli import build_parser as router_parser
-    from server.cli import build_parser as server_parser
+    from deepinfer.router.cli import build_parser as router_parser
+    from deepinfer.server.cli import build_parser as server_parser
 
     argv = exec_form(values(final_stage(name), "CMD")[-1]) + list(extra)
     if argv[0] == "router":  # server.cli.main hands `deepinfer router ...` to router.cli
@@ -87,12 +87,12 @@ def test_runs_as_non_root_uid_10001(name):
 
 def app_get_routes(name: str) -> set[str]:
     if name == "router":
-        from router.app import build_app
-        from router.cli import config_from_args
+        from deepinfer.router.app import build_app
+        from deepinfer.router.cli import config_from_args
 
         app = build_app(config_from_args(cmd_args(name, ["--backend", "http://127.0.0.1:9"])))
     else:
-        from server.app import build_app
+        from deepinfer.server.app import build_app
 
         from tests.server.server_doubles import ScriptedEngine
 
@@ -148,13 +148,13 @@ def test_healthcheck_command_fails_unless_the_answer_is_200(name):
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_entrypoint_is_the_deepinfer_script(name):
     assert exec_form(values(final_stage(name), "ENTRYPOINT")[-1]) == ["deepinfer"]
-    assert PYPROJECT["project"]["scripts"]["deepinfer"] == "server.cli:main"
+    assert PYPROJECT["project"]["scripts"]["deepinfer"] == "deepinfer.server.cli:main"
 
 
 @pytest.mark.parametrize("name", WORKERS)
 def test_worker_cmd_serves_the_embedded_model_on_all_interfaces(name):
-    from engine.config import ENV_VARS
-    from server.cli import build_engine_config
+    from deepinfer.engine.config import ENV_VARS
+    from deepinfer.server.cli import build_engine_config
 
     args = cmd_args(name)
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
@@ -167,7 +167,7 @@ def test_worker_cmd_serves_the_embedded_model_on_all_interfaces(name):
 
 
 def test_router_cmd_binds_all_interfaces_and_takes_workers_as_args():
-    from router.cli import config_from_args
+    from deepinfer.router.cli import config_from_args
 
     args = cmd_args("router")
     assert (args.host, args.port) == ("0.0.0.0", 8080)
@@ -270,7 +270,8 @@ def _with_dependencies(names: set[str]) -> set[str]:
 def test_router_requirements_cover_what_the_router_imports():
     # `deepinfer router` runs server/cli.py (the entry point), then router/
     imported = _imported_distributions([*ROOT.glob("router/*.py"), ROOT / "server/cli.py",
-                                        ROOT / "server/__init__.py"])
+                                        ROOT / "server/__init__.py",
+                                        ROOT / "deepinfer/__init__.py"])
     listed = {canonicalize_name(r.name) for r in _router_requirements()}
     assert "torch" not in imported
     assert imported <= _with_dependencies(listed), imported - _with_dependencies(listed)

@@ -58,7 +58,7 @@ def test_router_runs_from_its_image_contents_without_torch(tmp_path):
     no_torch = subprocess.run([bin_dir / "python", "-c", "import torch"], cwd=tmp_path,
                               capture_output=True, text=True)
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
-    where = subprocess.run([bin_dir / "python", "-c", "import router; print(router.__file__)"],
+    where = subprocess.run([bin_dir / "python", "-c", "import deepinfer.router as r; print(r.__file__)"],
                            cwd=tmp_path, capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(tmp_path / "venv"))
     help_text = subprocess.run([bin_dir / "deepinfer", "router", "--help"], cwd=tmp_path,

@@ -5,7 +5,6 @@ line are what is checked."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,6 @@ import pytest
 from tests.processes import ServerProcess, deepinfer
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300
 
 
@@ -24,8 +22,7 @@ def tiny_deepseek_checkpoint(tmp_path_factory, smollm2_tokenizer) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    from deepseek_configs import randomize_router_bias, tiny_deepseek_config
+    from tests.engine.deepseek_configs import randomize_router_bias, tiny_deepseek_config
 
     path = tmp_path_factory.mktemp("tiny-deepseek")
     tokenizer = smollm2_tokenizer

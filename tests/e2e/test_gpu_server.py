@@ -54,9 +54,9 @@ def _free_port() -> int:
 
 
 def _offline_text(model_dir: Path) -> str:
-    from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.llm import LLM
+    from deepinfer.engine.sampling_params import SamplingParams
 
     config = EngineConfig().replace(
         model={"model": str(model_dir), "device": "cuda"}, scheduler={"max_num_seqs": 8},
@@ -96,7 +96,7 @@ def test_serve_on_cuda_matches_offline_engine(tmp_path):
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(port),
+            [sys.executable, "-m", "deepinfer.server.cli", "serve", str(model_dir), "--port", str(port),
              "--served-model-name", "gpu-e2e", *ENGINE_FLAGS], cwd=ROOT, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
         try:

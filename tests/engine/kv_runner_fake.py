@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_runner import ModelRunner
+from deepinfer.engine.model_runner import ModelRunner
 
 
 class FakeRunner:

@@ -3,10 +3,10 @@ steps for every way a request can end or be interrupted, and no KV block left be
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, env_overrides
-from engine.llm import LLM
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, env_overrides
+from deepinfer.engine.llm import LLM
+from deepinfer.engine.request import RequestStatus
+from deepinfer.engine.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3], list(range(100, 140)), [7] * 17, list(range(300, 309)),
            list(range(1000, 1062, 2)), [42], list(range(5000, 5023)), list(range(9000, 9070))]
@@ -206,7 +206,7 @@ def test_grammar_request_arriving_mid_run_drains_the_step_in_flight(sync_llm, as
 def test_async_llm_streams_and_an_aborted_stream_frees_its_blocks(tiny_llama_dir, sync_llm):
     import asyncio
 
-    from engine.async_llm import AsyncLLM
+    from deepinfer.engine.async_llm import AsyncLLM
 
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-PRINT = "import os, engine; print(os.environ['MKL_DYNAMIC'])"
+PRINT = "import os, deepinfer.engine; print(os.environ['MKL_DYNAMIC'])"
 
 
 @pytest.mark.parametrize("given, expected", [(None, "FALSE"), ("TRUE", "TRUE")])

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, env_overrides
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.config import CacheConfig, EngineConfig, SchedulerConfig, env_overrides
+from deepinfer.engine.sampling_params import SamplingParams
 
 
 def test_env_overrides_map_deepinfer_variables():

@@ -11,9 +11,9 @@ from deepseek_configs import randomize_router_bias, tiny_deepseek_config
 from safetensors.torch import load_file, save_file
 from test_llama_parity import PagedDriver, generate_greedy, hf_greedy, load_hf_reference
 
-from engine.loader import load_model
-from engine.models.fp8 import dequantize_fp8_weights, fp8_block_size
-from kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
+from deepinfer.engine.loader import load_model
+from deepinfer.engine.models.fp8 import dequantize_fp8_weights, fp8_block_size
+from deepinfer.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -17,8 +17,8 @@ from deepseek_configs import randomize_router_bias, tiny_deepseek_config
 from safetensors.torch import save_file
 from test_llama_parity import PagedDriver
 
-from engine.loader import load_model
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.engine.loader import load_model
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 VARIANT = "v3_qlora_noaux_tc_yarn"

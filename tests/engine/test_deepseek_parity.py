@@ -17,11 +17,11 @@ from deepseek_configs import VARIANTS, randomize_router_bias, tiny_deepseek_conf
 from test_llama_parity import (MAX_NEW_TOKENS, PagedDriver, generate_greedy, hf_greedy,
                                load_hf_reference)
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.kv_cache.spec import MLAAttentionSpec
-from engine.llm import LLM
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from deepinfer.engine.kv_cache.spec import MLAAttentionSpec
+from deepinfer.engine.llm import LLM
+from deepinfer.engine.loader import load_model
+from deepinfer.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 PROMPT_LENS = [1, 6, 13, 29]
@@ -89,8 +89,8 @@ def test_kv_cache_is_one_latent_vector_per_token(deepseek_pair):
 
 
 def test_layer_kinds_follow_config(deepseek_pair):
-    from engine.models.deepseek import DeepseekMoEBlock
-    from engine.models.layers.mlp import GatedMLP
+    from deepinfer.engine.models.deepseek import DeepseekMoEBlock
+    from deepinfer.engine.models.layers.mlp import GatedMLP
 
     ours, _, _ = deepseek_pair
     assert isinstance(ours.layers[0].mlp, GatedMLP)  # first_k_dense_replace=1
@@ -150,7 +150,7 @@ def test_llm_generate_after_preemption_matches_hf(tiny_deepseek_dir, hf_engine_t
 
 
 def test_moe_layer_freq_alternates_dense_and_moe_layers():
-    from engine.models.deepseek import DeepseekMoEBlock, DeepseekV2ForCausalLM
+    from deepinfer.engine.models.deepseek import DeepseekMoEBlock, DeepseekV2ForCausalLM
 
     config = tiny_deepseek_config("v2_lite_greedy", num_hidden_layers=5, moe_layer_freq=2)
     model = DeepseekV2ForCausalLM(config, torch.float32)
@@ -179,11 +179,11 @@ def test_bfloat16_model_tracks_hf_bfloat16(deepseek_pair):
 def test_deepseek_decode_is_kept_out_of_cuda_graphs(monkeypatch, caplog):
     """Its torch MLA/MoE paths sync with the host, which a capture cannot hold (on the H200
     capturing failed with "operation not permitted when stream is capturing")."""
-    import kernels.backends
-    from engine.model_runner import ModelRunner
-    from engine.models.deepseek import DeepseekV3ForCausalLM
+    from deepinfer.kernels import backends
+    from deepinfer.engine.model_runner import ModelRunner
+    from deepinfer.engine.models.deepseek import DeepseekV3ForCausalLM
 
-    monkeypatch.setattr(kernels.backends, "triton_available", lambda: True)
+    monkeypatch.setattr(backends, "triton_available", lambda: True)
     runner = ModelRunner.__new__(ModelRunner)
     runner.model, runner.cuda_graphs = nn_module_without_init(DeepseekV3ForCausalLM), None
     with caplog.at_level("WARNING"):

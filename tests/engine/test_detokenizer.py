@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from engine.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE_TEXTS = ["héllo wörld, ça va? naïve café", "世界你好，日本語のテキスト",
                    "party 🎉👍🏽 family 👨‍👩‍👧 flags 🇯🇵🇫🇷", "math 𝔘𝔫𝔦 ∀x∈ℝ — “quoted” ½"]

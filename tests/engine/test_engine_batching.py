@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from engine.async_llm import AsyncLLM
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.async_llm import AsyncLLM
+from deepinfer.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from deepinfer.engine.llm import LLM
+from deepinfer.engine.sampling_params import SamplingParams
 
 PROMPTS = [
     [1, 2, 3],

@@ -49,7 +49,7 @@ def fused_everywhere(request, monkeypatch, tmp_path_factory):
     """A fused_linear config file with the tiny model's shapes all fused, at 16 rows (3
     prompts) or at 64 (40 prompts: on Hopper the Gluon GEMM, `linear_triton.GLUON_BLOCK_M`).
     Yields (kernels.fused_linear, number of prompts)."""
-    from kernels import backends, fused_linear
+    from deepinfer.kernels import backends, fused_linear
 
     block_m, num_prompts = request.param
     config = {"BLOCK_N": 32 if block_m == 16 else 64, "BLOCK_K": 64, "num_warps": 4,
@@ -82,7 +82,7 @@ def _decode_logits(model, prompts, continuations):
 def test_fused_folded_decode_matches_unfused_and_hf(tiny_bf16_dir, fused_everywhere):
     from transformers import LlamaForCausalLM
 
-    from engine.loader import load_model
+    from deepinfer.engine.loader import load_model
 
     fused_everywhere, num_prompts = fused_everywhere
     gen = torch.Generator().manual_seed(5)

@@ -78,9 +78,9 @@ def _hf_greedy(model_dir, prompts, dtype, max_new_tokens):
 
 
 def _engine_greedy(model_dir, prompts, *, dtype, enforce_eager, max_new_tokens):
-    from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.llm import LLM
+    from deepinfer.engine.sampling_params import SamplingParams
 
     config = EngineConfig().replace(
         model={"model": str(model_dir), "device": "cuda", "dtype": dtype,
@@ -118,8 +118,8 @@ def test_bfloat16_first_token_matches_hf(model_dir):
 
 
 def _engine_run(model_dir, prompts, params, *, async_scheduling, num_blocks):
-    from engine.config import EngineConfig
-    from engine.llm import LLM
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.llm import LLM
 
     config = EngineConfig().replace(
         model={"model": str(model_dir), "device": "cuda", "dtype": "float32"},
@@ -143,7 +143,7 @@ def test_async_scheduling_gives_the_sync_tokens_and_frees_every_block(model_dir)
     """Async steps (the default on CUDA: decode ids gathered on the device, stop rules one
     step late) against sync steps: greedy, seeded random with logprobs, max_tokens, stop token
     ids, under preemption (12 blocks of 16 tokens; the longest request needs 8)."""
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.sampling_params import SamplingParams
 
     prompts = _prompts() * 2
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.kv_cache import BlockPool, KVCacheManager
-from engine.kv_cache.hashing import ROOT_HASH, hash_block_tokens
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.kv_cache import BlockPool, KVCacheManager
+from deepinfer.engine.kv_cache.hashing import ROOT_HASH, hash_block_tokens
+from deepinfer.engine.request import Request
+from deepinfer.engine.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:

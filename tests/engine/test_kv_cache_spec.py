@@ -1,7 +1,7 @@
 """KV cache layouts from numbers alone (no torch): bytes per token and per block, tensor shapes,
 and the block count a memory budget buys; the scheduler only ever sees that count."""
 
-from engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec, num_blocks_for_budget
+from deepinfer.engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec, num_blocks_for_budget
 
 
 def test_full_attention_spec_counts_k_and_v_per_kv_head():

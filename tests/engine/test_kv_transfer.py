@@ -8,15 +8,15 @@ import pytest
 import redis
 import torch
 
-from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-from engine.engine_core import EngineCore
-from engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
-from engine.kv_transfer import KVTransfer
-from engine.outputs import KVBlocks
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from deepinfer.engine.engine_core import EngineCore
+from deepinfer.engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
+from deepinfer.engine.kv_transfer import KVTransfer
+from deepinfer.engine.outputs import KVBlocks
+from deepinfer.engine.request import RequestStatus
+from deepinfer.engine.sampling_params import SamplingParams
 from kv_runner_fake import FakeRunner
-from kvstore import MemoryKVStore
+from deepinfer.kvstore import MemoryKVStore
 from tests.tiny_models import save_tiny_llama
 
 BLOCK = 4
@@ -188,7 +188,7 @@ def test_abort_while_loading_leaks_nothing(core):
 def test_a_slow_fetch_delays_one_step_not_every_step(core, monkeypatch):
     """The grace wait for a fetch is spent once, in the step after it started; later steps
     only poll it (running requests keep their step rate while it lasts)."""
-    import engine.kv_transfer as kv_transfer
+    import deepinfer.engine.kv_transfer as kv_transfer
 
     waits = []
     real_wait = kv_transfer.concurrent.futures.wait
@@ -289,7 +289,7 @@ def test_foreign_fingerprint_log_is_bounded(core, cold, caplog):
     and the prompt is still served (recomputed or loaded under this worker's own keys)."""
     huge = {"do_remote_prefill": True, "model_fingerprint": "A" * 1_000_000,
             "num_stored_tokens": 10 ** 30, "block_size": "x"}
-    with caplog.at_level("WARNING", logger="engine.kv_transfer"):
+    with caplog.at_level("WARNING", logger="deepinfer.engine.kv_transfer"):
         tokens, _ = run(fresh(core, MemoryKVStore()), PROMPTS[:1], kv_transfer_params=huge)
     assert tokens == cold[:1]
     warnings = [r.getMessage() for r in caplog.records if "fingerprint" in r.getMessage()]

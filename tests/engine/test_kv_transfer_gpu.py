@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from engine.config import KVTransferConfig
-from engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
-from engine.kv_transfer import KVTransfer
-from engine.outputs import KVBlocks
+from deepinfer.engine.config import KVTransferConfig
+from deepinfer.engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
+from deepinfer.engine.kv_transfer import KVTransfer
+from deepinfer.engine.outputs import KVBlocks
 from kv_runner_fake import FakeRunner
-from kvstore import MemoryKVStore
+from deepinfer.kvstore import MemoryKVStore
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -79,9 +79,9 @@ def test_engine_tokens_from_the_store_equal_computed_ones(tmp_path):
     from the store: the same greedy tokens, and the store served blocks."""
     from transformers import LlamaConfig
 
-    from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.llm import LLM
+    from deepinfer.engine.sampling_params import SamplingParams
     from tests.engine.test_gpu_engine import write_random_llama_dir
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,

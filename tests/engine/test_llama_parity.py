@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from engine.loader import default_gguf_path, load_model, load_tokenizer
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.engine.loader import default_gguf_path, load_model, load_tokenizer
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 MAX_NEW_TOKENS = 32

@@ -6,9 +6,9 @@ epilogue (tests/kernels/test_linear_triton.py, test_linear_gluon.py)."""
 import torch
 from torch import nn
 
-from engine.models.layers.linear import Linear
-from engine.models.layers.lm_head import CausalLMLogits
-from engine.sampler import greedy_argmax
+from deepinfer.engine.models.layers.linear import Linear
+from deepinfer.engine.models.layers.lm_head import CausalLMLogits
+from deepinfer.engine.sampler import greedy_argmax
 
 
 class _Head(CausalLMLogits, nn.Module):

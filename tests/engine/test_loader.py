@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import loader
-from engine.loader import load_model, resolve_model_dir
-from engine.models import get_model_class
+from deepinfer.engine import loader
+from deepinfer.engine.loader import load_model, resolve_model_dir
+from deepinfer.engine.models import get_model_class
 
 TINY = dict(layers=2, hidden=64, ffn=96, heads=4, kv_heads=2, context=128, theta=50000.0)
 

@@ -4,7 +4,7 @@ model, no device."""
 
 from types import SimpleNamespace
 
-from engine.model_runner import ModelRunner
+from deepinfer.engine.model_runner import ModelRunner
 
 
 def _inputs(num_seqs: int, num_sampling: int):
@@ -42,7 +42,7 @@ def test_after_a_graph_replay_rows_that_do_not_all_sample_copy_only_the_indices(
     import numpy as np
     import torch
 
-    from engine.input_batch import StepInputs
+    from deepinfer.engine.input_batch import StepInputs
 
     empty = np.zeros(0, dtype=np.int64)
     inputs = StepInputs(input_ids=empty, positions=empty, slot_mapping=empty,

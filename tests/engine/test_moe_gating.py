@@ -6,7 +6,7 @@ import pytest
 import torch
 from deepseek_configs import tiny_deepseek_config
 
-from engine.moe.gating import RoutingConfig, select_experts
+from deepinfer.engine.moe.gating import RoutingConfig, select_experts
 
 
 def _sorted(weights, ids):
@@ -88,7 +88,7 @@ def test_routing_config_rejects_bad_values(bad, match):
 
 def test_moe_layer_routes_through_logical_to_physical_map():
     """Swapping two experts' physical rows and the map gives the same output."""
-    from engine.models.layers.moe import MoE
+    from deepinfer.engine.models.layers.moe import MoE
 
     routing = RoutingConfig(num_experts=4, top_k=2)
     gen = torch.Generator().manual_seed(0)

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from engine.output_processor import OutputProcessor, find_stop_string, held_back_chars
-from engine.outputs import EngineCoreOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.output_processor import OutputProcessor, find_stop_string, held_back_chars
+from deepinfer.engine.outputs import EngineCoreOutput, TokenLogprobs
+from deepinfer.engine.sampling_params import SamplingParams
 
 
 

@@ -5,8 +5,8 @@ DeepSeek's MLA (`yarn_apply_mscale`)."""
 import pytest
 import torch
 
-from engine.models.deepseek import softmax_scale
-from engine.models.layers.rotary import (RotaryEmbedding, inverse_frequencies,
+from deepinfer.engine.models.deepseek import softmax_scale
+from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, inverse_frequencies,
                                          rotary_attention_factor)
 
 CASES = [

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine import sampler as sampler_module
-from engine.sampler import (
+from deepinfer.engine import sampler as sampler_module
+from deepinfer.engine.sampler import (
     Sampler,
     apply_penalties,
     build_sampling_metadata,
@@ -18,7 +18,7 @@ from engine.sampler import (
     random_bits,
     request_key,
 )
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.sampling_params import SamplingParams
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -192,7 +192,7 @@ def test_candidate_filter_matches_a_full_sort_reference():
 
 
 def test_full_vocabulary_nucleus_matches_the_reference_alone_and_batched():
-    from engine.sampler import _filter_full_vocabulary
+    from deepinfer.engine.sampler import _filter_full_vocabulary
 
     torch.manual_seed(9)
     # nuclei of ~300 tokens (inside the 2,048 top-k tier) and of ~4,000 (a full sort)
@@ -303,7 +303,7 @@ def test_negative_and_large_seeds_are_accepted():
 def test_two_pass_argmax_is_argmax_with_first_index_on_ties_and_nan(chunks):
     """The CUDA greedy path's two passes (chunk maxima, then the best chunk) against
     torch.argmax: random rows, ties across and inside chunks, a NaN row."""
-    from engine.sampler import two_pass_argmax
+    from deepinfer.engine.sampler import two_pass_argmax
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 64, generator=gen)
@@ -321,7 +321,7 @@ def test_two_pass_argmax_is_argmax_with_first_index_on_ties_and_nan(chunks):
 def test_two_pass_argmax_of_bf16_logits_is_the_float32_argmax():
     """The CUDA graph takes the greedy ids from the LM head's bf16 output (no float32 copy):
     the conversion is exact, so the argmax is the same; many ties, as bf16 rounding makes."""
-    from engine.sampler import two_pass_argmax
+    from deepinfer.engine.sampler import two_pass_argmax
 
     gen = torch.Generator().manual_seed(4)
     logits = (torch.randn(64, 1024, generator=gen) * 3).to(torch.bfloat16)

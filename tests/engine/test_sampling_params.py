@@ -4,7 +4,7 @@ max_tokens=3.5 generated 4 tokens and temperature="0.5" raised a bare TypeError.
 
 import pytest
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 @pytest.mark.parametrize("fields, param, message", [

@@ -2,13 +2,13 @@
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.errors import QueueFullError
-from engine.kv_cache import KVCacheManager
-from engine.outputs import ModelRunnerOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from deepinfer.engine.config import SchedulerConfig
+from deepinfer.engine.errors import QueueFullError
+from deepinfer.engine.kv_cache import KVCacheManager
+from deepinfer.engine.outputs import ModelRunnerOutput
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_waiting=16,

@@ -2,12 +2,12 @@
 blocks admitted like prefix-cache hits (`kv_loads`), and the full prompt blocks each step
 completes (`kv_saves`)."""
 
-from engine.config import SchedulerConfig
-from engine.kv_cache import KVCacheManager
-from engine.outputs import ModelRunnerOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from deepinfer.engine.config import SchedulerConfig
+from deepinfer.engine.kv_cache import KVCacheManager
+from deepinfer.engine.outputs import ModelRunnerOutput
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.scheduler import Scheduler
 
 BLOCK = 4
 

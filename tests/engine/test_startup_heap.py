@@ -2,7 +2,7 @@
 
 import gc
 
-from engine.async_llm import freeze_startup_heap
+from deepinfer.engine.async_llm import freeze_startup_heap
 
 
 def test_freeze_startup_heap_freezes_every_object_alive():

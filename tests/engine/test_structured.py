@@ -23,14 +23,14 @@ import jsonschema
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.llm import LLM
-from engine.sampler import Sampler
-from engine.sampling_metadata import build_sampling_metadata
-from engine.sampling_params import SamplingParams
-from engine.structured import GrammarError, grammar_key
-from engine.structured.backend import MAX_SCHEMA_CHARS
-from engine.structured.manager import StructuredOutputManager
+from deepinfer.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from deepinfer.engine.llm import LLM
+from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampling_metadata import build_sampling_metadata
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.structured import GrammarError, grammar_key
+from deepinfer.engine.structured.backend import MAX_SCHEMA_CHARS
+from deepinfer.engine.structured.manager import StructuredOutputManager
 from structured_schemas import (ARITHMETIC_EBNF, HAND_WRITTEN, REGEXES, bench_sample,
                                 is_exact)
 
@@ -150,7 +150,7 @@ def test_invalid_constraint_is_a_clear_value_error(llm, so_args, message):
 
 
 def test_enforceable_schemas_pass_the_keyword_check():
-    from engine.structured.enforceable import check_enforceable
+    from deepinfer.engine.structured.enforceable import check_enforceable
 
     cat = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {
         "type": "integer"}}, "required": ["kind"]}
@@ -391,7 +391,7 @@ def test_same_tokens_after_preemption_prefix_hits_and_for_n_choices(structured_l
 def test_a_slow_compile_never_stalls_other_requests(tiny_llama_dir):
     """The compile of a new constraint runs in a worker thread: here it cannot finish until
     another request has streamed to its end, which would deadlock if it ran on the step loop."""
-    from engine.async_llm import AsyncLLM
+    from deepinfer.engine.async_llm import AsyncLLM
 
     engine = AsyncLLM(EngineConfig(
         model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

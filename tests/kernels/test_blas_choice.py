@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from kernels import backends, blas_choice
+from deepinfer.kernels import backends, blas_choice
 
 
 def bf16(*shape):
@@ -82,7 +82,7 @@ def test_preferring_restores_the_library(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_chosen_shape_runs_on_cublaslt_on_the_gpu(tmp_path, monkeypatch):
-    from kernels import linear as kernels_linear
+    from deepinfer.kernels import linear as kernels_linear
 
     monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(kernels_linear, "SKINNY_MAX_ROWS", 0)   # cuBLAS(Lt), not Triton

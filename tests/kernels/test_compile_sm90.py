@@ -5,14 +5,11 @@ attention's K loops must be software-pipelined (cp.async copies in flight), and 
 programmatic dependent launch nothing the previous kernel writes may be read before the wait."""
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="needs the triton package (compiles, runs nothing)")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _copies(kernel) -> int:

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu_extension import cpu_extension
-from kernels.paged_attention import paged_attention
-from kernels.rms_norm import rms_norm
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.cpu_extension import cpu_extension
+from deepinfer.kernels.paged_attention import paged_attention
+from deepinfer.kernels.rms_norm import rms_norm
 
 pytestmark = pytest.mark.skipif(cpu_extension() is None,
                                 reason="C++ CPU extension unavailable (no AVX2 or no compiler)")
@@ -70,7 +70,7 @@ def test_rms_norm_auto_keeps_other_dtypes_on_torch():
 
 
 def test_rmsnorm_layer_uses_fused_op_with_same_semantics():
-    from engine.models.layers.rms_norm import RMSNorm
+    from deepinfer.engine.models.layers.rms_norm import RMSNorm
 
     layer = RMSNorm(96, 1e-5, torch.float32)
     layer.weight.data.normal_()
@@ -143,7 +143,7 @@ def test_paged_decode_attention_context_lengths(seq_len):
 
 
 def test_auto_picks_cpu_kernel_for_float32_decode(monkeypatch):
-    import kernels.paged_attention_cpu as cpu_backend
+    import deepinfer.kernels.paged_attention_cpu as cpu_backend
 
     calls = []
     ext = cpu_extension()
@@ -166,7 +166,7 @@ def test_auto_picks_cpu_kernel_for_float32_decode(monkeypatch):
 def test_cpu_backend_hands_non_decode_and_bf16_batches_to_torch(monkeypatch):
     import dataclasses
 
-    import kernels.paged_attention_cpu as cpu_backend
+    import deepinfer.kernels.paged_attention_cpu as cpu_backend
 
     calls = []
 

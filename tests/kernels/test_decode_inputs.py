@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_common import DEVICE, requires_triton
-from kernels.decode_inputs import pack_decode_inputs, packed_size, unpack_decode_inputs
+from deepinfer.kernels.decode_inputs import pack_decode_inputs, packed_size, unpack_decode_inputs
 
 BATCH, MAX_BLOCKS = 8, 300   # 300 columns: the kernel's block-table loop runs three times
 

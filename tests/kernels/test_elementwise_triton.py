@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_common import DEVICE, relative_error, requires_triton
-from kernels.reference import activation, rms_norm, rotary
+from deepinfer.kernels.reference import activation, rms_norm, rotary
 
 pytestmark = [pytest.mark.gpu, requires_triton]
 
@@ -19,7 +19,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 def _triton():
-    from kernels import elementwise_triton
+    from deepinfer.kernels import elementwise_triton
 
     return elementwise_triton
 
@@ -70,7 +70,7 @@ def test_rotary_write_kv_matches_rotary_then_write_kv(dtype, head_dim):
     """The fused kernel against the reference pair (apply_rotary, then write_kv): query and
     written slots within the rotary tolerance, bit-equal to the unfused Triton rotary kernel
     (same rounding steps); slot -1 and unaddressed slots keep their old values exactly."""
-    from kernels.rotary import apply_rotary_write_kv
+    from deepinfer.kernels.rotary import apply_rotary_write_kv
 
     num_q, num_kv, num_tokens = 4, 2, 5
     qkv = _randn(num_tokens, (num_q + 2 * num_kv) * head_dim, dtype=dtype, seed=7)

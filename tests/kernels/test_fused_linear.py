@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from gpu_common import DEVICE, relative_error, requires_triton
 
-from kernels import fused_linear
-from kernels.fused_linear import add_norm_linear, fold_norm_weight, linear_add
+from deepinfer.kernels import fused_linear
+from deepinfer.kernels.fused_linear import add_norm_linear, fold_norm_weight, linear_add
 
 EPS = 1e-5
 
@@ -74,7 +74,7 @@ def test_fused_kernels_run_where_the_config_file_says_and_match_the_unfused_ops(
     """A two-boundary chain (o -> gate_up, down -> qkv in miniature) fused against unfused:
     the fused linear_add adds into the residual in place and returns AddedRows (the rows' sums
     of squares, which the next norm reads), or None with the handoff off."""
-    from kernels import backends
+    from deepinfer.kernels import backends
 
     small = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
     shapes = {"residual": [(64, 96), (64, 128)], "norm_gated": [(256, 64)], "norm": [(96, 64)]}

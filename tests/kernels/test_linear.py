@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import linear, pack_linear_weight
+from deepinfer.kernels.linear import linear, pack_linear_weight
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 100])

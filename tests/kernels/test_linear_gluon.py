@@ -36,7 +36,7 @@ def gluon(monkeypatch, request):
     """`linear_triton` with every row bucket on Gluon: one program per output tile (and K
     split), or stream-K (kernels/linear_gluon_stream_k.py) over the GPU's SMs or over 7
     programs (runs that start and end inside tiles, several tiles per program)."""
-    from kernels import linear_gluon_stream_k, linear_triton
+    from deepinfer.kernels import linear_gluon_stream_k, linear_triton
 
     monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M", frozenset({16, 32, 64}))
     monkeypatch.setattr(linear_gluon_stream_k, "ENABLED", request.param != "per_tile")
@@ -113,7 +113,7 @@ def test_gluon_ragged_k_and_an_empty_trailing_split(gluon):
 
 
 def test_gluon_split_k_replays_in_a_cuda_graph_and_leaves_counters_at_zero(gluon):
-    from kernels.backends import arrival_counters
+    from deepinfer.kernels.backends import arrival_counters
 
     x = _randn(64, 2048, seed=21)
     weight = _randn(512, 2048, seed=22, scale=2048 ** -0.5)
@@ -140,7 +140,7 @@ def test_gluon_agrees_with_the_triton_kernel(gluon, monkeypatch):
 
 
 def test_gluon_row_argmax_epilogue(gluon):
-    from kernels.linear_triton import linear_row_argmax
+    from deepinfer.kernels.linear_triton import linear_row_argmax
 
     x = _randn(64, 1024, seed=41)
     weight = _randn(1000, 1024, seed=42, scale=1024 ** -0.5)

@@ -36,7 +36,7 @@ def _operands(rows, with_qkv=True):
 
 
 def _run(launch, attn_out, hidden, weights, splits, **kwargs):
-    from kernels import pdl
+    from deepinfer.kernels import pdl
 
     stream = hidden.clone()
     qkv, sum_squares = launch(attn_out, stream, *weights, EPS_MLP, EPS_QKV, o_split=splits[0],
@@ -64,7 +64,7 @@ def _reference(attn_out, hidden, weights):
 @pytest.mark.parametrize("programs", [None, 7], ids=["per_sm", "7_programs"])
 @pytest.mark.parametrize("with_qkv", [True, False], ids=["next_qkv", "last_layer"])
 def test_layer_kernel_bitwise_equals_four_launches(rows, splits, programs, with_qkv):
-    from kernels import linear_gluon_layer as layer
+    from deepinfer.kernels import linear_gluon_layer as layer
 
     attn_out, hidden, weights = _operands(rows, with_qkv)
     want = _run(layer.launch_separately, attn_out, hidden, weights, splits)
@@ -88,8 +88,8 @@ def test_layer_kernel_bitwise_equals_four_launches(rows, splits, programs, with_
 def test_layer_kernel_chained_in_a_cuda_graph():
     """Eight layers' kernels back to back (PDL on), captured and replayed: each replay gives
     the eager chain's results (the counters start each launch at zero)."""
-    from kernels import linear_gluon_layer as layer
-    from kernels import pdl
+    from deepinfer.kernels import linear_gluon_layer as layer
+    from deepinfer.kernels import pdl
 
     attn_out, hidden, weights = _operands(64)
     options = pdl.launch_options(hidden.device)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_common import DEVICE, relative_error, requires_triton
-from kernels.backends import arrival_counters
+from deepinfer.kernels.backends import arrival_counters
 
 pytestmark = [pytest.mark.gpu, requires_triton]
 
@@ -42,7 +42,7 @@ def _reference(x, weight, bias=None):
                          ids=["small", "large", "split_k", "swap_ab", "swap_ab_split_k"])
 def test_skinny_linear_matches_f_linear(dtype, num_rows, out_features, in_features,
                                         with_bias, config):
-    from kernels.linear_triton import linear
+    from deepinfer.kernels.linear_triton import linear
 
     x = _randn(num_rows, in_features, dtype=dtype, seed=1)
     weight = _randn(out_features, in_features, dtype=dtype, seed=2, scale=in_features ** -0.5)
@@ -61,7 +61,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(num_rows, in_f
                                                                    split_k):
     """The split arriving last sums the partials in split order: repeated calls give the same
     bits; every call leaves the arrival counters at zero for the next one."""
-    from kernels import linear_triton
+    from deepinfer.kernels import linear_triton
 
     dtype = DTYPES[-1]
     config = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "SPLIT_K": split_k}
@@ -79,7 +79,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(num_rows, in_f
 def test_split_k_replays_in_a_cuda_graph():
     """Captured once, replayed on new inputs: the counters reset by the last split keep every
     replay right (bf16, the 64-row decode shape of o_proj, scaled down)."""
-    from kernels import linear_triton
+    from deepinfer.kernels import linear_triton
 
     config = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SPLIT_K": 4}
     x = _randn(64, 1024, dtype=torch.bfloat16, seed=14)
@@ -98,7 +98,7 @@ def test_split_k_replays_in_a_cuda_graph():
 
 
 def test_skinny_linear_reads_strided_rows():
-    from kernels.linear_triton import linear
+    from deepinfer.kernels.linear_triton import linear
 
     dtype = DTYPES[-1]
     wide = _randn(4, 256, dtype=dtype, seed=6)
@@ -115,8 +115,8 @@ def test_linear_dispatch_takes_triton_for_tuned_decode_shapes_only(monkeypatch, 
     more rows and float32 go to F.linear."""
     import json
 
-    from kernels import backends, linear_triton
-    from kernels import linear as linear_module
+    from deepinfer.kernels import backends, linear_triton
+    from deepinfer.kernels import linear as linear_module
 
     name = torch.cuda.get_device_name()
     monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
@@ -158,7 +158,7 @@ def test_norm_and_gated_epilogues_match_the_unfused_ops(dtype, num_rows, in_feat
                                                         config):
     """norm_eps: (x / rms(x)) @ W.T with the sums of squares taken in the K loop (ragged K and
     two row tiles included); gated: silu(x @ gate.T) * (x @ up.T) from one [2I, K] weight."""
-    from kernels.linear_triton import linear
+    from deepinfer.kernels.linear_triton import linear
 
     eps = 1e-5
     x = _randn(num_rows, in_features, dtype=dtype, seed=21, scale=3.0)
@@ -178,7 +178,7 @@ def test_norm_and_gated_epilogues_match_the_unfused_ops(dtype, num_rows, in_feat
 def test_residual_epilogue_adds_into_the_residual_in_place(dtype, config):
     """residual + x @ W.T (+ bias) is written into `residual`, which is returned; split-K adds
     it once, in the split that arrives last."""
-    from kernels.linear_triton import linear
+    from deepinfer.kernels.linear_triton import linear
 
     x = _randn(5, 200, dtype=dtype, seed=31)
     weight = _randn(40, 200, dtype=dtype, seed=32, scale=200 ** -0.5)
@@ -191,7 +191,7 @@ def test_residual_epilogue_adds_into_the_residual_in_place(dtype, config):
 
 
 def test_norm_and_gated_refuse_split_k_and_gated_refuses_a_bias():
-    from kernels.linear_triton import linear
+    from deepinfer.kernels.linear_triton import linear
 
     x = _randn(2, 64, dtype=DTYPES[-1], seed=41)
     weight = _randn(64, 64, dtype=DTYPES[-1], seed=42)
@@ -211,7 +211,7 @@ def test_residual_gemm_hands_its_rows_sums_of_squares_to_the_next_norm(dtype, nu
     """sum_squares_out holds, per output tile (ragged last tile included), the row sums of
     squares of the stored new residual; a norm GEMM given them as sum_squares computes
     (x / rms(x)) @ W.T from them alone (scaled partials scale the result by their root)."""
-    from kernels.linear_triton import linear, num_partials
+    from deepinfer.kernels.linear_triton import linear, num_partials
 
     eps = 1e-6
     x = _randn(num_rows, 200, dtype=dtype, seed=51)
@@ -238,7 +238,7 @@ def test_residual_gemm_hands_its_rows_sums_of_squares_to_the_next_norm(dtype, nu
 
 
 def test_sums_of_squares_arguments_are_checked():
-    from kernels.linear_triton import linear
+    from deepinfer.kernels.linear_triton import linear
 
     x = _randn(3, 64, dtype=DTYPES[-1], seed=55)
     weight = _randn(64, 64, dtype=DTYPES[-1], seed=56)
@@ -258,7 +258,7 @@ def test_sums_of_squares_arguments_are_checked():
 def test_row_argmax_epilogue_gives_the_first_maximal_column(num_rows, config):
     """linear_row_argmax: the output of `linear` unchanged, and out.argmax(-1) exactly, ties
     to the lowest column (two equal weight rows, in different tiles, lead every row)."""
-    from kernels.linear_triton import linear, linear_row_argmax
+    from deepinfer.kernels.linear_triton import linear, linear_row_argmax
 
     dtype = DTYPES[-1]
     x = _randn(num_rows, 200, dtype=dtype, seed=51).abs()
@@ -274,7 +274,7 @@ def test_row_argmax_epilogue_gives_the_first_maximal_column(num_rows, config):
 
 
 def test_row_maxima_arguments_are_checked():
-    from kernels.linear_triton import linear
+    from deepinfer.kernels.linear_triton import linear
 
     x = _randn(2, 64, dtype=DTYPES[-1], seed=53)
     weight = _randn(64, 64, dtype=DTYPES[-1], seed=54)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_paged_attention import CASES, make_batch
 
-from kernels.mla_attention import BACKENDS, mla_attention, write_latent
-from kernels.mla_attention_torch import decode_absorbed, prefill_expanded
+from deepinfer.kernels.mla_attention import BACKENDS, mla_attention, write_latent
+from deepinfer.kernels.mla_attention_torch import decode_absorbed, prefill_expanded
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]

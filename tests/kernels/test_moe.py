@@ -7,7 +7,7 @@ bfloat16 within atol 2e-2.
 import pytest
 import torch
 
-from kernels.moe import BACKENDS, moe_experts
+from deepinfer.kernels.moe import BACKENDS, moe_experts
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention import BACKENDS, paged_attention, write_kv
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.paged_attention import BACKENDS, paged_attention, write_kv
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 # CPU-tensor backends; "triton" (CUDA) has its own tests in test_paged_attention_triton.py

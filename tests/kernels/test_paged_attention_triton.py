@@ -8,7 +8,7 @@ Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (see gpu_common.py).
 import pytest
 import torch
 
-from kernels.reference import paged_attention as reference
+from deepinfer.kernels.reference import paged_attention as reference
 from gpu_common import DEVICE, random_paged_batch, relative_error, requires_triton
 
 pytestmark = [pytest.mark.gpu, requires_triton]
@@ -18,7 +18,7 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 
 
 def _triton():
-    from kernels import paged_attention_triton
+    from deepinfer.kernels import paged_attention_triton
 
     return paged_attention_triton
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_common import DEVICE, random_paged_batch, requires_triton
-from kernels.backends import arrival_counters
+from deepinfer.kernels.backends import arrival_counters
 
 pytestmark = [pytest.mark.gpu, requires_triton,
               pytest.mark.skipif(DEVICE != "cuda", reason="PDL needs a CUDA device")]
@@ -39,8 +39,8 @@ def _weights(seed):
 
 def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata):
     """LAYERS decode layers on hidden [B, HIDDEN] (updated in place); returns the final norm."""
-    from kernels import elementwise_triton, linear_triton
-    from kernels.rotary_decode_triton import rotary_decode_attention
+    from deepinfer.kernels import elementwise_triton, linear_triton
+    from deepinfer.kernels.rotary_decode_triton import rotary_decode_attention
 
     parts = linear_triton.num_partials(HIDDEN, SPLIT)
     after_o, after_down = (torch.empty(parts, hidden.shape[0], device=hidden.device)
@@ -63,7 +63,7 @@ def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata):
 def _run(pdl_enabled, release_early, monkeypatch, replays=6, gluon=False):
     """Per replay (new hidden input): (final norm, KV cache) after a graph of the chain; with
     `gluon`, its GEMMs on `kernels/linear_gluon.py` (all but the first norm)."""
-    from kernels import linear_triton, pdl
+    from deepinfer.kernels import linear_triton, pdl
 
     monkeypatch.setattr(pdl, "ENABLED", pdl_enabled)
     monkeypatch.setattr(pdl, "RELEASE_EARLY", release_early)
@@ -71,7 +71,7 @@ def _run(pdl_enabled, release_early, monkeypatch, replays=6, gluon=False):
                         frozenset({16, 32, 64}) if gluon else frozenset())
     gluon_launches = []
     if gluon:   # count the Gluon kernels' launches: the chain must run on them, not fall back
-        from kernels import linear_gluon, linear_gluon_stream_k
+        from deepinfer.kernels import linear_gluon, linear_gluon_stream_k
 
         for module in (linear_gluon, linear_gluon_stream_k):
             monkeypatch.setattr(module, "launch",
@@ -132,7 +132,7 @@ def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_chain_without_pdl(release_earl
 
 
 def test_pdl_is_off_off_hopper_and_in_the_interpreter(monkeypatch):
-    from kernels import pdl
+    from deepinfer.kernels import pdl
 
     expected = torch.cuda.get_device_capability()[0] >= 9
     assert pdl.supported(torch.device("cuda")) == expected

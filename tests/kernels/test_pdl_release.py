@@ -4,11 +4,11 @@ runs anywhere (the chain's bits are checked on the GPU in test_pdl.py)."""
 
 import pytest
 
-from kernels import pdl
+from deepinfer.kernels import pdl
 
 
 def test_gemms_feeding_a_gemm_release_early_and_qkv_after_its_loop():
-    linear_gluon = pytest.importorskip("kernels.linear_gluon")
+    linear_gluon = pytest.importorskip("deepinfer.kernels.linear_gluon")
     role = linear_gluon.epilogue_role
     assert role(gated=True, residual=False, norm=True) == "gated"          # gate_up
     assert role(gated=False, residual=True, norm=False) == "residual"      # o, down

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.quantized_linear as ql
-from kernels.linear import QUANTIZED_MAX_ROWS, linear, quantize_linear_weight
-from kernels.quantized_linear import (QuantizedWeight, cpu_kernel_available, quantized_linear,
+import deepinfer.kernels.quantized_linear as ql
+from deepinfer.kernels.linear import QUANTIZED_MAX_ROWS, linear, quantize_linear_weight
+from deepinfer.kernels.quantized_linear import (QuantizedWeight, cpu_kernel_available, quantized_linear,
                                       recover_q4_1, recover_q8_0, recover_quantized)
-from kernels.reference.quantized_linear import dequantize
+from deepinfer.kernels.reference.quantized_linear import dequantize
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402

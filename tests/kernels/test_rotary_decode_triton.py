@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gpu_common import DEVICE, random_paged_batch, relative_error, requires_triton
-from kernels.backends import arrival_counters
-from kernels.reference import paged_attention as reference
+from deepinfer.kernels.backends import arrival_counters
+from deepinfer.kernels.reference import paged_attention as reference
 
 pytestmark = [pytest.mark.gpu, requires_triton]
 
@@ -50,7 +50,7 @@ def _unfused(qkv, hq, hkv, cos, signed_sin, kv_cache, metadata, scale):
     """(attention output via the float32 reference, the cache after the unfused write)."""
     from dataclasses import replace
 
-    from kernels import elementwise_triton
+    from deepinfer.kernels import elementwise_triton
 
     cache = kv_cache.clone()
     query = elementwise_triton.apply_rotary_write_kv(qkv, hq, hkv, cos, signed_sin, cache,
@@ -65,7 +65,7 @@ def _unfused(qkv, hq, hkv, cos, signed_sin, kv_cache, metadata, scale):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_decode_matches_rotary_write_then_attention(case, dtype):
-    from kernels.rotary_decode_triton import rotary_decode_attention
+    from deepinfer.kernels.rotary_decode_triton import rotary_decode_attention
 
     context_lens, hq, hkv, d, block_size, bound = CASES[case]
     qkv, cos, signed_sin, kv_cache, metadata = _inputs(context_lens, hq, hkv, d, block_size,
@@ -87,7 +87,7 @@ def test_fused_decode_matches_rotary_write_then_attention(case, dtype):
 
 def test_padding_rows_give_zeros_and_write_nothing():
     """CUDA-graph padding (seq_len 0, slot -1) beside a real row, many splits."""
-    from kernels.rotary_decode_triton import rotary_decode_attention
+    from deepinfer.kernels.rotary_decode_triton import rotary_decode_attention
 
     qkv, cos, signed_sin, kv_cache, metadata = _inputs([30, 5], 4, 2, 32, 16, torch.float32,
                                                        seed=3)
@@ -116,7 +116,7 @@ def test_rotary_paged_attention_dispatches_decode_to_the_fused_kernel(monkeypatc
     """`kernels.paged_attention.rotary_paged_attention` on "triton" (the model's call): a
     decode batch goes to the one-kernel path unless FUSED_ROTARY_DECODE is off; either way
     the cache and the output are the unfused ops'."""
-    from kernels import paged_attention, rotary_decode_triton
+    from deepinfer.kernels import paged_attention, rotary_decode_triton
 
     calls = []
     real = rotary_decode_triton.rotary_decode_attention

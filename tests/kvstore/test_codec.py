@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from kvstore.codec import MAGIC, VERSION, BlockHeader, CodecError, decode_block, encode_block
+from deepinfer.kvstore.codec import MAGIC, VERSION, BlockHeader, CodecError, decode_block, encode_block
 
 HEADER = BlockHeader(layout="paged_kv:block_dim=1", dtype="float32", shape=(2, 2, 4, 2, 6))
 PAYLOAD = bytes(range(256)) * 3  # 768 bytes = 2*2*4*2*6 float32 values

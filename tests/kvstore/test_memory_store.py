@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from kvstore import KVStore, MemoryKVStore, open_store
+from deepinfer.kvstore import KVStore, MemoryKVStore, open_store
 
 
 def run(coroutine):

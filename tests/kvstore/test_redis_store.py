@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from kvstore import KVStoreError, open_store
-from kvstore.redis_store import NAMESPACE, RedisKVStore
+from deepinfer.kvstore import KVStoreError, open_store
+from deepinfer.kvstore.redis_store import NAMESPACE, RedisKVStore
 
 
 def run(coroutine):

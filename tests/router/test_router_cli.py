@@ -8,26 +8,27 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import build_parser, config_from_args, main
+from deepinfer.router.cli import build_parser, config_from_args, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_router_help_does_not_import_torch_or_the_engine():
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "server.cli", "router",
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "deepinfer.server.cli", "router",
                              "--help"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "--prefill URL" in result.stdout and "prefix_affinity" in result.stdout
-    imported = {line.split("|")[-1].strip().split(".")[0]
+    imported = {line.split("|")[-1].strip()
                 for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert "router" in imported
-    assert not imported & {"torch", "numpy", "engine", "kernels", "transformers"}
+    assert "deepinfer.router.cli" in imported
+    forbidden = ("torch", "numpy", "transformers", "deepinfer.engine", "deepinfer.kernels")
+    assert not [m for m in imported if m.startswith(forbidden)]
 
 
 def test_app_import_does_not_import_torch():
-    code = ("import sys, router.app, router.cli; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'numpy', 'engine', 'kernels')]; assert not bad, bad")
+    code = ("import sys, deepinfer.router.app, deepinfer.router.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy') "
+            "or m.startswith(('deepinfer.engine', 'deepinfer.kernels'))]; assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr
@@ -121,9 +122,9 @@ def test_the_router_drops_idle_worker_connections_before_workers_close_them():
     """A request sent on a connection the worker is closing fails before its first byte and
     counts against a healthy replica; the router's pool expiry stays below the workers'
     keep-alive (and the router's own keep-alive above common load balancers' 60 s)."""
-    from router.app import CLIENT_KEEP_ALIVE_S, WORKER_IDLE_EXPIRY_S, build_client
-    from router.config import RouterConfig
-    from server.cli import KEEP_ALIVE_S
+    from deepinfer.router.app import CLIENT_KEEP_ALIVE_S, WORKER_IDLE_EXPIRY_S, build_client
+    from deepinfer.router.config import RouterConfig
+    from deepinfer.server.cli import KEEP_ALIVE_S
 
     assert WORKER_IDLE_EXPIRY_S < KEEP_ALIVE_S and CLIENT_KEEP_ALIVE_S > 60
     client = build_client(RouterConfig(backends=("http://w:1",)))

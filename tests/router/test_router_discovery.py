@@ -10,11 +10,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.cli import build_parser, config_from_args, main
-from router.config import RouterConfig
-from router.discovery import Service, ServiceDiscovery, resolve_dns
-from router.metrics import RouterMetrics
-from router.registry import Registry, Replica
+from deepinfer.router.cli import build_parser, config_from_args, main
+from deepinfer.router.config import RouterConfig
+from deepinfer.router.discovery import Service, ServiceDiscovery, resolve_dns
+from deepinfer.router.metrics import RouterMetrics
+from deepinfer.router.registry import Registry, Replica
 
 POOL = "http://pool:8000"
 

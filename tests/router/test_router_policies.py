@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.config import RouterConfig
-from router.policies import (PROMPT_PREFIX_CHARS, RequestFeatures, affinity_key,
+from deepinfer.router.config import RouterConfig
+from deepinfer.router.policies import (PROMPT_PREFIX_CHARS, RequestFeatures, affinity_key,
                              least_outstanding, make_policy, prefix_affinity,
                              rendezvous_order, round_robin)
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import build_app
-from router.config import RouterConfig
+from deepinfer.router.app import build_app
+from deepinfer.router.config import RouterConfig
 from tests.processes import free_port, metric
 from tests.router.router_fakes import STORED, FakeWorker, HangUpServer, ServerThread, wait_for
 

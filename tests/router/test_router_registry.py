@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from router.registry import Registry, Replica
+from deepinfer.router.registry import Registry, Replica
 
 A, B = "http://a:8000", "http://b:8000"
 

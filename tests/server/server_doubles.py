@@ -11,9 +11,9 @@ import time
 
 from jinja2 import TemplateError
 
-from engine.errors import QueueFullError
-from engine.outputs import RequestMetrics, RequestOutput, SchedulerStats, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from deepinfer.engine.errors import QueueFullError
+from deepinfer.engine.outputs import RequestMetrics, RequestOutput, SchedulerStats, TokenLogprobs
+from deepinfer.engine.sampling_params import SamplingParams
 
 BOS, EOS = 256, 257
 SPECIAL = {BOS: "<s>", EOS: "</s>"}
@@ -84,7 +84,7 @@ class ScriptedEngine:
         """Records the constraint; refuses what the real engine's key check refuses (bad
         shape, too long: `grammar_key`) and, standing in for the compiler, a schema that
         mentions INVALID."""
-        from engine.structured import grammar_key
+        from deepinfer.engine.structured import grammar_key
 
         self.compiled.append(so_args)
         grammar_key(so_args)
@@ -97,7 +97,7 @@ class ScriptedEngine:
 
     def check_health(self) -> None:
         if self.dead:
-            from engine.errors import EngineDeadError
+            from deepinfer.engine.errors import EngineDeadError
             raise EngineDeadError("step loop raised RuntimeError('boom')")
 
     def _text(self, params: SamplingParams) -> str:

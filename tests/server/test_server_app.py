@@ -6,7 +6,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import build_app
+from deepinfer.server.app import build_app
 from server_doubles import BOS, CharTokenizer, ScriptedEngine
 
 USER = [{"role": "user", "content": "hi"}]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import build_engine_config, build_parser, main
+from deepinfer.server.cli import build_engine_config, build_parser, main
 
 
 def parse(*argv):
@@ -63,7 +63,7 @@ def test_help_does_not_import_torch():
 
 
 def test_api_key_comes_from_the_flag_else_the_environment():
-    from server.cli import api_key
+    from deepinfer.server.cli import api_key
 
     assert api_key(parse(), environ={}) is None                          # unset: open API
     assert api_key(parse(), environ={"DEEPINFER_API_KEY": "from-env"}) == "from-env"
@@ -86,8 +86,8 @@ def test_bad_server_flags_exit_2_before_loading_the_model(argv, message, capsys)
     if message is None:
         if torch.cuda.is_available():
             pytest.skip("a GPU is present")
-        from engine.config import ModelConfig
-        from engine.engine_core import resolve_device_dtype
+        from deepinfer.engine.config import ModelConfig
+        from deepinfer.engine.engine_core import resolve_device_dtype
 
         with pytest.raises(ValueError, match="torch sees no CUDA device"):
             resolve_device_dtype(ModelConfig(device="cuda"))

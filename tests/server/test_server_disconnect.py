@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from server.app import build_app
+from deepinfer.server.app import build_app
 from server_doubles import ScriptedEngine
 
 

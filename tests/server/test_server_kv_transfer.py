@@ -7,9 +7,9 @@ import asyncio
 import httpx
 import pytest
 
-from engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
+from deepinfer.engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
                            SchedulerConfig)
-from server.app import build_app
+from deepinfer.server.app import build_app
 from tests.tiny_models import save_tiny_llama
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a block store. " * 4}]
@@ -21,7 +21,7 @@ def tiny_dir(tmp_path_factory, smollm2_tokenizer):
 
 
 def engine(model_dir, role: str, kv_store: str):
-    from engine.async_llm import AsyncLLM
+    from deepinfer.engine.async_llm import AsyncLLM
 
     return AsyncLLM(EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
@@ -108,7 +108,7 @@ def test_kv_store_metrics_are_exported(workers):
 
 
 def test_cli_flags_and_environment_map_to_kv_transfer_config():
-    from server.cli import build_engine_config, build_parser
+    from deepinfer.server.cli import build_engine_config, build_parser
 
     args = build_parser().parse_args(["serve", "--role", "prefill", "--kv-store",
                                       "rediss://:pw@cache:6380/2", "--kv-store-ttl-s", "60"])

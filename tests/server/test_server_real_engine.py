@@ -6,11 +6,11 @@ import asyncio
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from server.app import build_app
-from server.logprobs import TokenDecoder
-from server.prompts import chat_prompt_ids
-from server.protocol import ChatMessage
+from deepinfer.engine.config import EngineConfig
+from deepinfer.server.app import build_app
+from deepinfer.server.logprobs import TokenDecoder
+from deepinfer.server.prompts import chat_prompt_ids
+from deepinfer.server.protocol import ChatMessage
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine.async_llm import AsyncLLM
+    from deepinfer.engine.async_llm import AsyncLLM
 
     config = EngineConfig().replace(model={"max_model_len": 512, "device": "cpu"},
                                     scheduler={"max_num_seqs": 1, "max_waiting_requests": 1})

@@ -5,14 +5,14 @@ import math
 
 from pydantic import ValidationError
 
-from engine.outputs import RequestMetrics, RequestOutput, SchedulerStats, TokenLogprobs
-from server.errors import APIError, validation_error
-from server.logprobs import (CompletionLogprobsBuilder, TokenDecoder, chat_logprobs,
+from deepinfer.engine.outputs import RequestMetrics, RequestOutput, SchedulerStats, TokenLogprobs
+from deepinfer.server.errors import APIError, validation_error
+from deepinfer.server.logprobs import (CompletionLogprobsBuilder, TokenDecoder, chat_logprobs,
                              merge_completion_logprobs)
-from server.metrics import ServerMetrics, token_buckets
-from server.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+from deepinfer.server.metrics import ServerMetrics, token_buckets
+from deepinfer.server.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              DeltaMessage)
-from server.sse import DONE, sse_error, sse_event
+from deepinfer.server.sse import DONE, sse_error, sse_event
 from server_doubles import CharTokenizer
 
 

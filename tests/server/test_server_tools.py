@@ -9,10 +9,10 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import build_app
-from server.tool_parser import CallArrayStreamer, HermesStreamer, NamedCallStreamer
-from server.tools import template_inputs, tool_config
-from server.protocol import ChatCompletionRequest
+from deepinfer.server.app import build_app
+from deepinfer.server.tool_parser import CallArrayStreamer, HermesStreamer, NamedCallStreamer
+from deepinfer.server.tools import template_inputs, tool_config
+from deepinfer.server.protocol import ChatCompletionRequest
 from server_doubles import ScriptedEngine
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -361,8 +361,8 @@ def test_a_call_array_cut_by_max_tokens_keeps_its_wrapper_out_of_content():
 def test_choice_regex_matches_each_choice_exactly_under_xgrammar(smollm2_tokenizer):
     import re
 
-    from engine.structured.xgrammar_backend import XGrammarBackend
-    from server.structured import choice_regex
+    from deepinfer.engine.structured.xgrammar_backend import XGrammarBackend
+    from deepinfer.server.structured import choice_regex
 
     choices = ["a-b", "c/d", "e f", "x.y*z?", "[br]{3}", "Zürich", "a|b", "back\\slash", "(p)^$"]
     regex = choice_regex(choices, "guided_choice")
@@ -383,8 +383,8 @@ def test_required_keeps_local_refs_of_nested_parameters_resolvable(smollm2_token
     """Found by black-box testing: pydantic-style parameters with `$defs` + "#/$defs/..." refs
     (openai.pydantic_function_tool of a nested model) were a 400 under tool_choice "required",
     because the call-array wrapper moved them away from the schema root."""
-    from engine.structured.xgrammar_backend import XGrammarBackend
-    from server.tools import ToolConfig, tool_so_args
+    from deepinfer.engine.structured.xgrammar_backend import XGrammarBackend
+    from deepinfer.server.tools import ToolConfig, tool_so_args
 
     ship = {"type": "function", "function": {"name": "ship", "parameters": {
         "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}},

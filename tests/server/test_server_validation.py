@@ -2,10 +2,10 @@
 
 import pytest
 
-from server.errors import APIError
-from server.prompts import chat_prompt_ids, completion_prompts
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.validation import (build_params, chat_kwargs, check_model, completion_kwargs,
+from deepinfer.server.errors import APIError
+from deepinfer.server.prompts import chat_prompt_ids, completion_prompts
+from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.server.validation import (build_params, chat_kwargs, check_model, completion_kwargs,
                                fit_max_tokens)
 from server_doubles import BOS, CharTokenizer
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention import paged_attention, rotary_paged_attention, write_kv
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.paged_attention import paged_attention, rotary_paged_attention, write_kv
 
 
 class PagedAttention(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.linear import linear, linear_row_argmax, pack_linear_weight, quantize_linear_weight
+from deepinfer.kernels.linear import linear, linear_row_argmax, pack_linear_weight, quantize_linear_weight
 
 
 class Linear(nn.Module):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.layers.linear import Linear
-from engine.sampler import greedy_argmax
+from deepinfer.engine.models.layers.linear import Linear
+from deepinfer.engine.sampler import greedy_argmax
 
 
 class CausalLMLogits:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.layers.linear import Linear
-from kernels.activation import silu_and_mul
+from deepinfer.engine.models.layers.linear import Linear
+from deepinfer.kernels.activation import silu_and_mul
 
 
 class GatedMLP(nn.Module):

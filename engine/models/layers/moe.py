@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.moe.gating import RoutingConfig, select_experts
-from kernels.moe import moe_experts
+from deepinfer.engine.moe.gating import RoutingConfig, select_experts
+from deepinfer.kernels.moe import moe_experts
 
 
 class MoE(nn.Module):

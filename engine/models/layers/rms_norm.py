@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rms_norm import rms_norm
+from deepinfer.kernels.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):

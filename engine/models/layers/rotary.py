@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import rotary as kernels_rotary
+from deepinfer.kernels import rotary as kernels_rotary
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
