@@ -58,7 +58,8 @@ def from_engine_error(exc: Exception) -> APIError | None:
                         headers={"Retry-After": "1"})
     if isinstance(exc, EngineShuttingDownError):
         return APIError(f"The server is shutting down and stopped this request: {exc} Retry "
-                        "it; another replica will take it.", status_code=503,
+                        "it once a server is up to take it (behind a router, that is another "
+                        "replica).", status_code=503,
                         type="server_error", code="server_shutting_down",
                         headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):

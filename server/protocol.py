@@ -140,11 +140,26 @@ CHAT_FIELDS_NOT_SERVED = {
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    # required; None here so that a chat body sent to /v1/completions (`messages`, no `prompt`)
+    # gets a 400 naming the right endpoint (validation.check_completion_fields)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
+    messages: Any = None
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: str | None = None
+
+
+class KVTransferParams(_Open):
+    """`kv_transfer_params` as this server reads them (engine/kv_transfer.py): a prefill asks
+    with `do_remote_decode`; a decode worker gets back what the prefill stored. Keys of other
+    connectors (vLLM's NIXL fields) are let through and ignored: the prompt is then recomputed."""
+
+    do_remote_decode: StrictBool = False
+    do_remote_prefill: StrictBool = False
+    num_stored_tokens: StrictInt | None = Field(default=None, ge=0)
+    block_size: StrictInt | None = Field(default=None, ge=1)
+    model_fingerprint: str | None = None
 
 
 # --------------------------------------------------------------------------------- responses

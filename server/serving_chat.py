@@ -17,7 +17,7 @@ from fastapi import Request, Response
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server import generation as gen
 from deepinfer.server.errors import APIError
-from deepinfer.server.logprobs import TokenDecoder, chat_logprobs
+from deepinfer.server.logprobs import TokenDecoder, chat_logprobs, shown_logprobs
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.prompts import chat_prompt_ids
 from deepinfer.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
@@ -95,7 +95,8 @@ class ChatServing:
             message, finish_reason = self._message(s.text, tools, s.finish_reason)
             choices.append(ChatChoice(
                 index=s.index, message=message, finish_reason=finish_reason,
-                logprobs=chat_logprobs(self.decode, s.logprobs) if req.logprobs else None,
+                logprobs=chat_logprobs(self.decode, shown_logprobs(
+                    s.logprobs, s.finish_reason, s.stop_reason)) if req.logprobs else None,
                 stop_reason=s.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.engine.model_name,
                                       choices=choices, usage=gen.usage(states, n),
@@ -131,7 +132,8 @@ class ChatServing:
                 if not (deltas or out.new_logprobs or out.finished):
                     continue
                 deltas = deltas or [DeltaMessage()]
-                logprobs = (chat_logprobs(self.decode, out.new_logprobs or [])
+                logprobs = (chat_logprobs(self.decode, shown_logprobs(
+                    out.new_logprobs or [], out.finish_reason, out.stop_reason))
                             if req.logprobs else None)
                 finish_reason = None
                 if out.finished:

@@ -19,8 +19,9 @@ from deepinfer.server.prompts import Prompt, completion_prompts
 from deepinfer.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from deepinfer.server.sse import sse_event
 from deepinfer.server.structured import check_compiles, so_args_from_request
-from deepinfer.server.validation import (build_params, check_kv_transfer_params, check_model,
-                               completion_kwargs, fit_max_tokens)
+from deepinfer.server.validation import (COMPLETIONS_DEFAULT_MAX_TOKENS, build_params,
+                                        check_completion_fields, check_kv_transfer_params,
+                                        check_model, completion_kwargs, fit_max_tokens)
 
 
 class CompletionServing:
@@ -37,13 +38,15 @@ class CompletionServing:
         subs = []
         for p, prompt in enumerate(prompts):
             max_tokens = fit_max_tokens(asked_max_tokens, len(prompt.token_ids),
-                                        self.engine.max_model_len, prompt_param="prompt")
+                                        self.engine.max_model_len, prompt_param="prompt",
+                                        default=COMPLETIONS_DEFAULT_MAX_TOKENS)
             for i, params in enumerate(build_params(kwargs, max_tokens).fan_out(n)):
                 subs.append(gen.SubRequest(p * n + i, prompt.token_ids, params, handoff))
         return subs
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         check_model(req.model, self.engine.model_name)
+        check_completion_fields(req)
         prompts = await asyncio.to_thread(completion_prompts, self.engine.tokenizer,
                                           req.prompt, self.engine.max_model_len)
         n = req.n or 1

@@ -11,8 +11,10 @@ from typing import Any
 
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.server.errors import APIError, check_unicode
+from pydantic import ValidationError
+
 from deepinfer.server.protocol import (CHAT_FIELDS_NOT_SERVED, ChatCompletionRequest, CompletionRequest,
-                             SamplingFields)
+                             KVTransferParams, SamplingFields)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -118,10 +120,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def completion_kwargs(req: CompletionRequest) -> tuple[dict[str, Any], int | None]:
-    """Validated SamplingParams keyword arguments (without max_tokens) and max_tokens asked.
-
-    An omitted max_tokens means 16, the default of OpenAI's legacy completions API and of
-    vLLM (chat, by contrast, runs up to the context window).
+    """Validated SamplingParams keyword arguments (without max_tokens) and max_tokens asked
+    (None when omitted: `fit_max_tokens(..., default=COMPLETIONS_DEFAULT_MAX_TOKENS)` then
+    generates up to 16 tokens, OpenAI's legacy default, fewer where the context has less room).
     """
     kwargs = _common_kwargs(req)
     _check_max_tokens("max_tokens", req.max_tokens,
@@ -140,13 +141,26 @@ def completion_kwargs(req: CompletionRequest) -> tuple[dict[str, Any], int | Non
                        "compute; drop echo or logprobs.", param="echo",
                        code="unsupported_parameter")
     kwargs["logprobs"] = req.logprobs
-    return kwargs, req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    return kwargs, req.max_tokens
+
+
+def check_completion_fields(req: CompletionRequest) -> None:
+    """400 for a chat body sent to /v1/completions (`messages`), or one without `prompt`."""
+    if req.messages is not None:
+        raise APIError("'messages' is a chat field: /v1/completions takes a 'prompt'. Send "
+                       "this request to /v1/chat/completions, or send a prompt here instead.",
+                       param="messages", code="unknown_parameter")
+    if req.prompt is None:
+        raise APIError("Missing required parameter: 'prompt'.", param="prompt",
+                       code="missing_required_parameter")
 
 
 def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, *,
-                   prompt_param: str = "prompt") -> int:
-    """The max_tokens to run with: as asked if it fits, else up to the context window if not
-    asked; raises a 400 with the numbers when prompt + max_tokens cannot fit."""
+                   prompt_param: str = "prompt", default: int | None = None) -> int:
+    """The max_tokens to run with: as asked if it fits; if not asked, `default` (None: no
+    limit) cut to the room the context window leaves, as vLLM's `get_max_tokens` does, so a
+    default the client never sent is never blamed. Raises a 400 with the numbers when the
+    prompt leaves no room or prompt + the asked max_tokens cannot fit."""
     if num_prompt_tokens == 0:
         raise APIError("The prompt is empty after tokenization; send some text or token ids.",
                        param=prompt_param, code="empty_prompt")
@@ -156,7 +170,8 @@ def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len
                        "shorten the prompt or serve with a larger --max-model-len.",
                        param=prompt_param, code="context_length_exceeded")
     if max_tokens is None:
-        return max_model_len - num_prompt_tokens
+        room = max_model_len - num_prompt_tokens
+        return room if default is None else min(default, room)
     if num_prompt_tokens + max_tokens > max_model_len:
         raise APIError(f"max_tokens={max_tokens} plus {num_prompt_tokens} prompt tokens exceeds "
                        f"max_model_len={max_model_len}; lower max_tokens to at most "
@@ -188,10 +203,8 @@ def check_kv_transfer_params(req: SamplingFields, num_choices: int) -> dict[str,
     """The request's `kv_transfer_params` (prefill/decode disaggregation), checked: a prefill
     hand-off (`do_remote_decode`) answers with one JSON body for one choice."""
     params = req.kv_transfer_params
-    for flag in ("do_remote_decode", "do_remote_prefill"):
-        if params and not isinstance(params.get(flag, False), bool):
-            raise APIError(f"kv_transfer_params.{flag}={params[flag]!r} must be true or false "
-                           "(a JSON boolean).", param="kv_transfer_params", code="invalid_type")
+    if params:
+        _check_kv_transfer_types(params)
     if params and params.get("do_remote_decode"):
         if num_choices != 1:
             raise APIError(f"kv_transfer_params.do_remote_decode needs exactly one choice, got "
@@ -202,3 +215,22 @@ def check_kv_transfer_params(req: SamplingFields, num_choices: int) -> dict[str,
                            "prefill's hand-off is returned in one JSON body.",
                            param="kv_transfer_params", code="invalid_value")
     return params
+
+
+def _check_kv_transfer_types(params: dict[str, Any]) -> None:
+    """400 naming the first `kv_transfer_params` value of the wrong type or range."""
+    try:
+        KVTransferParams.model_validate(params)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = ".".join(str(part) for part in error["loc"])
+        value = repr(error.get("input"))
+        value = value if len(value) <= 40 else value[:37] + "..."
+        if name in ("do_remote_decode", "do_remote_prefill"):
+            fix = "must be true or false (a JSON boolean)"
+        elif name == "model_fingerprint":
+            fix = "must be a string (as a prefill worker returned it)"
+        else:
+            fix = f"is invalid ({error['msg']}); send it as a prefill worker returned it"
+        raise APIError(f"kv_transfer_params.{name}={value} {fix}.", param="kv_transfer_params",
+                       code="invalid_type") from None

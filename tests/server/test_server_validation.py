@@ -146,7 +146,7 @@ def test_fan_out_offsets_the_seed_per_choice():
 
 def test_completion_kwargs():
     kwargs, asked = completion_kwargs(CompletionRequest(prompt="x", logprobs=2))
-    assert asked == 16 and build_params(kwargs, 3).logprobs == 2  # OpenAI's default
+    assert asked is None and build_params(kwargs, 3).logprobs == 2  # 16 by default: fit_max_tokens
     with pytest.raises(APIError, match="best_of=3 differs from n=1"):
         completion_kwargs(CompletionRequest(prompt="x", best_of=3))
     with pytest.raises(APIError, match="suffix"):
