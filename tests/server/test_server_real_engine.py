@@ -2,6 +2,7 @@
 the real tokenizer's chat template and bytes, stop strings, the context window, queue full."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -93,3 +94,50 @@ def test_full_queue_answers_429(engine):
     refused = next(r for r in responses if r.status_code == 429)
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert refused.headers["retry-after"] == "1"
+
+
+def spelled_bytes(name: str) -> bytes:
+    """The bytes a completions token name stands for (`bytes:\\xNN...` or its UTF-8 text)."""
+    if name.startswith("bytes:"):
+        return bytes(int(h, 16) for h in name[len("bytes:"):].split("\\x")[1:])
+    return name.encode("utf-8")
+
+
+def test_completions_logprobs_of_multibyte_text(engine):
+    """Issue 27 item 3: tokens holding part of a CJK character or an emoji are spelled by their
+    bytes, 5 alternatives asked give 5, the sampled token keeps its own logprob; the stream
+    says the same."""
+    body = {"prompt": "日本の首都は東京です。中国の首都は", "max_tokens": 8, "temperature": 0,
+            "logprobs": 5}
+    plain, = post_all(engine, body, path="/v1/completions")
+    choice = plain.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert any(t.startswith("bytes:\\x") for t in logprobs["tokens"])
+    assert b"".join(spelled_bytes(t) for t in logprobs["tokens"]) == choice["text"].encode()
+    for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
+                                   logprobs["top_logprobs"]):
+        assert len(top) == 5 and top[token] == logprob   # greedy: the sampled one is in the 5
+    assert sum(t.startswith("bytes:") for top in logprobs["top_logprobs"] for t in top) > 8
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    assert logprobs["text_offset"][-1] < len(choice["text"])
+
+    streamed, = post_all(engine, {**body, "stream": True}, path="/v1/completions")
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.text.split("\n\n")
+              if line.startswith("data: {")]
+    merged = {key: [v for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                    for v in c["choices"][0]["logprobs"][key]] for key in logprobs}
+    assert merged == logprobs
+
+
+def test_chat_logprobs_end_with_the_text(engine):
+    """Issue 27 item 3: the end-of-turn token stops the answer and is not shown, so it is not
+    listed either; the listed tokens' bytes are the answer's."""
+    response, = post_all(engine, {"messages": QUESTION, "temperature": 0, "max_tokens": 100,
+                                  "logprobs": True, "top_logprobs": 2})
+    body = response.json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+    content = choice["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == choice["message"]["content"].encode()
+    assert len(content) == body["usage"]["completion_tokens"] - 1   # EOS counted, not listed
+    assert all("<|im_end|>" not in e["token"] for e in content)
