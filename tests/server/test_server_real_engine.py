@@ -103,12 +103,13 @@ def spelled_bytes(name: str) -> bytes:
     return name.encode("utf-8")
 
 
-def test_completions_logprobs_of_multibyte_text(engine):
+@pytest.mark.parametrize("prompt", ["日本の首都は東京です。中国の首都は",
+                                    "Emoji: 🙂😀🎉 and more emoji:"])
+def test_completions_logprobs_of_multibyte_text(engine, prompt):
     """Issue 27 item 3: tokens holding part of a CJK character or an emoji are spelled by their
     bytes, 5 alternatives asked give 5, the sampled token keeps its own logprob; the stream
     says the same."""
-    body = {"prompt": "日本の首都は東京です。中国の首都は", "max_tokens": 8, "temperature": 0,
-            "logprobs": 5}
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 5}
     plain, = post_all(engine, body, path="/v1/completions")
     choice = plain.json()["choices"][0]
     logprobs = choice["logprobs"]
