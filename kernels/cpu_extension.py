@@ -115,9 +115,10 @@ def _why(error: BaseException) -> str:
                 f"run `{sys.executable} -m pip install ninja`")
     if shutil.which("c++") is None:
         return "no C++ compiler: `c++` is not on PATH; install g++ (or clang) and restart"
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    return f"the compiler failed: {(errors or lines or [repr(error)])[0].strip()[:300]}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    diagnostics = [line for line in lines if "error:" in line]   # file:line:col: error: ...
+    first = (diagnostics or lines or [repr(error)])[0]
+    return f"the compiler failed: {first[:300]}"
 
 
 def build_or_load(name: str, csrc_dir: Path, sources: Sequence[str], build_root: Path,
@@ -149,7 +150,8 @@ def build_or_load(name: str, csrc_dir: Path, sources: Sequence[str], build_root:
                           extra_cflags=list(cflags), extra_ldflags=list(ldflags),
                           build_directory=str(build_dir), verbose=False)
     except Exception as error:  # noqa: BLE001 - compiler, ninja or loader: say which
-        raise ExtensionBuildError(_why(error)) from error
+        raise ExtensionBuildError(f"{_why(error)}; the whole log: `{ninja or 'ninja'} -v -C "
+                                  f"{build_dir}`") from error
     (build_dir / _DONE).touch()
     return module
 

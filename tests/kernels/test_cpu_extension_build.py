@@ -91,3 +91,37 @@ def test_the_key_is_what_changes_the_object(tmp_path):
     assert build_key(one, ["-O3"], []) != build_key(one, ["-O2"], [])
     (two / "tiny.cpp").write_text(TINY.replace("ANSWER", "ANSWER + 1"))
     assert build_key(one, ["-O3"], []) != build_key(two, ["-O3"], [])
+
+
+FAIL = """
+import sys
+from pathlib import Path
+from deepinfer.kernels.cpu_extension import ExtensionBuildError, build_or_load
+try:
+    build_or_load("tiny_ext", Path(sys.argv[1]), ["tiny.cpp"], Path(sys.argv[2]), ["-DANSWER=1"])
+except ExtensionBuildError as error:
+    print(error)
+"""
+
+
+def test_a_failed_build_says_what_was_missing(tmp_path):
+    csrc, root = write_sources(tmp_path / "csrc"), tmp_path / "extensions"
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    done = subprocess.run([sys.executable, "-c", FAIL, str(csrc), str(root)],
+                          env={**os.environ, "PATH": str(empty)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.stdout.startswith("no C++ compiler: `c++` is not on PATH"), done.stdout
+    (csrc / "tiny.cpp").write_text(TINY.replace("ANSWER", "NOT_DEFINED_ANYWHERE"))
+    done = subprocess.run([sys.executable, "-c", FAIL, str(csrc), str(root)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout.startswith("the compiler failed: ") and "NOT_DEFINED_ANYWHERE" in done.stdout
+
+
+def test_no_ninja_anywhere_names_the_package(monkeypatch):
+    from deepinfer.kernels import cpu_extension
+
+    monkeypatch.setattr(cpu_extension, "packaged_ninja", lambda: None)
+    monkeypatch.setattr(cpu_extension.shutil, "which", lambda name: None)
+    why = cpu_extension._why(RuntimeError("Ninja is required to load C++ extensions"))
+    assert why.startswith("no ninja: the `ninja` package is missing") and "pip install ninja" in why
