@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
                       model_serializer)
+from pydantic.json_schema import SkipJsonSchema
 
 
 class _Request(BaseModel):
@@ -140,10 +141,11 @@ CHAT_FIELDS_NOT_SERVED = {
 
 
 class CompletionRequest(SamplingFields):
-    # required; None here so that a chat body sent to /v1/completions (`messages`, no `prompt`)
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"required": ["prompt"]})
+    # required (as the schema says); None here so that a chat body sent to /v1/completions (`messages`, no `prompt`)
     # gets a 400 naming the right endpoint (validation.check_completion_fields)
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
-    messages: Any = None
+    messages: SkipJsonSchema[Any] = None   # not a completions field (left out of the schema)
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
