@@ -142,3 +142,10 @@ def test_chat_logprobs_end_with_the_text(engine):
     assert b"".join(bytes(e["bytes"]) for e in content) == choice["message"]["content"].encode()
     assert len(content) == body["usage"]["completion_tokens"] - 1   # EOS counted, not listed
     assert all("<|im_end|>" not in e["token"] for e in content)
+
+    streamed, = post_all(engine, {"messages": QUESTION, "temperature": 0, "max_tokens": 100,
+                                  "logprobs": True, "top_logprobs": 2, "stream": True})
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.text.split("\n\n")
+              if line.startswith("data: {")]
+    assert [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content") or []
+            ] == content
