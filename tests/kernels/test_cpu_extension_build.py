@@ -67,6 +67,7 @@ def without_ninja(tmp_path: Path) -> str:
     return str(bin_dir)
 
 
+@pytest.mark.slow   # starts processes that compile
 def test_two_launch_styles_share_one_build(tmp_path):
     csrc, root = write_sources(tmp_path / "csrc"), tmp_path / "extensions"
     venv_first = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -79,6 +80,7 @@ def test_two_launch_styles_share_one_build(tmp_path):
     assert third == first and objects(root) == built
 
 
+@pytest.mark.slow   # starts processes that compile
 def test_no_system_ninja_still_builds(tmp_path):
     csrc, root = write_sources(tmp_path / "csrc"), tmp_path / "extensions"
     built = build_in_process(csrc, root, without_ninja(tmp_path))
@@ -104,6 +106,7 @@ except ExtensionBuildError as error:
 """
 
 
+@pytest.mark.slow   # starts processes that compile
 def test_a_failed_build_says_what_was_missing(tmp_path):
     csrc, root = write_sources(tmp_path / "csrc"), tmp_path / "extensions"
     empty = tmp_path / "empty-bin"

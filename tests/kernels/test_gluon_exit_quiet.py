@@ -13,8 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs the triton package (compiles, runs nothing)")
+pytestmark = [pytest.mark.slow,   # a process that compiles for ~20 s
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="needs the triton package (compiles, runs nothing)")]
 
 COMPILE = """
 import sys
