@@ -142,8 +142,9 @@ CHAT_FIELDS_NOT_SERVED = {
 
 class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"required": ["prompt"]})
-    # required (as the schema says); None here so that a chat body sent to /v1/completions (`messages`, no `prompt`)
-    # gets a 400 naming the right endpoint (validation.check_completion_fields)
+    # required (as the schema says); None here so that a chat body sent to /v1/completions
+    # (`messages`, no `prompt`) gets a 400 naming the right endpoint
+    # (validation.check_completion_fields)
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
     messages: SkipJsonSchema[Any] = None   # not a completions field (left out of the schema)
     echo: StrictBool | None = False

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.server.errors import APIError, check_unicode
 from pydantic import ValidationError
 
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.server.errors import APIError, check_unicode
 from deepinfer.server.protocol import (CHAT_FIELDS_NOT_SERVED, ChatCompletionRequest, CompletionRequest,
                              KVTransferParams, SamplingFields)
 

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++
 TINY = r"""
 #include <Python.h>
 static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(ANSWER); }
-static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {nullptr, nullptr, 0, nullptr}};
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""},
+                                {nullptr, nullptr, 0, nullptr}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tiny_ext", nullptr, -1, methods};
 PyMODINIT_FUNC PyInit_tiny_ext(void) { return PyModule_Create(&module); }
 """
