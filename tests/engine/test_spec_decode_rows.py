@@ -186,3 +186,30 @@ def test_rejected_drafts_roll_back_and_leave_block_accounting_exact(tiny_model):
     torch.testing.assert_close(logits.of("a"), ref_a_logits[7:8], atol=ATOL, rtol=0)
     engine.scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert engine.manager.block_pool.num_free_blocks == NUM_BLOCKS
+
+
+def test_a_row_with_drafts_is_one_query_whose_every_position_gives_logits():
+    import numpy as np
+
+    from deepinfer.engine.input_batch import CachedRequestState, build_step_inputs
+
+    def state(request_id, token_ids, num_computed, block_ids):
+        return CachedRequestState(request_id, token_ids, 3, block_ids, num_computed,
+                                  SamplingParams(), 0)
+
+    prefill = state("p", [1, 2, 3, 4, 5], 0, [0, 1])
+    verify = state("v", [10, 11, 12, 13, 14, 15, 16], 6, [2, 3, 4])
+    chunk = state("c", list(range(20, 30)), 0, [5])
+    inputs = build_step_inputs([prefill, verify, chunk], [5, 3, 4], BLOCK_SIZE,
+                               torch.device("cpu"), draft_token_ids={"v": [100, 101]})
+    assert inputs.input_ids.tolist() == [1, 2, 3, 4, 5, 16, 100, 101, 20, 21, 22, 23]
+    assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 0, 1, 2, 3]
+    assert inputs.slot_mapping.tolist() == [0, 1, 2, 3, 4, 14, 15, 16, 20, 21, 22, 23]
+    assert inputs.query_start_loc.tolist() == [0, 5, 8, 12]
+    assert inputs.seq_lens.tolist() == [5, 9, 4]
+    assert inputs.logits_indices.tolist() == [4, 5, 6, 7]
+    assert inputs.sampling_states == [prefill, verify]
+    assert inputs.draft_token_ids == [[], [100, 101]]
+    plain = build_step_inputs([prefill, chunk], [5, 4], BLOCK_SIZE, torch.device("cpu"))
+    assert plain.draft_token_ids is None and plain.logits_indices.tolist() == [4]
+    assert np.array_equal(plain.input_ids, [1, 2, 3, 4, 5, 20, 21, 22, 23])
