@@ -125,43 +125,42 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
     block_tables[np.arange(max_blocks) < num_block_ids[:, None]] = np.fromiter(
         chain.from_iterable(s.block_ids for s in states), np.int32, int(num_block_ids.sum()))
     ends = seq_lens.tolist()
+    if draft_token_ids:
+        input_ids, logits_indices, sampling, drafts = _tokens_with_drafts(
+            states, starts.tolist(), ends, query_start_loc, draft_token_ids)
+    else:
+        input_ids = np.fromiter(chain.from_iterable(
+            s.token_ids[begin:end] for s, begin, end in zip(states, starts.tolist(), ends)),
+            np.int64, num_tokens)
+        sampling = [i for i, (s, end) in enumerate(zip(states, ends)) if end == len(s.token_ids)]
+        logits_indices, drafts = query_start_loc[1:][sampling] - 1, None
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
-    inputs = StepInputs(
-        input_ids=None, positions=positions, slot_mapping=slot_mapping,
+    return StepInputs(
+        input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-        logits_indices=None, sampling_states=[], device=device)
-    if draft_token_ids:
-        _fill_tokens_with_drafts(inputs, states, starts.tolist(), ends, draft_token_ids)
-        return inputs
-    inputs.input_ids = np.fromiter(chain.from_iterable(
-        s.token_ids[begin:end] for s, begin, end in zip(states, starts.tolist(), ends)),
-        np.int64, num_tokens)
-    sampling = [i for i, (s, end) in enumerate(zip(states, ends)) if end == len(s.token_ids)]
-    inputs.logits_indices = query_start_loc[1:][sampling] - 1
-    inputs.sampling_states = [states[i] for i in sampling]
-    return inputs
+        logits_indices=logits_indices, sampling_states=[states[i] for i in sampling],
+        device=device, draft_token_ids=drafts)
 
 
-def _fill_tokens_with_drafts(inputs: StepInputs, states: list[CachedRequestState],
-                             starts: list[int], ends: list[int],
-                             draft_token_ids: dict[str, list[int]]) -> None:
-    """`build_step_inputs`' token ids and logits rows when some rows score drafts: a row's
-    query is its known tokens [start, len(token_ids)) then its drafts; a row that reaches its
-    end samples at its last 1 + len(drafts) positions."""
+def _tokens_with_drafts(states: list[CachedRequestState], starts: list[int], ends: list[int],
+                        query_start_loc: np.ndarray, draft_token_ids: dict[str, list[int]]
+                        ) -> tuple[np.ndarray, np.ndarray, list[int], list[list[int]]]:
+    """`build_step_inputs`' (input_ids, logits_indices, sampling requests, their drafts) when
+    some rows score drafts: a row's query is its known tokens [start, len(token_ids)) then its
+    drafts; a row that reaches its end samples at its last 1 + len(drafts) positions."""
     drafts = [draft_token_ids.get(s.request_id, []) for s in states]
-    inputs.input_ids = np.fromiter(chain.from_iterable(
+    input_ids = np.fromiter(chain.from_iterable(
         chain(s.token_ids[begin:end], d) for s, begin, end, d in zip(states, starts, ends,
                                                                     drafts)),
-        np.int64, int(inputs.query_start_loc[-1]))
+        np.int64, int(query_start_loc[-1]))
     sampling = [i for i, (s, end, d) in enumerate(zip(states, ends, drafts))
                 if end == len(s.token_ids) + len(d)]
-    query_ends = inputs.query_start_loc[1:].tolist()
-    inputs.logits_indices = np.fromiter(chain.from_iterable(
+    query_ends = query_start_loc[1:].tolist()
+    logits_indices = np.fromiter(chain.from_iterable(
         range(query_ends[i] - 1 - len(drafts[i]), query_ends[i]) for i in sampling),
         np.int64, sum(1 + len(drafts[i]) for i in sampling))
-    inputs.sampling_states = [states[i] for i in sampling]
-    inputs.draft_token_ids = [drafts[i] for i in sampling]
+    return input_ids, logits_indices, sampling, [drafts[i] for i in sampling]
 
 
 def _to_device(inputs: StepInputs) -> DeviceInputs:

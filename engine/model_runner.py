@@ -16,7 +16,6 @@ Rows with drafts run eagerly (the decode CUDA graphs hold one token per row).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 from deepinfer.engine.async_step import AsyncRunnerOutput
 from deepinfer.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs, feed_tokens
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampler import Sampler, SamplerOutput
 from deepinfer.engine.sampling_metadata import build_sampling_metadata
 from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.kernels.cpu_extension import cpu_extension
@@ -44,16 +43,21 @@ class StepLogits:
     """The logits a step sampled from, for callers that score tokens (tests, verifiers).
 
     logits: [num_logits_rows, vocab_size] float32 on the runner's device.
-    rows: request id -> (first row, number of rows): 1 + k rows for a row with k drafts.
+    states: the requests that sampled, in row order (`StepInputs.sampling_states`).
+    draft_token_ids: per request, its scored drafts: it owns 1 + k rows (None: one each).
     """
 
     logits: torch.Tensor
-    rows: dict[str, tuple[int, int]]
+    states: list[CachedRequestState]
+    draft_token_ids: list[list[int]] | None
 
     def of(self, request_id: str) -> torch.Tensor:
         """[1 + k, vocab_size] float32: the request's rows, position order."""
-        start, count = self.rows[request_id]
-        return self.logits[start:start + count]
+        index = [s.request_id for s in self.states].index(request_id)
+        if self.draft_token_ids is None:
+            return self.logits[index:index + 1]
+        start = index + sum(len(d) for d in self.draft_token_ids[:index])
+        return self.logits[start:start + 1 + len(self.draft_token_ids[index])]
 
 
 class _WithDrafts(Sequence):
@@ -181,8 +185,8 @@ class ModelRunner:
         step_logits = None
         if inputs.sampling_states:
             logits = self._logits(inputs, hidden, graph_outputs)
-            sampled, rows = self._sample(inputs, logits)
-            step_logits = StepLogits(logits, rows)
+            sampled = self._sample(inputs, logits)
+            step_logits = StepLogits(logits, inputs.sampling_states, inputs.draft_token_ids)
         for state, num_tokens in zip(states, num_scheduled):
             state.num_computed_tokens += num_tokens
         output = ModelRunnerOutput(
@@ -192,12 +196,11 @@ class ModelRunner:
         return output, step_logits
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor
-                ) -> tuple[dict[str, tuple[list[int], list | None]], dict[str, tuple[int, int]]]:
-        """Sample every logits row, commit each request's tokens to its state.
+                ) -> dict[str, tuple[list[int], list | None]]:
+        """Sample every logits row and commit each request's tokens to its state.
 
         Returns:
-            request id -> (committed token ids, their logprobs or None), and request id ->
-            (first logits row, number of rows).
+            request id -> (committed token ids, their logprobs or None).
         """
         row_states = self._row_states(inputs.sampling_states, inputs.draft_token_ids)
         metadata = build_sampling_metadata(row_states, self.device,
@@ -208,26 +211,40 @@ class ModelRunner:
             metadata = dataclasses.replace(metadata, grammar_bitmask=bitmask,
                                            grammar_rows=grammar_rows)
         result = self.sampler(logits, metadata)
-        sampled, rows, row = {}, {}, 0
-        for state, draft_ids in zip(inputs.sampling_states,
-                                    inputs.draft_token_ids or itertools.repeat(())):
-            num_rows = 1 + len(draft_ids)
-            scored = result.sampled_token_ids[row:row + num_rows]
+        if inputs.draft_token_ids is not None:
+            return self._commit_drafts(inputs, result)
+        sampled = {}
+        for row, state in enumerate(inputs.sampling_states):
+            token_id = result.sampled_token_ids[row]
+            state.token_ids.append(token_id)
+            if state.grammar is not None and not state.grammar.accept_token(token_id):
+                logger.warning("request %s: sampled token %d outside its grammar",
+                               state.request_id, token_id)
+            logprobs = [result.logprobs[row]] if result.logprobs is not None else None
+            sampled[state.request_id] = ([token_id], logprobs)
+        return sampled
+
+    @staticmethod
+    def _commit_drafts(inputs: StepInputs, result: SamplerOutput
+                       ) -> dict[str, tuple[list[int], list | None]]:
+        """`_sample`'s commit when rows scored drafts: a request's first m drafts are accepted
+        while each equals the target's sample before it; it commits those samples and the next
+        one (the correction, or the bonus token when all k drafts pass). No grammar here
+        (`_row_states` refuses drafts under one)."""
+        sampled, row = {}, 0
+        for state, draft_ids in zip(inputs.sampling_states, inputs.draft_token_ids):
+            scored = result.sampled_token_ids[row:row + 1 + len(draft_ids)]
             num_accepted = 0
             while (num_accepted < len(draft_ids)
                    and draft_ids[num_accepted] == scored[num_accepted]):
                 num_accepted += 1
             committed = scored[:num_accepted + 1]
             state.token_ids.extend(committed)
-            if state.grammar is not None and not state.grammar.accept_token(committed[0]):
-                logger.warning("request %s: sampled token %d outside its grammar",
-                               state.request_id, committed[0])
             logprobs = (result.logprobs[row:row + num_accepted + 1]
                         if result.logprobs is not None else None)
             sampled[state.request_id] = (committed, logprobs)
-            rows[state.request_id] = (row, num_rows)
-            row += num_rows
-        return sampled, rows
+            row += len(scored)
+        return sampled
 
     @staticmethod
     def _row_states(states: list[CachedRequestState], drafts: list[list[int]] | None) -> list:
