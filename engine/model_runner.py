@@ -168,6 +168,7 @@ class ModelRunner:
         return scheduled
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward the scheduled tokens, sample, commit (module docstring)."""
         return self.execute_and_score(scheduler_output)[0]
 
     @torch.inference_mode()
