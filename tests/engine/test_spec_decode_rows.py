@@ -124,10 +124,13 @@ def _last_logits(new_engine, tokens: list[int]) -> torch.Tensor:
     return engine.step()[2].of("x")[0]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=64),
-                                    SamplingParams(temperature=0.9, top_k=40, max_tokens=64,
-                                                   seed=11)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=64),
+    SamplingParams(temperature=0.9, top_k=40, max_tokens=64, seed=11),
+    # penalties at draft position j count the drafts before j as generated
+    SamplingParams(temperature=0.0, max_tokens=64, repetition_penalty=3.0,
+                   frequency_penalty=2.0)],
+    ids=["greedy", "seeded", "penalized"])
 def test_accepted_drafts_score_as_single_token_steps_beside_prefill_and_decode_rows(
         tiny_model, params):
     check_accepted_drafts(lambda: Engine(tiny_model), params, atol=ATOL)
