@@ -7,6 +7,10 @@ batch on the host (`StepInputs`, numpy): `input_ids`, `positions`, `slot_mapping
 `StepInputs.on_device()` copies it to the device as `DeviceInputs` (with the
 `AttentionMetadata`) for an eager forward; a replayed CUDA graph packs the host arrays into its
 own buffer instead (`engine/cuda_graphs.py`).
+
+A decode row may carry k draft tokens after its last sampled token (speculative decoding): its
+1 + k tokens are one query of the varlen batch (causal within the row, against its paged
+context), and all 1 + k positions produce logits (`StepInputs.draft_token_ids`).
 """
 
 from __future__ import annotations
@@ -52,9 +56,12 @@ class StepInputs:
     query_start_loc: np.ndarray    # [num_seqs + 1] int64
     seq_lens: np.ndarray           # [num_seqs] int64
     block_tables: np.ndarray       # [num_seqs, max_blocks] int32, padded with 0
-    logits_indices: np.ndarray     # [num_sampling_reqs] int64 — rows whose logits are sampled
+    logits_indices: np.ndarray     # [num_logits_rows] int64 — rows whose logits are sampled
     sampling_states: list[CachedRequestState]  # requests that sample, in logits_indices order
     device: torch.device
+    # None when no row scores drafts (one logits row per sampling request); else per sampling
+    # request its scored drafts: it owns 1 + len(drafts) consecutive logits rows
+    draft_token_ids: list[list[int]] | None = None
     _device_inputs: DeviceInputs | None = None
 
     @property
@@ -88,14 +95,17 @@ class DeviceInputs(NamedTuple):
 
 
 def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int],
-                      block_size: int, device: torch.device) -> StepInputs:
+                      block_size: int, device: torch.device, *,
+                      draft_token_ids: dict[str, list[int]] | None = None) -> StepInputs:
     """Flatten the scheduled requests (in `states` order) into one varlen batch, on the host.
 
     Args:
         states: the scheduled requests, with `num_computed_tokens` as before this step.
-        num_scheduled: tokens scheduled per request this step.
+        num_scheduled: tokens scheduled per request this step (drafts included).
         block_size: tokens per KV block.
         device: where `StepInputs.on_device` puts it.
+        draft_token_ids: request id -> draft tokens scored after its known tokens
+            (`SchedulerOutput.scheduled_spec_decode_tokens`); None or empty: no drafts.
     """
     num_seqs = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int64)
@@ -115,17 +125,42 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
     block_tables[np.arange(max_blocks) < num_block_ids[:, None]] = np.fromiter(
         chain.from_iterable(s.block_ids for s in states), np.int32, int(num_block_ids.sum()))
     ends = seq_lens.tolist()
-    input_ids = np.fromiter(chain.from_iterable(
-        s.token_ids[begin:end] for s, begin, end in zip(states, starts.tolist(), ends)),
-        np.int64, num_tokens)
-    sampling = [i for i, (s, end) in enumerate(zip(states, ends)) if end == len(s.token_ids)]
+    if draft_token_ids:
+        input_ids, logits_indices, sampling, drafts = _tokens_with_drafts(
+            states, starts.tolist(), ends, query_start_loc, draft_token_ids)
+    else:
+        input_ids = np.fromiter(chain.from_iterable(
+            s.token_ids[begin:end] for s, begin, end in zip(states, starts.tolist(), ends)),
+            np.int64, num_tokens)
+        sampling = [i for i, (s, end) in enumerate(zip(states, ends)) if end == len(s.token_ids)]
+        logits_indices, drafts = query_start_loc[1:][sampling] - 1, None
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
     return StepInputs(
         input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-        logits_indices=query_start_loc[1:][sampling] - 1,
-        sampling_states=[states[i] for i in sampling], device=device)
+        logits_indices=logits_indices, sampling_states=[states[i] for i in sampling],
+        device=device, draft_token_ids=drafts)
+
+
+def _tokens_with_drafts(states: list[CachedRequestState], starts: list[int], ends: list[int],
+                        query_start_loc: np.ndarray, draft_token_ids: dict[str, list[int]]
+                        ) -> tuple[np.ndarray, np.ndarray, list[int], list[list[int]]]:
+    """`build_step_inputs`' (input_ids, logits_indices, sampling requests, their drafts) when
+    some rows score drafts: a row's query is its known tokens [start, len(token_ids)) then its
+    drafts; a row that reaches its end samples at its last 1 + len(drafts) positions."""
+    drafts = [draft_token_ids.get(s.request_id, []) for s in states]
+    input_ids = np.fromiter(chain.from_iterable(
+        chain(s.token_ids[begin:end], d) for s, begin, end, d in zip(states, starts, ends,
+                                                                    drafts)),
+        np.int64, int(query_start_loc[-1]))
+    sampling = [i for i, (s, end, d) in enumerate(zip(states, ends, drafts))
+                if end == len(s.token_ids) + len(d)]
+    query_ends = query_start_loc[1:].tolist()
+    logits_indices = np.fromiter(chain.from_iterable(
+        range(query_ends[i] - 1 - len(drafts[i]), query_ends[i]) for i in sampling),
+        np.int64, sum(1 + len(drafts[i]) for i in sampling))
+    return input_ids, logits_indices, sampling, [drafts[i] for i in sampling]
 
 
 def _to_device(inputs: StepInputs) -> DeviceInputs:

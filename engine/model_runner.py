@@ -3,13 +3,23 @@
 execute(): apply the scheduler's diff to the runner's request states, flatten the scheduled
 tokens into one varlen batch (input_batch.py), run the model, sample the rows that reached the end
 of their tokens, and return plain lists (`ModelRunnerOutput`).
+
+A decode row with k draft tokens (`SchedulerOutput.scheduled_spec_decode_tokens`) is sampled at
+each of its 1 + k positions (position j as if the drafts before j had been generated: same
+seeded noise, penalties and min_tokens as plain decoding at that position). Draft j is accepted
+while it equals the target's own sample at the position before it, so the committed tokens are
+always the target's samples: greedy and seeded outputs are those of plain decoding.
+`execute_and_score` also returns the logits of every scored position (`StepLogits`).
+Rows with drafts run eagerly (the decode CUDA graphs hold one token per row).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,7 +27,7 @@ import torch
 from deepinfer.engine.async_step import AsyncRunnerOutput
 from deepinfer.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs, feed_tokens
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampler import Sampler, SamplerOutput
 from deepinfer.engine.sampling_metadata import build_sampling_metadata
 from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.kernels.cpu_extension import cpu_extension
@@ -26,6 +36,53 @@ if TYPE_CHECKING:
     from deepinfer.engine.cuda_graphs import GraphOutputs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepLogits:
+    """The logits a step sampled from, for callers that score tokens (tests, verifiers).
+
+    logits: [num_logits_rows, vocab_size] float32 on the runner's device.
+    states: the requests that sampled, in row order (`StepInputs.sampling_states`).
+    draft_token_ids: per request, its scored drafts: it owns 1 + k rows (None: one each).
+    """
+
+    logits: torch.Tensor
+    states: list[CachedRequestState]
+    draft_token_ids: list[list[int]] | None
+
+    def of(self, request_id: str) -> torch.Tensor:
+        """[1 + k, vocab_size] float32: the request's rows, position order."""
+        index = [s.request_id for s in self.states].index(request_id)
+        if self.draft_token_ids is None:
+            return self.logits[index:index + 1]
+        start = index + sum(len(d) for d in self.draft_token_ids[:index])
+        return self.logits[start:start + 1 + len(self.draft_token_ids[index])]
+
+
+class _WithDrafts(Sequence):
+    """A request's token ids followed by some of its drafts, as a `SamplingState.token_ids`
+    (length for the sampler's position, slices for penalties) without copying the context."""
+
+    def __init__(self, token_ids: list[int], drafts: list[int]):
+        self.token_ids, self.drafts = token_ids, drafts
+
+    def __len__(self) -> int:
+        return len(self.token_ids) + len(self.drafts)
+
+    def __getitem__(self, index):
+        return (self.token_ids + self.drafts)[index]
+
+
+@dataclass
+class _DraftPosition:
+    """One scored position of a row with drafts, as a `SamplingState`."""
+
+    sampling_params: Any
+    seed: int
+    token_ids: _WithDrafts
+    num_prompt_tokens: int
+    grammar: Any = None
 
 
 class ModelRunner:
@@ -101,6 +158,8 @@ class ModelRunner:
             self.requests[new.request_id] = state
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
+            if cached.num_kept_block_ids is not None:   # rejected drafts freed lookahead blocks
+                del state.block_ids[cached.num_kept_block_ids:]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             scheduled.append(state)
@@ -108,39 +167,105 @@ class ModelRunner:
                          for new in scheduler_output.scheduled_new_reqs)
         return scheduled
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward the scheduled tokens, sample, commit (module docstring)."""
+        return self.execute_and_score(scheduler_output)[0]
+
+    @torch.inference_mode()
+    def execute_and_score(self, scheduler_output: SchedulerOutput
+                          ) -> tuple[ModelRunnerOutput, StepLogits | None]:
+        """`execute`, also returning the logits sampled from (None when no row sampled)."""
         states = self._update_states(scheduler_output)
         if not states:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(), None
         num_scheduled = [scheduler_output.num_scheduled_tokens[s.request_id] for s in states]
-        inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device)
+        inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device,
+                                   draft_token_ids=scheduler_output.scheduled_spec_decode_tokens)
         hidden, graph_outputs = self._forward(inputs)
         sampled: dict[str, tuple[list[int], list | None]] = {}
+        step_logits = None
         if inputs.sampling_states:
             logits = self._logits(inputs, hidden, graph_outputs)
-            metadata = build_sampling_metadata(inputs.sampling_states, self.device,
-                                               eos_token_ids=self.eos_token_ids)
-            if any(s.grammar is not None for s in inputs.sampling_states):
-                bitmask, rows = self.structured_output.fill_bitmask(
-                    [s.grammar for s in inputs.sampling_states])
-                metadata = dataclasses.replace(metadata, grammar_bitmask=bitmask,
-                                               grammar_rows=rows)
-            result = self.sampler(logits, metadata)
-            for row, state in enumerate(inputs.sampling_states):
-                token_id = result.sampled_token_ids[row]
-                state.token_ids.append(token_id)
-                if state.grammar is not None and not state.grammar.accept_token(token_id):
-                    logger.warning("request %s: sampled token %d outside its grammar",
-                                   state.request_id, token_id)
-                logprobs = [result.logprobs[row]] if result.logprobs is not None else None
-                sampled[state.request_id] = ([token_id], logprobs)
+            sampled = self._sample(inputs, logits)
+            step_logits = StepLogits(logits, inputs.sampling_states, inputs.draft_token_ids)
         for state, num_tokens in zip(states, num_scheduled):
             state.num_computed_tokens += num_tokens
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=[s.request_id for s in states],
             sampled_token_ids=[sampled.get(s.request_id, ([], None))[0] for s in states],
             logprobs=[sampled.get(s.request_id, ([], None))[1] for s in states])
+        return output, step_logits
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor
+                ) -> dict[str, tuple[list[int], list | None]]:
+        """Sample every logits row and commit each request's tokens to its state.
+
+        Returns:
+            request id -> (committed token ids, their logprobs or None).
+        """
+        row_states = self._row_states(inputs.sampling_states, inputs.draft_token_ids)
+        metadata = build_sampling_metadata(row_states, self.device,
+                                           eos_token_ids=self.eos_token_ids)
+        if any(s.grammar is not None for s in row_states):
+            bitmask, grammar_rows = self.structured_output.fill_bitmask(
+                [s.grammar for s in row_states])
+            metadata = dataclasses.replace(metadata, grammar_bitmask=bitmask,
+                                           grammar_rows=grammar_rows)
+        result = self.sampler(logits, metadata)
+        if inputs.draft_token_ids is not None:
+            return self._commit_drafts(inputs, result)
+        sampled = {}
+        for row, state in enumerate(inputs.sampling_states):
+            token_id = result.sampled_token_ids[row]
+            state.token_ids.append(token_id)
+            if state.grammar is not None and not state.grammar.accept_token(token_id):
+                logger.warning("request %s: sampled token %d outside its grammar",
+                               state.request_id, token_id)
+            logprobs = [result.logprobs[row]] if result.logprobs is not None else None
+            sampled[state.request_id] = ([token_id], logprobs)
+        return sampled
+
+    @staticmethod
+    def _commit_drafts(inputs: StepInputs, result: SamplerOutput
+                       ) -> dict[str, tuple[list[int], list | None]]:
+        """`_sample`'s commit when rows scored drafts: a request's first m drafts are accepted
+        while each equals the target's sample before it; it commits those samples and the next
+        one (the correction, or the bonus token when all k drafts pass). No grammar here
+        (`_row_states` refuses drafts under one)."""
+        sampled, row = {}, 0
+        for state, draft_ids in zip(inputs.sampling_states, inputs.draft_token_ids):
+            scored = result.sampled_token_ids[row:row + 1 + len(draft_ids)]
+            num_accepted = 0
+            while (num_accepted < len(draft_ids)
+                   and draft_ids[num_accepted] == scored[num_accepted]):
+                num_accepted += 1
+            committed = scored[:num_accepted + 1]
+            state.token_ids.extend(committed)
+            logprobs = (result.logprobs[row:row + num_accepted + 1]
+                        if result.logprobs is not None else None)
+            sampled[state.request_id] = (committed, logprobs)
+            row += len(scored)
+        return sampled
+
+    @staticmethod
+    def _row_states(states: list[CachedRequestState], drafts: list[list[int]] | None) -> list:
+        """One `SamplingState` per logits row: the request itself for its first position, a
+        `_DraftPosition` holding the drafts before position j for its j-th."""
+        if drafts is None:
+            return states
+        rows: list = []
+        for state, draft_ids in zip(states, drafts):
+            rows.append(state)
+            if draft_ids and state.grammar is not None:
+                raise NotImplementedError(
+                    f"request {state.request_id}: draft tokens under a structured-output "
+                    "grammar need a bitmask per position, which is not supported yet; do not "
+                    "draft for requests with so_args.")
+            rows.extend(_DraftPosition(state.sampling_params, state.seed,
+                                       _WithDrafts(state.token_ids, draft_ids[:j]),
+                                       state.num_prompt_tokens)
+                        for j in range(1, len(draft_ids) + 1))
+        return rows
 
     def _forward(self, inputs: StepInputs, feed_rows: np.ndarray | None = None
                  ) -> tuple[torch.Tensor, GraphOutputs | None]:
@@ -191,7 +316,11 @@ class ModelRunner:
         """`execute` for async scheduling (engine/async_step.py): launch the step and return
         without waiting for the device. Tokens `previous` sampled are still on the device: the
         runner holds -1 for them, and the decode rows that feed them gather them on the device.
-        The requests must have no grammar and no penalties (those need the token values)."""
+        The requests must have no grammar and no penalties (those need the token values), and
+        no draft tokens (their acceptance needs the sampled values)."""
+        if scheduler_output.scheduled_spec_decode_tokens:
+            raise ValueError("draft tokens were scheduled for an asynchronous step; run steps "
+                             "with drafts through execute() (async scheduling off).")
         states = self._update_states(scheduler_output)
         if not states:
             return AsyncRunnerOutput.empty()

@@ -40,6 +40,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]      # appended to its block table
     num_computed_tokens: int
+    # set after rejected draft tokens freed lookahead blocks (Scheduler.update_from_output):
+    # the runner cuts its block table to this many ids before appending new_block_ids
+    num_kept_block_ids: int | None = None
 
 
 @dataclass
@@ -63,6 +66,13 @@ class SchedulerOutput:
     # forward pass; copy these full prompt blocks out to the store after it
     kv_loads: list[KVBlocks] = field(default_factory=list)
     kv_saves: list[KVBlocks] = field(default_factory=list)
+    # speculative decoding: request id -> the k draft token ids scheduled after its last
+    # sampled token (its row scores 1 + k tokens; num_scheduled_tokens counts them). Only
+    # requests with drafts appear; empty on the default path.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # multimodal: request id -> indices of its encoder inputs to run this step (empty for now;
+    # the vision-encoder worker fills it)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -82,7 +92,14 @@ class TokenLogprobs:
 @dataclass
 class ModelRunnerOutput:
     """Per scheduled request, in `req_ids` order. A request whose prefill chunk did not reach the
-    end of its tokens samples nothing (empty list)."""
+    end of its tokens samples nothing (empty list).
+
+    A row that scored k draft tokens (`SchedulerOutput.scheduled_spec_decode_tokens`) returns
+    its committed tokens: the target's own samples at positions 0..m, where the first m drafts
+    equal the samples before them (accepted) and the (m+1)-th is the correction or, m = k, the
+    bonus token. So 1 <= len <= 1 + k, and the scheduler rolls back k - m positions. The
+    logprobs list holds one entry per committed token.
+    """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)

@@ -64,6 +64,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chain over full blocks, filled lazily
     # prefill/decode disaggregation ({"do_remote_decode": true} or what a prefill returned)
     kv_transfer_params: dict | None = None
+    # speculative decoding: draft tokens proposed after the last output token, to be scored
+    # in the next step (Scheduler.update_draft_token_ids); never part of num_tokens
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,12 @@ rejoins `waiting`, and when admitted its fetched blocks count as computed like p
 listed in `SchedulerOutput.kv_saves`. Preempted requests are reported by `take_preempted()` so
 that the engine can fetch again what their preemption evicted.
 
+Speculative decoding: draft tokens given by `update_draft_token_ids` extend a decode row's
+target, so the row scores its last sampled token plus k drafts (1 + k tokens, lookahead slots
+allocated for the drafts, `SchedulerOutput.scheduled_spec_decode_tokens`). The runner returns
+the committed tokens; `update_from_output` rolls the k - m rejected positions back by lowering
+`num_computed_tokens` and frees the blocks wholly past it. Drafts never enter block hashes.
+
 Only the step loop calls this class. Pure module: no torch import.
 """
 
@@ -48,6 +54,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
         self._preempted: list[Request] = []  # since the last take_preempted()
+        # block table lengths cut by rejected drafts, for the runner (CachedRequestData)
+        self._num_kept_block_ids: dict[str, int] = {}
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -103,10 +111,19 @@ class Scheduler:
             else:
                 self.waiting.append(request)
 
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Draft tokens to score after each request's last token in the next step (replacing
+        any not yet scheduled); unknown or finished ids are ignored."""
+        for request_id, token_ids in draft_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.spec_token_ids = list(token_ids)
+
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """The one place a request ends: status set, blocks freed, runner told."""
         request.status = status
         self._remote_kv.pop(request.request_id, None)
+        self._num_kept_block_ids.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -167,7 +184,9 @@ class Scheduler:
             if num_known >= request.max_total_tokens and request.num_output_placeholders:
                 index += 1  # async scheduling: its in-flight token is its last (max_tokens)
                 continue
-            num_tokens = self._chunk(num_known - request.num_computed_tokens, budget)
+            drafts = self._drafts_to_score(request, num_known)
+            num_tokens = self._chunk(num_known + len(drafts) - request.num_computed_tokens,
+                                     budget)
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -179,13 +198,28 @@ class Scheduler:
             if new_block_ids is None:
                 break
             out.scheduled_cached_reqs.append(CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens))
+                request.request_id, new_block_ids, request.num_computed_tokens,
+                self._num_kept_block_ids.pop(request.request_id, None)))
             out.num_scheduled_tokens[request.request_id] = num_tokens
+            num_drafts = num_tokens - (num_known - request.num_computed_tokens)
+            if num_drafts > 0:   # the drafts the budget left room for
+                out.scheduled_spec_decode_tokens[request.request_id] = drafts[:num_drafts]
             budget -= num_tokens
             index += 1
         return budget, preempted
 
+    def _drafts_to_score(self, request: Request, num_known: int) -> list[int]:
+        """The request's drafts to score this step, taken off it: none unless it is a decode
+        row (one known token behind, nothing in flight); at most as many as its token limit
+        leaves room for after the token that scoring them samples."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if (not drafts or request.num_output_placeholders
+                or request.num_computed_tokens != num_known - 1):
+            return []
+        return drafts[:max(request.max_total_tokens - num_known - 1, 0)]
+
     def _preempt(self, request: Request) -> None:
+        self._num_kept_block_ids.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -251,6 +285,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if not sampled or request is None:
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self._roll_back_rejected(request, len(drafts) + 1 - len(sampled))
             new_token_ids: list[int] = []
             status = None
             for token_id in sampled:
@@ -269,6 +306,17 @@ class Scheduler:
                                             request.stop_reason,
                                             max(request.num_cached_tokens, 0)))
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_rejected: int) -> None:
+        """Forget the KV of `num_rejected` rejected draft positions: lower
+        `num_computed_tokens` and free the blocks wholly past it (the runner is told to cut
+        its block table at the request's next schedule)."""
+        if num_rejected <= 0:
+            return
+        request.num_computed_tokens -= num_rejected
+        num_kept = self.kv_cache_manager.free_blocks_past(request, request.num_computed_tokens)
+        if num_kept is not None:
+            self._num_kept_block_ids[request.request_id] = num_kept
 
     def get_stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.block_pool

@@ -133,6 +133,27 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[index], request.block_hashes[index])
         self._num_cached_blocks[request.request_id] = max(start, end)
 
+    def free_blocks_past(self, request: Request, num_tokens: int) -> int | None:
+        """Free the request's blocks wholly past its first `num_tokens` tokens (lookahead
+        blocks of rejected draft tokens), tail first; a block holding any of those tokens is
+        kept. Such blocks never hold a block hash (drafts are never cached).
+
+        Returns:
+            the block count kept, or None when no block was freed.
+        """
+        blocks = self.req_to_blocks.get(request.request_id)
+        num_kept = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= num_kept:
+            return None
+        tail = blocks[num_kept:]
+        assert all(b.block_hash is None for b in tail), \
+            f"request {request.request_id}: a cached block past token {num_tokens}"
+        del blocks[num_kept:]
+        self._num_cached_blocks[request.request_id] = min(
+            self._num_cached_blocks.get(request.request_id, 0), num_kept)
+        self.block_pool.free(list(reversed(tail)))
+        return num_kept
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (idempotent)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
