@@ -3,8 +3,8 @@
 launched step and returns without waiting for the device; the store's background loop waits
 for the copy's event before encoding. Checked: the save (`KVBlockCopier.save`, then
 `KVTransfer._send_saves`) returns while the step's kernels are still running, and what the
-store holds is bit-equal to the blocks as the step left them; through the whole engine (async steps), a
-prompt loaded back from the store gives the tokens of computing it."""
+store holds is bit-equal to the blocks as the step left them; through the whole engine (async
+steps), a prompt loaded back from the store gives the tokens of computing it."""
 
 import gc
 import time

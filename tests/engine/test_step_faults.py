@@ -176,3 +176,16 @@ def test_isolation_rules():
         faults.step_failed({"d": 5}, RuntimeError("x"))
     with pytest.raises(ValueError, match="must be >= 2"):
         FaultIsolation(max_failed_steps_in_a_row=1)
+
+
+def test_a_sampling_value_the_sampler_cannot_pack_fails_its_request_only(llm, expected):
+    """The fuzzing finding of issue 26: top_k = 2**63 does not fit the sampler's int64 row
+    tensor. Set behind validation's back (the server validates it now), it must still cost
+    only its own request."""
+    bad = SamplingParams(temperature=1.0, top_k=5, seed=1, max_tokens=12, ignore_eos=True)
+    object.__setattr__(bad, "top_k", 2**63)
+    outputs = llm.generate(PROMPTS + [PROMPTS[0]], [GREEDY] * len(PROMPTS) + [bad])
+    assert outputs[-1].finish_reason == "error" and outputs[-1].token_ids == []
+    assert outputs[-1].error.startswith(f"request {len(PROMPTS)} failed inside an engine step")
+    assert [o.token_ids for o in outputs[:-1]] == expected
+    assert_no_leak(llm)
