@@ -37,7 +37,7 @@ def engine(tmp_path_factory, smollm2_tokenizer):
 
 
 def body(prompt, stream=False):
-    return {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+    return {"prompt": prompt, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "stream": stream}
 
 
@@ -46,8 +46,9 @@ def post_all(engine, *bodies) -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=build_app(engine))
         async with httpx.AsyncClient(transport=transport, base_url="http://t",
                                      timeout=120) as client:
-            return await asyncio.gather(*(client.post("/v1/completions", json=b)
-                                          for b in bodies))
+            return await asyncio.gather(*(
+                client.post("/v1/completions", json={**b, "model": engine.model_name})
+                for b in bodies))
 
     return asyncio.run(run())
 
