@@ -117,9 +117,10 @@ class EngineCore:
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
         self.faults = FaultIsolation()
-        logger.info("KV cache: %d blocks x %d tokens (%d bytes/block, %.1f MiB), "
-                    "max_model_len=%d", num_blocks, cache.block_size,
-                    self.executor.block_bytes, num_blocks * self.executor.block_bytes / 2**20,
+        spec = self.executor.kv_cache_spec
+        logger.info("KV cache: %s, %d bytes/token; %d blocks x %d tokens (%.1f MiB), "
+                    "max_model_len=%d", type(spec).__name__, spec.bytes_per_token(), num_blocks,
+                    cache.block_size, num_blocks * self.executor.block_bytes / 2**20,
                     self.max_model_len)
 
     def _build_kv_transfer(self, fingerprint: bytes) -> KVTransfer | NoKVTransfer:

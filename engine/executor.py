@@ -36,7 +36,7 @@ import torch
 
 from deepinfer.engine.async_step import AsyncRunnerOutput
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.kv_cache.spec import num_blocks_for_budget
+from deepinfer.engine.kv_cache.spec import KVCacheSpec, num_blocks_for_budget
 from deepinfer.engine.kv_transfer import KVBlockCopier, KVBlockRead
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.outputs import KVBlocks, ModelRunnerOutput, SchedulerOutput
@@ -59,10 +59,12 @@ class Executor(Protocol):
 
     num_blocks: KV cache blocks of `block_size` tokens (on every rank).
     block_bytes: bytes of one block, all layers (for logs and sizing).
+    kv_cache_spec: the model's per-layer KV layout (numbers only: engine/kv_cache/spec.py).
     """
 
     num_blocks: int
     block_bytes: int
+    kv_cache_spec: KVCacheSpec
 
     def warm_up(self, max_num_seqs: int, max_model_len: int) -> None:
         """Compile / capture what the worker needs before serving (CUDA graphs)."""
