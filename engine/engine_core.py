@@ -1,7 +1,10 @@
 """`EngineCore`: one worker's step loop body — schedule, execute, update, detokenize.
 
 Single owner of the scheduler and block state: only `step()`, `add_request()` and
-`abort_requests()` touch them, and callers (LLM, AsyncLLM) run those on one thread.
+`abort_requests()` touch them, and callers (LLM, AsyncLLM) run those on one thread. The model,
+its runner and every tensor are behind the executor (engine/executor.py); the KV store's
+bookkeeping is `kv_transfer` (engine/kv_transfer.py); a step that fails is undone and its
+requests isolated (engine/fault_isolation.py).
 """
 
 from __future__ import annotations
