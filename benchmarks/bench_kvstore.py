@@ -80,7 +80,7 @@ def measure_goodput(core, url: str, num_blocks: int, repeats: int) -> dict[str, 
     import redis.asyncio as redis_asyncio
 
     transfer = core.kv_transfer
-    blocks = core.model_runner.read_kv_blocks(list(range(num_blocks)))
+    blocks = core.executor.runner.read_kv_blocks(list(range(num_blocks)))
     payload_bytes = blocks.numel() * blocks.element_size()
     block_bytes = payload_bytes // num_blocks
     best = {"ours_save": 0.0, "ours_load": 0.0, "redis_set": 0.0, "redis_get": 0.0}

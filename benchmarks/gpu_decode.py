@@ -203,7 +203,7 @@ def build_engine(model_dir: Path, model):
     start = time.perf_counter()
     core = EngineCore(config, model=model)
     freeze_startup_heap()   # as the server does: no collector pauses over the model's objects
-    kv = core.model_runner.kv_caches
+    kv = core.executor.runner.kv_caches
     print(f"engine ready in {time.perf_counter() - start:.1f} s: KV cache {kv[0].shape[1]} "
           f"blocks, {len(kv) * kv[0].numel() * 2 / 1e9:.1f} GB, max_model_len "
           f"{core.max_model_len}", flush=True)
@@ -242,15 +242,13 @@ def engine_decode(core, batch: int, vocab: int, new_tokens: int) -> dict:
 
 def set_async_scheduling(core, enabled: bool) -> None:
     """Switch the idle engine between async (engine/async_step.py) and synchronous steps."""
-    from deepinfer.engine.async_step import AsyncStepper
-
     assert not core.has_unfinished_requests()
-    core.async_steps = AsyncStepper(core) if enabled else None
+    core.async_scheduling = enabled
 
 
 def recapture_graphs(core) -> None:
     """Drop the engine's CUDA graphs and capture them again (after a kernel switch changed)."""
-    runner = core.model_runner
+    runner = core.executor.runner
     runner.cuda_graphs = None
     gc.collect()
     torch.cuda.empty_cache()
@@ -409,8 +407,8 @@ def engine_prefill(core, vocab: int, num_prompts: int) -> float:
 class StageTimer:
     """Host wall time per engine stage while active (instance attributes wrap the methods)."""
 
-    STAGES = (("scheduler", "schedule"), ("model_runner", "execute"),
-              ("model_runner", "execute_async"), ("scheduler", "update_from_output"),
+    STAGES = (("scheduler", "schedule"), ("executor.runner", "execute"),
+              ("executor.runner", "execute_async"), ("scheduler", "update_from_output"),
               ("output_processor", "process"))
 
     def __init__(self, core) -> None:
@@ -418,7 +416,7 @@ class StageTimer:
 
     def __enter__(self) -> "StageTimer":
         for owner, name in self.STAGES:
-            obj = getattr(self.core, owner)
+            obj = self._owner(owner)
             setattr(obj, name, self._wrap(getattr(obj, name), name))
         return self
 
@@ -434,7 +432,13 @@ class StageTimer:
 
     def __exit__(self, *exc) -> None:
         for owner, name in self.STAGES:
-            delattr(getattr(self.core, owner), name)
+            delattr(self._owner(owner), name)
+
+    def _owner(self, path: str):
+        obj = self.core
+        for attr in path.split("."):
+            obj = getattr(obj, attr)
+        return obj
 
     def per_step_ms(self) -> dict:
         return {f"{k}_ms": 1e3 * v / max(self.calls, 1) for k, v in self.seconds.items()}
@@ -466,7 +470,7 @@ def kernel_profile(core, batch: int, top: int = 10) -> dict:
     kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = core.model_runner.cuda_graphs
+    graphs = core.executor.runner.cuda_graphs
     size = min(s for s in graphs.batch_sizes if s >= batch)
     repeats = 3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -581,7 +585,7 @@ def step_timing(core, batch: int, vocab: int) -> dict:
     the replay's device time in the engine, and the device time from one replay's end to the
     next one's start (the sampled ids' copy out, the next inputs' copy in, the graph launch,
     and any wait for the host), in ms per step."""
-    graphs = core.model_runner.cuda_graphs
+    graphs = core.executor.runner.cuda_graphs
     events = []
 
     class TimedGraph:
@@ -615,7 +619,7 @@ def step_timing(core, batch: int, vocab: int) -> dict:
 @torch.inference_mode()
 def step_breakdown(core, batch: int, context: int) -> dict:
     """Milliseconds of a decode step's parts at `batch` (see the module docstring, point 5)."""
-    runner = core.model_runner
+    runner = core.executor.runner
     graphs = runner.cuda_graphs
     size = min(s for s in graphs.batch_sizes if s >= batch)
     _breakdown_inputs(graphs, size, context)

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine_core import EngineCore
-from deepinfer.engine.errors import EngineDeadError, EngineShuttingDownError, QueueFullError
+from deepinfer.engine.errors import (EngineDeadError, EngineShuttingDownError, QueueFullError,
+                                     RequestFailedError)
 from deepinfer.engine.outputs import RequestOutput, SchedulerStats
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampling_params import SamplingParams
@@ -87,6 +88,8 @@ class AsyncLLM:
             PromptTooLongError, ValueError: the prompt does not fit or is invalid (HTTP 400).
             GrammarError (a ValueError): `so_args` cannot be compiled (HTTP 400).
             EngineDeadError: the step loop has died.
+        Raises (any time): RequestFailedError: a step failed on this request alone (the
+            engine goes on); EngineDeadError: the step loop died meanwhile.
         Closing the iterator early (client gone) aborts the request and frees its blocks.
         """
         self.check_health()
@@ -187,7 +190,10 @@ class AsyncLLM:
             while not self._stopping.is_set():
                 self._drain_commands(block=not core.has_unfinished_requests())
                 for output in core.step():
-                    self._deliver(output.request_id, output)
+                    if output.finish_reason == "error":   # a step failed on it alone
+                        self._deliver(output.request_id, RequestFailedError(output.error))
+                    else:
+                        self._deliver(output.request_id, output)
                 self._stats = core.get_stats()
         except BaseException as error:  # noqa: BLE001 - reported to every waiting request
             logger.exception("engine step loop died")

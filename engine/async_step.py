@@ -1,53 +1,49 @@
 """Async scheduling: prepare step N+1 on the host while step N runs on the device.
 
-The synchronous step (`EngineCore.step`) waits for each step's sampled ids before it schedules
-the next one, so the device idles through scheduling, input building, graph launch and output
-processing. Here (vLLM v1's async scheduling, `vllm/v1/core/sched/async_scheduler.py` and
-`AsyncGPUModelRunnerOutput`; SGLang's overlap scheduler) one step stays in flight:
+A synchronous step waits for each step's sampled ids before it schedules the next one, so the
+device idles through scheduling, input building, graph launch and output processing. With
+async scheduling (vLLM v1's `AsyncGPUModelRunnerOutput`; SGLang's overlap scheduler) the
+executor returns a future instead of the output (`AsyncRunnerOutput`, made by
+`ModelRunner.execute_async`), and `EngineCore.step` — the one step loop — resolves it in its
+next call, after launching the next step:
 
     step():  schedule N+1 -> launch N+1 (its decode inputs gathered on the device from N's
-             sampled ids) -> wait for N's ids (already there or nearly) -> update the scheduler
-             and detokenize N while N+1 runs on the device
+             sampled ids) -> N's future.result() (already there or nearly) -> update the
+             scheduler and detokenize N while N+1 runs on the device
 
-- A decode step adds exactly one token per request, so the scheduler needs no token values: a
-  sampled token not yet copied back counts as a placeholder (`Request.num_output_placeholders`)
-  and is scheduled like a known token. The runner holds -1 for it in its token list; every
-  step's sampled ids also land in the runner's device buffer `last_sampled`, and the next step
-  takes the real id from there (`AsyncRunnerOutput.feed_rows`: inside the decode graph, or by a
-  gather before an eager forward). Block tables, positions and slot mappings need only counts.
+- A sampled token not yet copied back counts as a placeholder
+  (`Request.num_output_placeholders`, set by EngineCore when it launches a step) and is
+  scheduled like a known token: block tables, positions and slot mappings need only counts.
+  The runner holds -1 for it in its token list; every step's sampled ids also land in the
+  runner's device buffer `last_sampled`, and the next step takes the real id from there
+  (`AsyncRunnerOutput.feed_rows`: inside the decode graph, or by a gather before an eager
+  forward). `result()` fills the runner's -1s with the real ids.
 - Stop rules (EOS, stop ids, stop strings, max_tokens) are applied one step late: a request that
   finished at step N may already be in step N+1; that extra token is computed and dropped. Its
   KV slot was allocated with the request and is freed with it (one stream orders every write
   before any reuse of the block). A request whose in-flight token is its max_tokens-th is not
   scheduled again (`Scheduler._schedule_running`).
-- Requests that need the previous token's value on the host before the next step (structured
-  outputs: the grammar accepts it before the next bitmask; penalties: counts of output tokens)
-  switch the engine to synchronous steps while they run: the step in flight is resolved first.
+- Requests that need the previous token's value on the host before the next step
+  (`needs_sync_steps`: structured outputs, penalties) make EngineCore launch blocking steps
+  while they run: the step in flight is resolved first.
 - Random sampling and logprobs still synchronize inside the sampler (correct, less overlap);
   greedy batches never wait for the device before the next launch.
 
-Ownership: the step loop (EngineCore) owns `AsyncStepper`; `AsyncRunnerOutput` is made by
-`ModelRunner.execute_async` and read once, by `AsyncStepper`.
+Ownership: `AsyncRunnerOutput` is made by `ModelRunner.execute_async`, returned through the
+executor (engine/executor.py) and resolved once, by EngineCore.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from deepinfer.engine.input_batch import CachedRequestState
-from deepinfer.engine.kv_transfer import IDLE_WAIT_S
-from deepinfer.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprobs
-from deepinfer.engine.request import Request
+from deepinfer.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from deepinfer.engine.sampling_metadata import uses_penalty
 from deepinfer.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from deepinfer.engine.engine_core import EngineCore
-
 
 
 def needs_sync_steps(params: SamplingParams) -> bool:
@@ -125,7 +121,7 @@ class AsyncRunnerOutput:
             feed[end - 1] = row
         return feed
 
-    def resolve(self) -> ModelRunnerOutput:
+    def result(self) -> ModelRunnerOutput:
         """Wait for the ids, fill the runner's placeholders, return them as plain lists."""
         if self.ready is not None:
             self.ready.synchronize()
@@ -138,75 +134,3 @@ class AsyncRunnerOutput:
             sampled_token_ids=[[] if row is None else [sampled[row]] for row in rows],
             logprobs=[None if row is None or self.logprobs is None else [self.logprobs[row]]
                       for row in rows])
-
-
-@dataclass
-class _InFlight:
-    scheduler_output: SchedulerOutput
-    runner_output: AsyncRunnerOutput
-    requests: dict[str, Request]   # the Request objects scheduled (ids may be reused later)
-
-
-class AsyncStepper:
-    """The async step loop body of one `EngineCore` (see the module doc)."""
-
-    def __init__(self, core: EngineCore):
-        self.core = core
-        self.in_flight: _InFlight | None = None
-        self._sync_ids: set[str] = set()   # unfinished requests that need synchronous steps
-
-    def add_request(self, request: Request) -> None:
-        if needs_sync_steps(request.sampling_params):
-            self._sync_ids.add(request.request_id)
-
-    def wants_step(self) -> bool:
-        """True when the next step is async: a step is in flight (it must be resolved), or no
-        unfinished request needs synchronous steps."""
-        if self._sync_ids:
-            self._sync_ids &= self.core.scheduler.requests.keys()
-        return self.in_flight is not None or not self._sync_ids
-
-    def step(self) -> list[RequestOutput]:
-        """Launch step N+1 (unless a request needs sync steps), then finish step N."""
-        core, scheduler = self.core, self.core.scheduler
-        scheduler.remote_kv_ready(core.kv_transfer.finished_loads())
-        launched = None
-        if scheduler.has_work() and not self._sync_ids:
-            launched = self._launch()
-        previous, self.in_flight = self.in_flight, launched
-        outputs = self._finish(previous) if previous is not None else []
-        if all(s is None or s.scheduler_output.is_empty for s in (previous, launched)):
-            core.kv_transfer.wait(IDLE_WAIT_S)  # only KV store traffic: do not spin
-        return core.kv_transfer.hold_finished(outputs)
-
-    def _launch(self) -> _InFlight:
-        core, scheduler = self.core, self.core.scheduler
-        scheduler_output = scheduler.schedule()
-        requests = {rid: scheduler.requests[rid] for rid in scheduler_output.num_scheduled_tokens}
-        for request in requests.values():   # rows that sample: their token becomes in flight
-            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
-        core.kv_transfer.load_blocks(scheduler_output.kv_loads)
-        previous = self.in_flight.runner_output if self.in_flight is not None else None
-        runner_output = core.model_runner.execute_async(scheduler_output, previous)
-        core.kv_transfer.save_blocks(scheduler_output.kv_saves)
-        return _InFlight(scheduler_output, runner_output, requests)
-
-    def _finish(self, step: _InFlight) -> list[RequestOutput]:
-        """Wait for a launched step's ids; update the scheduler (one step late) and detokenize.
-        Rows of requests finished or replaced (same id, new request) since launch are dropped."""
-        core, scheduler = self.core, self.core.scheduler
-        result = step.runner_output.resolve()
-        keep = []
-        for index, (request_id, sampled) in enumerate(zip(result.req_ids,
-                                                          result.sampled_token_ids)):
-            request = scheduler.requests.get(request_id)
-            if request is None or request is not step.requests.get(request_id):
-                continue
-            if sampled:
-                request.num_output_placeholders -= 1
-            keep.append(index)
-        result = ModelRunnerOutput(req_ids=[result.req_ids[i] for i in keep],
-                                   sampled_token_ids=[result.sampled_token_ids[i] for i in keep],
-                                   logprobs=[result.logprobs[i] for i in keep])
-        return core.finish_step(step.scheduler_output, result)

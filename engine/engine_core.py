@@ -1,7 +1,10 @@
 """`EngineCore`: one worker's step loop body — schedule, execute, update, detokenize.
 
 Single owner of the scheduler and block state: only `step()`, `add_request()` and
-`abort_requests()` touch them, and callers (LLM, AsyncLLM) run those on one thread.
+`abort_requests()` touch them, and callers (LLM, AsyncLLM) run those on one thread. The model,
+its runner and every tensor are behind the executor (engine/executor.py); the KV store's
+bookkeeping is `kv_transfer` (engine/kv_transfer.py); a step that fails is undone and its
+requests isolated (engine/fault_isolation.py).
 """
 
 from __future__ import annotations
@@ -11,20 +14,23 @@ import logging
 import re
 import time
 import uuid
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from deepinfer.engine import loader
-from deepinfer.engine.async_step import AsyncStepper
+from deepinfer.engine.async_step import needs_sync_steps
 from deepinfer.engine.config import EngineConfig, ModelConfig
 from deepinfer.engine.errors import PromptTooLongError, outside_vocabulary
+from deepinfer.engine.executor import Executor, RunnerOutputFuture, UniProcExecutor
+from deepinfer.engine.fault_isolation import FaultIsolation
 from deepinfer.engine.kv_cache.manager import KVCacheManager
-from deepinfer.engine.kv_transfer import IDLE_WAIT_S, KVTransfer, NoKVTransfer, model_fingerprint
-from deepinfer.engine.kv_cache.spec import num_blocks_for_budget
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
 from deepinfer.engine.output_processor import OutputProcessor
-from deepinfer.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from deepinfer.engine.outputs import (EngineCoreOutput, ModelRunnerOutput, RequestOutput,
+                                      SchedulerOutput, SchedulerStats)
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 from deepinfer.engine.scheduler import Scheduler
@@ -74,9 +80,6 @@ def _eos_token_ids(model_dir, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # KV cache size on CPU when none is configured
-
-
 class EngineCore:
     """Args:
         config: the engine configuration.
@@ -89,28 +92,21 @@ class EngineCore:
         self.config = config
         self.model_dir = loader.resolve_model_dir(config.model.model, config.model.cache_dir)
         self.model_name = served_model_name(config.model)
-        self.device, self.dtype = resolve_device_dtype(config.model)
+        device, dtype = resolve_device_dtype(config.model)
         hf_config = loader.load_hf_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(self.model_dir)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         if model is None:
-            model = loader.load_model(self.model_dir, self.dtype, self.device)
-
-        cache = config.cache
-        spec = model.kv_cache_spec(self.dtype.itemsize)  # FullAttentionSpec, MLAAttentionSpec
-        num_blocks = cache.num_blocks or num_blocks_for_budget(
-            spec, cache.block_size, self._kv_cache_budget_bytes(model, spec))
-        self.max_model_len = self._max_model_len(hf_config, num_blocks * cache.block_size)
-        fingerprint = model_fingerprint(self.model_dir, self.dtype, cache.block_size)
+            model = loader.load_model(self.model_dir, dtype, device)
         self.structured_output = xgrammar_manager(self.tokenizer, self.vocab_size,
                                                   self.eos_token_ids)
-        self.model_runner = ModelRunner(model, num_blocks, cache.block_size, self.device,
-                                        self.dtype, self.eos_token_ids,
-                                        structured_output=self.structured_output)
-        if self.device.type == "cuda" and not config.model.enforce_eager:
-            self.model_runner.capture_cuda_graphs(config.scheduler.max_num_seqs,
-                                                  self.max_model_len)
+        self.executor: Executor = UniProcExecutor(config, model, device, dtype,
+                                                  self.eos_token_ids, self.structured_output)
+        cache, num_blocks = config.cache, self.executor.num_blocks
+        self.max_model_len = self._max_model_len(hf_config, num_blocks * cache.block_size)
+        self.executor.warm_up(config.scheduler.max_num_seqs, self.max_model_len)
+        fingerprint = model_fingerprint(self.model_dir, dtype, cache.block_size)
         self.kv_transfer = self._build_kv_transfer(fingerprint)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint),
@@ -119,29 +115,16 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:  # default: on where the device runs apart from the host
-            async_scheduling = self.device.type == "cuda"
-        self.async_steps = AsyncStepper(self) if async_scheduling else None
+            async_scheduling = device.type == "cuda"
+        self.async_scheduling = async_scheduling
+        self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
+        self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
+        self.faults = FaultIsolation()
+        spec = self.executor.kv_cache_spec
         logger.info("KV cache: %s, %d bytes/token; %d blocks x %d tokens (%.1f MiB), "
                     "max_model_len=%d", type(spec).__name__, spec.bytes_per_token(), num_blocks,
-                    cache.block_size, num_blocks * spec.block_bytes(cache.block_size) / 2**20,
+                    cache.block_size, num_blocks * self.executor.block_bytes / 2**20,
                     self.max_model_len)
-
-    def _kv_cache_budget_bytes(self, model: torch.nn.Module, spec) -> int:
-        """The KV cache's bytes: as configured, else 1 GiB on CPU, else on CUDA what
-        gpu_memory_utilization leaves after a profiling step (engine/gpu_memory.py)."""
-        cache = self.config.cache
-        if cache.kv_cache_memory_bytes is not None:
-            return cache.kv_cache_memory_bytes
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_CACHE_BYTES
-        from deepinfer.engine.gpu_memory import profile_kv_cache_budget
-
-        scheduler = self.config.scheduler
-        return profile_kv_cache_budget(
-            model, spec, dtype=self.dtype, device=self.device, block_size=cache.block_size,
-            max_num_batched_tokens=scheduler.max_num_batched_tokens,
-            max_num_seqs=scheduler.max_num_seqs,
-            gpu_memory_utilization=cache.gpu_memory_utilization)
 
     def _build_kv_transfer(self, fingerprint: bytes) -> KVTransfer | NoKVTransfer:
         """The KV store bridge, or a stand-in when there is no store (or no prefix caching:
@@ -159,11 +142,12 @@ class EngineCore:
         logger.info("KV store: %s (role %s, model fingerprint %s)",
                     re.sub(r"//[^@/]*@", "//***@", config.kv_store), config.role,
                     fingerprint.hex())
-        return KVTransfer(config, self.model_runner, fingerprint, self.config.cache.block_size)
+        return KVTransfer(config, self.executor, fingerprint, self.config.cache.block_size)
 
     def close(self) -> None:
-        """Release the KV store connection and its thread."""
+        """Release the KV store connection and its thread, and the worker side."""
         self.kv_transfer.close()
+        self.executor.shutdown()
 
     def _max_model_len(self, hf_config, kv_capacity_tokens: int) -> int:
         model_limit = getattr(hf_config, "max_position_embeddings", None) or kv_capacity_tokens
@@ -223,15 +207,10 @@ class EngineCore:
         """Raises QueueFullError when the waiting queue is at its cap. With a KV store, the
         request waits while its stored prompt blocks are fetched."""
         self.scheduler.add_request(request)
-        if self.async_steps is not None:
-            self.async_steps.add_request(request)
+        if needs_sync_steps(request.sampling_params):
+            self._sync_ids.add(request.request_id)
         self.output_processor.add_request(request.request_id, request.prompt_token_ids,
                                           request.sampling_params, request.arrival_time)
-        self._fetch_remote_kv(request)
-
-    def _fetch_remote_kv(self, request: Request) -> None:
-        """Start fetching the request's stored blocks past its local hits, if any (new and
-        preempted requests)."""
         if self.kv_transfer.add_request(request, self.scheduler.kv_cache_manager):
             self.scheduler.wait_for_remote_kv(request.request_id)
 
@@ -244,43 +223,157 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.num_unfinished_requests > 0 or self.kv_transfer.has_held_outputs()
-                or (self.async_steps is not None and self.async_steps.in_flight is not None))
+                or bool(self._in_flight))
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update, detokenize: one forward pass over the batch. KV store
-        traffic: fetched requests rejoin the queue, fetched blocks are written before the
-        forward pass, full prompt blocks are saved after it (engine/kv_transfer.py). With async
-        scheduling the step overlaps the next one's host work (engine/async_step.py)."""
-        if self.async_steps is not None and self.async_steps.wants_step():
-            return self.async_steps.step()
-        self.scheduler.remote_kv_ready(self.kv_transfer.finished_loads())
-        if not self.scheduler.has_work():
-            self.kv_transfer.wait(IDLE_WAIT_S)  # only block saves of a hand-off in flight
-            return self.kv_transfer.hold_finished([])
-        scheduler_output = self.scheduler.schedule()
-        self.kv_transfer.load_blocks(scheduler_output.kv_loads)
-        runner_output = self.model_runner.execute(scheduler_output)
-        self.kv_transfer.save_blocks(scheduler_output.kv_saves)
-        request_outputs = self.finish_step(scheduler_output, runner_output)
-        if scheduler_output.is_empty:
-            self.kv_transfer.wait(IDLE_WAIT_S)  # only fetches in flight: do not spin
-        return self.kv_transfer.hold_finished(request_outputs)
+        """One step: schedule -> execute -> update -> outputs (DESIGN.md).
 
-    def finish_step(self, scheduler_output: SchedulerOutput,
-                    runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        """A step's end, shared by the sync and the async step: the scheduler takes the
-        sampled tokens, the output processor detokenizes and applies stop strings, and what
-        preemption evicted is looked up in the KV store again."""
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        With async scheduling the executor returns a future: step N's is resolved here in the
+        next call, after step N+1 was launched, so the device does not wait for the host
+        (engine/async_step.py). A step that raises is undone and its requests are retried
+        alone until the one that fails alone is finished with an error (`_step_failed`)."""
+        scheduler_output = self._schedule()
+        try:
+            if scheduler_output is not None:
+                self._launch(scheduler_output)
+            overlapping = scheduler_output is not None and self._in_flight[-1].non_block
+            resolved = self._resolve(keep=1 if overlapping else 0)
+        except Exception as error:   # noqa: BLE001 - one request's failure, not the engine's
+            resolved, outputs = [], self._step_failed(error)
+        else:
+            outputs = []
+        for step, runner_output in resolved:
+            outputs += self._update(step, runner_output)
+        ran = [step.scheduler_output for step, _ in resolved]
+        ran += [scheduler_output] if scheduler_output is not None else []
+        idle = all(out.is_empty for out in ran)
+        return self.kv_transfer.end_step(self.scheduler, outputs, idle=idle)
+
+    def _non_block(self) -> bool:
+        """Launch the next step without waiting for it: async scheduling on, and no running
+        request needs each token on the host first, and no fault is being isolated."""
+        if self._sync_ids:
+            self._sync_ids &= self.scheduler.requests.keys()
+        return self.async_scheduling and not self._sync_ids and not self.faults.isolating
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The next step's batch, or None: no work, or the step in flight must be resolved
+        before a blocking step can be scheduled."""
+        if not self.scheduler.has_work() or (self._in_flight and not self._non_block()):
+            return None
+        isolated = self.faults.current(self.scheduler.requests)
+        self.scheduler.isolated_request_id = isolated
+        scheduler_output = self.scheduler.schedule()
+        if isolated is not None and scheduler_output.is_empty and (
+                self.scheduler.requests[isolated].status != RequestStatus.WAITING_FOR_REMOTE_KV):
+            self.faults.skip_current()   # no blocks for it alone: back among the others
+        return scheduler_output
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> None:
+        """Hand the step to the executor. A non-blocking step's sampling rows count their
+        tokens as placeholders until its future resolves: 1 for a row scheduled up to its
+        last known token, plus its draft tokens for a row scheduled past it."""
+        step = _Step(scheduler_output, non_block=self._non_block())
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            step.requests[request_id] = request
+            step.num_valid_tokens[request_id] = request.num_computed_tokens - num_tokens
+            num_known = request.num_tokens + request.num_output_placeholders
+            if step.non_block and request.num_computed_tokens >= num_known:
+                step.placeholders[request_id] = request.num_computed_tokens - num_known + 1
+                request.num_output_placeholders += step.placeholders[request_id]
+        self._in_flight.append(step)
+        step.output = self.executor.execute(scheduler_output, non_block=step.non_block)
+
+    def _resolve(self, keep: int) -> list[tuple[_Step, ModelRunnerOutput]]:
+        """Wait for the outputs of the steps in flight but the last `keep` (the one just
+        launched, when it runs while the host goes on). A step stays in flight until all of
+        these resolved: if one raises, `_step_failed` undoes them all."""
+        steps = list(self._in_flight)[:len(self._in_flight) - keep]
+        resolved = [(step, step.result()) for step in steps]
+        for _ in steps:
+            self._in_flight.popleft()
+        return resolved
+
+    def _update(self, step: _Step, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """A step's end: its placeholders become tokens, the scheduler takes them (rows of
+        requests finished or replaced since launch are dropped), the output processor
+        detokenizes and applies stop strings."""
+        keep = []
+        for index, request_id in enumerate(runner_output.req_ids):
+            request = self.scheduler.requests.get(request_id)
+            if request is None or request is not step.requests.get(request_id):
+                continue
+            request.num_output_placeholders -= step.placeholders.get(request_id, 0)
+            keep.append(index)
+        if len(keep) < len(runner_output.req_ids):
+            runner_output = ModelRunnerOutput(
+                req_ids=[runner_output.req_ids[i] for i in keep],
+                sampled_token_ids=[runner_output.sampled_token_ids[i] for i in keep],
+                logprobs=[runner_output.logprobs[i] for i in keep] if runner_output.logprobs
+                else [])
+        num_scheduled = step.scheduler_output.num_scheduled_tokens
+        self.faults.step_succeeded({request_id: step.num_valid_tokens[request_id]
+                                    + num_scheduled[request_id]
+                                    for request_id in runner_output.req_ids})
+        core_outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
-        for request in self.scheduler.take_preempted():
-            self._fetch_remote_kv(request)
         return request_outputs
+
+    def _step_failed(self, error: Exception) -> list[RequestOutput]:
+        """Undo every step in flight (nothing of them was applied: `update_from_output` never
+        ran): their requests go back to the queue, as after a preemption, and become suspects
+        that run alone; a request that fails alone is finished with an error, its blocks
+        freed. Too many failed steps in a row end the engine (`FaultIsolation`)."""
+        steps, self._in_flight = list(self._in_flight), deque()
+        self.executor.abort()
+        num_valid_tokens: dict[str, int] = {}   # computed before the first undone step
+        num_reached: dict[str, int] = {}        # ... and where the last was to take them
+        for step in steps:
+            for request_id, request in step.requests.items():
+                if self.scheduler.requests.get(request_id) is request:
+                    request.num_output_placeholders = 0
+                    num_valid_tokens.setdefault(request_id, step.num_valid_tokens[request_id])
+                    num_reached[request_id] = (step.num_valid_tokens[request_id] + step.
+                                               scheduler_output.num_scheduled_tokens[request_id])
+        self.scheduler.undo_step(num_valid_tokens)
+        culprit = self.faults.step_failed(num_reached, error)
+        if culprit is None:
+            return []
+        message = (f"request {culprit} failed inside an engine step ({type(error).__name__}: "
+                   f"{str(error)[:200]}); it was stopped and its KV blocks freed, the other "
+                   "requests go on. Retrying it will likely fail the same way; the server log "
+                   "has the traceback.")
+        self.scheduler.finish_requests([culprit], RequestStatus.FINISHED_ERROR)
+        self.kv_transfer.discard([culprit])
+        outputs, _ = self.output_processor.process(
+            [EngineCoreOutput(culprit, [], None, finish_reason="error")], time.monotonic())
+        for output in outputs:
+            output.error = message
+        return outputs
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()
         stats.kv_store = self.kv_transfer.get_stats()
         return stats
+
+
+@dataclass
+class _Step:
+    """A launched step: its batch, the executor's output (or future of it), and what the
+    core must undo or settle when it resolves."""
+
+    scheduler_output: SchedulerOutput
+    non_block: bool
+    output: ModelRunnerOutput | RunnerOutputFuture | None = None
+    requests: dict[str, Request] = field(default_factory=dict)  # ids may be reused later
+    num_valid_tokens: dict[str, int] = field(default_factory=dict)  # computed before the step
+    placeholders: dict[str, int] = field(default_factory=dict)      # tokens in flight per row
+
+    def result(self) -> ModelRunnerOutput:
+        if isinstance(self.output, ModelRunnerOutput):
+            return self.output
+        return self.output.result()

@@ -18,6 +18,12 @@ class EngineDeadError(EngineError):
     """The step loop stopped after an internal error; the process must be restarted (HTTP 503)."""
 
 
+class RequestFailedError(EngineError):
+    """A step failed on this request alone (an input, a value or a model path the engine cannot
+    handle); the request was stopped and its blocks freed, the engine goes on (HTTP 500, or an
+    error event in a stream already started). The message says what failed."""
+
+
 class PromptTooLongError(ValueError):
     """Prompt + max_tokens does not fit the context window (HTTP 400)."""
 

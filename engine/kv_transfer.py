@@ -7,14 +7,21 @@ values are `kvstore.codec` blocks holding one block of every layer, `[num_layers
 in the cache dtype (see `ModelRunner.read_kv_blocks`). Anything wrong with the store — down,
 slow, a missing or corrupt value — is a miss: the tokens are recomputed, never an error.
 
-Threads: the step loop calls every public method of `KVTransfer`; the store's coroutines run on
-one background thread with its own asyncio loop. The step loop queues the copy of saved blocks
-out of the cache right after the step that wrote them (the copy must precede any reuse of the
-block: on CUDA one stream orders it before later steps' writes, and the host does not wait for
-it: `ModelRunner.start_read_kv_blocks` returns pinned memory and an event), and hands waiting
-for the copy, encoding and the store round trip to the background; fetched blocks are decoded
-there into one staging tensor and copied into freshly allocated blocks by the step loop right
-before the forward pass that needs them.
+Two sides (engine/executor.py is the seam between them):
+- `KVTransfer`, core side: the store connection and its bookkeeping (which requests wait for a
+  fetch, hand-offs and their held answers, stats, back-off when the store is down). It deals in
+  bytes only, never tensors. The step loop calls `add_request`/`discard` per request and
+  `end_step` once per step; the store's coroutines run on one background thread with its own
+  asyncio loop.
+- `KVBlockCopier`, worker side (behind the executor, beside the `ModelRunner` that owns the
+  KV tensors): fetched blocks are staged there (`Executor.stage_kv_blocks`, pinned memory on
+  CUDA) and copied into freshly allocated blocks right before the forward pass whose
+  `SchedulerOutput.kv_loads` names them; blocks named in `kv_saves` are copied out right after
+  the step that wrote them (the copy must precede any reuse of the block: on CUDA one stream
+  orders it before later steps' writes, and the host does not wait for it:
+  `ModelRunner.start_read_kv_blocks` returns pinned memory and an event). The core collects
+  those reads (`Executor.take_kv_reads`) and hands waiting for the copy, encoding and the
+  store round trip to the background.
 Fetching before allocating means a request waiting for the store (WAITING_FOR_REMOTE_KV) holds no
 KV blocks, so an abort or a preemption meanwhile has nothing to leak, and a store that answers
 late costs staging memory, not cache capacity. A preempted request fetches again whatever of its
@@ -31,10 +38,10 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import math
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -45,6 +52,10 @@ from deepinfer.engine.outputs import KVBlocks, KVStoreStats, RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.kvstore import KVStore, KVStoreError, open_store
 from deepinfer.kvstore.codec import BlockHeader, CodecError, decode_block, encode_block
+
+if TYPE_CHECKING:
+    from deepinfer.engine.model_runner import ModelRunner
+    from deepinfer.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -112,32 +123,38 @@ class _Stats:
                                 save_latency_sum_s=self.latency_sum_s["save"])
 
 
+class KVWorker(Protocol):
+    """What `KVTransfer` needs of the worker side (an `Executor`, or a `KVBlockCopier`)."""
+
+    def kv_block_header(self) -> BlockHeader: ...
+
+    def stage_kv_blocks(self, request_id: str, block_hashes: list[int],
+                        payloads: np.ndarray) -> None: ...
+
+    def drop_staged_kv_blocks(self, request_ids) -> None: ...
+
+    def take_kv_reads(self) -> list[tuple[list[KVBlocks], KVBlockRead]]: ...
+
+
 class KVTransfer:
-    """Args:
+    """Core side (see the module doc). Args:
         config: the store URL, role and timeouts.
-        runner: the model runner (owner of the KV tensors: start_read_kv_blocks /
-            write_kv_blocks).
+        worker: the worker side, which copies blocks in and out of the KV cache.
         fingerprint: `model_fingerprint(...)`, also the block hashes' `extra`.
         block_size: tokens per block.
         store: an already built store (tests share one); None opens `config.kv_store`.
     """
 
-    def __init__(self, config: KVTransferConfig, runner, fingerprint: bytes, block_size: int,
-                 store: KVStore | None = None):
+    def __init__(self, config: KVTransferConfig, worker: KVWorker, fingerprint: bytes,
+                 block_size: int, store: KVStore | None = None):
         self.config = config
-        self.runner = runner
+        self.worker = worker
         self.block_size = block_size
         self.fingerprint_hex = fingerprint.hex()
         self.store = store if store is not None else open_store(
             config.kv_store, memory_capacity_bytes=config.memory_store_bytes,
             ttl_s=config.ttl_s or None, timeout_s=config.timeout_s)
-        sample = runner.kv_caches[0]
-        block_shape = list(sample.shape)
-        del block_shape[runner.kv_block_dim]
-        self.header = BlockHeader(
-            layout=f"{type(runner.kv_cache_spec).__name__}:block_axis={runner.kv_block_dim}",
-            dtype=str(sample.dtype).removeprefix("torch."),
-            shape=(len(runner.kv_caches), *block_shape))
+        self.header = worker.kv_block_header()
         self.stats = _Stats()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
@@ -149,7 +166,6 @@ class KVTransfer:
         # request id -> (index of its first block fetched, their hashes, the fetch)
         self._loads: dict[str, tuple[int, list[int], concurrent.futures.Future]] = {}
         self._fresh_loads: list[concurrent.futures.Future] = []  # not yet given their grace
-        self._staged: dict[str, tuple[list[int], torch.Tensor]] = {}  # id -> (hashes, blocks)
         # hand-off request id -> (its full prompt block hashes, [(hashes saved, future ok)])
         self._handoffs: dict[str, tuple[list[int], list]] = {}
         self._held: list[RequestOutput] = []
@@ -198,12 +214,30 @@ class KVTransfer:
             load = self._loads.pop(request_id, None)
             if load is not None:
                 load[2].cancel()
-            self._staged.pop(request_id, None)
             self._handoffs.pop(request_id, None)
+        self.worker.drop_staged_kv_blocks(request_ids)
+
+    def end_step(self, scheduler: Scheduler, outputs: list[RequestOutput], *,
+                 idle: bool) -> list[RequestOutput]:
+        """The KV store's work of one step, after its results: send the blocks the step
+        copied out to the store, let fetched requests rejoin the queue (their blocks staged
+        on the worker), look up again what preemption evicted, and return the outputs to
+        deliver now (a hand-off's answer waits for its saves). `idle`: nothing ran this step;
+        then wait a little for the store instead of spinning."""
+        self._send_saves(self.worker.take_kv_reads())
+        scheduler.save_kv_blocks = self.config.role != "decode" and not (
+            self._store_down() or self._save_backlog_bytes > MAX_SAVE_BACKLOG_BYTES)
+        if idle:
+            self.wait(IDLE_WAIT_S)
+        scheduler.remote_kv_ready(self.finished_loads())
+        for request in scheduler.take_preempted():
+            if self.add_request(request, scheduler.kv_cache_manager):
+                scheduler.wait_for_remote_kv(request.request_id)
+        return self.hold_finished(outputs)
 
     def finished_loads(self, wait_s: float = FETCH_GRACE_S) -> dict[str, tuple[int, int]]:
         """Requests whose fetch ended since the last call: id -> (first block index, number of
-        blocks staged). Staged blocks wait for `load_blocks` (or `discard`). Waits up to
+        blocks staged on the worker, where they wait for a step's `kv_loads`). Waits up to
         `wait_s` for the fetches started since the last call, once each: a fast store (memory,
         a local Redis) does not cost a new request a whole step, and a slow fetch does not
         hold back every step of the running requests while it lasts."""
@@ -219,41 +253,29 @@ class KVTransfer:
                 blocks = future.result()
             except Exception:  # a bug, not the store (whose failures _fetch absorbs)
                 logger.exception("KV store fetch failed; recomputing")
-                blocks = torch.empty(0)
-            if blocks.shape[0]:
-                self._staged[request_id] = (wanted, blocks)
-            ready[request_id] = (first_block, blocks.shape[0])
+                blocks = np.empty((0, self.header.num_bytes), dtype=np.uint8)
+            if len(blocks):
+                self.worker.stage_kv_blocks(request_id, wanted, blocks)
+            ready[request_id] = (first_block, len(blocks))
         return ready
 
-    def load_blocks(self, loads: list[KVBlocks]) -> None:
-        """Copy staged blocks into the blocks the scheduler allocated for them (step thread,
-        right before the forward pass); staged blocks left unused are dropped."""
-        for load in loads:
-            staged = self._staged.pop(load.request_id, None)
-            if staged is None or not load.block_ids:
-                continue
-            wanted, blocks = staged
-            offset = wanted.index(load.block_hashes[0])
-            self.runner.write_kv_blocks(load.block_ids,
-                                        blocks[offset:offset + len(load.block_ids)])
-
-    def save_blocks(self, saves: list[KVBlocks]) -> None:
-        """Copy full blocks out of the cache (step thread, after the forward pass that wrote
-        them) and send them to the store in the background."""
-        if not saves or self._store_down() or self._save_backlog_bytes > MAX_SAVE_BACKLOG_BYTES:
-            return  # a hand-off then reports fewer stored tokens; the decode side recomputes
-        data, ready = self.runner.start_read_kv_blocks(
-            [i for save in saves for i in save.block_ids])
-        offset = 0
-        for save in saves:
-            blocks = data[offset:offset + len(save.block_ids)]
-            offset += len(save.block_ids)
-            self._add_backlog(blocks.numel() * blocks.element_size())
-            future = self._submit(self._put(save.block_hashes, blocks, ready))
-            self._saves_in_flight.add(future)
-            future.add_done_callback(self._saves_in_flight.discard)
-            if save.request_id in self._handoffs:
-                self._handoffs[save.request_id][1].append((save.block_hashes, future))
+    def _send_saves(self, reads: list[tuple[list[KVBlocks], KVBlockRead]]) -> None:
+        """Send blocks the worker copied out of the cache to the store, in the background
+        (dropped while the store is down or the backlog is full: a hand-off then reports
+        fewer stored tokens, and the decode side recomputes)."""
+        for saves, read in reads:
+            if self._store_down() or self._save_backlog_bytes > MAX_SAVE_BACKLOG_BYTES:
+                return
+            offset = 0
+            for save in saves:
+                rows = (offset, offset + len(save.block_ids))
+                offset = rows[1]
+                self._add_backlog(len(save.block_ids) * self.header.num_bytes)
+                future = self._submit(self._put(save.block_hashes, read, rows))
+                self._saves_in_flight.add(future)
+                future.add_done_callback(self._saves_in_flight.discard)
+                if save.request_id in self._handoffs:
+                    self._handoffs[save.request_id][1].append((save.block_hashes, future))
 
     def hold_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The outputs to deliver now. A hand-off request's last output is held until its block
@@ -316,9 +338,9 @@ class KVTransfer:
         logger.warning("KV store %s failed (%r); recomputing instead for %.0f s", what, error,
                        STORE_DOWN_BACKOFF_S)
 
-    async def _fetch(self, hashes: list[int]) -> torch.Tensor:
-        """The longest prefix of `hashes` held (valid) in the store, decoded into one tensor
-        [num_found, num_layers, *block_shape]; never raises."""
+    async def _fetch(self, hashes: list[int]) -> np.ndarray:
+        """The longest prefix of `hashes` held (valid) in the store, as the payloads' bytes
+        [num_found, header.num_bytes] uint8; never raises."""
         started = time.monotonic()
         found: list[memoryview] = []
         corrupt = 0
@@ -336,9 +358,11 @@ class KVTransfer:
         except Exception:  # never let a store quirk fail the request: recompute instead
             logger.exception("KV store load failed")
             self.stats.add(errors=1)
-        blocks = self._to_tensor(found)
+        blocks = np.empty((len(found), self.header.num_bytes), dtype=np.uint8)
+        for row, payload in enumerate(found):
+            blocks[row] = np.frombuffer(payload, dtype=np.uint8)  # a plain memoryview: 7x slower
         self.stats.add(hits=len(found), misses=len(hashes) - len(found), corrupt=corrupt,
-                       bytes_loaded=blocks.numel() * blocks.element_size())
+                       bytes_loaded=blocks.nbytes)
         self.stats.observe("load", time.monotonic() - started)
         return blocks
 
@@ -361,30 +385,15 @@ class KVTransfer:
             payloads.append(payload)
         return payloads, 0
 
-    def _to_tensor(self, payloads: list[memoryview]) -> torch.Tensor:
-        sample = self.runner.kv_caches[0]
-        # pinned on CUDA: write_kv_blocks then copies it to the device without waiting for the
-        # step in flight
-        blocks = torch.empty((len(payloads), *self.header.shape), dtype=sample.dtype,
-                             pin_memory=sample.is_cuda)
-        block_numel = math.prod(self.header.shape)
-        flat = blocks.view(len(payloads), block_numel).view(torch.uint8).numpy()  # [n, bytes]
-        for row, payload in enumerate(payloads):
-            flat[row] = np.frombuffer(payload, dtype=np.uint8)  # a plain memoryview is 7x slower
-        return blocks
-
-    async def _put(self, hashes: list[int], blocks: torch.Tensor,
-                   ready: torch.cuda.Event | None = None) -> bool:
-        """Encode and store blocks [n, num_layers, *block_shape] (CPU); True when all were
-        stored. `ready`: a CUDA event after whose completion `blocks` hold their values (the
-        device-to-host copy of `start_read_kv_blocks`), waited for on a worker thread so that
-        this loop's other fetches and saves go on meanwhile; None: the values are there."""
+    async def _put(self, hashes: list[int], read: KVBlockRead, rows: tuple[int, int]) -> bool:
+        """Encode and store rows [start, end) of a worker's block read; True when all were
+        stored. A read still in flight (a device-to-host copy) is waited for on a worker
+        thread, so that this loop's other fetches and saves go on meanwhile."""
         started = time.monotonic()
-        num_bytes = blocks.numel() * blocks.element_size()
+        num_bytes = len(hashes) * self.header.num_bytes
         try:
-            if ready is not None:
-                await asyncio.to_thread(ready.synchronize)
-            raw = blocks.view(len(hashes), -1).view(torch.uint8).numpy()
+            payloads = await asyncio.to_thread(read.payloads) if read.pending else read.payloads()
+            raw = payloads[rows[0]:rows[1]]
             items = {self.key(h): encode_block(self.header, raw[i]) for i, h in enumerate(hashes)}
             await asyncio.wait_for(self.store.put_many(items), self.config.timeout_s * 4)
         except (KVStoreError, asyncio.TimeoutError, OSError) as error:
@@ -410,16 +419,9 @@ class NoKVTransfer:
     def discard(self, request_ids) -> None:
         pass
 
-    def finished_loads(self) -> dict[str, tuple[int, int]]:
-        return {}
-
-    def load_blocks(self, loads: list[KVBlocks]) -> None:
-        pass
-
-    def save_blocks(self, saves: list[KVBlocks]) -> None:
-        pass
-
-    def hold_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def end_step(self, scheduler: Scheduler, outputs: list[RequestOutput], *,
+                 idle: bool) -> list[RequestOutput]:
+        scheduler.take_preempted()  # nothing to look up again
         return outputs
 
     def has_held_outputs(self) -> bool:
@@ -428,11 +430,104 @@ class NoKVTransfer:
     def flush(self, timeout_s: float | None = None) -> None:
         pass
 
-    def wait(self, timeout_s: float) -> None:
-        pass
-
     def get_stats(self) -> KVStoreStats | None:
         return None
 
     def close(self) -> None:
         pass
+
+
+# ---- worker side ---------------------------------------------------------------------------
+class KVBlockRead:
+    """Blocks being copied out of the KV cache (`ModelRunner.start_read_kv_blocks`).
+
+    blocks: [n, num_layers, *block_shape] on CPU in the cache dtype (pinned on CUDA).
+    ready: on CUDA, an event recorded after the copy (the blocks hold their values once it has
+        completed); None when they already do.
+    """
+
+    def __init__(self, blocks: torch.Tensor, ready: torch.cuda.Event | None):
+        self.blocks = blocks
+        self.ready = ready
+
+    @property
+    def pending(self) -> bool:
+        """True when `payloads()` may wait for the device."""
+        return self.ready is not None
+
+    def payloads(self) -> np.ndarray:
+        """[n, block_bytes] uint8: the blocks' bytes, once the copy has completed (waits)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.blocks.reshape(self.blocks.shape[0], -1).view(torch.uint8).numpy()
+
+
+class KVBlockCopier:
+    """Worker side of the KV store bridge: the block copies into and out of the runner's KV
+    tensors (see the module doc). Called on the worker's thread, by its executor.
+
+    Args:
+        runner: owner of the KV tensors (`kv_caches`, `kv_block_dim`, `write_kv_blocks`,
+            `start_read_kv_blocks`).
+    """
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        sample = runner.kv_caches[0]
+        block_shape = list(sample.shape)
+        del block_shape[runner.kv_block_dim]
+        self.header = BlockHeader(
+            layout=f"{type(runner.kv_cache_spec).__name__}:block_axis={runner.kv_block_dim}",
+            dtype=str(sample.dtype).removeprefix("torch."),
+            shape=(len(runner.kv_caches), *block_shape))
+        self._staged: dict[str, tuple[list[int], torch.Tensor]] = {}  # id -> (hashes, blocks)
+        self._reads: list[tuple[list[KVBlocks], KVBlockRead]] = []
+
+    # the `KVWorker` methods, for KVTransfer (an executor forwards them)
+    def kv_block_header(self) -> BlockHeader:
+        return self.header
+
+    def stage_kv_blocks(self, request_id: str, block_hashes: list[int],
+                        payloads: np.ndarray) -> None:
+        """Hold fetched blocks ([n, block_bytes] uint8, `block_hashes[i]` for row i) until a
+        step's `kv_loads` names where they go. Pinned on CUDA: the copy to the device then
+        does not wait for the step in flight."""
+        sample = self.runner.kv_caches[0]
+        blocks = torch.from_numpy(payloads).view(sample.dtype).view(
+            len(payloads), *self.header.shape)  # [n, num_layers, *block_shape]
+        if sample.is_cuda:
+            blocks = blocks.pin_memory()
+        self._staged[request_id] = (block_hashes, blocks)
+
+    def drop_staged_kv_blocks(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._staged.pop(request_id, None)
+
+    def take_kv_reads(self) -> list[tuple[list[KVBlocks], KVBlockRead]]:
+        reads, self._reads = self._reads, []
+        return reads
+
+    @property
+    def num_staged(self) -> int:
+        return len(self._staged)
+
+    # the step's copies, called by the executor around the forward pass
+    def load(self, loads: list[KVBlocks]) -> None:
+        """Copy staged blocks into the blocks the scheduler allocated for them (right before
+        the forward pass); staged blocks left unused are dropped."""
+        for load in loads:
+            staged = self._staged.pop(load.request_id, None)
+            if staged is None or not load.block_ids:
+                continue
+            wanted, blocks = staged
+            offset = wanted.index(load.block_hashes[0])
+            self.runner.write_kv_blocks(load.block_ids,
+                                        blocks[offset:offset + len(load.block_ids)])
+
+    def save(self, saves: list[KVBlocks]) -> None:
+        """Start copying full blocks out of the cache (after the forward pass that wrote
+        them, before any later step can reuse them); `take_kv_reads` hands them over."""
+        if saves:
+            data, ready = self.runner.start_read_kv_blocks(
+                [i for save in saves for i in save.block_ids])
+            self._reads.append((saves, KVBlockRead(data, ready)))

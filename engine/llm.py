@@ -51,9 +51,13 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: greedy-free
                 `SamplingParams()`). With n > 1 each prompt's output holds n choices
                 (`outputs[j]`), choice j seeded with seed + j when a seed is given.
+        A request that a step failed on alone comes back finished with finish_reason "error"
+        and the cause in `error`; the others are unaffected.
+
         Raises:
             TypeError: a prompt is neither a string nor a list of token ids.
             ValueError / PromptTooLongError: a prompt is empty or does not fit the context.
+            EngineDeadError: steps kept failing whatever ran (a broken device or model).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

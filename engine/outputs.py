@@ -111,7 +111,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None       # "stop" | "length" | "abort" | None
+    finish_reason: str | None = None       # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None   # stop token id or stop string that ended it
     num_cached_tokens: int = 0             # prompt tokens served by the prefix cache
 
@@ -160,6 +160,8 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
     # offline API with n > 1: the n finished choices (each ran as its own engine request)
     choices: list[CompletionOutput] | None = None
+    # finish_reason "error": what failed (a step failed on this request alone; EngineCore)
+    error: str | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:

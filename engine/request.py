@@ -24,15 +24,18 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     WAITING_FOR_REMOTE_KV = 6  # its prompt blocks are being fetched from the KV store
+    FINISHED_ERROR = 7  # a step failed on it alone (EngineCore's fault isolation)
 
     @property
     def finished(self) -> bool:
-        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
+        return (RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
+                or self == RequestStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort",
+                RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
     # async scheduling (engine/async_step.py): sampled tokens still on the device, not yet in
-    # output_token_ids; the scheduler schedules them as if known
+    # output_token_ids; the scheduler schedules them as if known (set and cleared by EngineCore)
     num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -56,6 +56,8 @@ class Scheduler:
         self._preempted: list[Request] = []  # since the last take_preempted()
         # block table lengths cut by rejected drafts, for the runner (CachedRequestData)
         self._num_kept_block_ids: dict[str, int] = {}
+        # fault isolation (EngineCore): schedule only this request while set
+        self.isolated_request_id: str | None = None
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,15 +142,44 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         budget = self.config.max_num_batched_tokens
-        budget, preempted = self._schedule_running(out, budget)
-        if not preempted:
-            self._schedule_waiting(out, budget)
+        if self.isolated_request_id is not None:
+            self._schedule_alone(out, budget, self.requests.get(self.isolated_request_id))
+        else:
+            budget, preempted = self._schedule_running(out, budget)
+            if not preempted:
+                self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         if self.save_kv_blocks:
             out.kv_saves = self._blocks_to_save(out)
         return out
+
+    def _schedule_alone(self, out: SchedulerOutput, budget: int, request: Request | None
+                        ) -> None:
+        """Schedule one request by itself (fault isolation); the others wait, keeping their
+        blocks and their places."""
+        running, waiting = self.running, self.waiting
+        self.running = [r for r in running if r is request]
+        self.waiting = deque(r for r in waiting if r is request)
+        try:
+            budget, preempted = self._schedule_running(out, budget)
+            if not preempted:
+                self._schedule_waiting(out, budget)
+        finally:
+            self.running = [r for r in running if r is not request] + self.running
+            self.waiting = self.waiting + deque(r for r in waiting if r is not request)
+
+    def undo_step(self, num_valid_tokens: dict[str, int]) -> None:
+        """A step failed before its results were applied (EngineCore's fault isolation): each
+        request (id -> its computed tokens before that step) goes back to the front of the
+        queue to be recomputed, as after a preemption, and the blocks that step was filling
+        leave the prefix cache (their KV is not valid)."""
+        for request in reversed([r for r in self.running if r.request_id in num_valid_tokens]):
+            self.kv_cache_manager.uncache_blocks(request, num_valid_tokens[request.request_id])
+            self.running.remove(request)
+            self._preempt(request)
+            self.num_preemptions -= 1   # not a preemption for want of blocks
 
     def _blocks_to_save(self, out: SchedulerOutput) -> list[KVBlocks]:
         """Full prompt blocks this step completes; a request that hands its KV to a decode

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer.engine.errors import (EngineDeadError, EngineShuttingDownError, PromptTooLongError,
-                           QueueFullError)
+                                     QueueFullError, RequestFailedError)
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -65,6 +65,9 @@ def from_engine_error(exc: Exception) -> APIError | None:
     if isinstance(exc, EngineDeadError):
         return APIError(f"The inference engine has stopped: {exc} Restart the server.",
                         status_code=503, type="server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):   # the engine goes on; the message says why
+        return APIError(f"The engine could not process this request: {exc}", status_code=500,
+                        type="server_error", code="request_failed")
     if isinstance(exc, PromptTooLongError):   # (the server checks first; a backstop)
         return APIError(str(exc), code="context_length_exceeded")
     if isinstance(exc, ValueError):  # a SamplingParamsError names the field

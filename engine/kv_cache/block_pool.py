@@ -103,6 +103,10 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget an in-use block's hash (its KV is not what the hash says: a failed step)."""
+        self._evict(block)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached free block's hash (used blocks keep theirs)."""
         for block in list(self._free_cached.values()):

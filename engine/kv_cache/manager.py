@@ -154,6 +154,18 @@ class KVCacheManager:
         self.block_pool.free(list(reversed(tail)))
         return num_kept
 
+    def uncache_blocks(self, request: Request, num_valid_tokens: int) -> None:
+        """Take the request's blocks past its first `num_valid_tokens` tokens out of the
+        prefix cache: a step that was to compute them failed (EngineCore's fault isolation),
+        so their KV is not what their hashes say."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        first = num_valid_tokens // self.block_size
+        for block in blocks[first:]:
+            self.block_pool.uncache_block(block)
+        if request.request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request.request_id] = min(
+                self._num_cached_blocks[request.request_id], first)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (idempotent)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

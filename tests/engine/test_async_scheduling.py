@@ -1,4 +1,5 @@
-"""Async scheduling (engine/async_step.py) forced on, on CPU: the same tokens as synchronous
+"""Async scheduling (engine/async_step.py: the executor returns a future that the one step loop,
+`EngineCore.step`, resolves a step later) forced on, on CPU: the same tokens as synchronous
 steps for every way a request can end or be interrupted, and no KV block left behind."""
 
 import pytest
@@ -31,7 +32,7 @@ def sync_llm(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def async_llm(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, async_scheduling=True)
-    assert llm.engine_core.async_steps is not None
+    assert llm.engine_core.async_scheduling
     return llm
 
 
@@ -53,7 +54,7 @@ def test_switch_defaults_off_on_cpu_and_reads_the_environment(sync_llm):
         "scheduler": {"async_scheduling": False}}
     assert env_overrides({"DEEPINFER_ASYNC_SCHEDULING": "1"}) == {
         "scheduler": {"async_scheduling": True}}
-    assert sync_llm.engine_core.async_steps is None
+    assert not sync_llm.engine_core.async_scheduling
 
 
 def test_greedy_batch_equals_sync(sync_llm, async_llm):
@@ -138,7 +139,7 @@ def test_abort_mid_run_and_reused_id_leave_no_stale_token(sync_llm, async_llm):
     finished = {}
     for step in range(200):
         if step == 6:   # a step is in flight: abort one, reuse its id for another prompt
-            assert core.async_steps.in_flight is not None
+            assert core._in_flight
             core.abort_requests(["r1"])
             core.add_request(core.make_request(PROMPTS[1], GREEDY, request_id="r1"))
         for output in core.step():
@@ -165,7 +166,7 @@ def test_structured_output_and_penalties_fall_back_to_sync_steps(sync_llm, async
     # plain requests after them run async again
     assert summary(async_llm.generate(PROMPTS[:2], GREEDY)) == summary(
         sync_llm.generate(PROMPTS[:2], GREEDY))
-    assert not async_llm.engine_core.async_steps._sync_ids
+    assert not async_llm.engine_core._sync_ids
 
 
 def test_requests_keep_no_placeholder_after_finishing(async_llm):
@@ -190,9 +191,9 @@ def test_grammar_request_arriving_mid_run_drains_the_step_in_flight(sync_llm, as
     finished, modes = {}, []
     for step in range(200):
         if step == 4:
-            assert core.async_steps.in_flight is not None
+            assert core._in_flight
             core.add_request(core.make_request(PROMPTS[5], grammar, request_id="g3"))
-        modes.append(core.async_steps.wants_step())
+        modes.append(core._non_block() or bool(core._in_flight))
         for output in core.step():
             if output.finished:
                 finished[output.request_id] = output

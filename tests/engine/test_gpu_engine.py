@@ -89,7 +89,7 @@ def _engine_greedy(model_dir, prompts, *, dtype, enforce_eager, max_new_tokens):
         scheduler={"max_num_batched_tokens": 64, "max_num_seqs": 8},
         kv_transfer={"kv_store": "none"})
     llm = LLM(config=config)
-    runner = llm.engine_core.model_runner
+    runner = llm.engine_core.executor.runner
     assert runner.kv_caches[0].is_cuda and runner.kv_caches[0].dtype == getattr(torch, dtype)
     assert (runner.cuda_graphs is None) == enforce_eager
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
@@ -129,7 +129,7 @@ def _engine_run(model_dir, prompts, params, *, async_scheduling, num_blocks):
         kv_transfer={"kv_store": "none"})
     llm = LLM(config=config)
     core = llm.engine_core
-    assert (core.async_steps is not None) == async_scheduling
+    assert core.async_scheduling == async_scheduling
     outputs = llm.generate(prompts, params)
     pool = core.scheduler.kv_cache_manager.block_pool
     result = ([(o.token_ids, o.finish_reason, o.stop_reason) for o in outputs],

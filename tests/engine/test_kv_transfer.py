@@ -11,7 +11,7 @@ import torch
 from deepinfer.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
-from deepinfer.engine.kv_transfer import KVTransfer
+from deepinfer.engine.kv_transfer import KVBlockCopier, KVTransfer
 from deepinfer.engine.outputs import KVBlocks
 from deepinfer.engine.request import RequestStatus
 from deepinfer.engine.sampling_params import SamplingParams
@@ -182,7 +182,7 @@ def test_abort_while_loading_leaks_nothing(core):
     core.step()
     assert not core.has_unfinished_requests()
     assert free_blocks(core) == 256
-    assert not core.kv_transfer._loads and not core.kv_transfer._staged
+    assert not core.kv_transfer._loads and core.executor.kv.num_staged == 0
 
 
 def test_a_slow_fetch_delays_one_step_not_every_step(core, monkeypatch):
@@ -231,13 +231,17 @@ def test_blocks_round_trip_bitwise_for_any_layout(layout):
     store = MemoryKVStore()
     source, target = (FakeRunner(spec, 8, dtype, seed=0, block_size=BLOCK),
                       FakeRunner(spec, 8, dtype, seed=1, block_size=BLOCK))
-    saver = KVTransfer(KVTransferConfig(), source, b"\x01" * 8, BLOCK, store=store)
-    saver.save_blocks([KVBlocks("a", [3, 5], [11, 12])])
+    source_copier, target_copier = KVBlockCopier(source), KVBlockCopier(target)
+    saver = KVTransfer(KVTransferConfig(), source_copier, b"\x01" * 8, BLOCK, store=store)
+    source_copier.save([KVBlocks("a", [3, 5], [11, 12])])      # the worker copies out,
+    saver._send_saves(source_copier.take_kv_reads())          # the core side stores
     saver.flush()
-    loader = KVTransfer(KVTransferConfig(), target, b"\x01" * 8, BLOCK, store=store)
+    loader = KVTransfer(KVTransferConfig(), target_copier, b"\x01" * 8, BLOCK, store=store)
     blocks = loader._submit(loader._fetch([11, 12, 13])).result()
-    assert blocks.shape[0] == 2  # 13 was never stored
-    target.write_kv_blocks([0, 7], blocks)
+    assert blocks.shape == (2, loader.header.num_bytes)  # 13 was never stored
+    target_copier.stage_kv_blocks("b", [11, 12], blocks)
+    target_copier.load([KVBlocks("b", [0, 7], [11, 12])])
+    assert target_copier.num_staged == 0
     axis = source.kv_block_dim
     assert axis == (1 if layout == "full" else 0)
     for src, dst in zip(source.kv_caches, target.kv_caches):

@@ -1,9 +1,10 @@
-"""KV store saves on CUDA (engine/kv_transfer.py, `ModelRunner.start_read_kv_blocks`): the step
-loop queues the copy of saved blocks behind the launched step and returns without waiting for
-the device; the store's background loop waits for the copy's event before encoding. Checked:
-`save_blocks` returns while the step's kernels are still running, and what the store holds is
-bit-equal to the blocks as the step left them; through the whole engine (async steps), a
-prompt loaded back from the store gives the tokens of computing it."""
+"""KV store saves on CUDA (engine/kv_transfer.py: `KVBlockCopier` on the worker side,
+`ModelRunner.start_read_kv_blocks`): the worker queues the copy of saved blocks behind the
+launched step and returns without waiting for the device; the store's background loop waits
+for the copy's event before encoding. Checked: the save (`KVBlockCopier.save`, then
+`KVTransfer._send_saves`) returns while the step's kernels are still running, and what the
+store holds is bit-equal to the blocks as the step left them; through the whole engine (async
+steps), a prompt loaded back from the store gives the tokens of computing it."""
 
 import gc
 import time
@@ -13,7 +14,7 @@ import torch
 
 from deepinfer.engine.config import KVTransferConfig
 from deepinfer.engine.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec
-from deepinfer.engine.kv_transfer import KVTransfer
+from deepinfer.engine.kv_transfer import KVBlockCopier, KVTransfer
 from deepinfer.engine.outputs import KVBlocks
 from kv_runner_fake import FakeRunner
 from deepinfer.kvstore import MemoryKVStore
@@ -33,12 +34,17 @@ def test_save_returns_before_the_step_ends_and_stores_its_blocks(layout):
     store = MemoryKVStore()
     source = FakeRunner(spec, 16, dtype, seed=0, block_size=BLOCK, device="cuda")
     target = FakeRunner(spec, 16, dtype, seed=1, block_size=BLOCK, device="cuda")
-    saver = KVTransfer(KVTransferConfig(), source, b"\x02" * 8, BLOCK, store=store)
-    loader = KVTransfer(KVTransferConfig(), target, b"\x02" * 8, BLOCK, store=store)
+    source_copier, target_copier = KVBlockCopier(source), KVBlockCopier(target)
+    saver = KVTransfer(KVTransferConfig(), source_copier, b"\x02" * 8, BLOCK, store=store)
+    loader = KVTransfer(KVTransferConfig(), target_copier, b"\x02" * 8, BLOCK, store=store)
+
+    def save_blocks(saves):   # the worker starts the copy out, the core side sends it
+        source_copier.save(saves)
+        saver._send_saves(source_copier.take_kv_reads())
     axis = source.kv_block_dim
     # outside the timing: kernels, and pinned host blocks of the sizes the timed save takes
     # (the first allocation of a size, cudaHostAlloc, synchronizes the device)
-    saver.save_blocks([KVBlocks("warm", [1, 2], [98, 99])])
+    save_blocks([KVBlocks("warm", [1, 2], [98, 99])])
     saver.flush()
     torch.cuda.synchronize()
 
@@ -53,9 +59,9 @@ def test_save_returns_before_the_step_ends_and_stores_its_blocks(layout):
     step_done = torch.cuda.Event()
     step_done.record()
     started = time.monotonic()
-    saver.save_blocks([KVBlocks("a", [3, 5], [11, 12])])
+    save_blocks([KVBlocks("a", [3, 5], [11, 12])])
     returned_s = time.monotonic() - started
-    assert not step_done.query(), "save_blocks waited for the step's kernels"
+    assert not step_done.query(), "the save waited for the step's kernels"
     assert returned_s < 0.05
 
     saver.flush(timeout_s=30)
@@ -63,7 +69,8 @@ def test_save_returns_before_the_step_ends_and_stores_its_blocks(layout):
     assert saver.get_stats().blocks_saved == 4
     blocks = loader._submit(loader._fetch([11, 12])).result()
     assert blocks.shape[0] == 2
-    target.write_kv_blocks([0, 7], blocks)
+    target_copier.stage_kv_blocks("b", [11, 12], blocks)
+    target_copier.load([KVBlocks("b", [0, 7], [11, 12])])
     for src, dst in zip(source.kv_caches, target.kv_caches):
         assert torch.equal(src.select(axis, 3), dst.select(axis, 0))
         assert torch.equal(src.select(axis, 5), dst.select(axis, 7))
@@ -96,7 +103,7 @@ def test_engine_tokens_from_the_store_equal_computed_ones(tmp_path):
         kv_transfer={"kv_store": "memory"})
     llm = LLM(config=engine_config)
     core = llm.engine_core
-    assert core.async_steps is not None
+    assert core.async_scheduling
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (37, 64, 90, 5)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
