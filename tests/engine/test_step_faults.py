@@ -6,6 +6,7 @@ their normal tokens, no KV block leaks, and later requests are served. A fault i
 device is gone) ends the engine loudly after a bounded number of steps."""
 
 import pytest
+import torch
 
 from deepinfer.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deepinfer.engine.errors import EngineDeadError
@@ -189,3 +190,40 @@ def test_a_sampling_value_the_sampler_cannot_pack_fails_its_request_only(llm, ex
     assert outputs[-1].error.startswith(f"request {len(PROMPTS)} failed inside an engine step")
     assert [o.token_ids for o in outputs[:-1]] == expected
     assert_no_leak(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_with_async_steps_and_graphs_a_poisoned_prompt_fails_alone(tmp_path):
+    """On the device the default is async steps and decode CUDA graphs: the poisoned prefill
+    (an eager forward) fails, the step in flight is undone with it, the others' greedy tokens
+    are those of a run without the bad prompt, and no block leaks."""
+    import gc
+
+    from transformers import LlamaConfig
+
+    from tests.engine.test_gpu_engine import write_random_llama_dir
+
+    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=0.1,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model_dir = write_random_llama_dir(tmp_path / "llama", config)
+    llm = LLM(config=EngineConfig().replace(
+        model={"model": str(model_dir), "device": "cuda", "dtype": "float32"},
+        cache={"num_blocks": 128, "block_size": 16},
+        scheduler={"max_num_batched_tokens": 64, "max_num_seqs": 8},
+        kv_transfer={"kv_store": "none"}))
+    core = llm.engine_core
+    assert core.async_scheduling and core.executor.runner.cuda_graphs is not None
+    expected = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    model = core.executor.runner.model
+    model.forward = PoisonedForward(model)
+    outputs = llm.generate(PROMPTS[:3] + [BAD_PROMPT] + PROMPTS[3:], GREEDY)
+    assert outputs.pop(3).finish_reason == "error"
+    assert [o.token_ids for o in outputs] == expected
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == 128 and not core.has_unfinished_requests()
+    del llm, core, model
+    gc.collect()
+    torch.cuda.empty_cache()
