@@ -107,7 +107,8 @@ class EngineCore:
                                                   self.eos_token_ids)
         self.model_runner = ModelRunner(model, num_blocks, cache.block_size, self.device,
                                         self.dtype, self.eos_token_ids,
-                                        structured_output=self.structured_output)
+                                        structured_output=self.structured_output,
+                                        kernel_config=config.kernel)
         if self.device.type == "cuda" and not config.model.enforce_eager:
             self.model_runner.capture_cuda_graphs(config.scheduler.max_num_seqs,
                                                   self.max_model_len)
