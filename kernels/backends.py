@@ -125,7 +125,7 @@ class Backends:
 @functools.cache
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device `device_index` (the Triton kernels size their
-    grids by it: split-K decode attention, stream-K GEMM)."""
+    grids by it: split-K decode attention)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

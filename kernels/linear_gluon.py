@@ -49,8 +49,8 @@ is what the stream needs. An L2 prefetch of the next GEMM's first stages by this
 programs after their K loop lost 2-3% (12,629.7-12,744.3 against 13,020.6 / 12,960.4), and a K
 split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
 
-Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, `benchmarks/gluon_grid_sweep.py
---tiles`): the then committed tiles (BLOCK_N 64; K split 2 for o and down) beat every one-wave
+Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, a grid sweep since removed,
+in git history): the then committed tiles (BLOCK_N 64; K split 2 for o and down) beat every one-wave
 tiling (128- or 256-row tiles, which read x once for two or four wgmma row blocks: 5-247%
 slower); x's tiles in a ring of their own (3 / 2 stages, the rest for the weight's) lost 20-29%
 / 64-111%; each program starting its K loop at another x tile lost 2.6% at batch 64 in the

@@ -35,7 +35,7 @@ from deepinfer.kernels import backends
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 DECODE_BLOCK_N = 64      # context tokens per decode tile
-DECODE_LAUNCH = (4, 2)   # (num_warps, num_stages): benchmarks/decode_attention_sweep.py
+DECODE_LAUNCH = (4, 2)   # (num_warps, num_stages): swept in run 12 (benchmarks/RESULTS.md)
 MAX_SPLITS = 32          # split-K partitions at most (a power of two)
 WAVES = 2                # split so that the programs fill ~this many waves over the SMs
 
@@ -186,7 +186,7 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     faster while the reduce kernel added ~0.1 ms per step on an H200. The one-kernel attention
     alone, 192-token contexts, was faster with fewer splits at batch 16-32 (benchmarks/
     RESULTS.md run 19: b=32 12.5 us per layer at one split against 15.2 at the two chosen
-    here), but not in the engine: with ~one wave (`WAVES` 1, gpu_decode.py's `attn_one_wave`)
+    here), but not in the engine: with ~one wave (`WAVES` 1)
     decode went 3726.3 -> 3723.1 tok/s at batch 16 and 6550.3 -> 6572.6 at 32, run 20.)"""
     programs = num_seqs * num_kv_heads
     wanted = -(-WAVES * num_sms // programs)
