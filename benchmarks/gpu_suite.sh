@@ -17,11 +17,12 @@ if [ "$what" = sweep ]; then
   exit
 fi
 # `tests`: every GPU test, engine and server first, then kernels (tests/conftest.py orders the
-# tiers), with --durations so the log shows where the time went; `all`: the tests under a
+# tiers), with --durations so the log shows where the time went (a test file whose imports the
+# device image lacks is reported, not fatal); `all`: the tests under a
 # shorter limit, then the benchmark (one device call holds 10 minutes)
 tests_s=450; [ "$what" = all ] && tests_s=230
 if [ "$what" != bench ]; then
-  timeout $tests_s python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=15 \
+  timeout $tests_s python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=15 --continue-on-collection-errors \
     tests/engine tests/server tests/e2e tests/kernels 2>&1 | tee "$OUT/tests.log"
 fi
 if [ "$what" != tests ]; then
