@@ -54,21 +54,12 @@ DECODE_LABEL = "rotary decode attention, Llama-3-8B heads"
 # fusion, SPLIT_K, sums of squares as in GEMMS)
 GLUON_GEMMS = [("Gluon down + residual + sums of squares, 64", 64, "residual", 2, -1),
                ("Gluon gate_up + norm from partials, 64 rows", 64, "norm_gated", 1, 64),
-               ("Gluon LM head + row argmax, 64 rows", 128, "argmax", 1, 0),
-               # SPLIT_K None: kernels/linear_gluon_stream_k.py
-               ("Gluon stream-K qkv + norm from partials", 64, "norm", None, 64),
-               ("Gluon stream-K gate_up + norm from partials", 64, "norm_gated", None, 64),
-               ("Gluon stream-K down + residual + sums of sq.", 64, "residual", None, -1)]
+               ("Gluon LM head + row argmax, 64 rows", 128, "argmax", 1, 0)]
 GLUON_ARGS = {"bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16",
               "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32",
               "max_ptr": "*fp32", "argmax_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
               "k_tiles_per_split": "i32", "residual_stride": "i32", "out_stride": "i32",
               "eps": "fp32"}
-STREAM_K_ARGS = {"bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16",
-                 "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32", "M": "i32",
-                 "N": "i32", "K": "i32", "k_steps": "i32", "per_program": "i32",
-                 "total_steps": "i32", "residual_stride": "i32", "out_stride": "i32",
-                 "eps": "fp32"}
 
 
 def compile_for_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -105,6 +96,7 @@ def describe(kernel) -> str:
 def variants() -> list[tuple]:
     """(label, kernel, arg types, constexprs, num_warps, num_stages) of every variant."""
     from deepinfer.kernels import linear_triton, rotary_decode_triton
+    from deepinfer.kernels.settings import DEFAULT
 
     out = []
     for label, block_m, block_n, block_k, warps, stages, fusion, swap, parts in GEMMS:
@@ -112,7 +104,7 @@ def variants() -> list[tuple]:
                           GATED=fusion == "norm_gated", HAS_RESIDUAL=fusion == "residual",
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1,
                           EVEN_N=True, EVEN_K=True, PRECISION="tf32",
-                          NORM_BY_DOT=block_m >= linear_triton.NORM_BY_DOT_ROWS,
+                          NORM_BY_DOT=block_m >= DEFAULT.norm_by_dot_rows,
                           SS_CHUNK=4096 // block_m, SS_CHUNKS=0 if parts else block_m,
                           SWAP_AB=swap, SS_PARTS=max(parts, 0),
                           SS_PARTS_P2=max(parts, 1), EMIT_SS=parts < 0, EMIT_ARGMAX=False, PDL=True,
@@ -145,76 +137,34 @@ def quiet_gluon_leak_report() -> None:
     atexit.register(stderr_to_devnull)
 
 
-def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int | None, parts: int):
+def compile_gluon_for_sm90(block_n: int, fusion: str, split_k: int, parts: int):
     """The Gluon GEMM compiled for cuda:90 as `linear_gluon.launch` would launch it on 64 rows
-    of bf16 (TMA descriptors of its box shapes, its stage count, PDL on); split_k None: the
-    stream-K kernel (`linear_gluon_stream_k.launch`)."""
+    of bf16 (TMA descriptors of its box shapes, its stage count, PDL on)."""
     quiet_gluon_leak_report()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from deepinfer.kernels import linear_gluon, linear_gluon_stream_k, pdl
+    from deepinfer.kernels import linear_gluon, pdl
 
     def descriptor(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, linear_gluon.BOX_K], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {linear_gluon.BOX_K}],{layout!r}>"
 
     gated = fusion == "norm_gated"
-    stream_k = split_k is None
-    args = {"w_desc": descriptor(block_n), "x_desc": descriptor(64),
-            **(STREAM_K_ARGS if stream_k else GLUON_ARGS)}
+    args = {"w_desc": descriptor(block_n), "x_desc": descriptor(64), **GLUON_ARGS}
     constexprs = dict(HAS_BIAS=False, NORM=fusion.startswith("norm"), GATED=gated,
                       HAS_RESIDUAL=fusion == "residual", EMIT_SS=parts < 0,
                       SS_PARTS=max(parts, 0), SS_PARTS_P2=max(parts, 1),
                       STAGES=linear_gluon.stages_for(64, block_n, gated),
                       SUB=linear_gluon.sub_boxes(block_n, gated), PDL=True,
-                      TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4)
-    if not stream_k:
-        constexprs.update(EMIT_ARGMAX=fusion == "argmax", SPLIT_K=split_k,
-                          WEIGHTS_BEFORE_WAIT=linear_gluon.WEIGHTS_BEFORE_WAIT)
+                      TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon"), num_warps=4,
+                      EMIT_ARGMAX=fusion == "argmax", SPLIT_K=split_k)
     signature = {**args, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
              if name.endswith("_ptr")}
-    kernel = linear_gluon_stream_k._stream_k_kernel if stream_k else linear_gluon._skinny_kernel
-    source = GluonASTSource(fn=kernel, signature=signature,
-                            constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "launch_pdl": True})
-
-
-LAYER_LABEL = "Gluon layer: o, gate_up, down, next qkv"
-LAYER_ARGS = {**{f"{g}_{d}": d for g in ("o", "gu", "dn", "qkv") for d in ("w", "x")},
-              "hidden_ptr": "*bf16", "act_ptr": "*bf16", "qkv_ptr": "*bf16",
-              "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_o_ptr": "*fp32",
-              "ss_dn_ptr": "*fp32", "M": "i32", "o_in": "i32", "hidden_size": "i32",
-              "intermediate": "i32", "qkv_size": "i32", "o_k_per_split": "i32",
-              "gu_k_per_split": "i32", "dn_k_per_split": "i32", "qkv_k_per_split": "i32",
-              "eps_mlp": "fp32", "eps_qkv": "fp32", "trace_ptr": "*i64"}
-
-
-def compile_gluon_layer_for_sm90(trace: bool = False):
-    """`kernels/linear_gluon_layer.py`'s persistent kernel for cuda:90 as Llama-3-8B's 64-row
-    decode would launch it (o and down split twice, the next qkv present, PDL on)."""
-    quiet_gluon_leak_report()
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from deepinfer.kernels import linear_gluon, linear_gluon_layer
-
-    layout = gl.NVMMASharedLayout.get_default_for([64, linear_gluon.BOX_K], gl.bfloat16)
-    desc = f"tensordesc<bf16[64, {linear_gluon.BOX_K}],{layout!r}>"
-    args = {name: (desc if kind in ("w", "x") else kind) for name, kind in LAYER_ARGS.items()}
-    constexprs = dict(SS_PARTS=64, SS_P2=64, O_SPLIT=2, DN_SPLIT=2, HAS_QKV=True,
-                      STAGES=linear_gluon_layer.STAGES, PDL=True, **linear_gluon_layer.VARIANT,
-                      TRACE=trace, num_warps=4)
-    signature = {**args, **{name: "constexpr" for name in constexprs}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
-             if name.endswith("_ptr")}
-    source = GluonASTSource(fn=linear_gluon_layer._layer_kernel, signature=signature,
+    source = GluonASTSource(fn=linear_gluon._skinny_kernel, signature=signature,
                             constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "launch_pdl": True})
@@ -228,8 +178,6 @@ def compile_variant(label: str):
     for name, *gluon_args in GLUON_GEMMS:
         if name == label:
             return compile_gluon_for_sm90(*gluon_args)
-    if label == LAYER_LABEL:
-        return compile_gluon_layer_for_sm90()
     raise KeyError(label)
 
 
@@ -240,7 +188,7 @@ def main() -> int:
     import triton
 
     print(f"Triton {triton.__version__}, target cuda:90")
-    labels = [v[0] for v in variants()] + [g[0] for g in GLUON_GEMMS] + [LAYER_LABEL]
+    labels = [v[0] for v in variants()] + [g[0] for g in GLUON_GEMMS]
     for label in labels:
         kernel = compile_variant(label)
         print(f"{label:42s} {describe(kernel)}", flush=True)

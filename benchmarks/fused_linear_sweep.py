@@ -8,7 +8,7 @@ A Llama layer has two boundaries where a residual add and an RMSNorm sit between
 - mlp_to_attn: down_proj -> add + RMSNorm -> qkv_proj, against down_proj with the residual
   add -> qkv_proj with the norm.
 The fused residual GEMM also writes its rows' sums of squares, which the norm GEMM after it
-reads (`kernels.fused_linear.AddedRows`; off with `--no-handoff`), as in the engine; a norm
+reads (`kernels.fused_linear.AddedRows`), as in the engine; a norm
 GEMM's configs are timed on such partials.
 For each row bucket (16: measured at 1 and 16 rows, summed; 64: at 64 rows), each fused kernel's
 tile config is picked from CANDIDATES (each checked against the unfused ops: relative error
@@ -89,11 +89,9 @@ def fused_chain(second_fusion: str, x, weights, residual, configs):
 
 def handed_over(stream: torch.Tensor, tiles: int = 64):
     """AddedRows for `stream` [M, H] as a residual GEMM of H / tiles columns per tile writes
-    them (what the engine's norm GEMM reads; None with the handoff off)."""
+    them (what the engine's norm GEMM reads)."""
     from deepinfer.kernels import fused_linear
 
-    if not fused_linear.SUM_SQUARES_HANDOFF:
-        return None
     squares = stream.float().pow(2).view(stream.shape[0], tiles, -1).sum(-1)
     return fused_linear.AddedRows(squares.t().contiguous())
 
@@ -208,13 +206,8 @@ def main() -> int:
     parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
                         help="comma-separated row buckets to sweep; with --write-configs the "
                              "other buckets keep their entries")
-    parser.add_argument("--no-handoff", action="store_true",
-                        help="norm GEMMs compute their own sums of squares "
-                             "(fused_linear.SUM_SQUARES_HANDOFF off)")
     args = parser.parse_args()
     from deepinfer.kernels import fused_linear
-
-    fused_linear.SUM_SQUARES_HANDOFF = not args.no_handoff
     from deepinfer.kernels.backends import update_device_config
 
     buckets = [int(b) for b in args.buckets.split(",")]

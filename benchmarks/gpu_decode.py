@@ -11,18 +11,15 @@ model, so both run the same weights), then measures in one process:
 3. deepinfer's `EngineCore` (KV cache sized by the profiling pass, CUDA graphs for decode):
    decode tokens/s at batch 1, 8, 64, 256 (128-token prompts, 128 new tokens; the timed window
    starts once every request has its first token) and prefill tokens/s of 2,048-token prompts;
-4. the same decode runs at b=1, 8, 64 with one thing switched off at a time (graphs
-   recaptured; `VARIANTS`): no fused GEMMs (`kernels/fused_linear.py`: RMSNorm, SiLU-mul and
-   the residual adds as their own kernels), the attention unfused (rotary + KV write, decode
-   and split reduce as three kernels instead of `kernels/rotary_decode_triton.py`'s one),
-   every linear on cuBLAS (also the Triton skinny
-   GEMM and the cuBLASLt choice of `kernels/blas_choice.py` off), no cuBLASLt choice, and no
-   programmatic dependent launch (`kernels/pdl.py`), no sums-of-squares handoff between the
-   fused GEMMs (`kernels.fused_linear.AddedRows`), the greedy argmax as its own pass over the
-   logits (not in the LM head's epilogue), the 64-row GEMMs in Triton (not Gluon,
-   `kernels/linear_gluon.py`): each one's share (`--variants` picks them, also the
-   EXPERIMENTS: PDL release points, a 64-row boundary unfused, attention launch settings,
-   Gluon row buckets and pipeline; `--variants-only` skips everything else);
+4. the same decode runs at b=1, 8, 64 with one kernel choice switched off at a time (each a
+   `KernelConfig` built from the engine's, graphs recaptured; `VARIANTS`): no fused GEMMs
+   (RMSNorm, SiLU-mul and the residual adds as their own kernels), the attention unfused
+   (rotary + KV write, decode and split reduce as three kernels), every linear on cuBLAS, no
+   cuBLASLt choice, no programmatic dependent launch, no sums-of-squares handoff between the
+   fused GEMMs, the greedy argmax as its own pass over the logits, the 64-row GEMMs in Triton
+   (not Gluon). `--variants` picks them, the EXPERIMENTS (PDL release points, Gluon row
+   buckets) or any `KernelConfig` setting ("pdl=0", "gluon_block_m=16|32|64", joined by "+");
+   `--variants-only` skips everything else;
 5. where a decode step's time goes at batch 1, 64 and 256: graph replay alone (the layers, the
    LM head and the greedy argmax: the whole device step), the same step eagerly, the LM head +
    argmax alone (eager), a graph of only the step's matmuls, and per-kernel GPU time of one
@@ -45,9 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
-import importlib
 import json
 import statistics
 import sys
@@ -255,136 +250,95 @@ def recapture_graphs(core) -> None:
     runner.capture_cuda_graphs(core.config.scheduler.max_num_seqs, core.max_model_len)
 
 
+# Same-process comparisons: label -> the `KernelConfig` fields it changes (kernels/settings.py);
+# the runner hands the config to the model's layers and the graphs are captured again.
 # every linear on cuBLAS: the fused and plain Triton skinny GEMMs and the cuBLASLt choice off
-CUBLAS_ONLY = (("deepinfer.kernels.linear", "SKINNY_MAX_ROWS", 0), ("deepinfer.kernels.blas_choice", "MAX_ROWS", 0),
-               ("deepinfer.kernels.fused_linear", "ENABLED", False))
-# same-process comparisons: label -> the (module, attribute, value) settings it switches
-VARIANTS = {"unfused": (("deepinfer.kernels.fused_linear", "ENABLED", False),),
-            "unfused_attention": (("deepinfer.kernels.paged_attention", "FUSED_ROTARY_DECODE", False),),
+CUBLAS_ONLY = {"skinny_max_rows": 0, "cublaslt_max_rows": 0, "fused_linears": False}
+VARIANTS = {"unfused": {"fused_linears": False},
+            "unfused_attention": {"fused_rotary_decode": False},
             "cublas_linears": CUBLAS_ONLY,
-            "no_cublaslt": (("deepinfer.kernels.blas_choice", "MAX_ROWS", 0),),
-            "no_pdl": (("deepinfer.kernels.pdl", "ENABLED", False),),
-            "no_ss_handoff": (("deepinfer.kernels.fused_linear", "SUM_SQUARES_HANDOFF", False),),
-            "argmax_pass": (("deepinfer.kernels.linear", "ROW_ARGMAX_EPILOGUE", False),),
-            "gluon_off": (("deepinfer.kernels.linear_triton", "GLUON_BLOCK_M", frozenset()),)}
-# experiments (--variants): the committed settings alone, and which kernels release the next
-# one right after their wait
-PDL_VARIANTS = {
-    "baseline": (),   # the committed settings (a reference for --variants-only)
-    "pdl_all_late": (("deepinfer.kernels.pdl", "RELEASE_EARLY", frozenset()),),
-    "pdl_all_early": (("deepinfer.kernels.pdl", "RELEASE_EARLY", frozenset({"linear", "attention"})),),
+            "no_cublaslt": {"cublaslt_max_rows": 0},
+            "no_pdl": {"pdl": False},
+            "no_ss_handoff": {"sum_squares_handoff": False},
+            "argmax_pass": {"row_argmax_epilogue": False},
+            "gluon_off": {"gluon_block_m": frozenset()}}
+# experiments (--variants): the committed settings alone (a reference for --variants-only),
+# which kernels release the next one right after their PDL wait, which row buckets run Gluon
+EXPERIMENTS = {
+    "baseline": {},
+    "pdl_all_late": {"pdl_release_early": frozenset()},
+    "pdl_all_early": {"pdl_release_early": frozenset({"linear", "attention"})},
+    "gluon_release_late": {"pdl_release_early": frozenset({"attention"})},
+    "gluon_release_all": {"pdl_release_early": frozenset({"attention", "linear_gluon"})},
+    "gluon_all_buckets": {"gluon_block_m": frozenset({16, 32, 64})},
 }
 
 
-@functools.cache
-def _fused_table_64_attn_to_mlp_unfused(device):
-    """`kernels.fused_linear._fused_table` with the 64-row attn_to_mlp boundary (o + residual,
-    gate_up + norm + SiLU) left unfused, as run 16's sweep chose before the UNFUSED_MARGIN
-    rule. Cached: the engine's eager steps look it up per linear."""
-    from deepinfer.kernels import fused_linear
-    from deepinfer.kernels.backends import device_config_entries
+def variant_fields(label: str) -> dict:
+    """The `KernelConfig` fields of variant `label`: a name in VARIANTS / EXPERIMENTS, a
+    field setting "FIELD=VALUE" (bool 0/1/true/false, int, or a set as "16|32|64" and "" for
+    the empty set), or several of either joined by "+"."""
+    from dataclasses import fields
 
-    return fused_linear.fused_table(
-        e for e in device_config_entries(fused_linear.CONFIG_KIND, device)
-        if (e["block_m"], e["boundary"]) != (64, "attn_to_mlp"))
+    from deepinfer.kernels.settings import KernelConfig
 
-
-# experiments (--variants): a 64-row boundary unfused
-BOUNDARY_VARIANTS = {"attn_to_mlp_64_unfused": (
-    ("deepinfer.kernels.fused_linear", "_fused_table", _fused_table_64_attn_to_mlp_unfused),)}
-# experiments (--variants): the one-kernel decode attention's context tile and pipeline depth
-ATTENTION_VARIANTS = {
-    "attn_3_stages": (("deepinfer.kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3)),),
-    "attn_32_tiles_3_stages": (("deepinfer.kernels.rotary_decode_triton", "_DECODE_BLOCK_N", 32),
-                               ("deepinfer.kernels.rotary_decode_triton", "_DECODE_LAUNCH", (4, 3))),
-    # context splits for ~one wave of programs instead of two (fewer splits at batch 8-32)
-    "attn_one_wave": (("deepinfer.kernels.paged_attention_triton", "_WAVES", 1),),
-}
-# experiments (--variants): which row buckets run the Gluon GEMM (`kernels/linear_gluon.py`:
-# weights requested before the PDL wait), and the weights requested after the wait instead
-GLUON_VARIANTS = {
-    "gluon_all_buckets": (("deepinfer.kernels.linear_triton", "GLUON_BLOCK_M", frozenset({16, 32, 64})),),
-    "gluon_wait_first": (("deepinfer.kernels.linear_gluon", "WEIGHTS_BEFORE_WAIT", False),),
-    # the Gluon GEMM releasing the next kernel right after its wait (the next GEMM's programs
-    # then take SMs as soon as this one's leave); its stages in 96 KiB (two programs per SM)
-    "gluon_release_early": (("deepinfer.kernels.pdl", "RELEASE_EARLY",
-                             frozenset({"attention", "linear_gluon"})),),
-    "gluon_96k": (("deepinfer.kernels.linear_gluon", "STAGE_BUDGET", 96 * 1024),),
-    # the Gluon GEMMs of some epilogue roles (`linear_gluon.epilogue_role`) releasing the next
-    # kernel right after their wait: its programs take the SMs this GEMM leaves idle (o: 64
-    # programs; gate_up's second wave: 92) and request their first weight stages there
-    **{f"release_{'_'.join(roles)}": (("deepinfer.kernels.pdl", "RELEASE_EARLY", frozenset(
-        {"attention", *(f"linear_gluon {role}" for role in roles)})),)
-       for roles in (("gated",), ("gated", "residual"), ("gated", "residual", "norm"))},
-    "gluon_release_late": (("deepinfer.kernels.pdl", "RELEASE_EARLY", frozenset({"attention"})),),
-    # stream-K (kernels/linear_gluon_stream_k.py) where the per-tile grid leaves SMs idle
-    "stream_k": (("deepinfer.kernels.linear_gluon_stream_k", "ENABLED", True),),
-}
-# the fused table key of each Llama-3-8B decode GEMM (--gluon-tiles names them)
-FUSED_GEMMS = {"qkv": ("norm", 6144, 4096), "o": ("residual", 4096, 4096),
-               "gate_up": ("norm_gated", 28672, 4096), "down": ("residual", 4096, 14336)}
+    types = {f.name: f.type for f in fields(KernelConfig)}
+    settings: dict = {}
+    for part in label.split("+"):
+        if part in VARIANTS or part in EXPERIMENTS:
+            settings.update({**VARIANTS, **EXPERIMENTS}[part])
+            continue
+        name, _, raw = part.partition("=")
+        if name not in types or not _:
+            raise SystemExit(f"--variants: {part!r} is neither a variant ({', '.join(VARIANTS)}, "
+                             f"{', '.join(EXPERIMENTS)}) nor FIELD=VALUE of a KernelConfig field "
+                             f"({', '.join(types)})")
+        kind = str(types[name])
+        settings[name] = (raw.lower() in ("1", "true", "yes", "on") if kind == "bool" else
+                          int(raw) if kind == "int" else
+                          frozenset(_set_item(v) for v in raw.split("|") if v))
+    return settings
 
 
-def gluon_tiles_variant(spec: str) -> tuple:
-    """The settings of the "gluon_tiles" experiment: the 64-row fused GEMMs at the tilings of
-    `spec` ("o=128x4,down=128x4": GEMM=BLOCK_NxSPLIT_K; qkv and gate_up take one split)
-    instead of the config file's."""
-    tilings = {}
-    for item in filter(None, spec.split(",")):
-        name, tiling = item.split("=")
-        block_n, split_k = (int(v) for v in tiling.split("x"))
-        tilings[(FUSED_GEMMS[name][0], 64, *FUSED_GEMMS[name][1:])] = dict(BLOCK_N=block_n,
-                                                                        SPLIT_K=split_k)
-
-    @functools.cache
-    def table(device):
-        from deepinfer.kernels import fused_linear
-        from deepinfer.kernels.backends import device_config_entries
-
-        fused = fused_linear.fused_table(device_config_entries(fused_linear.CONFIG_KIND, device))
-        return {key: {**config, **tilings.get(key, {})} for key, config in fused.items()}
-
-    return (("deepinfer.kernels.fused_linear", "_fused_table", table),)
-
-
-EXPERIMENTS = {**PDL_VARIANTS, **BOUNDARY_VARIANTS, **ATTENTION_VARIANTS, **GLUON_VARIANTS}
+def _set_item(value: str):
+    return int(value) if value.isdigit() else value
 
 
 @contextlib.contextmanager
-def switched(settings):
-    """Module attributes set to the given values inside; restored after."""
-    saved = []
+def kernel_settings(core, settings: dict, *, recapture: bool = True):
+    """The engine's model runs with `KernelConfig` fields `settings` changed inside (CUDA graphs
+    captured again where `recapture`); the engine's own config (and graphs) after."""
+    import dataclasses
+
+    runner = core.model_runner
+    committed = runner.kernel_config
+    runner.set_kernel_config(dataclasses.replace(committed, **settings))
     try:
-        for module_name, name, value in settings:
-            module = importlib.import_module(module_name)
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, value)
+        if recapture:
+            recapture_graphs(core)
         yield
     finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
+        runner.set_kernel_config(committed)
+        if recapture:
+            recapture_graphs(core)
 
 
 def variant_decode(core, vocab: int, new_tokens: int, costs: dict, ceilings: dict,
                    context: float, *, label: str, batches=(1, 8, 64),
                    roles: bool = False) -> dict:
-    """Decode at `batches` with VARIANTS[label]'s settings (graphs recaptured), same process
-    and machine; the settings are restored (and the graphs recaptured) after. Keys
-    "decode_b{batch}_{label}"; with `roles`, each run also has `layer_roles`'s shares."""
+    """Decode at `batches` with variant `label`'s `KernelConfig` (`variant_fields`; graphs
+    recaptured), same process and machine; the engine's config (and graphs) are restored
+    after. Keys "decode_b{batch}_{label}"; with `roles`, each run also has `layer_roles`'s
+    shares."""
     results = {}
-    known = {**VARIANTS, **EXPERIMENTS}
-    try:   # "a+b": both variants' settings
-        with switched(sum((known[part] for part in label.split("+")), ())):
-            recapture_graphs(core)
-            for batch in batches:
-                run = engine_decode(core, batch, vocab, new_tokens)
-                run["roofline_tok_s"] = decode_roofline(costs, ceilings, batch, context)
-                if roles:
-                    run["layer_roles_us"] = layer_roles(core, batch, vocab)
-                results[f"decode_b{batch}_{label}"] = run
-                print(f"decode b={batch} {label}: {run}", flush=True)
-    finally:
-        recapture_graphs(core)
+    with kernel_settings(core, variant_fields(label)):
+        for batch in batches:
+            run = engine_decode(core, batch, vocab, new_tokens)
+            run["roofline_tok_s"] = decode_roofline(costs, ceilings, batch, context)
+            if roles:
+                run["layer_roles_us"] = layer_roles(core, batch, vocab)
+            results[f"decode_b{batch}_{label}"] = run
+            print(f"decode b={batch} {label}: {run}", flush=True)
     return results
 
 
@@ -630,12 +584,12 @@ def step_breakdown(core, batch: int, context: int) -> dict:
     return {"graph_replay_ms (layers + lm_head + argmax)": 1e3 * replay_s,
             "eager_step_ms": 1e3 * eager_s, "lm_head_argmax_eager_ms": 1e3 * head_s,
             "gemm_only_ms (layers + lm_head)": gemm_only_ms(runner.model, batch),
-            "gemm_only_cublas_ms": _cublas_only(lambda: gemm_only_ms(runner.model, batch))}
+            "gemm_only_cublas_ms": _cublas_only(core, lambda: gemm_only_ms(runner.model, batch))}
 
 
-def _cublas_only(fn):
+def _cublas_only(core, fn):
     """fn() with every linear on cuBLAS (`CUBLAS_ONLY`), for comparison."""
-    with switched(CUBLAS_ONLY):
+    with kernel_settings(core, CUBLAS_ONLY, recapture=False):
         return fn()
 
 
@@ -706,20 +660,18 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also list the heaviest GPU kernels of a decode forward")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated VARIANTS / EXPERIMENTS to run (default: all "
-                             "VARIANTS; '' for none)")
+                        help="comma-separated VARIANTS / EXPERIMENTS or KernelConfig settings "
+                             "FIELD=VALUE ('+' joins several into one variant) to run "
+                             "(default: all VARIANTS; '' for none)")
     parser.add_argument("--variants-only", action="store_true",
                         help="build the engine and run only the variants")
     parser.add_argument("--variant-batches", default="1,8,64",
                         help="comma-separated batch sizes of the variant runs")
     parser.add_argument("--roles", action="store_true",
                         help="also time each decode-layer kernel's share in the variant runs")
-    parser.add_argument("--gluon-tiles", default="",
-                        help="the gluon_tiles experiment's 64-row tilings, e.g. "
-                             "o=128x4,down=128x4 (GEMM=BLOCK_NxSPLIT_K)")
     args = parser.parse_args()
-    if args.gluon_tiles:
-        EXPERIMENTS["gluon_tiles"] = gluon_tiles_variant(args.gluon_tiles)
+    for label in filter(None, args.variants.split(",")):
+        variant_fields(label)   # an unknown name stops here, before minutes of set-up
     from transformers import LlamaConfig
 
     hf_config = LlamaConfig(**LLAMA3_8B)

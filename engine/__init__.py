@@ -4,15 +4,10 @@ Light on purpose: importing `engine` or `engine.scheduler` imports no torch; the
 load on first attribute access.
 """
 
-import os
+from deepinfer.engine.config import apply_blas_determinism
 
-# MKL (torch's CPU BLAS) may run a call on fewer threads when the machine is busy
-# (MKL_DYNAMIC, on by default), and so in another float32 summation order: with two busy
-# processes beside the test suite, a request's logprobs moved in their last bits between two
-# otherwise equal runs (tests/engine/test_async_scheduling.py); with MKL_DYNAMIC=FALSE the same
-# run was bitwise equal. Seeded outputs should not depend on the machine's load, so it is off
-# unless the environment says otherwise. Set here, before any engine module loads torch.
-os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+# MKL_DYNAMIC off (engine/config.py says why) before any engine module loads torch
+apply_blas_determinism()
 
 from deepinfer.engine.sampling_params import SamplingParams  # noqa: E402
 

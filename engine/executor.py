@@ -118,7 +118,8 @@ class UniProcExecutor:
         self.block_bytes = spec.block_bytes(cache.block_size)
         self.kv_cache_spec = spec
         self.runner = ModelRunner(model, self.num_blocks, cache.block_size, device, dtype,
-                                  eos_token_ids, structured_output=structured_output)
+                                  eos_token_ids, structured_output=structured_output,
+                                  kernel_config=config.kernel)
         self.kv = KVBlockCopier(self.runner)
         self._previous: AsyncRunnerOutput | None = None  # the non-blocking step in flight
 

@@ -30,7 +30,10 @@ from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplerOutput
 from deepinfer.engine.sampling_metadata import build_sampling_metadata
 from deepinfer.engine.structured.manager import StructuredOutputManager
+from deepinfer.engine.models.layers import set_kernel_config
 from deepinfer.kernels.cpu_extension import cpu_extension
+from deepinfer.kernels.settings import DEFAULT as DEFAULT_KERNEL_CONFIG
+from deepinfer.kernels.settings import KernelConfig
 
 if TYPE_CHECKING:
     from deepinfer.engine.cuda_graphs import GraphOutputs
@@ -94,12 +97,16 @@ class ModelRunner:
         eos_token_ids: masked while a request is below its min_tokens.
         structured_output: builds the grammar matchers of requests with `so_args` (None: such
             requests are refused earlier, by EngineCore).
+        kernel_config: the GPU kernel choices, handed to the model's layers
+            (`EngineConfig.kernel`; `set_kernel_config` changes them).
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, eos_token_ids: frozenset[int],
-                 structured_output: StructuredOutputManager | None = None):
+                 structured_output: StructuredOutputManager | None = None,
+                 kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG):
         self.model = model
+        self.set_kernel_config(kernel_config)
         self.structured_output = structured_output
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
@@ -117,6 +124,12 @@ class ModelRunner:
         # [S] int64: the last async step's sampled ids, where the next step's fed tokens are
         # read (engine/async_step.py); sized for max_num_seqs once graphs bake its address in
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+
+    def set_kernel_config(self, kernel_config: KernelConfig) -> None:
+        """Run the model's kernels with `kernel_config` from the next step (CUDA graphs
+        captured before keep the old choices: capture them again)."""
+        self.kernel_config = kernel_config
+        set_kernel_config(self.model, kernel_config)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode forwards at batch sizes up to max_num_seqs (CUDA only); decode-only

@@ -27,11 +27,29 @@ def device_config_path(kind: str, device_name: str) -> Path:
     return CONFIG_DIR / f"{kind}_{device_name.replace(' ', '_')}.json"
 
 
+def config_entries(kind: str, device_name: str) -> list[dict]:
+    """The `entries` of the `kind` file of `device_name` ("NVIDIA H200"); [] without one."""
+    path = device_config_path(kind, device_name)
+    return json.loads(path.read_text())["entries"] if path.exists() else []
+
+
 def device_config_entries(kind: str, device: torch.device) -> list[dict]:
     """The `entries` of the `kind` file of CUDA `device`'s model name; [] without one."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    path = device_config_path(kind, torch.cuda.get_device_name(index))
-    return json.loads(path.read_text())["entries"] if path.exists() else []
+    return config_entries(kind, torch.cuda.get_device_name(index))
+
+
+@functools.cache
+def tuned_table(kind: str, device: torch.device, build: Callable[[list[dict]], dict]) -> dict:
+    """`build(entries)` of the `kind` tuned-config file of CUDA `device`, looked up by the
+    device's model name, built once per (kind, device, build).
+
+    Lookup and fallback: the table is keyed by shape (each kind names its key, e.g. (row bucket,
+    out_features, in_features)); a device without a file gets {} and a shape without an entry
+    is simply absent, so the caller takes its fallback (cuBLAS, torch's default BLAS library,
+    the unfused ops). A missing entry is never an error.
+    """
+    return build(device_config_entries(kind, device))
 
 
 def write_device_config(kind: str, entries: list[dict], made_by: str) -> Path:
@@ -107,7 +125,7 @@ class Backends:
 @functools.cache
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device `device_index` (the Triton kernels size their
-    grids by it: split-K decode attention, stream-K GEMM)."""
+    grids by it: split-K decode attention)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -11,8 +11,8 @@ runs on one machine, so those shapes keep torch's default.
 `benchmarks/blas_sweep.py --write-configs` times both for each (row bucket, out_features,
 in_features) of a model's linears and writes `kernels/configs/blas_library_<device name>.json`;
 `preferred_library` returns "cublaslt" for the bf16 shapes where that file says cuBLASLt was
-faster, else None (torch's default). Row buckets are powers of two up to MAX_ROWS (the CUDA
-graph runner's batch sizes); larger inputs (prefill) and other dtypes keep torch's default.
+faster, else None (torch's default). Row buckets are powers of two up to
+`KernelConfig.cublaslt_max_rows` (256: the CUDA graph runner's batch sizes); larger inputs (prefill) and other dtypes keep torch's default.
 
 Numerics: both are cuBLAS GEMMs with float32 accumulation; their summation order may differ
 (bf16 relative error ~1e-3 between them, as between any two GEMM kernels).
@@ -21,15 +21,14 @@ Numerics: both are cuBLAS GEMMs with float32 accumulation; their summation order
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
 
-from deepinfer.kernels.backends import device_config_entries
+from deepinfer.kernels.backends import tuned_table
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 CONFIG_KIND = "blas_library"   # kernels/configs/blas_library_<device name>.json
-MAX_ROWS = 256
 
 
 def row_bucket(num_rows: int) -> int:
@@ -37,20 +36,22 @@ def row_bucket(num_rows: int) -> int:
     return 1 << max(num_rows - 1, 0).bit_length()
 
 
-@functools.cache
-def _choices(device: torch.device) -> frozenset[tuple[int, int, int]]:
-    """{(row bucket, out_features, in_features)} where cuBLASLt was faster on `device`."""
-    return frozenset((e["rows"], e["out_features"], e["in_features"])
-                     for e in device_config_entries(CONFIG_KIND, device)
-                     if e["library"] == "cublaslt")
+def cublaslt_table(entries) -> dict[tuple[int, int, int], str]:
+    """{(row bucket, out_features, in_features): "cublaslt"} of the `blas_library` config-file
+    entries where cuBLASLt was faster."""
+    return {(e["rows"], e["out_features"], e["in_features"]): "cublaslt"
+            for e in entries if e["library"] == "cublaslt"}
 
 
-def preferred_library(num_rows: int, weight: torch.Tensor) -> str | None:
+def preferred_library(num_rows: int, weight: torch.Tensor,
+                      settings: KernelConfig = DEFAULT) -> str | None:
     """"cublaslt" where the device's sweep measured it faster for x of `num_rows` rows times
-    `weight` [out_features, in_features] (CUDA, bf16), else None (torch's default)."""
-    if num_rows > MAX_ROWS or weight.dtype != torch.bfloat16:   # the sweep times bf16
+    `weight` [out_features, in_features] (CUDA, bf16), up to `settings.cublaslt_max_rows` rows;
+    else None (torch's default, also for shapes the sweep has no entry for)."""
+    if num_rows > settings.cublaslt_max_rows or weight.dtype != torch.bfloat16:   # bf16 swept
         return None
-    return "cublaslt" if (row_bucket(num_rows), *weight.shape) in _choices(weight.device) else None
+    return tuned_table(CONFIG_KIND, weight.device, cublaslt_table).get(
+        (row_bucket(num_rows), *weight.shape))
 
 
 @contextlib.contextmanager

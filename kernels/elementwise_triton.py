@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
 @triton.jit
@@ -39,16 +40,17 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residua
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, *, settings: KernelConfig = DEFAULT
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`kernels.rms_norm.rms_norm`'s contract: x [T, H] (unit stride on H; overwritten by
-    x + residual when a residual is given), weight [H]; returns normed or (normed, x)."""
+    x + residual when a residual is given), weight [H]; returns normed or (normed, x).
+    `settings.pdl`: launched with PDL on Hopper."""
     num_tokens, hidden = x.shape
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
         res = residual if residual is not None else x
-        pdl_options = pdl.launch_options(x.device)
+        pdl_options = pdl.launch_options(x.device, settings)
         _rms_norm_kernel[(num_tokens,)](
             x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=bool(pdl_options),

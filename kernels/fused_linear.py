@@ -39,15 +39,15 @@ H200).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer.kernels.activation import silu_and_mul
-from deepinfer.kernels.backends import device_config_entries, triton_available
-from deepinfer.kernels.linear import SKINNY_MAX_ROWS, linear
+from deepinfer.kernels.backends import triton_available, tuned_table
+from deepinfer.kernels.linear import linear
 from deepinfer.kernels.rms_norm import rms_norm
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 CONFIG_KIND = "fused_linear"   # kernels/configs/fused_linear_<device name>.json
 
@@ -74,16 +74,6 @@ def fused_table(entries) -> dict[tuple[str, int, int, int], dict]:
             for e in entries if e["fused_faster"]}
 
 
-@functools.cache
-def _fused_table(device: torch.device) -> dict[tuple[str, int, int, int], dict]:
-    """`fused_table` of the device's config file; {} without one."""
-    return fused_table(device_config_entries(CONFIG_KIND, device))
-
-
-# False: every call takes the unfused ops (benchmarks compare the two in one process)
-ENABLED = True
-# False: a fused residual GEMM does not hand its rows' sums of squares to the next norm
-SUM_SQUARES_HANDOFF = True
 
 
 @dataclass(frozen=True)
@@ -95,25 +85,28 @@ class AddedRows:
     partials: torch.Tensor
 
 
-def fused_config(fusion: str, x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+def fused_config(fusion: str, x: torch.Tensor, weight: torch.Tensor,
+                 settings: KernelConfig = DEFAULT) -> dict | None:
     """The fused kernel's launch config for x [M, in_features] times weight, or None (run the
-    unfused ops): CUDA bf16/fp16 2-D x of at most SKINNY_MAX_ROWS rows with unit stride on
-    the last dim, a contiguous weight of x's dtype, and a (fusion, row bucket, shape) that the
-    device's sweep found faster fused. `fusion`: "norm", "norm_gated" or "residual"."""
-    if not (ENABLED and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
+    unfused ops): `settings.fused_linears`, CUDA bf16/fp16 2-D x of at most
+    `settings.skinny_max_rows` rows with unit stride on the last dim, a contiguous weight of
+    x's dtype, and a (fusion, row bucket, shape) that the device's sweep found faster fused (a
+    shape without an entry runs unfused). `fusion`: "norm", "norm_gated" or "residual"."""
+    if not (settings.fused_linears and x.is_cuda and x.dim() == 2
+            and 0 < x.shape[0] <= settings.skinny_max_rows
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.is_contiguous() and triton_available()):
         return None
     from deepinfer.kernels.linear_triton import block_m
 
-    table = _fused_table(weight.device)
-    return table.get((fusion, block_m(x.shape[0]), *weight.shape)) if table else None
+    table = tuned_table(CONFIG_KIND, weight.device, fused_table)
+    return table.get((fusion, block_m(x.shape[0]), *weight.shape))
 
 
 def add_norm_linear(pending: torch.Tensor | AddedRows | None, residual: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None, *, gated: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    bias: torch.Tensor | None = None, *, gated: bool = False,
+                    settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear(rms_norm(residual + pending))`, SiLU-gated if asked, with g folded into weight.
 
     Args:
@@ -126,6 +119,7 @@ def add_norm_linear(pending: torch.Tensor | AddedRows | None, residual: torch.Te
         weight: [N, H] the folded linear weight ([2 I, H], gate rows then up rows, if gated).
         bias: [N] or None.
         gated: return silu(gate) * up ([T, I]) instead of the linear's output.
+        settings: the kernel choices (`KernelConfig`).
     Returns:
         (output [T, N] or [T, I], the residual stream [T, H] after the add).
     """
@@ -133,58 +127,61 @@ def add_norm_linear(pending: torch.Tensor | AddedRows | None, residual: torch.Te
     if added is not None:
         pending = None
     fusion = "norm_gated" if gated else "norm"
-    config = fused_config(fusion, residual, weight) if pending is None else None
+    config = fused_config(fusion, residual, weight, settings) if pending is None else None
     if config is not None and not (gated and bias is not None):
-        return fused_norm_linear(added, residual, eps, weight, bias, config, gated=gated), residual
+        return fused_norm_linear(added, residual, eps, weight, bias, config, gated=gated,
+                                 settings=settings), residual
     if pending is None:
-        normed = rms_norm(residual, norm_weight, eps)
+        normed = rms_norm(residual, norm_weight, eps, settings=settings)
     else:
-        normed, residual = rms_norm(pending, norm_weight, eps, residual)
-    out = linear(normed, weight, bias)
+        normed, residual = rms_norm(pending, norm_weight, eps, residual, settings=settings)
+    out = linear(normed, weight, bias, settings=settings)
     return (silu_and_mul(out) if gated else out), residual
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               residual: torch.Tensor) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
+               residual: torch.Tensor, *, settings: KernelConfig = DEFAULT
+               ) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
     """`residual + linear(x)`, the add done in the GEMM's epilogue where the fused kernel runs.
 
     Args:
         x: [T, K]; weight: [H, K]; bias: [H] or None.
         residual: [T, H] the residual stream; overwritten by the sum when fused.
+        settings: the kernel choices (`KernelConfig`).
     Returns:
         (pending, residual): (AddedRows, residual + x @ weight.T) when fused (None for the
-        AddedRows with SUM_SQUARES_HANDOFF off), else (x @ weight.T, residual) for the next
-        `add_norm_linear` (or RMSNorm) to add.
+        AddedRows with `settings.sum_squares_handoff` off), else (x @ weight.T, residual) for
+        the next `add_norm_linear` (or RMSNorm) to add.
     """
-    config = fused_config("residual", x, weight)
+    config = fused_config("residual", x, weight, settings)
     if config is None:
-        return linear(x, weight, bias), residual
-    return fused_linear_add(x, weight, bias, residual, config)
+        return linear(x, weight, bias, settings=settings), residual
+    return fused_linear_add(x, weight, bias, residual, config, settings=settings)
 
 
 def fused_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     residual: torch.Tensor, config: dict
-                     ) -> tuple[AddedRows | None, torch.Tensor]:
+                     residual: torch.Tensor, config: dict, *,
+                     settings: KernelConfig = DEFAULT) -> tuple[AddedRows | None, torch.Tensor]:
     """`linear_add`'s fused kernel with launch `config`: (AddedRows, or None with
-    SUM_SQUARES_HANDOFF off; the residual stream, added in place)."""
+    `settings.sum_squares_handoff` off; the residual stream, added in place)."""
     from deepinfer.kernels import linear_triton
 
     partials = None
-    if SUM_SQUARES_HANDOFF:
+    if settings.sum_squares_handoff:
         partials = torch.empty((linear_triton.num_partials(weight.shape[0], config), x.shape[0]),
                                dtype=torch.float32, device=x.device)
     residual = linear_triton.linear(x, weight, bias, config=config, residual=residual,
-                                    sum_squares_out=partials)
+                                    sum_squares_out=partials, settings=settings)
     return (None if partials is None else AddedRows(partials)), residual
 
 
 def fused_norm_linear(added: AddedRows | None, residual: torch.Tensor, eps: float,
                       weight: torch.Tensor, bias: torch.Tensor | None, config: dict, *,
-                      gated: bool = False) -> torch.Tensor:
+                      gated: bool = False, settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """`add_norm_linear`'s fused kernel with launch `config` on a stream with nothing pending:
     the norm's sums of squares from `added` where given, else from the stream's rows."""
     from deepinfer.kernels import linear_triton
 
     return linear_triton.linear(residual, weight, bias, config=config, norm_eps=eps,
-                                gated=gated,
+                                gated=gated, settings=settings,
                                 sum_squares=None if added is None else added.partials)

@@ -7,7 +7,7 @@ time; `linear` uses it when given. The reference is plain `F.linear` (the packed
 against it). Packing returns None where it does not apply (other devices, other dtypes, torch
 built without oneDNN), and `linear` then falls back to `F.linear`.
 
-On CUDA, bf16 / fp16 inputs of at most `SKINNY_MAX_ROWS` rows (decode batches) run the Triton
+On CUDA, bf16 / fp16 inputs of at most `KernelConfig.skinny_max_rows` rows (decode batches) run the Triton
 skinny GEMM (`kernels/linear_triton.py`) for the shapes where a sweep on that device measured it
 faster than cuBLAS (its tuned-config file); every other CUDA call uses `F.linear`, through
 cuBLASLt where `kernels/blas_choice.py`'s sweep file says it beat cuBLAS for that shape.
@@ -15,7 +15,8 @@ cuBLASLt where `kernels/blas_choice.py`'s sweep file says it beat cuBLAS for tha
 (the argmax taken in its epilogue: a greedy LM head without a pass over the logits).
 
 Weights that are exactly the dequantized values of ggml Q4_1 / Q8_0 blocks (GGUF checkpoints)
-also get a `QuantizedWeight` (`quantize_linear_weight`): up to `QUANTIZED_MAX_ROWS` input rows,
+also get a `QuantizedWeight` (`quantize_linear_weight`): up to `KernelConfig.quantized_max_rows`
+input rows,
 `linear` then runs the AVX2 block-quantized kernel (`kernels/quantized_linear.py`), which reads
 4-6x fewer bytes per token and gives the same values up to float32 summation order. Larger
 inputs (prefill chunks) are compute-bound and stay on the float32 GEMM.
@@ -30,18 +31,11 @@ from deepinfer.kernels.backends import triton_available
 from deepinfer.kernels.blas_choice import preferred_library, preferring
 from deepinfer.kernels.quantized_linear import QuantizedWeight, cpu_kernel_available, quantized_linear
 from deepinfer.kernels.quantized_linear import recover_quantized
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
-# Up to this many input rows the quantized kernel was measured faster than oneDNN's packed fp32
-# GEMM (2-core AVX2 machine, SmolLM2-135M shapes: 1.25x at 64 rows); larger inputs (prefill
-# chunks) were not measured and stay on the float32 GEMM.
-QUANTIZED_MAX_ROWS = 64
-
-# Up to this many input rows CUDA bf16/fp16 linears may run the Triton skinny GEMM, where its
-# tuned-config file says so (benchmarks/gemv_sweep.py). 0 turns it off (benchmarks compare).
-SKINNY_MAX_ROWS = 64
-
-# False: `linear_row_argmax` leaves the argmax to the caller (benchmarks compare the two)
-ROW_ARGMAX_EPILOGUE = True
+# `KernelConfig.quantized_max_rows` (64): up to it the quantized kernel was measured faster than
+# oneDNN's packed fp32 GEMM (2-core AVX2 machine, SmolLM2-135M shapes: 1.25x at 64 rows); larger
+# inputs (prefill chunks) were not measured and stay on the float32 GEMM.
 
 
 def _onednn_packing_available() -> bool:
@@ -78,11 +72,13 @@ def quantize_linear_weight(weight: torch.Tensor) -> QuantizedWeight | None:
     return recover_quantized(weight)
 
 
-def _skinny_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+def skinny_config(x: torch.Tensor, weight: torch.Tensor,
+                  settings: KernelConfig = DEFAULT) -> dict | None:
     """The Triton skinny GEMM's tuned config for this call, or None (use F.linear): CUDA
-    bf16/fp16 2-D x of at most SKINNY_MAX_ROWS rows with unit stride on the last dim, a
-    contiguous weight of x's dtype, and a shape the device's sweep found faster than cuBLAS."""
-    if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
+    bf16/fp16 2-D x of at most `settings.skinny_max_rows` rows with unit stride on the last
+    dim, a contiguous weight of x's dtype, and a shape the device's sweep found faster than
+    cuBLAS."""
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= settings.skinny_max_rows
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.is_contiguous() and triton_available()):
         return None
@@ -93,7 +89,8 @@ def _skinny_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None,
-           quantized: QuantizedWeight | None = None) -> torch.Tensor:
+           quantized: QuantizedWeight | None = None, *,
+           settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """`x @ weight.T + bias`.
 
     Args:
@@ -102,28 +99,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         bias: [out_features] or None.
         packed: `pack_linear_weight(weight)` or None; used instead of `weight` when given.
         quantized: `quantize_linear_weight(weight)` or None; used for inputs of at most
-            QUANTIZED_MAX_ROWS rows where the AVX2 kernel is available.
+            `settings.quantized_max_rows` rows where the AVX2 kernel is available.
+        settings: the kernel choices (`KernelConfig`).
     Returns:
         [..., out_features], x's dtype.
     """
-    config = _skinny_config(x, weight)
+    config = skinny_config(x, weight, settings)
     if config is not None:
         from deepinfer.kernels import linear_triton
 
-        return linear_triton.linear(x, weight, bias, config=config)
-    if (quantized is not None and x.numel() <= QUANTIZED_MAX_ROWS * x.shape[-1]
+        return linear_triton.linear(x, weight, bias, config=config, settings=settings)
+    if (quantized is not None and x.numel() <= settings.quantized_max_rows * x.shape[-1]
             and cpu_kernel_available()):
         return quantized_linear(x, quantized, bias, backend="cpu_avx2")
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if x.is_cuda and x.dim() == 2 and (library := preferred_library(x.shape[0], weight)):
+    if x.is_cuda and x.dim() == 2 and (library := preferred_library(x.shape[0], weight,
+                                                                    settings)):
         with preferring(library):
             return F.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def linear_row_argmax(x: torch.Tensor,
-                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_row_argmax(x: torch.Tensor, weight: torch.Tensor, *, settings: KernelConfig = DEFAULT
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`linear(x, weight)` and, where the Triton skinny GEMM runs it, each row's first maximal
     column taken in its epilogue (`linear_triton.linear_row_argmax`: a greedy LM head without
     an argmax pass over the logits).
@@ -134,9 +133,9 @@ def linear_row_argmax(x: torch.Tensor,
         (out [M, out_features] in x's dtype, [M] int64 `out.argmax(dim=-1)` or None where the
         GEMM ran elsewhere: the caller takes the argmax).
     """
-    config = _skinny_config(x, weight)
-    if config is None or not ROW_ARGMAX_EPILOGUE:
-        return linear(x, weight), None
+    config = skinny_config(x, weight, settings)
+    if config is None or not settings.row_argmax_epilogue:
+        return linear(x, weight, settings=settings), None
     from deepinfer.kernels import linear_triton
 
-    return linear_triton.linear_row_argmax(x, weight, config=config)
+    return linear_triton.linear_row_argmax(x, weight, config=config, settings=settings)

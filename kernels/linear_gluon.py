@@ -10,7 +10,7 @@ issued: here each program requests its first STAGES weight tiles, then waits, th
 So the next GEMM's weight bytes stream while the previous kernel drains.
 
 Where it runs: `linear_triton.linear` hands it the calls of the row buckets in
-`linear_triton.GLUON_BLOCK_M` (the 64-row bucket: batches of 33-64 sequences) with that
+`KernelConfig.gluon_block_m` (the 64-row bucket: batches of 33-64 sequences) with that
 bucket's tuned BLOCK_N and SPLIT_K, on a Hopper GPU with TMA-aligned operands; a norm GEMM
 without handed-over sums of squares (the first layer's qkv) stays on the Triton kernel, which
 computes them. H200, Llama-3-8B decode at batch 64, same process (benchmarks/RESULTS.md run 18):
@@ -39,7 +39,7 @@ BLOCK_M = the row bucket, 16 to 64):
 The launch needs BLOCK_N a multiple of 64 (a Hopper wgmma spans 64 rows over 4 warps).
 
 PDL release: after the K loop for qkv and the LM head, right after the wait for gate_up, o and
-down (`pdl.RELEASE_EARLY` names them by `epilogue_role`). Run 23 (batch 64, same process;
+down (`KernelConfig.pdl_release_early` names them by `epilogue_role`). Run 23 (batch 64, same process;
 benchmarks/RESULTS.md): +0.9-1.5%, the next GEMM's programs taking the SMs that o and gate_up's
 second wave leave idle; every Gluon GEMM released early lost (run 19: 13,017.5 against
 13,120.7 / 13,055.8; run 23: -1.9%), from qkv's release (the attention's programs then wait on
@@ -49,8 +49,8 @@ is what the stream needs. An L2 prefetch of the next GEMM's first stages by this
 programs after their K loop lost 2-3% (12,629.7-12,744.3 against 13,020.6 / 12,960.4), and a K
 split of the 64-row qkv (norm from handed-over sums) lost 5-8%.
 
-Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, `benchmarks/gluon_grid_sweep.py
---tiles`): the then committed tiles (BLOCK_N 64; K split 2 for o and down) beat every one-wave
+Run 21 (Llama-3-8B's four 64-row GEMMs in a PDL chain, a grid sweep since removed,
+in git history): the then committed tiles (BLOCK_N 64; K split 2 for o and down) beat every one-wave
 tiling (128- or 256-row tiles, which read x once for two or four wgmma row blocks: 5-247%
 slower); x's tiles in a ring of their own (3 / 2 stages, the rest for the weight's) lost 20-29%
 / 64-111%; each program starting its K loop at another x tile lost 2.6% at batch 64 in the
@@ -76,12 +76,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 BOX_K = 64              # K columns per TMA box: 128 bytes of bf16, one 128-byte-swizzled row
 SUB_BOXES = 2           # boxes per pipeline stage: K columns per stage = SUB_BOXES * BOX_K
-STAGE_BUDGET = 192 * 1024   # shared memory for the stages
-# False: request the weight tiles after the PDL wait too (benchmarks compare the two)
-WEIGHTS_BEFORE_WAIT = True
+STAGE_BUDGET = 192 * 1024   # shared memory for the stages (run 18: 96-224 KiB measured)
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # Names that later Triton versions changed (the device runs 3.6; this machine's may be newer,
@@ -229,7 +228,7 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
                    EMIT_ARGMAX: gl.constexpr, SS_PARTS: gl.constexpr,
                    SS_PARTS_P2: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
                    SUB: gl.constexpr,
-                   PDL: gl.constexpr, WEIGHTS_BEFORE_WAIT: gl.constexpr,
+                   PDL: gl.constexpr,
                    TRIGGER_AFTER_LOOP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BOX: gl.constexpr = w_desc.block_type.shape[1]   # K columns per TMA box (128 bytes)
@@ -246,18 +245,13 @@ def _skinny_kernel(w_desc, x_desc, bias_ptr, residual_ptr, out_ptr, partial_ptr,
     w_bytes: gl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
     stage_bytes: gl.constexpr = SUB * (w_bytes + x_desc.block_type.nbytes)
 
-    if not WEIGHTS_BEFORE_WAIT:
-        _gdc_wait(PDL)
-        if not TRIGGER_AFTER_LOOP:
-            _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):      # the weights: written by no kernel
         mbarrier.expect(bars.index(st), stage_bytes, pred=st < num_k)
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
                     (first + st) * BK, st < num_k, SUB, GATED, True, False)
-    if WEIGHTS_BEFORE_WAIT:
-        _gdc_wait(PDL)                      # x, the residual, partials: the previous kernel's
-        if not TRIGGER_AFTER_LOOP:
-            _gdc_launch_dependents(PDL)
+    _gdc_wait(PDL)                          # x, the residual, partials: the previous kernel's
+    if not TRIGGER_AFTER_LOOP:
+        _gdc_launch_dependents(PDL)
     for st in gl.static_range(STAGES):
         _load_stage(w_desc, x_desc, w_smem, u_smem, x_smem, bars.index(st), st, n0, up_row,
                     (first + st) * BK, st < num_k, SUB, GATED, False, True)
@@ -372,7 +366,7 @@ def descriptors(x: torch.Tensor, weight: torch.Tensor, block_m: int,
 def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, partial, counters,
            ss_ptr, ss_parts: int, *, block_m: int, block_n: int, split_k: int, norm_eps,
            gated: bool, residual, emit_ss: bool, maxima, columns, emit_argmax: bool,
-           pdl_options: dict) -> None:
+           pdl_options: dict, settings: KernelConfig = DEFAULT) -> None:
     """Run the Gluon kernel with `linear_triton.linear`'s checked arguments: out (the residual
     when adding in place), the split-K partials [split_k, M, N] and arrival counters, the
     sums-of-squares tensor and its part count, the row maxima buffers. K is cut into tiles of
@@ -392,9 +386,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, parti
         EMIT_SS=emit_ss, EMIT_ARGMAX=emit_argmax, SS_PARTS=ss_parts, SS_PARTS_P2=ss_parts_p2,
         SPLIT_K=split_k, STAGES=stages_for(block_m, block_n, gated),
         SUB=sub_boxes(block_n, gated),
-        PDL=bool(pdl_options), WEIGHTS_BEFORE_WAIT=WEIGHTS_BEFORE_WAIT,
+        PDL=bool(pdl_options),
         TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear_gluon", epilogue_role(
-            gated, residual is not None, norm_eps is not None)), num_warps=4, **pdl_options)
+            gated, residual is not None, norm_eps is not None), settings),
+        num_warps=4, **pdl_options)
 
 
 def epilogue_role(gated: bool, residual: bool, norm: bool) -> str:

@@ -48,11 +48,9 @@ maxima of the rounded output and their first columns ([N tiles, M]); one small k
 each row's first maximal tile. This replaces the argmax's passes over the logits (at 64 rows
 two torch reductions, ~17 us per step on an H200; benchmarks/RESULTS.md run 18).
 
-Gluon: for the row buckets in GLUON_BLOCK_M (64 rows) on Hopper, `linear` runs
+Gluon: for the row buckets in `KernelConfig.gluon_block_m` (64 rows) on Hopper, `linear` runs
 `kernels/linear_gluon.py`'s kernel instead, on the same tile config and buffers: it requests the
-weight's first tiles by TMA before the PDL wait (+2.5-3.6% at batch 64, run 18). Switched on
-(`linear_gluon_stream_k.ENABLED`), grids that leave SMs idle run stream-K instead (the K
-steps split evenly over the SMs); off, as it was slower on every shape measured (run 20).
+weight's first tiles by TMA before the PDL wait (+2.5-3.6% at batch 64, run 18).
 
 Numerics: float32 accumulation of bf16/fp16 products; vs F.linear (cuBLAS) the summation order
 differs: relative error ~1e-3 in bf16. float32 inputs use IEEE dot products (no tf32).
@@ -67,7 +65,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, device_config_entries
+from deepinfer.kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, tuned_table
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 CONFIG_KIND = "skinny_linear"   # kernels/configs/skinny_linear_<device name>.json
 
@@ -255,19 +254,19 @@ def block_m(num_rows: int) -> int:
     return 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
 
 
-@functools.cache
-def _tuned_table(device: torch.device) -> dict[tuple[int, int, int], dict]:
-    """{(block_m, out_features, in_features): launch config} of the shapes where the sweep
-    found this kernel faster than cuBLAS on `device`; {} without a config file."""
+def skinny_table(entries) -> dict[tuple[int, int, int], dict]:
+    """{(block_m, out_features, in_features): launch config} of the `skinny_linear` config-file
+    entries where the sweep found this kernel faster than cuBLAS."""
     return {(e["block_m"], e["out_features"], e["in_features"]): e["config"]
-            for e in device_config_entries(CONFIG_KIND, device) if e["triton_faster"]}
+            for e in entries if e["triton_faster"]}
 
 
 def tuned_config(num_rows: int, weight: torch.Tensor) -> dict | None:
     """The tuned launch config for x of `num_rows` rows times `weight` [N, K] on weight's CUDA
-    device, or None where cuBLAS is as fast or the shape was not swept."""
-    table = _tuned_table(weight.device)
-    return table.get((block_m(num_rows), *weight.shape)) if table else None
+    device, or None (the caller falls back to cuBLAS) where cuBLAS was as fast, the shape was
+    not swept, or the device has no config file."""
+    table = tuned_table(CONFIG_KIND, weight.device, skinny_table)
+    return table.get((block_m(num_rows), *weight.shape))
 
 
 def num_partials(out_features: int, config: dict) -> int:
@@ -311,8 +310,8 @@ def _row_maxima_args(num_rows: int, out_features: int, config: dict, row_maxima_
     return maxima, columns
 
 
-def linear_row_argmax(x: torch.Tensor, weight: torch.Tensor, *,
-                      config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_row_argmax(x: torch.Tensor, weight: torch.Tensor, *, config: dict,
+                      settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear(x, weight, config=config)` and each row's first maximal column, the argmax taken
     in the GEMM's epilogue (a greedy LM head: no logits re-read by an argmax kernel).
 
@@ -323,31 +322,30 @@ def linear_row_argmax(x: torch.Tensor, weight: torch.Tensor, *,
     shape = (num_partials(weight.shape[0], config), x.shape[0])
     maxima = torch.empty(shape, dtype=torch.float32, device=x.device)
     columns = torch.empty(shape, dtype=torch.int32, device=x.device)
-    out = linear(x, weight, config=config, row_maxima_out=(maxima, columns))
-    return out, first_maximal_column(maxima, columns)
+    out = linear(x, weight, config=config, row_maxima_out=(maxima, columns), settings=settings)
+    return out, first_maximal_column(maxima, columns, settings=settings)
 
 
-def first_maximal_column(maxima: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def first_maximal_column(maxima: torch.Tensor, columns: torch.Tensor, *,
+                         settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """[T, M] per-tile row maxima (float32) and their columns (int32), tiles in column order ->
     [M] int64: the column of each row's maximum over all tiles, the first tile's on ties."""
     tiles, num_rows = maxima.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=maxima.device)
     if num_rows:
-        pdl_options = pdl.launch_options(maxima.device)
+        pdl_options = pdl.launch_options(maxima.device, settings)
         _first_maximal_column_kernel[(num_rows,)](
             maxima, columns, out, num_rows, TILES=tiles, BLOCK_T=triton.next_power_of_2(tiles),
             PDL=bool(pdl_options), **pdl_options)
     return out
 
 
-# From this many rows per program the norm's sums of squares come from tl.dot(x, x.T) in the K
-# loop, below it from a pre-pass over x (H200, Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows
-# against 46.5 by dot; at 64 rows 40.3 against 19.6; benchmarks/RESULTS.md run 12)
-NORM_BY_DOT_ROWS = 32
-
-# Row buckets (rows per program) whose bf16 / fp16 GEMMs run `kernels/linear_gluon.py` on a
-# Hopper GPU: the same tiles, the weight's first tiles requested before the PDL wait
-GLUON_BLOCK_M = frozenset({64})
+# `KernelConfig.norm_by_dot_rows` (32): from this many rows per program the norm's sums of
+# squares come from tl.dot(x, x.T) in the K loop, below it from a pre-pass over x (H200,
+# Llama-3-8B qkv: pre-pass 36.2 us at 1 + 16 rows against 46.5 by dot; at 64 rows 40.3 against
+# 19.6; benchmarks/RESULTS.md run 12). `KernelConfig.gluon_block_m` ({64}): the row buckets whose
+# bf16 / fp16 GEMMs run `kernels/linear_gluon.py` on a Hopper GPU (the same tiles, the weight's
+# first tiles requested before the PDL wait).
 
 
 @functools.cache
@@ -375,7 +373,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            config: dict, norm_eps: float | None = None, gated: bool = False,
            residual: torch.Tensor | None = None, sum_squares: torch.Tensor | None = None,
            sum_squares_out: torch.Tensor | None = None,
-           row_maxima_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           row_maxima_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+           settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """`x @ weight.T + bias`, optionally with x RMS-normalised, SiLU-gated or a residual added.
 
     Args:
@@ -389,7 +388,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         norm_eps: if given, compute `(x / rms(x)) @ weight.T`, rms(x) = sqrt(mean(x^2) + eps)
             over each row of x (RMSNorm with a unit weight: fold the norm weight into `weight`
             first). The rows' sums of squares come from a pre-pass over x (unrolled wide
-            loads) or, from NORM_BY_DOT_ROWS rows per program, from the diagonal of x x^T, one
+            loads) or, from `settings.norm_by_dot_rows` rows per program, from the diagonal of x x^T, one
             more tl.dot per K step on the x tile already loaded (an elementwise use of that
             tile halved the GEMM's speed); the epilogue scales the accumulator. Needs one K
             split.
@@ -410,6 +409,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         row_maxima_out: (maxima, columns), each [num_partials(out_features, config), M]
             contiguous, float32 and int32: written with each output tile's row maxima of the
             rounded output and the first column holding each (`linear_row_argmax`).
+        settings: the kernel choices (`KernelConfig`: Gluon row buckets, PDL, the norm's sums
+            of squares by dot).
     Returns:
         [M, out_features] ([M, I] when gated), x's dtype.
     Raises:
@@ -440,7 +441,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ss_ptr, ss_parts = _sum_squares_arg(num_rows, out_features, config, norm_eps, residual,
                                         sum_squares, sum_squares_out)
     rows_per_program = block_m(num_rows)
-    gluon = (rows_per_program in GLUON_BLOCK_M and (norm_eps is None or ss_parts)
+    gluon = (rows_per_program in settings.gluon_block_m and (norm_eps is None or ss_parts)
              and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight))
     block_k = config["BLOCK_K"]
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
@@ -461,18 +462,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         partial = counters = out   # unused
     maxima, columns = _row_maxima_args(num_rows, out_features, config, row_maxima_out, out)
-    pdl_options = pdl.launch_options(x.device)
+    pdl_options = pdl.launch_options(x.device, settings)
     if gluon:
-        from deepinfer.kernels import linear_gluon, linear_gluon_stream_k
+        from deepinfer.kernels import linear_gluon
 
-        if linear_gluon_stream_k.takes(out_features, config["BLOCK_N"], split_k,
-                                       row_maxima_out is not None, x.device):
-            linear_gluon_stream_k.launch(
-                x, weight, bias, out, arrival_counters(x.device),
-                out if ss_ptr is None else ss_ptr, ss_parts, block_m=rows_per_program,
-                block_n=config["BLOCK_N"], norm_eps=norm_eps, gated=gated, residual=residual,
-                emit_ss=sum_squares_out is not None, pdl_options=pdl_options)
-            return out
         linear_gluon.launch(x, weight, bias, out, partial, counters,
                             out if ss_ptr is None else ss_ptr, ss_parts,
                             block_m=rows_per_program, block_n=config["BLOCK_N"],
@@ -480,7 +473,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                             gated=gated, residual=residual,
                             emit_ss=sum_squares_out is not None, maxima=maxima,
                             columns=columns, emit_argmax=row_maxima_out is not None,
-                            pdl_options=pdl_options)
+                            pdl_options=pdl_options, settings=settings)
         return out
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, partial, counters,
@@ -491,10 +484,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         BLOCK_M=rows_per_program, SPLIT_K=split_k,
         EVEN_N=out_features % config["BLOCK_N"] == 0, EVEN_K=in_features % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        NORM_BY_DOT=rows_per_program >= NORM_BY_DOT_ROWS, SS_CHUNK=ss_chunk,
+        NORM_BY_DOT=rows_per_program >= settings.norm_by_dot_rows, SS_CHUNK=ss_chunk,
         SS_CHUNKS=triton.cdiv(in_features, ss_chunk) if norm_eps and not ss_parts else 0,
         SWAP_AB=swap_ab, SS_PARTS=ss_parts, SS_PARTS_P2=triton.next_power_of_2(max(ss_parts, 1)),
         EMIT_SS=sum_squares_out is not None, EMIT_ARGMAX=row_maxima_out is not None,
-        PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear"),
+        PDL=bool(pdl_options),
+        TRIGGER_AFTER_LOOP=pdl.release_after_loop("linear", settings=settings),
         **pdl_options, **config)
     return out

@@ -6,9 +6,9 @@ Backends, imported lazily on first use:
 - "cpu": `kernels/paged_attention_cpu.py`, a C++ kernel for CPU float32 decode-only batches
   reading K/V in place through the block tables; every other batch goes to "torch".
 - "triton": `kernels/paged_attention_triton.py`, CUDA kernels reading the paged cache in place
-  (split-K decode, varlen prefill, KV write that skips slot -1 without a host check); for
-  `rotary_paged_attention` of a decode batch, `kernels/rotary_decode_triton.py` (rotary, KV
-  write, attention and the split reduce in one kernel).
+  (split-K decode, varlen prefill, KV write that skips slot -1 without a host check).
+Attention from a fused q|k|v projection, with rotary (one kernel for a decode batch on CUDA), is
+`kernels.rotary.rotary_paged_attention`, built on these ops.
 
 `backend="auto"` picks per device in `_auto_backend`: "cpu" on CPU where the C++ extension builds
 (kernels/cpu_extension.py), "triton" on CUDA where Triton is installed, else "torch".
@@ -43,8 +43,16 @@ _BACKENDS = Backends("paged attention", {
     "triton": "deepinfer.kernels.paged_attention_triton",
 }, auto=_auto_backend)
 BACKENDS = _BACKENDS.names
-__all__ = ["BACKENDS", "paged_attention", "rotary_paged_attention", "triton_available",
-           "write_kv"]
+__all__ = ["BACKENDS", "paged_attention", "resolve_backend", "triton_available", "write_kv"]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend name `backend` means on `device` ("auto" resolved, as `_auto_backend`).
+
+    Raises:
+        ValueError: `backend` is neither "auto" nor one of BACKENDS.
+    """
+    return _BACKENDS.resolve(backend, device)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -79,40 +87,3 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         [num_tokens, num_q_heads, head_dim], query's dtype.
     """
     return _BACKENDS.get(backend, query.device).paged_attention(query, kv_cache, metadata, scale)
-
-
-# False: decode batches take the unfused kernels too (benchmarks compare the two in one process)
-FUSED_ROTARY_DECODE = True
-
-
-def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                           cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
-                           metadata: AttentionMetadata, scale: float,
-                           backend: str = "auto") -> torch.Tensor:
-    """A step's attention from its fused q|k|v projection: rotate q and k, store k and v at
-    `metadata.slot_mapping`, attend (`kernels.rotary.apply_rotary_write_kv`, then
-    `paged_attention`). On the "triton" backend a decode-only batch runs all of it in one
-    kernel (`kernels/rotary_decode_triton.py`).
-
-    Args:
-        qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim], row blocks q | k | v,
-            kv_cache's dtype, unit stride on the last dim.
-        num_q_heads, num_kv_heads: head counts (num_q_heads a multiple of num_kv_heads).
-        cos, signed_sin: [num_tokens, 1, head_dim] from `RotaryEmbedding.forward`.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
-        metadata, scale, backend: as `paged_attention`.
-    Returns:
-        [num_tokens, num_q_heads, head_dim], qkv's dtype.
-    """
-    name = _BACKENDS.resolve(backend, qkv.device)
-    if name == "triton" and metadata.is_decode_only and FUSED_ROTARY_DECODE:
-        from deepinfer.kernels.rotary_decode_triton import rotary_decode_attention
-
-        return rotary_decode_attention(qkv, num_q_heads, cos, signed_sin, kv_cache, metadata,
-                                       scale)
-    from deepinfer.kernels.rotary import apply_rotary_write_kv
-
-    query = apply_rotary_write_kv(qkv, num_q_heads, num_kv_heads, cos, signed_sin, kv_cache,
-                                  metadata.slot_mapping,
-                                  backend="triton" if name == "triton" else "auto")
-    return paged_attention(query, kv_cache, metadata, scale, backend=name)

@@ -34,10 +34,10 @@ import triton.language as tl
 from deepinfer.kernels import backends
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 
-_DECODE_BLOCK_N = 64      # context tokens per decode tile
-_DECODE_LAUNCH = (4, 2)   # (num_warps, num_stages): benchmarks/decode_attention_sweep.py
-_MAX_SPLITS = 32          # split-K partitions at most (a power of two)
-_WAVES = 2                # split so that the programs fill ~this many waves over the SMs
+DECODE_BLOCK_N = 64      # context tokens per decode tile
+DECODE_LAUNCH = (4, 2)   # (num_warps, num_stages): swept in run 12 (benchmarks/RESULTS.md)
+MAX_SPLITS = 32          # split-K partitions at most (a power of two)
+WAVES = 2                # split so that the programs fill ~this many waves over the SMs
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     if num_tokens == 0:
         return
     key, value = _unit_last_stride(key), _unit_last_stride(value)
-    _check_cache(kv_cache)
+    check_cache(kv_cache)
     _write_kv_kernel[(num_tokens,)](
         key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), kv_cache[0].numel(), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
@@ -79,7 +79,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 
 
 @triton.jit
-def _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale, v_offset, q_pos,
+def attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale, v_offset, q_pos,
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     CAUSAL: tl.constexpr):
@@ -141,7 +141,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, pa
     q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
                 mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0)  # [G, D]
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    m, l, acc = _attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale,
+    m, l, acc = attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale,
                                 v_offset, seq_len, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
                                 PRECISION, CAUSAL=False)
 
@@ -180,18 +180,18 @@ def _decode_reduce_kernel(part_ptr, m_ptr, l_ptr, out_ptr, out_stride_t, out_str
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       num_sms: int) -> int:
-    """Split-K partitions for a decode batch: enough programs for ~_WAVES waves over the SMs, no
+    """Split-K partitions for a decode batch: enough programs for ~WAVES waves over the SMs, no
     more splits than context tiles, a power of two. Depends on host ints only (graph-safe).
     (~4 programs per SM was tried: batch 64 then took 2 splits, and the decode kernel got no
     faster while the reduce kernel added ~0.1 ms per step on an H200. The one-kernel attention
     alone, 192-token contexts, was faster with fewer splits at batch 16-32 (benchmarks/
     RESULTS.md run 19: b=32 12.5 us per layer at one split against 15.2 at the two chosen
-    here), but not in the engine: with ~one wave (`_WAVES` 1, gpu_decode.py's `attn_one_wave`)
+    here), but not in the engine: with ~one wave (`WAVES` 1)
     decode went 3726.3 -> 3723.1 tok/s at batch 16 and 6550.3 -> 6572.6 at 32, run 20.)"""
     programs = num_seqs * num_kv_heads
-    wanted = -(-_WAVES * num_sms // programs)
-    useful = -(-max_seq_len // _DECODE_BLOCK_N)
-    splits = max(1, min(wanted, useful, _MAX_SPLITS))
+    wanted = -(-WAVES * num_sms // programs)
+    useful = -(-max_seq_len // DECODE_BLOCK_N)
+    splits = max(1, min(wanted, useful, MAX_SPLITS))
     return triton.next_power_of_2(splits) if splits > 1 else 1
 
 
@@ -217,9 +217,9 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMeta
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits,
-        PRECISION=_precision(query), num_warps=_DECODE_LAUNCH[0],
-        num_stages=_DECODE_LAUNCH[1])
+        BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits,
+        PRECISION=precision(query), num_warps=DECODE_LAUNCH[0],
+        num_stages=DECODE_LAUNCH[1])
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             part, m, l, out, out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads,
@@ -253,7 +253,7 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
     kv_head = head // GROUP
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     end = tl.minimum(seq_len, first_pos + (tile + 1) * BLOCK_M)        # last query pos + 1
-    _, l, acc = _attend_context(q, cache_ptr, table, 0, end, kv_head, d, d_ok, scale, v_offset,
+    _, l, acc = attend_context(q, cache_ptr, table, 0, end, kv_head, d, d_ok, scale, v_offset,
                                 q_pos, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
                                 CAUSAL=True)
     out = acc / tl.maximum(l, 1e-30)[:, None]
@@ -276,12 +276,12 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMet
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         kv_cache[0].numel(), NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(query),
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision(query),
         num_warps=8 if block_m >= 128 else 4, num_stages=2)
     return out
 
 
-def _precision(query: torch.Tensor) -> str:
+def precision(query: torch.Tensor) -> str:
     return "ieee" if query.dtype == torch.float32 else "tf32"
 
 
@@ -289,7 +289,7 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check_cache(kv_cache: torch.Tensor) -> None:
+def check_cache(kv_cache: torch.Tensor) -> None:
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous ([2, num_blocks, block_size, num_kv_heads, "
                          "head_dim]); the Triton kernels address it by slot.")
@@ -311,7 +311,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     Returns:
         [num_tokens, num_q_heads, head_dim], query's dtype.
     """
-    _check_cache(kv_cache)
+    check_cache(kv_cache)
     query = _unit_last_stride(query)
     if query.shape[0] == 0:
         return torch.empty_like(query)

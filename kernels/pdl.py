@@ -12,7 +12,8 @@ previous kernel has completed and its memory is visible. In our kernels:
 
 1. `wait` comes before anything that reads another kernel's output or writes memory (only
    program ids, arguments and, in the Gluon GEMM, the weights before it);
-2. `launch_dependents` comes right after the wait for the kernels in RELEASE_EARLY, else
+2. `launch_dependents` comes right after the wait for the kernels in
+   `KernelConfig.pdl_release_early`, else
    after the kernel's main loop (a GEMM's K loop), so at most two kernels overlap: the running
    one and the next one's launch.
 
@@ -42,51 +43,58 @@ above holds for everything else.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# False: launch every kernel without PDL (benchmarks compare the two in one process)
-ENABLED = True
-# kernels ("linear": the Triton skinny GEMM, "linear_gluon": the Gluon one, "attention": the
-# one-kernel rotary decode attention; "linear_gluon ROLE": the Gluon GEMMs of one epilogue role,
-# `linear_gluon.epilogue_role`) that release the next kernel right after their wait; the others
-# after their main loop (the attention either way: 240.6 / 240.5 tok/s at batch 1). The RMSNorm
-# kernel has no loop and releases right after its wait. The Gluon GEMMs whose next kernel is a
-# GEMM (gate_up -> down, o / down -> the next norm GEMM) release early: its programs take the
-# SMs this GEMM leaves idle (o's 64 programs, gate_up's second wave of 92) and stream their first
-# weight stages there while this one runs; benchmarks/RESULTS.md run 23: +0.9-1.5% at batch 64.
-# qkv (next: the attention, whose early programs can only wait) releasing early lost 1.7-2.2%.
-RELEASE_EARLY = frozenset({"attention", "linear_gluon gated", "linear_gluon residual"})
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
+
+# Which kernels release early (`KernelConfig.pdl_release_early`, default
+# `settings.PDL_RELEASE_EARLY`): "linear" (the Triton skinny GEMM), "linear_gluon", "attention"
+# (the one-kernel rotary decode attention; either way: 240.6 / 240.5 tok/s at batch 1), or
+# "linear_gluon ROLE" for the Gluon GEMMs of one epilogue role (`linear_gluon.epilogue_role`).
+# The RMSNorm kernel has no loop and releases right after its wait. The Gluon GEMMs whose next
+# kernel is a GEMM (gate_up -> down, o / down -> the next norm GEMM) release early: its programs
+# take the SMs this GEMM leaves idle (o's 64 programs, gate_up's second wave of 92) and stream
+# their first weight stages there while this one runs; benchmarks/RESULTS.md run 23: +0.9-1.5%
+# at batch 64. qkv (next: the attention, whose early programs can only wait) releasing early
+# lost 1.7-2.2%.
 
 
-def supported(device: torch.device) -> bool:
-    """PDL is on for `device`: ENABLED, a CUDA device of compute capability 9.0 or newer, and
-    a Triton that has it (`tl.extra.cuda.gdc_wait`; 3.6 on the device) compiling for it (not the
-    interpreter)."""
-    return ENABLED and device.type == "cuda" and _hopper_or_newer(device.index)
+def supported(device: torch.device, settings: KernelConfig = DEFAULT) -> bool:
+    """PDL is on for `device`: `settings.pdl`, a CUDA device of compute capability 9.0 or
+    newer, and a Triton that has it (`tl.extra.cuda.gdc_wait`; 3.6 on the device) compiling for
+    it (not the interpreter)."""
+    return settings.pdl and device.type == "cuda" and _hopper_or_newer(device.index)
+
+
+def _interpreting() -> bool:
+    """Triton runs kernels in its interpreter (its own TRITON_INTERPRET knob, read by Triton)."""
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs is not None and knobs.runtime.interpret)
 
 
 @functools.cache
 def _hopper_or_newer(index: int | None) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(tl.extra.cuda, "gdc_wait"):
+    if _interpreting() or not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def release_after_loop(kernel: str, role: str | None = None) -> bool:
+def release_after_loop(kernel: str, role: str | None = None,
+                       settings: KernelConfig = DEFAULT) -> bool:
     """The TRIGGER_AFTER_LOOP constexpr of `kernel` ("linear", "linear_gluon" or
     "attention"); a GEMM whose epilogue has `role` ("gated", "residual", "norm", "plain")
-    also releases early where RELEASE_EARLY names "kernel role" ("linear_gluon gated")."""
-    return kernel not in RELEASE_EARLY and f"{kernel} {role}" not in RELEASE_EARLY
+    also releases early where `settings.pdl_release_early` names "kernel role"."""
+    early = settings.pdl_release_early
+    return kernel not in early and f"{kernel} {role}" not in early
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, settings: KernelConfig = DEFAULT) -> dict:
     """Extra launch kwargs for a PDL kernel on `device` ({} where PDL is off):
     `kernel[grid](..., PDL=bool(options), **options)`."""
-    return {"launch_pdl": True} if supported(device) else {}
+    return {"launch_pdl": True} if supported(device, settings) else {}
 
 
 @triton.jit

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.backends import triton_available
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 BACKENDS = ("reference", "cpu", "triton")
 
@@ -44,8 +45,8 @@ def _extension():
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, backend: str = "auto"
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, backend: str = "auto", *,
+             settings: KernelConfig = DEFAULT) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Normalise `x`, or `x + residual` when a residual is given.
 
     Args:
@@ -55,6 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         eps: added to the mean square.
         residual: [num_tokens, hidden_size] or None.
         backend: "auto", "reference", "cpu" (CPU float32 2-D only) or "triton" (CUDA).
+        settings: the kernel choices (`KernelConfig`: the Triton kernel's PDL launch).
     Returns:
         normed [num_tokens, hidden_size] (a new tensor) without a residual; otherwise
         (normed, x), x holding x + residual: the next layer's residual.
@@ -69,7 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if backend == "triton":
         from deepinfer.kernels import elementwise_triton
 
-        return elementwise_triton.rms_norm(x, weight, eps, residual)
+        return elementwise_triton.rms_norm(x, weight, eps, residual, settings=settings)
     if backend not in BACKENDS:
         raise ValueError(f"rms_norm backend={backend!r} is unknown; use 'auto' or one of "
                          f"{BACKENDS}.")

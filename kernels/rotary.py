@@ -8,13 +8,20 @@ tensors where Triton is installed, else "reference". Triton vs reference: bf16 w
 `apply_rotary_write_kv` rotates q and k of a fused q|k|v projection and stores k and v in the
 paged KV cache (layout of `kernels/paged_attention.py`): one Triton kernel on CUDA; elsewhere
 `apply_rotary` + `write_kv` (the reference, and the CPU path).
+
+`rotary_paged_attention` is a layer's attention from its fused projection: `apply_rotary_write_kv`
+then `kernels.paged_attention.paged_attention`, or on CUDA for a decode batch one kernel
+(`kernels/rotary_decode_triton.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.backends import triton_available
+from deepinfer.kernels.paged_attention import paged_attention, resolve_backend, write_kv
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 BACKENDS = ("reference", "triton")
 
@@ -73,8 +80,6 @@ def apply_rotary_write_kv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
     if backend != "reference":
         raise ValueError(f"rotary backend={backend!r} is unknown; use 'auto' or one of "
                          f"{BACKENDS}.")
-    from deepinfer.kernels.paged_attention import write_kv
-
     num_tokens, head_dim = qkv.shape[0], kv_cache.shape[-1]
     qk_end = (num_q_heads + num_kv_heads) * head_dim
     # q and k are adjacent: rotate both in one pass -> [T, Hq + Hkv, D]
@@ -82,3 +87,36 @@ def apply_rotary_write_kv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
     value = qkv[:, qk_end:].view(num_tokens, num_kv_heads, head_dim)
     write_kv(qk[:, num_q_heads:], value, kv_cache, slot_mapping)
     return qk[:, :num_q_heads]
+
+
+def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                           cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+                           metadata: AttentionMetadata, scale: float,
+                           backend: str = "auto", *,
+                           settings: KernelConfig = DEFAULT) -> torch.Tensor:
+    """A step's attention from its fused q|k|v projection: rotate q and k, store k and v at
+    `metadata.slot_mapping`, attend (`apply_rotary_write_kv`, then
+    `paged_attention`). On the "triton" backend a decode-only batch runs all of it in one
+    kernel (`kernels/rotary_decode_triton.py`) unless `settings.fused_rotary_decode` is off.
+
+    Args:
+        qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim], row blocks q | k | v,
+            kv_cache's dtype, unit stride on the last dim.
+        num_q_heads, num_kv_heads: head counts (num_q_heads a multiple of num_kv_heads).
+        cos, signed_sin: [num_tokens, 1, head_dim] from `RotaryEmbedding.forward`.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+        metadata, scale, backend: as `paged_attention`.
+        settings: the kernel choices (`KernelConfig`).
+    Returns:
+        [num_tokens, num_q_heads, head_dim], qkv's dtype.
+    """
+    name = resolve_backend(backend, qkv.device)
+    if name == "triton" and metadata.is_decode_only and settings.fused_rotary_decode:
+        from deepinfer.kernels.rotary_decode_triton import rotary_decode_attention
+
+        return rotary_decode_attention(qkv, num_q_heads, cos, signed_sin, kv_cache, metadata,
+                                       scale, settings=settings)
+    query = apply_rotary_write_kv(qkv, num_q_heads, num_kv_heads, cos, signed_sin, kv_cache,
+                                  metadata.slot_mapping,
+                                  backend="triton" if name == "triton" else "auto")
+    return paged_attention(query, kv_cache, metadata, scale, backend=name)

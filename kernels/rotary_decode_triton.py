@@ -10,7 +10,7 @@ latency, not bytes (H200, Llama-3-8B: 1.8 + 4.2 + 2.2 us per layer, benchmarks/R
   projection and rotates them in registers (the rounding steps of the rotary kernel);
 - it attends to its slice of the cached context ("flash-decoding" split-K, Dao et al. 2023,
   https://pytorch.org/blog/flash-decoding/, with the online softmax of Milakov & Gimelshein
-  2018) with `paged_attention_triton._decode_kernel`'s loop (`_attend_context`);
+  2018) with `paged_attention_triton._decode_kernel`'s loop (`attend_context`);
 - the program whose slice holds the new token (position seq_len - 1) rotates that token's k,
   writes k and v at `slot_mapping[seq]` (skipped for slot -1), and adds the token to its
   softmax from registers: the cache is not read back, so no other program waits on the write;
@@ -42,8 +42,9 @@ import triton.language as tl
 from deepinfer.kernels import pdl
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters, num_sms
-from deepinfer.kernels.paged_attention_triton import (_DECODE_BLOCK_N, _DECODE_LAUNCH, _attend_context,
-                                            _check_cache, _precision, num_decode_splits)
+from deepinfer.kernels.paged_attention_triton import (DECODE_BLOCK_N, DECODE_LAUNCH, attend_context,
+                                                      check_cache, num_decode_splits, precision)
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
 
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     cached_end = tl.minimum(end, new_pos)                # cached positions: [begin, cached_end)
-    m, row_sum, acc = _attend_context(q, cache_ptr, table, begin, cached_end, kv_head, d, d_ok,
+    m, row_sum, acc = attend_context(q, cache_ptr, table, begin, cached_end, kv_head, d, d_ok,
                                       scale, v_offset, seq_len, NUM_KV_HEADS, HEAD_DIM,
                                       BLOCK_SIZE, BLOCK_N, PRECISION, CAUSAL=False)
     if TRIGGER_AFTER_LOOP:
@@ -160,7 +161,8 @@ def _rotary_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, block_
 
 def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tensor,
                             signed_sin: torch.Tensor, kv_cache: torch.Tensor,
-                            metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                            metadata: AttentionMetadata, scale: float, *,
+                            settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Rotate q and k of a decode batch's fused projection, write k and v into the paged cache
     and attend: `kernels.rotary.apply_rotary_write_kv` then `paged_attention`, in one kernel.
 
@@ -177,6 +179,7 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
             max_seq_len (host int: sets the split count, so a graph captured at the largest
             length stays valid below it).
         scale: softmax scale.
+        settings: the kernel choices (`KernelConfig`: PDL launch and release).
     Returns:
         [num_seqs, num_q_heads, head_dim], qkv's dtype.
     Raises:
@@ -186,7 +189,7 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
     if not metadata.is_decode_only:
         raise ValueError("rotary_decode_attention takes decode-only batches (one new token "
                          "per sequence); run apply_rotary_write_kv + paged_attention instead")
-    _check_cache(kv_cache)
+    check_cache(kv_cache)
     num_seqs = qkv.shape[0]
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     if num_seqs * num_kv_heads > MAX_ARRIVAL_COUNTERS:
@@ -207,14 +210,14 @@ def rotary_decode_attention(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tens
         sums = torch.empty_like(m)
     group = num_q_heads // num_kv_heads
     block_tables = metadata.block_tables
-    pdl_options = pdl.launch_options(qkv.device)
+    pdl_options = pdl.launch_options(qkv.device, settings)
     _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
         qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, block_tables, metadata.seq_lens,
         out, part, m, sums, counters, scale, qkv.stride(0), cos.stride(0), signed_sin.stride(0),
         block_tables.stride(0), kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_precision(qkv),
-        PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("attention"),
-        num_warps=_DECODE_LAUNCH[0], num_stages=_DECODE_LAUNCH[1], **pdl_options)
+        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=precision(qkv),
+        PDL=bool(pdl_options), TRIGGER_AFTER_LOOP=pdl.release_after_loop("attention", settings=settings),
+        num_warps=DECODE_LAUNCH[0], num_stages=DECODE_LAUNCH[1], **pdl_options)
     return out

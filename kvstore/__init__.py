@@ -1,6 +1,7 @@
 """Content-addressed KV block store: the `KVStore` protocol, the block codec, and two backends.
 
-- `kvstore.base` — `KVStore` (async batch put / get / exists / delete) and `open_store(url)`.
+- `kvstore.base` — `KVStore` (async batch put / get / exists / delete) and `KVStoreError`.
+- `kvstore.backends` — `open_store(url)`: the backend a URL names.
 - `kvstore.codec` — versioned header (layout, dtype, shape, CRC-32 of the payload) + raw bytes.
 - `kvstore.memory` — `MemoryKVStore`, an in-process LRU with a byte cap (the embedded default).
 - `kvstore.redis_store` — `RedisKVStore` on redis-py's asyncio client (imported lazily).
@@ -8,7 +9,8 @@
 Imports nothing of ours and no torch/numpy: values are bytes, keys are strings.
 """
 
-from deepinfer.kvstore.base import KVStore, KVStoreError, open_store
+from deepinfer.kvstore.backends import open_store
+from deepinfer.kvstore.base import KVStore, KVStoreError
 from deepinfer.kvstore.codec import CodecError, decode_block, encode_block
 from deepinfer.kvstore.memory import MemoryKVStore
 

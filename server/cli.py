@@ -17,30 +17,6 @@ import signal
 import sys
 from typing import Any, Sequence
 
-# flag dest -> (EngineConfig section, field, converter)
-ENGINE_FLAGS: dict[str, tuple[str, str, Any]] = {
-    "model": ("model", "model", str),
-    "dtype": ("model", "dtype", str),
-    "device": ("model", "device", str),
-    "max_model_len": ("model", "max_model_len", int),
-    "served_model_name": ("model", "served_model_name", str),
-    "seed": ("model", "seed", int),
-    "block_size": ("cache", "block_size", int),
-    "num_kv_blocks": ("cache", "num_blocks", int),
-    "kv_cache_memory_gb": ("cache", "kv_cache_memory_bytes", lambda gb: int(gb * (1 << 30))),
-    "gpu_memory_utilization": ("cache", "gpu_memory_utilization", float),
-    "enforce_eager": ("model", "enforce_eager", bool),
-    "max_num_seqs": ("scheduler", "max_num_seqs", int),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens", int),
-    "max_waiting_requests": ("scheduler", "max_waiting_requests", int),
-    "async_scheduling": ("scheduler", "async_scheduling", bool),
-    "role": ("kv_transfer", "role", str),
-    "kv_store": ("kv_transfer", "kv_store", str),
-    "kv_store_memory_gb": ("kv_transfer", "memory_store_bytes", lambda gb: int(gb * (1 << 30))),
-    "kv_store_ttl_s": ("kv_transfer", "ttl_s", int),
-}
-
-
 # Idle keep-alive connections are closed after this many seconds: longer than the router's pool
 # keeps them (router.app.WORKER_IDLE_EXPIRY_S) and than common load balancers' idle timeouts
 # (60 s), so a client never sends on a connection the server is closing (uvicorn's default, 5 s,
@@ -140,10 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_sections(args: argparse.Namespace,
                     environ: dict[str, str] | None = None) -> dict[str, dict]:
     """`EngineConfig.replace` sections: environment overrides, then the flags given."""
-    from deepinfer.engine.config import env_overrides
+    from deepinfer.engine.config import engine_flags, env_overrides
 
     sections = env_overrides(environ)
-    for dest, (section, field, convert) in ENGINE_FLAGS.items():
+    for dest, (section, field, convert) in engine_flags().items():
         if dest in args:
             sections.setdefault(section, {})[field] = convert(getattr(args, dest))
     return sections
@@ -169,9 +145,9 @@ def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
 def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
     """The engine config of the environment and the flags (a bad value from a variable is
     reported naming the variable)."""
-    from deepinfer.engine.config import config_from
+    from deepinfer.engine.config import config_from, engine_flags
 
-    given = {ENGINE_FLAGS[dest][:2] for dest in ENGINE_FLAGS if dest in args}
+    given = {key[:2] for dest, key in engine_flags().items() if dest in args}
     return config_from(engine_sections(args, environ), environ, given)
 
 

@@ -12,6 +12,27 @@ import pytest
 # the repository's root, where `python -m pytest` puts it, to the end of sys.path
 import deepinfer.engine  # noqa: F401
 
+TESTS = Path(__file__).resolve().parent
+
+
+# `pytest -m gpu`: the tiers, in this order, so that a device call cut short has run the engine
+# and server first (what a user runs), the kernel tests (hundreds of cases) after
+GPU_TIERS = ("engine", "server", "e2e", "router", "kvstore", "deploy", "docker", "kernels")
+
+
+def _gpu_tier(item) -> int:
+    """The tier of `item` by its directory under tests/ (unlisted: before the kernels)."""
+    parts = Path(str(item.path)).relative_to(TESTS).parts
+    folder = parts[0] if len(parts) > 1 else ""
+    return GPU_TIERS.index(folder) if folder in GPU_TIERS else GPU_TIERS.index("kernels") - 1
+
+
+def pytest_collection_modifyitems(config, items):
+    """With a marker expression naming `gpu`, run the tests tier by tier (`GPU_TIERS`);
+    within a tier, in collection order (a stable sort)."""
+    if "gpu" in (config.getoption("markexpr") or ""):
+        items.sort(key=_gpu_tier)
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:

@@ -23,6 +23,7 @@ from deepinfer.engine.models.layers.rms_norm import RMSNorm
 from deepinfer.engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.fused_linear import AddedRows, add_norm_linear, fold_norm_weight, linear_add
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 # HF checkpoint projection -> (our fused parameter, shard)
 _FUSED_SHARDS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -67,9 +68,11 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(PreNormDecoderLayer):
     """With `norms_folded` (set by `LlamaForCausalLM.load_weights` on CUDA) the two RMSNorm
     weights live in qkv_proj / gate_up_proj (`kernels.fused_linear.fold_norm_weight`) and the
-    layer runs `forward_folded`; otherwise the pre-norm block of `PreNormDecoderLayer`."""
+    layer runs `forward_folded`; otherwise the pre-norm block of `PreNormDecoderLayer`.
+    `kernel_config`: the fused kernels' choices (`layers.set_kernel_config`)."""
 
     norms_folded = False
+    kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, hf_config, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
@@ -101,16 +104,19 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         or AddedRows when already added), with RMSNorm, SiLU-mul and the residual adds folded
         into the linears where `kernels.fused_linear` runs fused kernels. Returns (pending,
         residual)."""
-        attn, mlp = self.self_attn, self.mlp
+        attn, mlp, settings = self.self_attn, self.mlp, self.kernel_config
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
-                                        attn.qkv_proj.weight, attn.qkv_proj.bias)
+                                        attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                        settings=settings)
         out = attn.attend(rope, qkv, kv_cache, attn_metadata)   # [T, q_size]
-        pending, residual = linear_add(out, attn.o_proj.weight, attn.o_proj.bias, residual)
+        pending, residual = linear_add(out, attn.o_proj.weight, attn.o_proj.bias, residual,
+                                       settings=settings)
         act, residual = add_norm_linear(pending, residual, norm2.weight, norm2.eps,
                                         mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                        gated=True)   # silu(gate) * up: [T, intermediate]
-        return linear_add(act, mlp.down_proj.weight, mlp.down_proj.bias, residual)
+                                        gated=True, settings=settings)   # [T, intermediate]
+        return linear_add(act, mlp.down_proj.weight, mlp.down_proj.bias, residual,
+                          settings=settings)
 
 
 class LlamaForCausalLM(CausalLMLogits, nn.Module):

@@ -72,3 +72,58 @@ def test_fields_by_name_from_any_section_as_vllm_keywords():
         EngineConfig().with_fields(foo=1)
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         EngineConfig().with_fields(max_num_seqs=0)
+
+
+def test_kernel_config_is_part_of_the_engine_config_with_documented_defaults():
+    """`EngineConfig.kernel` (kernels/settings.py): every field documented in the docstring,
+    with its default; `batch_invariant` reserved, off; reachable by name as the other fields."""
+    import dataclasses
+
+    from deepinfer.engine.config import KernelConfig
+
+    config = EngineConfig()
+    assert config.kernel == KernelConfig() and config.kernel.batch_invariant is False
+    for f in dataclasses.fields(KernelConfig):
+        assert f"    {f.name}:" in KernelConfig.__doc__, f.name
+    changed = config.with_fields(fused_linears=False, gluon_block_m=[16, 64])
+    assert changed.kernel.fused_linears is False
+    assert changed.kernel.gluon_block_m == frozenset({16, 64})    # a list becomes a frozenset
+    hash(changed.kernel)   # frozen and hashable
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"skinny_max_rows": 65}, r"KernelConfig.skinny_max_rows: 65 must be in \[0, 64\]"),
+    ({"gluon_block_m": {8}}, r"gluon_block_m: \[8\] must be row buckets among 16, 32 and 64"),
+    ({"pdl_release_early": {"lm_head"}}, r"\['lm_head'\] are not kernels; use"),
+])
+def test_kernel_config_range_checks_name_the_field_and_the_fix(kwargs, message):
+    from deepinfer.engine.config import KernelConfig
+
+    with pytest.raises(ValueError, match=message):
+        KernelConfig(**kwargs)
+
+
+def test_each_field_s_variable_and_flag_are_declared_once_on_the_field():
+    """ENV_VARS and the serve flags are derived from the dataclass fields (`_field`)."""
+    from deepinfer.engine.config import ENV_VARS, ModelConfig, engine_flags
+
+    assert ENV_VARS["DEEPINFER_HF_MODEL_DIR"] == ("model", "model")
+    assert ENV_VARS["DEEPINFER_KV_STORE_TIMEOUT_S"] == ("kv_transfer", "timeout_s")
+    assert len(ENV_VARS) == 22
+    flags = engine_flags()
+    assert flags["num_kv_blocks"][:2] == ("cache", "num_blocks")
+    assert flags["kv_cache_memory_gb"][2](1.5) == 3 << 29           # GiB -> bytes
+    assert flags["max_num_seqs"][2](8) == 8
+    assert "cache_dir" not in flags and len(flags) == 19
+    assert "tokenizer" not in {f for f in ModelConfig.__dataclass_fields__}
+
+
+def test_blas_determinism_default_leaves_an_explicit_setting():
+    from deepinfer.engine.config import apply_blas_determinism
+
+    environ = {}
+    apply_blas_determinism(environ)
+    assert environ == {"MKL_DYNAMIC": "FALSE"}
+    environ = {"MKL_DYNAMIC": "TRUE"}
+    apply_blas_determinism(environ)
+    assert environ == {"MKL_DYNAMIC": "TRUE"}

@@ -47,7 +47,7 @@ def tiny_bf16_dir(tmp_path):
 @pytest.fixture(params=[(16, 3), (64, 40)], ids=["16_rows", "64_rows"])
 def fused_everywhere(request, monkeypatch, tmp_path_factory):
     """A fused_linear config file with the tiny model's shapes all fused, at 16 rows (3
-    prompts) or at 64 (40 prompts: on Hopper the Gluon GEMM, `linear_triton.GLUON_BLOCK_M`).
+    prompts) or at 64 (40 prompts: on Hopper the Gluon GEMM, `KernelConfig.gluon_block_m`).
     Yields (kernels.fused_linear, number of prompts)."""
     from deepinfer.kernels import backends, fused_linear
 
@@ -62,9 +62,9 @@ def fused_everywhere(request, monkeypatch, tmp_path_factory):
     monkeypatch.setattr(backends, "CONFIG_DIR", directory)
     backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
                                 ).write_text(json.dumps({"entries": entries}))
-    fused_linear._fused_table.cache_clear()
+    backends.tuned_table.cache_clear()
     yield fused_linear, num_prompts
-    fused_linear._fused_table.cache_clear()
+    backends.tuned_table.cache_clear()
 
 
 def _decode_logits(model, prompts, continuations):
@@ -83,6 +83,8 @@ def test_fused_folded_decode_matches_unfused_and_hf(tiny_bf16_dir, fused_everywh
     from transformers import LlamaForCausalLM
 
     from deepinfer.engine.loader import load_model
+    from deepinfer.engine.models.layers import set_kernel_config
+    from deepinfer.kernels.settings import KernelConfig
 
     fused_everywhere, num_prompts = fused_everywhere
     gen = torch.Generator().manual_seed(5)
@@ -96,11 +98,8 @@ def test_fused_folded_decode_matches_unfused_and_hf(tiny_bf16_dir, fused_everywh
     assert fused_everywhere.fused_config("norm", qkv_rows, ours.layers[0].self_attn.qkv_proj
                                          .weight) is not None
     fused = _decode_logits(ours, prompts, continuations)
-    fused_everywhere.ENABLED = False
-    try:
-        unfused = _decode_logits(ours, prompts, continuations)
-    finally:
-        fused_everywhere.ENABLED = True
+    set_kernel_config(ours, KernelConfig(fused_linears=False))
+    unfused = _decode_logits(ours, prompts, continuations)
     assert _rel(fused, unfused) < 5e-2
     hf = LlamaForCausalLM.from_pretrained(tiny_bf16_dir, dtype=torch.bfloat16).cuda().eval()
     for seq, (prompt, tokens) in enumerate(zip(prompts, continuations)):

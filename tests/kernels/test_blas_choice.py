@@ -29,7 +29,7 @@ def sweep_file(tmp_path, monkeypatch):
     monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    blas_choice._choices.cache_clear()
+    backends.tuned_table.cache_clear()
     entries = [{"shape": "down", "rows": 64, "out_features": 32, "in_features": 112,
                 "cublas_us": 35.4, "cublaslt_us": 31.9, "library": "cublaslt"},
                {"shape": "down", "rows": 8, "out_features": 32, "in_features": 112,
@@ -37,7 +37,7 @@ def sweep_file(tmp_path, monkeypatch):
     path = backends.device_config_path(blas_choice.CONFIG_KIND, "Fake GPU")
     path.write_text(json.dumps({"entries": entries}))
     yield path
-    blas_choice._choices.cache_clear()
+    backends.tuned_table.cache_clear()
 
 
 def test_chosen_shapes_get_cublaslt(sweep_file):
@@ -51,14 +51,17 @@ def test_chosen_shapes_get_cublaslt(sweep_file):
     assert blas_choice.preferred_library(64, torch.empty(32, 112, device="meta")) is None  # fp32
 
 
-def test_rows_past_the_cap_keep_the_default(sweep_file, monkeypatch):
-    monkeypatch.setattr(blas_choice, "MAX_ROWS", 32)
-    assert blas_choice.preferred_library(64, bf16(32, 112)) is None
+def test_rows_past_the_cap_keep_the_default(sweep_file):
+    from deepinfer.kernels.settings import KernelConfig
+
+    capped = KernelConfig(cublaslt_max_rows=32)
+    assert blas_choice.preferred_library(64, bf16(32, 112), capped) is None
+    assert blas_choice.preferred_library(64, bf16(32, 112), KernelConfig(cublaslt_max_rows=0)) is None
 
 
 def test_no_sweep_file_means_no_choice(sweep_file):
     sweep_file.unlink()
-    blas_choice._choices.cache_clear()
+    backends.tuned_table.cache_clear()
     assert blas_choice.preferred_library(64, bf16(32, 112)) is None
 
 
@@ -83,10 +86,10 @@ def test_preferring_restores_the_library(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_chosen_shape_runs_on_cublaslt_on_the_gpu(tmp_path, monkeypatch):
     from deepinfer.kernels import linear as kernels_linear
+    from deepinfer.kernels.settings import KernelConfig
 
     monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
-    monkeypatch.setattr(kernels_linear, "SKINNY_MAX_ROWS", 0)   # cuBLAS(Lt), not Triton
-    blas_choice._choices.cache_clear()
+    backends.tuned_table.cache_clear()
     backends.device_config_path(blas_choice.CONFIG_KIND, torch.cuda.get_device_name()).write_text(json.dumps({"entries": [
         {"rows": 8, "out_features": 96, "in_features": 64, "library": "cublaslt"}]}))
     calls = []
@@ -98,9 +101,10 @@ def test_chosen_shape_runs_on_cublaslt_on_the_gpu(tmp_path, monkeypatch):
     weight = torch.randn(96, 64, generator=gen).to(torch.bfloat16).cuda()
     before = torch.backends.cuda.preferred_blas_library()
     try:
-        out = kernels_linear.linear(x, weight)
+        out = kernels_linear.linear(x, weight,   # cuBLAS(Lt), not Triton
+                                    settings=KernelConfig(skinny_max_rows=0))
     finally:
-        blas_choice._choices.cache_clear()
+        backends.tuned_table.cache_clear()
     assert calls == ["cublaslt"]
     assert torch.backends.cuda.preferred_blas_library() == before
     reference = torch.nn.functional.linear(x.double(), weight.double())

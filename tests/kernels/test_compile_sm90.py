@@ -68,10 +68,7 @@ def test_rotary_decode_attention_waits_before_its_first_load():
 
 @pytest.mark.parametrize("label", ["Gluon down + residual + sums of squares, 64",
                                    "Gluon gate_up + norm from partials, 64 rows",
-                                   "Gluon LM head + row argmax, 64 rows",
-                                   "Gluon stream-K qkv + norm from partials",
-                                   "Gluon stream-K gate_up + norm from partials",
-                                   "Gluon stream-K down + residual + sums of sq."])
+                                   "Gluon LM head + row argmax, 64 rows"])
 def test_gluon_gemm_requests_weight_tiles_before_the_pdl_wait_and_x_after(label):
     """kernels/linear_gluon.py: before griddepcontrol.wait the only memory traffic is TMA
     copies from one descriptor (the weight's: no kernel writes it); x's descriptor is read

@@ -75,6 +75,7 @@ def test_fused_kernels_run_where_the_config_file_says_and_match_the_unfused_ops(
     the fused linear_add adds into the residual in place and returns AddedRows (the rows' sums
     of squares, which the next norm reads), or None with the handoff off."""
     from deepinfer.kernels import backends
+    from deepinfer.kernels.settings import KernelConfig
 
     small = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
     shapes = {"residual": [(64, 96), (64, 128)], "norm_gated": [(256, 64)], "norm": [(96, 64)]}
@@ -84,29 +85,30 @@ def test_fused_kernels_run_where_the_config_file_says_and_match_the_unfused_ops(
     monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
     backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
                                 ).write_text(json.dumps({"entries": entries}))
-    fused_linear._fused_table.cache_clear()
+    backends.tuned_table.cache_clear()
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     w_o, w_gu = _randn(64, 96, seed=8, scale=0.1, **bf16), _randn(256, 64, seed=9, **bf16)
     w_down, w_qkv = _randn(64, 128, seed=10, scale=0.1, **bf16), _randn(96, 64, seed=11, **bf16)
     ones = torch.ones(64, **bf16)
 
-    def chain(attn_out, stream):
-        pending, stream = linear_add(attn_out, w_o, None, stream)
-        act, stream = add_norm_linear(pending, stream, ones, EPS, w_gu, gated=True)
-        pending, stream = linear_add(act, w_down, None, stream)
-        qkv, stream = add_norm_linear(pending, stream, ones, EPS, w_qkv)
+    def chain(attn_out, stream, settings=KernelConfig()):
+        pending, stream = linear_add(attn_out, w_o, None, stream, settings=settings)
+        act, stream = add_norm_linear(pending, stream, ones, EPS, w_gu, gated=True,
+                                      settings=settings)
+        pending, stream = linear_add(act, w_down, None, stream, settings=settings)
+        qkv, stream = add_norm_linear(pending, stream, ones, EPS, w_qkv, settings=settings)
         return pending, stream, qkv
 
     try:
         attn_out, stream = _randn(5, 96, seed=12, **bf16), _randn(5, 64, seed=13, **bf16)
         assert fused_linear.fused_config("norm_gated", stream, w_gu) is not None
         fused_pending, fused_stream, fused_qkv = chain(attn_out, stream.clone())
-        monkeypatch.setattr(fused_linear, "SUM_SQUARES_HANDOFF", False)
-        no_handoff_pending, no_handoff_stream, no_handoff_qkv = chain(attn_out, stream.clone())
-        monkeypatch.setattr(fused_linear, "ENABLED", False)
-        pending, unfused_stream, qkv = chain(attn_out, stream.clone())
+        no_handoff_pending, no_handoff_stream, no_handoff_qkv = chain(
+            attn_out, stream.clone(), KernelConfig(sum_squares_handoff=False))
+        pending, unfused_stream, qkv = chain(attn_out, stream.clone(),
+                                             KernelConfig(fused_linears=False))
     finally:
-        fused_linear._fused_table.cache_clear()
+        backends.tuned_table.cache_clear()
     assert isinstance(fused_pending, fused_linear.AddedRows) and no_handoff_pending is None
     assert isinstance(pending, torch.Tensor)
     # the handoff changes only how the norms sum their squares

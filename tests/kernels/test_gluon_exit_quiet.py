@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.slow,   # a process that compiles for ~20 s
 COMPILE = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from benchmarks.compile_sm90 import compile_gluon_layer_for_sm90
-kernel = compile_gluon_layer_for_sm90()
+from benchmarks.compile_sm90 import GLUON_GEMMS, compile_gluon_for_sm90
+kernel = compile_gluon_for_sm90(*GLUON_GEMMS[0][1:])
 print("compiled", "griddepcontrol.wait" in kernel.asm["ptx"])
 print("still printed before exit", file=sys.stderr)
 """

@@ -4,8 +4,12 @@ F.linear in float64, on a Hopper GPU.
 Both kernels accumulate in float32 and round once, in different summation orders: outputs agree
 to bf16 rounding (relative error vs float64 < 1e-2, as tests/kernels/test_linear_triton.py).
 The Gluon path is reached through `linear_triton.linear` with every row bucket in
-GLUON_BLOCK_M, so the same argument checks, partial buffers and arrival counters are used.
+`KernelConfig.gluon_block_m`, so the same argument checks, partial buffers and arrival counters
+are used.
 """
+
+import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,18 +35,15 @@ def _randn(*shape, seed, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(DEVICE)
 
 
-@pytest.fixture(params=["per_tile", "stream_k", "stream_k_7_programs"])
-def gluon(monkeypatch, request):
-    """`linear_triton` with every row bucket on Gluon: one program per output tile (and K
-    split), or stream-K (kernels/linear_gluon_stream_k.py) over the GPU's SMs or over 7
-    programs (runs that start and end inside tiles, several tiles per program)."""
-    from deepinfer.kernels import linear_gluon_stream_k, linear_triton
+@pytest.fixture
+def gluon():
+    """`linear_triton.linear` with every row bucket on Gluon (one program per output tile and
+    K split), as `gluon.linear`."""
+    from deepinfer.kernels import linear_triton
+    from deepinfer.kernels.settings import KernelConfig
 
-    monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M", frozenset({16, 32, 64}))
-    monkeypatch.setattr(linear_gluon_stream_k, "ENABLED", request.param != "per_tile")
-    if request.param == "stream_k_7_programs":
-        monkeypatch.setattr(linear_gluon_stream_k, "PROGRAMS", 7)
-    return linear_triton
+    every_bucket = KernelConfig(gluon_block_m=frozenset({16, 32, 64}))
+    return SimpleNamespace(linear=functools.partial(linear_triton.linear, settings=every_bucket))
 
 
 def _rms_normed(x, eps):
@@ -130,12 +131,15 @@ def test_gluon_split_k_replays_in_a_cuda_graph_and_leaves_counters_at_zero(gluon
     assert not arrival_counters(x.device).any()
 
 
-def test_gluon_agrees_with_the_triton_kernel(gluon, monkeypatch):
+def test_gluon_agrees_with_the_triton_kernel(gluon):
+    from deepinfer.kernels import linear_triton
+    from deepinfer.kernels.settings import KernelConfig
+
     x = _randn(64, 4096, seed=31)
     weight = _randn(1024, 4096, seed=32, scale=4096 ** -0.5)
     got = gluon.linear(x, weight, config=SPLIT)
-    monkeypatch.setattr(gluon, "GLUON_BLOCK_M", frozenset())
-    triton_out = gluon.linear(x, weight, config=SPLIT)
+    triton_out = linear_triton.linear(x, weight, config=SPLIT,
+                                      settings=KernelConfig(gluon_block_m=frozenset()))
     assert relative_error(got, triton_out.double()) < 4e-3
 
 
@@ -151,7 +155,7 @@ def test_gluon_row_argmax_epilogue(gluon):
 
 def test_gluon_rows_do_not_depend_on_the_batch(gluon):
     """Within a row bucket a row's bits do not depend on the other rows (batch invariance):
-    the tiles and, with stream-K, the split points depend on N, K and the SMs only."""
+    the tiles depend on N and K only."""
     x = _randn(64, 2048, seed=71)
     weight = _randn(704, 2048, seed=72, scale=2048 ** -0.5)
     full = gluon.linear(x, weight, config=SPLIT)

@@ -110,7 +110,7 @@ def test_skinny_linear_reads_strided_rows():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="dispatch to Triton happens on CUDA only")
 def test_linear_dispatch_takes_triton_for_tuned_decode_shapes_only(monkeypatch, tmp_path):
-    """kernels.linear.linear: bf16 CUDA inputs of <= SKINNY_MAX_ROWS rows go to the skinny
+    """kernels.linear.linear: bf16 CUDA inputs of <= `KernelConfig.skinny_max_rows` rows go to the skinny
     kernel where the device's config file marks the shape faster than cuBLAS; other shapes,
     more rows and float32 go to F.linear."""
     import json
@@ -126,7 +126,7 @@ def test_linear_dispatch_takes_triton_for_tuned_decode_shapes_only(monkeypatch, 
                 "triton_faster": False}]
     backends.device_config_path(linear_triton.CONFIG_KIND, name).write_text(
         json.dumps({"entries": entries}))
-    linear_triton._tuned_table.cache_clear()
+    backends.tuned_table.cache_clear()
     calls = []
     real = linear_triton.linear
     monkeypatch.setattr(linear_triton, "linear",
@@ -142,7 +142,7 @@ def test_linear_dispatch_takes_triton_for_tuned_decode_shapes_only(monkeypatch, 
         linear_module.linear(x.float(), weight.float())
         assert calls == [(64, 128)]
     finally:
-        linear_triton._tuned_table.cache_clear()
+        backends.tuned_table.cache_clear()
 
 
 def _rms_normed(x, eps):

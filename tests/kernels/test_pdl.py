@@ -37,8 +37,9 @@ def _weights(seed):
         for _ in range(LAYERS)]
 
 
-def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata):
-    """LAYERS decode layers on hidden [B, HIDDEN] (updated in place); returns the final norm."""
+def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata, settings):
+    """LAYERS decode layers on hidden [B, HIDDEN] (updated in place) with the kernel choices
+    `settings`; returns the final norm."""
     from deepinfer.kernels import elementwise_triton, linear_triton
     from deepinfer.kernels.rotary_decode_triton import rotary_decode_attention
 
@@ -47,36 +48,33 @@ def _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata):
                            for _ in range(2))
     for i, w in enumerate(layers):
         qkv = linear_triton.linear(hidden, w["qkv"], config=NORM, norm_eps=1e-5,
-                                   sum_squares=after_down if i else None)
+                                   sum_squares=after_down if i else None, settings=settings)
         attn = rotary_decode_attention(qkv, HEADS, cos, signed_sin, kv_cache, metadata,
-                                       HEAD_DIM ** -0.5)
+                                       HEAD_DIM ** -0.5, settings=settings)
         linear_triton.linear(attn.view(hidden.shape[0], -1), w["o"], config=SPLIT,
-                             residual=hidden, sum_squares_out=after_o)
+                             residual=hidden, sum_squares_out=after_o, settings=settings)
         act = linear_triton.linear(hidden, w["gate_up"], config=NORM, norm_eps=1e-5,
-                                   gated=True, sum_squares=after_o)
+                                   gated=True, sum_squares=after_o, settings=settings)
         linear_triton.linear(act, w["down"], config=SPLIT, residual=hidden,
-                             sum_squares_out=after_down)
+                             sum_squares_out=after_down, settings=settings)
     weight = torch.ones(HIDDEN, dtype=hidden.dtype, device=hidden.device)
-    return elementwise_triton.rms_norm(hidden, weight, 1e-5)
+    return elementwise_triton.rms_norm(hidden, weight, 1e-5, settings=settings)
 
 
 def _run(pdl_enabled, release_early, monkeypatch, replays=6, gluon=False):
     """Per replay (new hidden input): (final norm, KV cache) after a graph of the chain; with
     `gluon`, its GEMMs on `kernels/linear_gluon.py` (all but the first norm)."""
-    from deepinfer.kernels import linear_triton, pdl
+    from deepinfer.kernels.settings import KernelConfig
 
-    monkeypatch.setattr(pdl, "ENABLED", pdl_enabled)
-    monkeypatch.setattr(pdl, "RELEASE_EARLY", release_early)
-    monkeypatch.setattr(linear_triton, "GLUON_BLOCK_M",
-                        frozenset({16, 32, 64}) if gluon else frozenset())
+    settings = KernelConfig(pdl=pdl_enabled, pdl_release_early=release_early,
+                            gluon_block_m=frozenset({16, 32, 64}) if gluon else frozenset())
     gluon_launches = []
     if gluon:   # count the Gluon kernels' launches: the chain must run on them, not fall back
-        from deepinfer.kernels import linear_gluon, linear_gluon_stream_k
+        from deepinfer.kernels import linear_gluon
 
-        for module in (linear_gluon, linear_gluon_stream_k):
-            monkeypatch.setattr(module, "launch",
-                                lambda *a, _launch=module.launch, **k:
-                                gluon_launches.append(1) or _launch(*a, **k))
+        monkeypatch.setattr(linear_gluon, "launch",
+                            lambda *a, _launch=linear_gluon.launch, **k:
+                            gluon_launches.append(1) or _launch(*a, **k))
     layers = _weights(seed=0)
     _, kv_cache, metadata = random_paged_batch(
         [1] * 4, [300, 17, 64, 129], num_q_heads=HEADS, num_kv_heads=KV_HEADS,
@@ -87,11 +85,11 @@ def _run(pdl_enabled, release_early, monkeypatch, replays=6, gluon=False):
     signed_sin = torch.cat([-angles.sin(), angles.sin()], -1).to(torch.bfloat16).to(DEVICE)
     hidden = torch.zeros(4, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
     initial_cache = kv_cache.clone()
-    _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata)   # compile
+    _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata, settings)   # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata)
+        out = _decode_layers(hidden, layers, cos, signed_sin, kv_cache, metadata, settings)
     results = []
     for seed in range(replays):
         kv_cache.copy_(initial_cache)
@@ -137,5 +135,6 @@ def test_pdl_is_off_off_hopper_and_in_the_interpreter(monkeypatch):
     expected = torch.cuda.get_device_capability()[0] >= 9
     assert pdl.supported(torch.device("cuda")) == expected
     assert not pdl.supported(torch.device("cpu"))
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch_options(torch.device("cuda")) == {}
+    from deepinfer.kernels.settings import KernelConfig
+
+    assert pdl.launch_options(torch.device("cuda"), KernelConfig(pdl=False)) == {}

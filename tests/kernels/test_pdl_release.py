@@ -21,9 +21,11 @@ def test_gemms_feeding_a_gemm_release_early_and_qkv_after_its_loop():
     assert pdl.release_after_loop("linear") and pdl.release_after_loop("linear", "residual")
 
 
-def test_a_kernel_name_releases_all_its_roles(monkeypatch):
-    monkeypatch.setattr(pdl, "RELEASE_EARLY", frozenset({"linear_gluon"}))
-    assert not any(pdl.release_after_loop("linear_gluon", r) for r in ("norm", None))
-    monkeypatch.setattr(pdl, "RELEASE_EARLY", frozenset())
-    assert all(pdl.release_after_loop(k, r) for k in ("linear_gluon", "attention")
+def test_a_kernel_name_releases_all_its_roles():
+    from deepinfer.kernels.settings import KernelConfig
+
+    whole_kernel = KernelConfig(pdl_release_early=frozenset({"linear_gluon"}))
+    assert not any(pdl.release_after_loop("linear_gluon", r, whole_kernel) for r in ("norm", None))
+    none_early = KernelConfig(pdl_release_early=frozenset())
+    assert all(pdl.release_after_loop(k, r, none_early) for k in ("linear_gluon", "attention")
                for r in ("gated", None))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import deepinfer.kernels.quantized_linear as ql
-from deepinfer.kernels.linear import QUANTIZED_MAX_ROWS, linear, quantize_linear_weight
+from deepinfer.kernels.linear import linear, quantize_linear_weight
+from deepinfer.kernels.settings import DEFAULT
 from deepinfer.kernels.quantized_linear import (QuantizedWeight, cpu_kernel_available, quantized_linear,
                                       recover_q4_1, recover_q8_0, recover_quantized)
 from deepinfer.kernels.reference.quantized_linear import dequantize
@@ -154,8 +155,8 @@ def test_linear_dispatches_small_inputs_to_quantized_kernel(monkeypatch):
     calls = []
     real = ql._cpu_avx2_linear
     monkeypatch.setattr(ql, "_cpu_avx2_linear", lambda x, q: calls.append(x.shape) or real(x, q))
-    for num_rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1):
+    for num_rows in (1, DEFAULT.quantized_max_rows, DEFAULT.quantized_max_rows + 1):
         x = torch.randn(num_rows, 64)
         torch.testing.assert_close(linear(x, weight, None, None, qweight), x @ weight.T,
                                    rtol=1e-5, atol=1e-5)
-    assert calls == [(1, 64), (QUANTIZED_MAX_ROWS, 64)]  # more rows: float32 GEMM
+    assert calls == [(1, 64), (DEFAULT.quantized_max_rows, 64)]  # more rows: float32 GEMM

@@ -113,22 +113,23 @@ def _first_row(metadata):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "switched_off"])
 def test_rotary_paged_attention_dispatches_decode_to_the_fused_kernel(monkeypatch, fused):
-    """`kernels.paged_attention.rotary_paged_attention` on "triton" (the model's call): a
-    decode batch goes to the one-kernel path unless FUSED_ROTARY_DECODE is off; either way
+    """`kernels.rotary.rotary_paged_attention` on "triton" (the model's call): a decode batch
+    goes to the one-kernel path unless `KernelConfig.fused_rotary_decode` is off; either way
     the cache and the output are the unfused ops'."""
-    from deepinfer.kernels import paged_attention, rotary_decode_triton
+    from deepinfer.kernels import rotary, rotary_decode_triton
+    from deepinfer.kernels.settings import KernelConfig
 
     calls = []
     real = rotary_decode_triton.rotary_decode_attention
     monkeypatch.setattr(rotary_decode_triton, "rotary_decode_attention",
                         lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    monkeypatch.setattr(paged_attention, "FUSED_ROTARY_DECODE", fused)
     qkv, cos, signed_sin, kv_cache, metadata = _inputs([12, 3], 4, 2, 32, 16, torch.float32,
                                                        seed=8)
     expected, expected_cache = _unfused(qkv, 4, 2, cos, signed_sin, kv_cache, metadata,
                                         32 ** -0.5)
-    out = paged_attention.rotary_paged_attention(qkv, 4, 2, cos, signed_sin, kv_cache,
-                                                 metadata, 32 ** -0.5, backend="triton")
+    out = rotary.rotary_paged_attention(qkv, 4, 2, cos, signed_sin, kv_cache, metadata,
+                                        32 ** -0.5, backend="triton",
+                                        settings=KernelConfig(fused_rotary_decode=fused))
     assert calls == ([qkv.shape] if fused else [])
     assert torch.equal(kv_cache, expected_cache)
     assert relative_error(out, expected) < 1e-5

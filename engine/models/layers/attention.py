@@ -6,15 +6,20 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.attention_metadata import AttentionMetadata
-from deepinfer.kernels.paged_attention import paged_attention, rotary_paged_attention, write_kv
+from deepinfer.kernels.paged_attention import paged_attention, write_kv
+from deepinfer.kernels.rotary import rotary_paged_attention
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
 class PagedAttention(nn.Module):
     """Causal GQA attention of a varlen batch against one layer's paged KV cache.
 
     The layer owns no weights: projections and rotary embedding stay in the model's attention
-    block; this layer holds the head geometry, the softmax scale and the kernel backend.
+    block; this layer holds the head geometry, the softmax scale and the kernel backend;
+    `kernel_config`: the GPU kernel choices (`layers.set_kernel_config` sets the engine's).
     """
+
+    kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float,
                  backend: str = "auto") -> None:
@@ -51,11 +56,12 @@ class PagedAttention(nn.Module):
     def rotary_attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                       kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """`forward` from the fused q|k|v projection: rotate q and k, write k and v, attend
-        (`kernels.paged_attention.rotary_paged_attention`: one kernel for a decode batch on
+        (`kernels.rotary.rotary_paged_attention`: one kernel for a decode batch on
         CUDA). qkv: [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]; rope: (cos,
         signed_sin) from `RotaryEmbedding.forward` -> [num_tokens, num_heads * head_dim]."""
         out = rotary_paged_attention(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache,
-                                     attn_metadata, self.scale, backend=self.backend)
+                                     attn_metadata, self.scale, backend=self.backend,
+                                     settings=self.kernel_config)
         return out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

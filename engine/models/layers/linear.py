@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.linear import linear, linear_row_argmax, pack_linear_weight, quantize_linear_weight
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
 class Linear(nn.Module):
@@ -15,7 +16,10 @@ class Linear(nn.Module):
     `pack()` so the CPU path can use a pre-packed copy and, for weights that are exactly
     dequantized Q4_1 / Q8_0 blocks (GGUF models), the block-quantized kernel for decode-sized
     inputs (see `kernels/linear.py`). Call `pack()` again after changing the weight in place.
+    `kernel_config`: the GPU kernel choices (`layers.set_kernel_config` sets the engine's).
     """
+
+    kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool,
                  dtype: torch.dtype) -> None:
@@ -35,7 +39,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features], the weight's dtype."""
-        return linear(x, self.weight, self.bias, self.packed_weight, self.quantized_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.quantized_weight,
+                      settings=self.kernel_config)
 
     def forward_row_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(`forward(x)`, each row's first maximal column [num_tokens] int64 where the GEMM's
@@ -43,7 +48,7 @@ class Linear(nn.Module):
         if (self.bias is not None or self.packed_weight is not None
                 or self.quantized_weight is not None):
             return self.forward(x), None
-        return linear_row_argmax(x, self.weight)
+        return linear_row_argmax(x, self.weight, settings=self.kernel_config)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -6,10 +6,14 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.rms_norm import rms_norm
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
 class RMSNorm(nn.Module):
-    """`x / sqrt(mean(x^2) + eps) * weight` over the last dimension (weight [hidden_size])."""
+    """`x / sqrt(mean(x^2) + eps) * weight` over the last dimension (weight [hidden_size]).
+    `kernel_config`: the GPU kernel choices (`layers.set_kernel_config` sets the engine's)."""
+
+    kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -32,4 +36,4 @@ class RMSNorm(nn.Module):
             normed [num_tokens, hidden_size] without a residual; otherwise
             (normed, x + residual), the sum being the next layer's residual.
         """
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, settings=self.kernel_config)

@@ -1,0 +1,99 @@
+"""`KernelConfig`: every switch that steers which GPU kernel runs a decode linear or attention.
+
+One frozen dataclass, handed to the kernel functions as a plain keyword argument (`settings=`);
+no kernel reads a module global to decide what to run. The engine holds it as
+`EngineConfig.kernel` (engine/config.py re-exports this class) and gives it to the model runner,
+which hands it to the model's layers; benchmarks/gpu_decode.py builds one per A/B variant.
+
+It lives here, not in engine/config.py, because kernels/ imports nothing of ours (DESIGN.md):
+the kernels take it, the engine embeds it. Pure module: no torch import.
+
+The defaults are the measured choices for an H200 (benchmarks/RESULTS.md names the measurement
+that settled each). Where a tuned-config file (kernels/configs/<kind>_<device name>.json) has no
+entry for a (device, shape), the call falls back to torch (cuBLAS, or the unfused ops): never an
+error (`kernels.backends.tuned_entry`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# the kernels that release the next one right after their PDL wait (`kernels/pdl.py`)
+PDL_RELEASE_EARLY = frozenset({"attention", "linear_gluon gated", "linear_gluon residual"})
+
+
+def _check(name: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"KernelConfig.{name}: {message}")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices of the GPU decode path (CPU runs ignore all of them).
+
+    fused_linears: True (default) runs the RMSNorm, SiLU-mul and residual adds in the decode
+        GEMMs' prologue / epilogue where the device's `fused_linear` sweep found it faster
+        (`kernels/fused_linear.py`); False runs them as their own kernels.
+    sum_squares_handoff: True (default): a fused residual GEMM hands its rows' sums of squares
+        to the next fused norm GEMM (`fused_linear.AddedRows`); False: the norm GEMM computes
+        them from the stream.
+    fused_rotary_decode: True (default): a decode-only batch on the "triton" attention backend
+        runs rotary, KV write, attention and the split reduce as one kernel
+        (`kernels/rotary_decode_triton.py`); False: three kernels.
+    skinny_max_rows: up to this many rows (default 64) a bf16 / fp16 CUDA linear may run the
+        Triton skinny GEMM where the device's `skinny_linear` sweep found it faster than cuBLAS;
+        0 sends every linear to cuBLAS (and leaves no fused GEMM either).
+    cublaslt_max_rows: up to this many rows (default 256) a bf16 CUDA linear on cuBLAS uses
+        cuBLASLt where the device's `blas_library` sweep found it faster; 0: torch's default.
+    row_argmax_epilogue: True (default): the greedy LM head takes each row's argmax in the
+        skinny GEMM's epilogue; False: the sampler's own pass over the logits.
+    gluon_block_m: row buckets (rows per program, of 16 / 32 / 64) whose skinny GEMMs run the
+        Gluon kernel on Hopper (`kernels/linear_gluon.py`); default {64}; empty: Triton only.
+    pdl: True (default): programmatic dependent launch on Hopper (`kernels/pdl.py`).
+    pdl_release_early: the kernels that release the next one right after their PDL wait:
+        "linear" (Triton skinny GEMM), "linear_gluon", "attention", or "linear_gluon ROLE" for
+        one epilogue role (`linear_gluon.epilogue_role`); default `PDL_RELEASE_EARLY`.
+    norm_by_dot_rows: from this many rows per program (default 32) a norm GEMM computes its
+        rows' sums of squares with an x x^T dot in its K loop; below, a pre-pass over x.
+    quantized_max_rows: up to this many rows (default 64) a CPU linear with a Q4_1 / Q8_0
+        weight runs the AVX2 block-quantized kernel.
+    batch_invariant: reserved for the batch-invariant mode (a row's result independent of the
+        batch around it); no behaviour yet. Default False.
+    """
+
+    fused_linears: bool = True
+    sum_squares_handoff: bool = True
+    fused_rotary_decode: bool = True
+    skinny_max_rows: int = 64
+    cublaslt_max_rows: int = 256
+    row_argmax_epilogue: bool = True
+    gluon_block_m: frozenset[int] = frozenset({64})
+    pdl: bool = True
+    pdl_release_early: frozenset[str] = field(default=PDL_RELEASE_EARLY)
+    norm_by_dot_rows: int = 32
+    quantized_max_rows: int = 64
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        # sets given as lists or tuples (a JSON file, a CLI) become frozensets: hashable, frozen
+        object.__setattr__(self, "gluon_block_m", frozenset(self.gluon_block_m))
+        object.__setattr__(self, "pdl_release_early", frozenset(self.pdl_release_early))
+        _check("skinny_max_rows", 0 <= self.skinny_max_rows <= 64,
+               f"{self.skinny_max_rows} must be in [0, 64] (the skinny GEMM's largest row "
+               "bucket); 0 turns it off.")
+        _check("cublaslt_max_rows", self.cublaslt_max_rows >= 0,
+               f"{self.cublaslt_max_rows} must be >= 0; 0 keeps torch's default library.")
+        _check("gluon_block_m", self.gluon_block_m <= {16, 32, 64},
+               f"{sorted(self.gluon_block_m)} must be row buckets among 16, 32 and 64.")
+        kernels = {"linear", "linear_gluon", "attention"}
+        roles = {f"linear_gluon {r}" for r in ("gated", "residual", "norm", "plain")}
+        _check("pdl_release_early", self.pdl_release_early <= kernels | roles,
+               f"{sorted(self.pdl_release_early - kernels - roles)} are not kernels; use "
+               f"{sorted(kernels | roles)}.")
+        _check("norm_by_dot_rows", self.norm_by_dot_rows >= 1,
+               f"{self.norm_by_dot_rows} must be >= 1.")
+        _check("quantized_max_rows", self.quantized_max_rows >= 0,
+               f"{self.quantized_max_rows} must be >= 0; 0 turns the quantized kernel off.")
+
+
+DEFAULT = KernelConfig()

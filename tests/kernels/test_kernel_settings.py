@@ -1,0 +1,51 @@
+"""Tuned-config lookup (`kernels.backends.tuned_table`): by (device name, shape), with a stated
+fallback. A device without a file, or a shape without an entry, gets None from the lookups, so
+the linear runs on cuBLAS / unfused: never an error. Host logic only (a fake device name)."""
+
+import json
+
+import pytest
+import torch
+
+from deepinfer.kernels import backends, blas_choice, fused_linear
+
+pytest.importorskip("triton")   # linear_triton compiles nothing here, but imports it
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """CONFIG_DIR in tmp_path and a CUDA device named "Fake GPU"; the table cache cleared."""
+    monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    backends.tuned_table.cache_clear()
+    yield tmp_path
+    backends.tuned_table.cache_clear()
+
+
+def _cuda_weight(out_features, in_features):
+    """What the lookups read of a weight: its device, shape and dtype (no GPU needed)."""
+    return type("Weight", (), {"device": torch.device("cuda", 0), "dtype": torch.bfloat16,
+                               "shape": torch.Size([out_features, in_features])})()
+
+
+def test_no_file_for_the_device_means_every_fallback(fake_gpu):
+    from deepinfer.kernels import linear_triton
+
+    assert linear_triton.tuned_config(1, _cuda_weight(4096, 4096)) is None
+    assert blas_choice.preferred_library(8, _cuda_weight(4096, 4096)) is None
+    assert backends.tuned_table(fused_linear.CONFIG_KIND, torch.device("cuda", 0),
+                                fused_linear.fused_table) == {}
+
+
+def test_a_shape_without_an_entry_falls_back_and_a_listed_one_is_found(fake_gpu):
+    from deepinfer.kernels import linear_triton
+
+    config = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    path = backends.device_config_path(linear_triton.CONFIG_KIND, "Fake GPU")
+    path.write_text(json.dumps({"entries": [
+        {"block_m": 16, "out_features": 6144, "in_features": 4096, "config": config,
+         "triton_faster": True}]}))
+    assert linear_triton.tuned_config(3, _cuda_weight(6144, 4096)) == config      # bucket 16
+    assert linear_triton.tuned_config(40, _cuda_weight(6144, 4096)) is None       # bucket 64: none
+    assert linear_triton.tuned_config(3, _cuda_weight(1000, 4096)) is None        # other shape
