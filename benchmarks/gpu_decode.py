@@ -310,7 +310,7 @@ def kernel_settings(core, settings: dict, *, recapture: bool = True):
     captured again where `recapture`); the engine's own config (and graphs) after."""
     import dataclasses
 
-    runner = core.model_runner
+    runner = core.executor.runner
     committed = runner.kernel_config
     runner.set_kernel_config(dataclasses.replace(committed, **settings))
     try:

@@ -66,7 +66,7 @@ def _engine_greedy(model_dir, prompts) -> list[list[int]]:
         scheduler={"max_num_batched_tokens": 64, "max_num_seqs": 8},
         kv_transfer={"kv_store": "none"})
     llm = LLM(config=config)
-    assert llm.engine_core.model_runner.cuda_graphs is not None
+    assert llm.engine_core.executor.runner.cuda_graphs is not None
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     tokens = [out.token_ids for out in llm.generate(prompts, params)]
     del llm
