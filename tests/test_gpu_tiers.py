@@ -4,7 +4,7 @@
 from pathlib import Path
 from types import SimpleNamespace
 
-import conftest
+from tests import conftest  # the root one: a bare `conftest` may be a subfolder's
 
 TESTS = Path(conftest.__file__).resolve().parent
 
