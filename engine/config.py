@@ -73,6 +73,8 @@ class ModelConfig:
     seed: base seed for requests that give none (None = random per request).
     served_model_name: the name clients use; None = derived from the model path.
     enforce_eager: on CUDA, run every step eagerly (no CUDA graphs for decode).
+    structured_outputs_backend: grammar backend of requests that name none: "auto" (XGrammar
+        when it enforces every keyword of a schema, else LLGuidance), "xgrammar", "guidance".
     """
 
     model: str | None = None
@@ -84,6 +86,7 @@ class ModelConfig:
     seed: int | None = None
     served_model_name: str | None = None
     enforce_eager: bool = False
+    structured_outputs_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _check("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -93,6 +96,10 @@ class ModelConfig:
                f"device={self.device!r} is not supported; use auto, cpu or cuda.")
         _check("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len={self.max_model_len} must be >= 1.")
+        _check("structured_outputs_backend",
+               self.structured_outputs_backend in ("auto", "xgrammar", "guidance"),
+               f"structured_outputs_backend={self.structured_outputs_backend!r} is not "
+               "supported; use auto, xgrammar or guidance.")
 
 
 @dataclass(frozen=True)

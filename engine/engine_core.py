@@ -28,7 +28,7 @@ from deepinfer.engine.outputs import ModelRunnerOutput, RequestOutput, Scheduler
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.structured.manager import xgrammar_manager
+from deepinfer.engine.structured.manager import grammar_manager
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,9 @@ class EngineCore:
             spec, cache.block_size, self._kv_cache_budget_bytes(model, spec))
         self.max_model_len = self._max_model_len(hf_config, num_blocks * cache.block_size)
         fingerprint = model_fingerprint(self.model_dir, self.dtype, cache.block_size)
-        self.structured_output = xgrammar_manager(self.tokenizer, self.vocab_size,
-                                                  self.eos_token_ids)
+        self.structured_output = grammar_manager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids,
+            config.model.structured_outputs_backend)
         self.model_runner = ModelRunner(model, num_blocks, cache.block_size, self.device,
                                         self.dtype, self.eos_token_ids,
                                         structured_output=self.structured_output)

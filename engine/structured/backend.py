@@ -9,6 +9,9 @@ A constraint is `SamplingParams.so_args = {"schema_type": ..., "schema": ...}`:
 | "regex"       | a regular expression (str)                | a full match of it             |
 | "ebnf"        | an EBNF grammar with a `root` rule (str)  | a sentence of the grammar      |
 
+An optional `"backend"` key picks the grammar backend: "xgrammar", "guidance" (LLGuidance) or
+"auto" (vLLM's spellings; see manager.py for what "auto" picks).
+
 Pure module: no torch, no xgrammar. The shape of XGrammar's API (compile once, then one matcher
 per sequence that accepts tokens, fills a bitmask and rolls back; STYLE.md #11) is the protocol.
 """
@@ -19,6 +22,7 @@ import json
 from typing import Any, Protocol
 
 GrammarKey = tuple[str, str]  # (schema_type, canonical schema text)
+BACKENDS = ("auto", "xgrammar", "guidance")
 # characters of a constraint's canonical text at most: compiling grows with it (20,000 choices
 # as one regex held two CPU cores for minutes; 400 choices, 63.5K characters, took 0.46 s with
 # SmolLM2's tokenizer and 2 threads on a 2-core CPU machine)
@@ -41,6 +45,19 @@ def grammar_key(so_args: dict[str, Any]) -> GrammarKey:
                            f"{MAX_SCHEMA_CHARS}. Shorten it (fewer choices, a smaller schema or "
                            "grammar)")
     return key
+
+
+def backend_choice(so_args: dict[str, Any], default: str) -> str:
+    """The backend a constraint asks for (`so_args["backend"]`), else `default`.
+
+    Raises:
+        GrammarError: not one of BACKENDS.
+    """
+    choice = so_args.get("backend") or default
+    if choice not in BACKENDS:
+        raise GrammarError(f"structured-outputs backend {choice!r} is not one of "
+                           f"{', '.join(BACKENDS)}; send one of them or leave it out.")
+    return choice
 
 
 def _canonical_key(so_args: dict[str, Any]) -> GrammarKey:

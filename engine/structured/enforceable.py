@@ -24,6 +24,11 @@ _IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependen
 _VALUE_KEYWORDS = ("pattern", "format", "minLength", "maxLength", "minimum", "maximum",
                    "exclusiveMinimum", "exclusiveMaximum")
 LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")   # (?= (?! (?<= (?<!, not escaped
+# what in a pattern stands for a character JSON writes escaped (quote, backslash, a control
+# character): XGrammar matches the pattern against the escaped JSON text, so the decoded value
+# breaks it (found by black-box testing: "^[A-Z]:\\\\[a-z]+$" gave "P:\n")
+_JSON_ESCAPED = re.compile(r'["\x00-\x1f]|\\(?:[\\"nrtfv0]|c[A-Za-z]|x(?:[01][0-9A-Fa-f]|22|5[Cc])'
+                           r'|u(?:00[01][0-9A-Fa-f]|0022|005[Cc]))')
 _SCHEMA_VALUES = ("items", "additionalProperties", "contains", "propertyNames", "not", "if",
                   "then", "else", "unevaluatedProperties", "unevaluatedItems",
                   "additionalItems")
@@ -111,9 +116,33 @@ def _check_values(schema: dict, path: str) -> None:
                            "(the length is dropped); write the length into the pattern, "
                            "e.g. '^[a-z]{1,3}$'")
     pattern = schema.get("pattern")
+    patterns = [("pattern", pattern)] + [
+        (f"patternProperties key {key!r}", key) for key in schema.get("patternProperties") or {}
+        if isinstance(schema.get("patternProperties"), dict)]
+    for where, text in patterns:
+        if isinstance(text, str) and _JSON_ESCAPED.search(_without_escaped_pairs(text)):
+            raise GrammarError(f"the {where} at {path} matches a quote, backslash or control "
+                               "character, which XGrammar would match against the escaped "
+                               "JSON text instead of the string's value; use the 'guidance' "
+                               "or 'auto' structured-outputs backend")
     if isinstance(pattern, str) and LOOKAROUND.search(pattern):
         raise GrammarError(f"the pattern at {path} uses a lookahead or lookbehind, which "
                            "cannot be enforced while generating; rewrite it without one")
+
+
+def _without_escaped_pairs(pattern: str) -> str:
+    """`pattern` with each escape pair other than a quote / backslash / control escape removed
+    (read left to right, so `\\\\d` is an escaped backslash, then `d`)."""
+    kept, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern):
+            if pattern[i + 1] in '\\"nrtfv0cxu':
+                kept.append(pattern[i:i + 2])
+            i += 2
+        else:
+            kept.append(pattern[i])
+            i += 1
+    return "".join(kept)
 
 
 def _check_object(schema: dict, path: str) -> None:

@@ -53,6 +53,12 @@ def _declare_required(schema: Any) -> Any:
     return schema
 
 
+def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
+    """Each token id's bytes as the model spells them (XGrammar's decoded vocabulary)."""
+    return list(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+                .decoded_vocab)
+
+
 class XGrammarMatcher:
     """`GrammarMatcher` over `xgrammar.GrammarMatcher` (see backend.py for the contract)."""
 
