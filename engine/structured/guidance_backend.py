@@ -68,10 +68,18 @@ class GuidanceMatcher:
         self._matcher = matcher
         self._eos = eos_token_ids
         self._extra_stops = [t for t in stop_token_ids if t not in eos_token_ids]
+        self._ended = False
 
     def accept_token(self, token_id: int) -> bool:
         if token_id in self._extra_stops:
             token_id = self._eos[0]
+        if token_id in self._eos:
+            # a complete value may have stopped the matcher already (nothing can follow);
+            # it then takes EOS although validate_tokens says 0
+            if self._ended or not self._matcher.is_accepting():
+                return False
+            self._ended = self._matcher.consume_token(token_id)
+            return self._ended
         if self._matcher.validate_tokens([token_id]) != 1:
             return False                       # refused: the matcher stays as it was
         return self._matcher.consume_token(token_id)
@@ -83,10 +91,12 @@ class GuidanceMatcher:
                 bitmask[row, token_id // 32] |= _bit(token_id % 32)
 
     def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._ended = False                # a stop token is always the last one
         self._matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
-        return self._matcher.is_stopped()
+        return self._ended
 
 
 def _bit(position: int) -> int:

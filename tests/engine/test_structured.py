@@ -143,7 +143,8 @@ def test_grammar_key_is_canonical_and_checks_types():
     ({"schema_type": "ebnf", "schema": "root ::= [^\\x00-\\U0010FFFF]"}, "matches no string"),
 ])
 def test_invalid_constraint_is_a_clear_value_error(llm, so_args, message):
-    params = SamplingParams(max_tokens=8, so_args=so_args)
+    """Under the XGrammar backend (under "auto" several of these go to LLGuidance)."""
+    params = SamplingParams(max_tokens=8, so_args={**so_args, "backend": "xgrammar"})
     with pytest.raises(ValueError, match=message):
         llm.engine_core.make_request(PROMPT, params)
     assert not llm.engine_core.has_unfinished_requests()
@@ -197,7 +198,7 @@ class CountingBackend:
 
 def test_cache_compiles_each_constraint_once_across_threads_and_evicts_lru():
     backend = CountingBackend()
-    manager = StructuredOutputManager(lambda: backend, max_cached_grammars=2)
+    manager = StructuredOutputManager({"xgrammar": lambda: backend}, max_cached_grammars=2)
     results = []
     threads = [threading.Thread(target=lambda: results.append(
         manager.compile({"schema_type": "regex", "schema": "a+"}))) for _ in range(6)]
