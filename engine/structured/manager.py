@@ -41,7 +41,7 @@ from typing import Any
 from deepinfer.engine.structured.backend import (BACKENDS, GrammarBackend, GrammarError,
                                                  GrammarKey, GrammarMatcher, backend_choice,
                                                  grammar_key)
-from deepinfer.engine.structured.enforceable import check_enforceable
+from deepinfer.engine.structured.enforceable import check_enforceable, exclusive_one_of
 
 
 @dataclass(frozen=True)
@@ -121,22 +121,24 @@ class StructuredOutputManager:
 
     def _compile(self, choice: str, key: GrammarKey) -> Compiled:
         json_output = key[0] in ("json", "json_object")
-        if json_output:
+        if key[0] == "json":
             from deepinfer.engine.structured.number_bounds import check_bounds_fit
-            check_bounds_fit(json.loads(key[1]) if key[0] == "json" else {})
+            schema = exclusive_one_of(json.loads(key[1]))
+            check_bounds_fit(schema)
+            key = ("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
         if choice != "auto":
             return Compiled(choice, self.get_backend(choice).compile(key), json_output)
         if key[0] != "json" or "guidance" not in self._factories:
             return Compiled("xgrammar", self.get_backend("xgrammar").compile(key), json_output)
         try:
             check_enforceable(json.loads(key[1]))
+            return Compiled("xgrammar", self.get_backend("xgrammar").compile(key), True)
         except GrammarError as xgrammar_reason:
             try:
                 return Compiled("guidance", self.get_backend("guidance").compile(key), True)
             except GrammarError as guidance_reason:
                 raise GrammarError(f"{xgrammar_reason} (XGrammar); LLGuidance cannot enforce "
                                    f"it either: {guidance_reason}") from None
-        return Compiled("xgrammar", self.get_backend("xgrammar").compile(key), True)
 
     def new_matcher(self, so_args: dict[str, Any], output_token_ids: Sequence[int],
                     stop_token_ids: Collection[int]) -> GrammarMatcher:
