@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-_SO_SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
+_SO_SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object", "structural_tag")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 _INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "logprobs", "n", "seed")

@@ -47,6 +47,9 @@ class ChatServing:
                           tools: ToolConfig | None) -> dict[str, Any] | None:
         so_args, param = so_args_from_request(req)
         tool_args = with_backend(tool_so_args(tools), req)
+        if tool_args is not None and tools.choice == "auto" and (
+                so_args is not None or req.stop or req.min_tokens or req.ignore_eos):
+            tool_args = None     # auto calls are then parsed from free text, as before
         if tool_args is not None:
             if so_args is not None:
                 raise APIError(f"tool_choice={req.tool_choice!r} constrains the output to a "

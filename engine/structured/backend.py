@@ -8,6 +8,7 @@ A constraint is `SamplingParams.so_args = {"schema_type": ..., "schema": ...}`:
 | "json_object" | ignored                                   | any JSON object                |
 | "regex"       | a regular expression (str)                | a full match of it             |
 | "ebnf"        | an EBNF grammar with a `root` rule (str)  | a sentence of the grammar      |
+| "structural_tag" | an XGrammar structural tag (dict / JSON) | free text; after a trigger, its tag |
 
 An optional `"backend"` key picks the grammar backend: "xgrammar", "guidance" (LLGuidance) or
 "auto" (vLLM's spellings; see manager.py for what "auto" picks).
@@ -88,13 +89,20 @@ def _canonical_key(so_args: dict[str, Any]) -> GrammarKey:
             raise GrammarError(f"the JSON schema must be an object, got {type(schema).__name__}"
                                "; send a JSON schema object such as {\"type\": \"object\"}.")
         return schema_type, json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    if schema_type == "structural_tag":
+        if not isinstance(schema, (dict, str)) or not schema:
+            raise GrammarError("so_args schema for schema_type='structural_tag' must be a "
+                               f"structural tag (a dict or its JSON text), got {schema!r}.")
+        text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False,
+                                                                 separators=(",", ":"))
+        return schema_type, text
     if schema_type in ("regex", "ebnf"):
         if not isinstance(schema, str) or not schema:
             raise GrammarError(f"so_args schema for schema_type={schema_type!r} must be a "
                                f"non-empty string, got {schema!r}.")
         return schema_type, schema
     raise GrammarError(f"so_args schema_type={schema_type!r} is not one of 'json', "
-                       "'json_object', 'regex', 'ebnf'.")
+                       "'json_object', 'regex', 'ebnf', 'structural_tag'.")
 
 
 class GrammarMatcher(Protocol):

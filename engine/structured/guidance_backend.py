@@ -133,6 +133,9 @@ class GuidanceBackend:
                 return llguidance.LLMatcher.grammar_from_lark(llguidance.gbnf_to_lark(schema))
             except Exception as exc:  # noqa: BLE001 - its parser raises plain exceptions
                 raise GrammarError(f"invalid EBNF grammar: {exc}") from None
+        if schema_type == "structural_tag":
+            raise GrammarError("structural tags (tool_choice 'auto' grammars) are compiled by "
+                               "XGrammar; use the 'auto' or 'xgrammar' backend")
         raise GrammarError(f"unknown schema_type {schema_type!r}")
 
     def compile(self, key: GrammarKey) -> llguidance.LLMatcher:
@@ -146,7 +149,7 @@ class GuidanceBackend:
             grammar, self._tokenizer)
         if is_error:
             what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex",
-                    "ebnf": "EBNF grammar"}[key[0]]
+                    "ebnf": "EBNF grammar"}.get(key[0], key[0])
             raise GrammarError(f"invalid or unsupported {what} (LLGuidance): "
                                f"{messages[0] if messages else 'no reason given'}")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)

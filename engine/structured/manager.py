@@ -17,7 +17,8 @@ the scheduler's usual token stop rule, and the matcher is then terminated. (So `
 Two backends (`BACKENDS`): XGrammar and LLGuidance. `so_args["backend"]` (else the manager's
 default, `--structured-outputs-backend`) picks one; "auto" compiles a JSON schema with XGrammar
 when every keyword of it is enforceable there (`check_enforceable`), else with LLGuidance, and
-regexes, EBNF grammars and `json_object` with XGrammar. A schema neither backend can enforce is
+regexes, EBNF grammars and `json_object` with XGrammar. Structural tags (tool_choice "auto":
+free text, then a call under its tool's schema) are XGrammar's whatever the choice. A schema neither backend can enforce is
 refused with both reasons (XGrammar's names the keyword and its path).
 
 JSON outputs (`json`, `json_object`) are matched through `DigitBoundMatcher`, whatever the
@@ -126,6 +127,8 @@ class StructuredOutputManager:
             schema = exclusive_one_of(json.loads(key[1]))
             check_bounds_fit(schema)
             key = ("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+        if key[0] == "structural_tag":    # tool-call grammars: XGrammar's structural tags
+            return Compiled("xgrammar", self.get_backend("xgrammar").compile(key), False)
         if choice != "auto":
             return Compiled(choice, self.get_backend(choice).compile(key), json_output)
         if key[0] != "json" or "guidance" not in self._factories:

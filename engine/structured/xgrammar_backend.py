@@ -132,8 +132,13 @@ class XGrammarBackend:
                 return self._compiler.compile_regex(schema)
             if schema_type == "ebnf":
                 return self._compiler.compile_grammar(schema)
-        except RuntimeError as exc:
-            what = {"json": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}[schema_type]
+            if schema_type == "structural_tag":
+                return self._compiler.compile_structural_tag(schema)
+        except GrammarError:
+            raise
+        except (RuntimeError, ValueError) as exc:
+            what = {"json": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar",
+                    "structural_tag": "structural tag"}[schema_type]
             raise GrammarError(f"invalid or unsupported {what}: {_clean_error(exc)}") from None
         raise GrammarError(f"unknown schema_type {schema_type!r}")
 

@@ -205,7 +205,13 @@ def test_auto_parses_hermes_calls_and_streams_them():
     assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in calls] == [("function", "get_weather", {"city": "Paris"}),
                                 ("function", "get_time", {})]
-    assert sent_params(engine)[0].so_args is None              # auto generates freely
+    tag = sent_params(engine)[0].so_args           # free text; a call under its tool's schema
+    assert tag["schema_type"] == "structural_tag"
+    assert [t["begin"] for t in tag["schema"]["format"]["tags"]] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": ',
+        '<tool_call>\n{"name": "get_time", "arguments": ']
+    assert tag["schema"]["format"]["tags"][0]["content"]["json_schema"] == WEATHER["function"][
+        "parameters"]
     check_same_in_stream(client, payload, body)
     one = client.post("/v1/chat/completions",
                       json={**payload, "parallel_tool_calls": False}).json()
