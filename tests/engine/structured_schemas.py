@@ -170,13 +170,16 @@ def allowed_ids(bitmask, vocab_size: int):
 
 def random_walk(manager, so_args: dict, stop_ids: list[int], rng, max_tokens: int,
                 preferred: set[int] = frozenset(), prefer_p: float = 0.6, end_p: float = 0.5,
-                timings: list | None = None) -> tuple[list[int], bool]:
+                timings: list | None = None, prefix: list[int] = (),
+                until: str | None = None, tokenizer=None) -> tuple[list[int], bool]:
     """Tokens a matcher allows, picked at random (from `preferred` with probability `prefer_p`
     when any is allowed; a stop token with probability `end_p` once one is allowed), until a
     stop token or `max_tokens`. Returns (tokens without the stop token, whether it stopped).
-    `timings` collects each mask fill's seconds."""
+    `timings` collects each mask fill's seconds. The walk starts after `prefix` (tokens the
+    matcher accepts first) and, given `until` and `tokenizer`, counts as stopped once the text
+    contains `until`."""
     import time
-    matcher = manager.new_matcher(so_args, [], stop_ids)
+    matcher = manager.new_matcher(so_args, list(prefix), stop_ids)
     vocab = manager.backend.vocab_size
     tokens: list[int] = []
     for _ in range(max_tokens):
@@ -195,4 +198,6 @@ def random_walk(manager, so_args: dict, stop_ids: list[int], rng, max_tokens: in
         token = rng.choice(liked if liked and rng.random() < prefer_p else others)
         assert matcher.accept_token(token)
         tokens.append(token)
+        if until is not None and until in tokenizer.decode(list(prefix) + tokens):
+            return tokens, True
     return tokens, False

@@ -220,26 +220,73 @@ def test_rollback_restores_the_bitmask_and_a_closed_value_allows_only_stop(manag
 
 # ---- JSONSchemaBench -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("split", BENCH_SPLITS)
 def test_jsonschemabench_compile_rate_per_backend_and_outputs_validate(manager, tokenizer,
-                                                                      closing, split):
-    """Every 8th schema of the split: the share each backend compiles (auto: >= 97%), and
-    every finished walk under auto validates."""
-    paths = sorted((BENCH_DIR / split).glob("*.json"))[::8]
-    compiled = {backend: 0 for backend in ("xgrammar", "guidance", "auto")}
-    for path in paths:
-        schema = json.loads(path.read_text())
-        for backend in compiled:
-            try:
-                manager.compile(json_args(schema, backend))
-                compiled[backend] += 1
-            except GrammarError:
-                continue
-            if backend == "auto":
-                finished, _ = walk_texts(manager, tokenizer, json_args(schema), closing,
-                                         seeds=1, max_tokens=160, prefer_p=0.8)
-                for text in finished:
-                    validate(text, schema)
-    rates = {backend: count / len(paths) for backend, count in compiled.items()}
-    assert rates["auto"] >= max(rates["xgrammar"], rates["guidance"]), rates
-    assert rates["auto"] >= 0.97 or split == "Kubernetes", rates
+                                                                      closing):
+    """Every 8th schema of each vendored split: the share each backend compiles (auto takes
+    at least what either does, >= 97% over the splits), and every finished walk under auto
+    validates (benchmarks/bench_structured.py runs every schema)."""
+    rates, accepted, total = {}, 0, 0
+    for split in BENCH_SPLITS:
+        paths = sorted((BENCH_DIR / split).glob("*.json"))[::8]
+        compiled = {backend: 0 for backend in ("xgrammar", "guidance", "auto")}
+        for path in paths:
+            schema = json.loads(path.read_text())
+            for backend in compiled:
+                try:
+                    manager.compile(json_args(schema, backend))
+                    compiled[backend] += 1
+                except GrammarError:
+                    continue
+                if backend == "auto":
+                    finished, _ = walk_texts(manager, tokenizer, json_args(schema), closing,
+                                             seeds=1, max_tokens=160, prefer_p=0.8)
+                    for text in finished:
+                        validate(text, schema)
+        rates[split] = {backend: count / len(paths) for backend, count in compiled.items()}
+        assert compiled["auto"] >= max(compiled["xgrammar"], compiled["guidance"]), rates
+        accepted, total = accepted + compiled["auto"], total + len(paths)
+    assert accepted / total >= 0.97, rates
+
+
+# ---- tool_choice "auto": a lazily triggered grammar -------------------------------------------
+
+def test_auto_tool_calls_follow_their_tool_schema_once_started(manager, tokenizer, closing):
+    """Issue 34.3: text is free until `<tool_call>`; the call then names one of the tools and
+    its arguments validate against that tool's parameters (a `strict: false` tool's are any
+    JSON object), so the Hermes parser always finds a call."""
+    from deepinfer.server.protocol import ChatCompletionRequest
+    from deepinfer.server.tool_parser import HermesStreamer
+    from deepinfer.server.tools import tool_config, tool_so_args
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                "days": {"type": "integer", "minimum": 1,
+                                                         "maximum": 7}},
+               "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "note", "strict": False,
+                                               "parameters": {"type": "object"}}}]
+    config = tool_config(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                               tools=tools))
+    so_args = tool_so_args(config)
+    assert manager.compile(so_args).backend == "xgrammar"
+    prefix = tokenizer.encode("Let me check. <tool_call>", add_special_tokens=False)
+    free = manager.new_matcher(so_args, [], [tokenizer.eos_token_id])
+    assert all(free.accept_token(t) for t in tokenizer.encode("any text", add_special_tokens=False))
+    calls = 0
+    for seed in range(6):
+        tokens, done = random_walk(manager, so_args, [tokenizer.eos_token_id],
+                                   random.Random(seed), 200, closing, prefer_p=0.8,
+                                   end_p=0.0, prefix=prefix, until="</tool_call>",
+                                   tokenizer=tokenizer)
+        if not done:
+            continue
+        streamer = HermesStreamer(config.names).run(tokenizer.decode(prefix + tokens))
+        assert len(streamer.calls) == 1, tokenizer.decode(prefix + tokens)
+        call = streamer.calls[0]
+        arguments = json.loads(call.arguments)
+        if call.name == "get_weather":
+            jsonschema.validate(arguments, weather)
+        else:
+            assert isinstance(arguments, dict)
+        calls += 1
+    assert calls >= 4
