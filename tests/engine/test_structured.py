@@ -431,3 +431,30 @@ def test_a_slow_compile_never_stalls_other_requests(tiny_llama_dir):
     assert other_out.num_output_tokens == 8
     assert slow_out.finish_reason == "stop"
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", slow_out.text), slow_out.text
+
+
+@pytest.mark.parametrize("backend", ["guidance", "auto"])
+def test_issue_kinds_validate_end_to_end_and_a_cut_is_length(llm, backend):
+    """The model generating under each kind issue 34 names (LLGuidance, or auto's pick): every
+    output that stops validates (formats checked); one cut by max_tokens says "length"."""
+    from structured_schemas import ISSUE_KINDS
+    from test_structured_backends import format_checker
+
+    names = list(ISSUE_KINDS)
+    params = [SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_tokens=MAX_TOKENS,
+                             so_args={"schema_type": "json", "schema": ISSUE_KINDS[name],
+                                      "backend": backend})
+              for name in names for seed in range(2)]
+    outputs = llm.generate([PROMPT] * len(params), params)
+    stopped = 0
+    for i, output in enumerate(outputs):
+        if output.finish_reason == "stop":
+            stopped += 1
+            jsonschema.validate(json.loads(output.text), ISSUE_KINDS[names[i // 2]],
+                                format_checker=format_checker())
+            assert_compact(output.text)
+    assert stopped >= 0.7 * len(outputs)
+    cut = llm.generate([PROMPT], SamplingParams(
+        temperature=0.0, max_tokens=3, so_args={"schema_type": "json", "backend": backend,
+                                                "schema": ISSUE_KINDS["formats"]}))[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
