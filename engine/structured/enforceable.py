@@ -241,15 +241,27 @@ def exclusive_one_of(schema: Any, root: Any = None) -> Any:
     _settle_dependencies(schema)
     branches = schema.get("oneOf")
     if not isinstance(branches, list) or len(branches) < 2:
-        return schema
+        return _required_into_branches(schema)
     if _exclusive(branches, root) and "anyOf" not in schema:
         schema["anyOf"] = schema.pop("oneOf")
-        return schema
+        return _required_into_branches(schema)
     narrowed = _narrowed_branches(schema, branches)
     if narrowed is not None:
         for key in ("oneOf", "properties", "required", "additionalProperties"):
             schema.pop(key, None)
         schema["anyOf"] = narrowed
+    return _required_into_branches(schema)
+
+
+def _required_into_branches(schema: dict) -> dict:
+    """`{"required": R, "anyOf": [B_i]}` with R also in each B_i (the same set of values):
+    XGrammar drops a parent's `required` inside `anyOf` branches (found by the benchmark:
+    JSONSchemaBench Github_trivial/o35155 gave an object without its required "type")."""
+    branches, required = schema.get("anyOf"), schema.get("required")
+    if (isinstance(branches, list) and isinstance(required, list) and required
+            and all(isinstance(b, dict) and "$ref" not in b for b in branches)):
+        schema["anyOf"] = [{**branch, "required": list(dict.fromkeys(
+            (branch.get("required") or []) + required))} for branch in branches]
     return schema
 
 
