@@ -1,19 +1,21 @@
-"""Structured outputs: XGrammar mask time over a schema corpus, and the cost of a JSON-schema
-constraint on end-to-end decode throughput.
+"""Structured outputs: both grammar backends (XGrammar, LLGuidance) and "auto" over JSONSchemaBench,
+and the cost of a JSON-schema constraint on end-to-end decode throughput.
 
-    python benchmarks/bench_structured.py [--per-split 25] [--walk-tokens 64] [--new-tokens 64]
+    python benchmarks/bench_structured.py [--per-split 0] [--walk-tokens 64] [--new-tokens 64]
 
-1. Corpus: `--per-split` schemas from each JSONSchemaBench split (Geng et al. 2025) plus the
-   hand-written ones of tests/engine/structured_schemas.py. Each is compiled with the
-   SmolLM2 tokenizer (share that compiles; failures are the clear 400s a client would get).
-2. Mask time: for each compiled schema a random walk of up to `--walk-tokens` tokens under the
-   grammar (each step picks an allowed token at random, preferring ones that close strings and
-   containers); `fill_next_token_bitmask` is timed at every step. Prints mean and p99 in us
-   (target: p99 <= 500 us). Walks that reach the end are parsed and validated with jsonschema
-   (share of outputs that validate).
+1. Coverage: every schema of each vendored JSONSchemaBench split (Geng et al. 2025;
+   `--per-split N` takes N evenly spaced ones) plus the hand-written kinds of
+   tests/engine/structured_schemas.py, compiled with the SmolLM2 tokenizer under each backend:
+   share compiled per split (the rest get clear 400s), compile time mean / p99 / max.
+   Target: >= 97% across the splits under auto.
+2. Mask time: per compiled schema a random walk of up to `--walk-tokens` tokens under the
+   grammar (allowed tokens at random, preferring ones that close strings and containers); each
+   bitmask fill is timed, bounded-number wrapper included. Mean and p99 in us per backend
+   (target: p99 <= 500 us). Walks that end are validated with jsonschema, formats checked
+   (target: 0 invalid).
 3. Decode: SmolLM2-135M in-process, 16 concurrent requests (one batch), greedy, `--new-tokens`
-   each, unconstrained vs constrained to a JSON schema whose outputs run long; tokens/s =
-   generated tokens / wall time, and the slowdown (target: <= 10%).
+   each, unconstrained vs constrained to a JSON schema whose outputs run long, per backend;
+   tokens/s = generated tokens / wall time, and the slowdown (target: <= 10%).
 """
 
 from __future__ import annotations
@@ -34,82 +36,80 @@ sys.path.insert(0, str(ROOT / "tests" / "engine"))
 LONG_SCHEMA = {"type": "object", "properties": {
     "notes": {"type": "array", "items": {"type": "string"}, "minItems": 64}},
     "required": ["notes"]}
+BACKENDS = ("xgrammar", "guidance", "auto")
 
 
-def allowed_ids(bitmask, vocab_size: int) -> np.ndarray:
-    bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")[:vocab_size]
-    return np.flatnonzero(bits)
+def corpus(per_split: int) -> dict[str, dict]:
+    from structured_schemas import (BENCH_DIR, BENCH_SPLITS, HAND_WRITTEN, ISSUE_KINDS,
+                                    bench_sample)
+    if per_split:
+        schemas = bench_sample(per_split)
+    else:
+        schemas = {f"{split}/{path.stem}": json.loads(path.read_text())
+                   for split in BENCH_SPLITS for path in sorted((BENCH_DIR / split).glob("*.json"))}
+    return {**schemas, **{f"hand/{k}": v for k, v in {**HAND_WRITTEN, **ISSUE_KINDS}.items()}}
 
 
-def random_walk(backend, compiled, eos: list[int], closing: set[int], rng: random.Random,
-                max_tokens: int) -> tuple[list[float], list[int], bool]:
-    """(mask fill times in s, tokens, reached the end)."""
-    matcher = backend.matcher(compiled, eos)
-    bitmask = backend.allocate_bitmask(1)
-    times, tokens = [], []
-    for _ in range(max_tokens):
-        start = time.perf_counter()
-        matcher.fill_bitmask(bitmask, 0)
-        times.append(time.perf_counter() - start)
-        allowed = allowed_ids(bitmask, backend.vocab_size)
-        if any(t in eos for t in allowed) and rng.random() < 0.5:
-            return times, tokens, True
-        preferred = [int(t) for t in allowed if int(t) in closing and t not in eos]
-        pool = preferred if preferred and rng.random() < 0.6 else [
-            int(t) for t in allowed if t not in eos] or [int(t) for t in allowed]
-        token = rng.choice(pool)
-        if token in eos:
-            return times, tokens, True
-        matcher.accept_token(token)
-        tokens.append(token)
-    return times, tokens, False
-
-
-def corpus_stats(per_split: int, walk_tokens: int) -> None:
+def backend_stats(manager, tokenizer, schemas: dict[str, dict], backend: str,
+                  walk_tokens: int) -> None:
     import jsonschema
-    from deepinfer.engine.loader import load_tokenizer, resolve_model_dir
     from deepinfer.engine.structured import GrammarError
-    from deepinfer.engine.structured.xgrammar_backend import XGrammarBackend
-    from structured_schemas import HAND_WRITTEN, bench_sample, is_exact
+    from structured_schemas import random_walk
+    from test_structured_backends import format_checker
 
-    tokenizer = load_tokenizer(resolve_model_dir(None, None))
     eos = [tokenizer.eos_token_id]
-    backend = XGrammarBackend(tokenizer, len(tokenizer), eos)
-    closing = {i for i in range(len(tokenizer)) if any(c in tokenizer.decode([i]) for c in
-                                                       '"}],')}
-    corpus = {**bench_sample(per_split), **{f"hand/{k}": v for k, v in HAND_WRITTEN.items()}}
+    closing = {i for i in range(len(tokenizer))
+               if any(c in tokenizer.decode([i]) for c in '"}],')}
     rng = random.Random(0)
-    compiled_count, finished, valid, mask_times, compile_s = 0, 0, 0, [], []
-    exact_finished = exact_valid = 0
-    for name, schema in corpus.items():
+    per_split: dict[str, list[int]] = {}
+    compile_s, mask_s, finished, invalid, picked = [], [], 0, [], {}
+    for name, schema in schemas.items():
+        split = name.split("/")[0]
+        counts = per_split.setdefault(split, [0, 0])
+        counts[1] += 1
+        so_args = {"schema_type": "json", "schema": schema, "backend": backend}
         start = time.perf_counter()
         try:
-            compiled = backend.compile(("json", json.dumps(schema)))
+            compiled = manager.compile(so_args)
         except GrammarError:
             continue
         compile_s.append(time.perf_counter() - start)
-        compiled_count += 1
-        times, tokens, done = random_walk(backend, compiled, eos, closing, rng, walk_tokens)
-        mask_times += times
+        counts[0] += 1
+        picked[compiled.backend] = picked.get(compiled.backend, 0) + 1
+        tokens, done = random_walk(manager, so_args, eos, rng, walk_tokens, closing,
+                                   timings=mask_s)
         if done:
             finished += 1
-            exact_finished += is_exact(schema)
             try:
-                jsonschema.validate(json.loads(tokenizer.decode(tokens)), schema)
-                valid += 1
-                exact_valid += is_exact(schema)
-            except (json.JSONDecodeError, jsonschema.ValidationError,
-                    jsonschema.SchemaError):
-                pass
-    us = np.array(mask_times) * 1e6
-    print(f"corpus: {len(corpus)} schemas; compiled {compiled_count} "
-          f"({compiled_count / len(corpus):.1%}); compile time mean "
-          f"{np.mean(compile_s) * 1e3:.1f} ms, max {np.max(compile_s) * 1e3:.0f} ms")
-    print(f"mask fill: {len(us)} tokens; mean {us.mean():.1f} us, p50 {np.percentile(us, 50):.1f}"
-          f" us, p99 {np.percentile(us, 99):.1f} us (target p99 <= 500 us)")
-    print(f"outputs: {finished} walks reached the end; {valid} validate "
-          f"({valid / max(finished, 1):.1%}); of schemas without not/allOf/oneOf/if/...: "
-          f"{exact_valid}/{exact_finished}")
+                jsonschema.validate(json.loads(tokenizer.decode(tokens)), schema,
+                                    format_checker=format_checker())
+            except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+                invalid.append((name, str(exc)[:120]))
+    bench = {k: v for k, v in per_split.items() if k != "hand"}
+    accepted, total = sum(c[0] for c in bench.values()), sum(c[1] for c in bench.values())
+    splits = ", ".join(f"{k} {c[0]}/{c[1]} ({c[0] / c[1]:.1%})" for k, c in per_split.items())
+    ms, us = np.array(compile_s) * 1e3, np.array(mask_s) * 1e6
+    print(f"[{backend}] coverage: {splits}; JSONSchemaBench {accepted}/{total} "
+          f"({accepted / total:.1%}; target >= 97%)" + (f"; compiled by {picked}"
+                                                         if backend == "auto" else ""))
+    print(f"[{backend}] compile: mean {ms.mean():.1f} ms, p99 {np.percentile(ms, 99):.0f} ms, "
+          f"max {ms.max():.0f} ms")
+    print(f"[{backend}] mask fill: {len(us)} tokens; mean {us.mean():.1f} us, p50 "
+          f"{np.percentile(us, 50):.1f} us, p99 {np.percentile(us, 99):.1f} us "
+          "(target p99 <= 500 us)")
+    print(f"[{backend}] outputs: {finished} walks ended; {len(invalid)} invalid (target 0)"
+          + (f": {invalid[:3]}" if invalid else ""))
+
+
+def corpus_stats(per_split: int, walk_tokens: int) -> None:
+    from deepinfer.engine.loader import load_tokenizer, resolve_model_dir
+    from deepinfer.engine.structured.manager import grammar_manager
+
+    tokenizer = load_tokenizer(resolve_model_dir(None, None))
+    schemas = corpus(per_split)
+    for backend in BACKENDS:   # a fresh manager each: no compile is a cache hit
+        manager = grammar_manager(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+        backend_stats(manager, tokenizer, schemas, backend, walk_tokens)
 
 
 def decode_throughput(new_tokens: int, concurrency: int, rounds: int) -> None:
@@ -121,13 +121,15 @@ def decode_throughput(new_tokens: int, concurrency: int, rounds: int) -> None:
                                   cache=CacheConfig(num_blocks=2048)))
     prompts = [llm.tokenizer.encode(f"Write {i + 3} short notes about the sea as JSON.")
                for i in range(concurrency)]
-    free = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=new_tokens,
-                                 so_args={"schema_type": "json", "schema": LONG_SCHEMA})
-    llm.generate(prompts[:2], [free, constrained])                     # warm-up, compile
+    runs = {"unconstrained": SamplingParams(temperature=0, max_tokens=new_tokens,
+                                            ignore_eos=True)}
+    for backend in ("xgrammar", "guidance"):
+        runs[backend] = SamplingParams(temperature=0, max_tokens=new_tokens, so_args={
+            "schema_type": "json", "schema": LONG_SCHEMA, "backend": backend})
+    llm.generate(prompts[:3], list(runs.values()))                 # warm-up, compile
     rates: dict[str, float] = {}
     for _ in range(rounds):   # alternate, keep the best of each: the machine may be shared
-        for label, params in (("unconstrained", free), ("json schema", constrained)):
+        for label, params in runs.items():
             start = time.perf_counter()
             outputs = llm.generate(prompts, params)
             elapsed = time.perf_counter() - start
@@ -136,20 +138,23 @@ def decode_throughput(new_tokens: int, concurrency: int, rounds: int) -> None:
     for label, rate in rates.items():
         print(f"decode {label:>13}: {rate:.1f} tok/s ({concurrency} concurrent, "
               f"{new_tokens} tokens each, best of {rounds})")
-    slowdown = 1 - rates["json schema"] / rates["unconstrained"]
-    print(f"constraint slowdown: {slowdown:.1%} (target <= 10%)")
+    for backend in ("xgrammar", "guidance"):
+        slowdown = 1 - rates[backend] / rates["unconstrained"]
+        print(f"constraint slowdown [{backend}]: {slowdown:.1%} (target <= 10%)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--per-split", type=int, default=25)
+    parser.add_argument("--per-split", type=int, default=0, help="0: every schema")
     parser.add_argument("--walk-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-decode", action="store_true")
     args = parser.parse_args()
     corpus_stats(args.per_split, args.walk_tokens)
-    decode_throughput(args.new_tokens, args.concurrency, args.rounds)
+    if not args.skip_decode:
+        decode_throughput(args.new_tokens, args.concurrency, args.rounds)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ class ModelConfig:
     seed: base seed for requests that give none (None = random per request).
     served_model_name: the name clients use; None = derived from the model path.
     enforce_eager: on CUDA, run every step eagerly (no CUDA graphs for decode).
+    structured_outputs_backend: grammar backend of requests that name none: "auto" (XGrammar
+        when it enforces every keyword of a schema, else LLGuidance), "xgrammar", "guidance".
     """
 
     model: str | None = _field(None, env="DEEPINFER_HF_MODEL_DIR", flag="model")
@@ -76,6 +78,8 @@ class ModelConfig:
     served_model_name: str | None = _field(None, env="DEEPINFER_SERVED_MODEL_NAME",
                                            flag="served_model_name")
     enforce_eager: bool = _field(False, env="DEEPINFER_ENFORCE_EAGER", flag="enforce_eager")
+    structured_outputs_backend: str = _field("auto", env="DEEPINFER_STRUCTURED_OUTPUTS_BACKEND",
+                                             flag="structured_outputs_backend")
 
     def __post_init__(self) -> None:
         _check("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -85,6 +89,10 @@ class ModelConfig:
                f"device={self.device!r} is not supported; use auto, cpu or cuda.")
         _check("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len={self.max_model_len} must be >= 1.")
+        _check("structured_outputs_backend",
+               self.structured_outputs_backend in ("auto", "xgrammar", "guidance"),
+               f"structured_outputs_backend={self.structured_outputs_backend!r} is not "
+               "supported; use auto, xgrammar or guidance.")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from deepinfer.engine.outputs import (EngineCoreOutput, ModelRunnerOutput, Reque
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.structured.manager import xgrammar_manager
+from deepinfer.engine.structured.manager import grammar_manager
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,9 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         if model is None:
             model = loader.load_model(self.model_dir, dtype, device)
-        self.structured_output = xgrammar_manager(self.tokenizer, self.vocab_size,
-                                                  self.eos_token_ids)
+        self.structured_output = grammar_manager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids,
+            config.model.structured_outputs_backend)
         self.executor: Executor = UniProcExecutor(config, model, device, dtype,
                                                   self.eos_token_ids, self.structured_output)
         cache, num_blocks = config.cache, self.executor.num_blocks

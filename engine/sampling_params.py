@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-_SO_SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
+_SO_SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object", "structural_tag")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 _INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "logprobs", "n", "seed")
@@ -58,7 +58,8 @@ class SamplingParams:
     n: choices per prompt; each runs as its own request (`fan_out`).
     skip_special_tokens: drop special tokens when detokenizing.
     so_args: structured output, `{"schema_type": "json"|"regex"|"ebnf"|"json_object",
-        "schema": ...}` (enforced by the structured-output backend).
+        "schema": ..., "backend": "auto"|"xgrammar"|"guidance" (optional)}` (enforced by
+        engine/structured).
     """
 
     temperature: float = 1.0
@@ -164,10 +165,10 @@ class SamplingParams:
             kind = self.so_args.get("schema_type")
             if kind not in _SO_SCHEMA_TYPES:
                 raise ValueError(f"so_args schema_type={kind!r} is not one of {_SO_SCHEMA_TYPES}.")
-            unknown = sorted(set(self.so_args) - {"schema_type", "schema"})
+            unknown = sorted(set(self.so_args) - {"schema_type", "schema", "backend"})
             if unknown:
                 raise SamplingParamsError(f"so_args has unknown keys {unknown}; it takes "
-                                          "schema_type and schema.", "so_args")
+                                          "schema_type, schema and backend.", "so_args")
             # a stop string would cut the output before its grammar is complete
             if self.stop:
                 raise ValueError(f"stop={self.stop!r} cannot be combined with so_args: a "

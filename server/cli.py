@@ -73,6 +73,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                        default=keep, help="weights and activations dtype (default auto)")
     serve.add_argument("--device", default=keep, help="auto, cpu, cuda or cuda:N (default auto)")
+    serve.add_argument("--structured-outputs-backend", choices=["auto", "xgrammar", "guidance"],
+                       default=keep, help="grammar backend of structured outputs and tool "
+                       "calls: auto (XGrammar when it enforces every keyword of the schema, "
+                       "else LLGuidance), xgrammar or guidance (default auto)")
     serve.add_argument("--served-model-name", default=keep,
                        help="the model name clients send (default: derived from MODEL)")
     serve.add_argument("--seed", type=int, default=keep,

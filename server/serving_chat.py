@@ -24,7 +24,7 @@ from deepinfer.server.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              DeltaMessage)
 from deepinfer.server.sse import sse_event
-from deepinfer.server.structured import check_compiles, so_args_from_request
+from deepinfer.server.structured import check_compiles, so_args_from_request, with_backend
 from deepinfer.server.tools import ToolConfig, tool_config, tool_so_args, tool_streamer
 from deepinfer.server.validation import (build_params, chat_kwargs, check_kv_transfer_params, check_model,
                                fit_max_tokens)
@@ -46,7 +46,10 @@ class ChatServing:
     async def _constraint(self, req: ChatCompletionRequest,
                           tools: ToolConfig | None) -> dict[str, Any] | None:
         so_args, param = so_args_from_request(req)
-        tool_args = tool_so_args(tools)
+        tool_args = with_backend(tool_so_args(tools), req)
+        if tool_args is not None and tools.choice == "auto" and (
+                so_args is not None or req.stop or req.min_tokens or req.ignore_eos):
+            tool_args = None     # auto calls are then parsed from free text, as before
         if tool_args is not None:
             if so_args is not None:
                 raise APIError(f"tool_choice={req.tool_choice!r} constrains the output to a "

@@ -5,7 +5,9 @@ Accepted spellings, all mapped to `{"schema_type": "json"|"json_object"|"regex"|
 - OpenAI `response_format`: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict", "description"}}` (`{"type": "text"}` = no constraint);
 - vLLM `structured_outputs`: exactly one of `json` (schema), `json_object` (true), `regex`,
-  `grammar` (EBNF), `choice` (list of strings);
+  `grammar` (EBNF), `choice` (list of strings); and optionally `backend`: "auto", "xgrammar"
+  or "guidance", the grammar backend of this request's constraint, whichever field (or tool
+  choice) it comes from (`structured_outputs: {"backend": ...}` alone picks only the backend);
 - vLLM's older `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice`.
 A request may use one of them. A choice list becomes a regex that matches one choice exactly.
 Whether the schema, regex or grammar compiles (and is not too long to compile quickly:
@@ -53,13 +55,30 @@ _STRUCTURED_OUTPUT_KEYS = {"json": "json", "regex": "regex", "grammar": "ebnf",
                            "choice": "choice", "json_object": "json_object"}
 
 
-def _from_structured_outputs(spec: dict[str, Any]) -> dict[str, Any]:
+_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+def request_backend(req: SamplingFields) -> str | None:
+    """`structured_outputs.backend`, checked; None when not given."""
+    spec = req.structured_outputs
+    backend = spec.get("backend") if isinstance(spec, dict) else None
+    if backend is not None and backend not in _BACKENDS:
+        raise APIError(f"structured_outputs.backend={backend!r} is not one of "
+                       f"{', '.join(_BACKENDS)}; pick one or leave it out (default: the "
+                       "server's --structured-outputs-backend).",
+                       param="structured_outputs.backend", code="invalid_value")
+    return backend
+
+
+def _from_structured_outputs(spec: dict[str, Any]) -> dict[str, Any] | None:
     given = [key for key in _STRUCTURED_OUTPUT_KEYS if spec.get(key) not in (None, False)]
-    unknown = sorted(set(spec) - set(_STRUCTURED_OUTPUT_KEYS))
+    unknown = sorted(set(spec) - set(_STRUCTURED_OUTPUT_KEYS) - {"backend"})
     if unknown:
         raise APIError(f"structured_outputs has unsupported field(s) {unknown}; use one of "
-                       f"{sorted(_STRUCTURED_OUTPUT_KEYS)}.", param="structured_outputs",
-                       code="unsupported_parameter")
+                       f"{sorted(_STRUCTURED_OUTPUT_KEYS)} (and optionally 'backend').",
+                       param="structured_outputs", code="unsupported_parameter")
+    if not given and "backend" in spec:
+        return None
     if len(given) != 1:
         raise APIError(f"structured_outputs must set exactly one of "
                        f"{sorted(_STRUCTURED_OUTPUT_KEYS)}; got {given or 'none'}.",
@@ -94,7 +113,9 @@ def so_args_from_request(req: SamplingFields) -> tuple[dict[str, Any] | None, st
     if from_format is not None:
         found.append(("response_format", from_format))
     if req.structured_outputs is not None:
-        found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
+        from_spec = _from_structured_outputs(req.structured_outputs)
+        if from_spec is not None:
+            found.append(("structured_outputs", from_spec))
     legacy = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "ebnf",
               "guided_choice": "choice"}
     for field, kind in legacy.items():
@@ -105,7 +126,17 @@ def so_args_from_request(req: SamplingFields) -> tuple[dict[str, Any] | None, st
         names = ", ".join(name for name, _ in found)
         raise APIError(f"Only one structured-output constraint may be given, got {names}; keep "
                        "one of them.", param=found[1][0], code="invalid_value")
-    return (found[0][1], found[0][0]) if found else (None, None)
+    if not found:
+        return None, None
+    return with_backend(found[0][1], req), found[0][0]
+
+
+def with_backend(so_args: dict[str, Any] | None, req: SamplingFields) -> dict[str, Any] | None:
+    """`so_args` with the request's `structured_outputs.backend`, if it names one."""
+    backend = request_backend(req)
+    if so_args is None or backend is None:
+        return so_args
+    return {**so_args, "backend": backend}
 
 
 async def check_compiles(engine: Any, so_args: dict[str, Any], param: str) -> None:

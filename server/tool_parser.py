@@ -8,7 +8,9 @@ non-stream body runs the same streamer over the whole text, so the two always ag
 
 - `HermesStreamer` (tool_choice "auto"): Hermes-2-Pro's convention, which Qwen2.5, Hermes and
   many chat templates use: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
-  text outside the tags is content. A call is sent once its closing tag (or the end) arrives.
+  text outside the tags is content. The body is scanned as JSON: the header goes out when the
+  name is complete, the arguments as they are generated; a closing tag inside a JSON string is
+  text of the call.
 - `NamedCallStreamer` (tool_choice naming a function): the whole output is the arguments
   object, generated under the function's JSON schema; fragments stream as they come.
 - `CallArrayStreamer` (tool_choice "required"): the output is `[{"name": ..., "arguments":
@@ -19,12 +21,14 @@ non-stream body runs the same streamer over the whole text, so the two always ag
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+logger = logging.getLogger(__name__)
 
 
 def new_call_id() -> str:
@@ -128,10 +132,16 @@ class CallArrayStreamer(ToolCallStreamer):
         while self.pos < len(self.text):
             pieces += self._step(self.text[self.pos])
             self.pos += 1
-        if self.key == "arguments" and self.value_start >= 0 and self.calls:
+        if self._streaming_arguments():
             pieces += self._arguments(self.text[self.sent:self.pos])
             self.sent = self.pos
         return pieces
+
+    def _streaming_arguments(self) -> bool:
+        """Inside the current call's arguments object ("parameters" is read as "arguments";
+        arguments written as a JSON string are left to the caller)."""
+        return (self.key in ("arguments", "parameters") and self.value_start >= 0
+                and bool(self.calls) and self.text[self.value_start] == "{")
 
     def _step(self, char: str) -> list[dict[str, Any]]:
         at = self.pos
@@ -180,7 +190,7 @@ class CallArrayStreamer(ToolCallStreamer):
 
     def _member_end(self, at: int) -> list[dict[str, Any]]:
         pieces = []
-        if self.key == "arguments" and self.value_start >= 0 and self.calls:
+        if self._streaming_arguments():
             pieces = self._arguments(self.text[self.sent:at].rstrip())
         self.key, self.value_start, self.sent = None, _NO_VALUE, at
         return pieces
@@ -190,6 +200,11 @@ class HermesStreamer(ToolCallStreamer):
     """Args:
         tool_names: the functions the request offers; a call to another name stays content.
         max_calls: calls kept (1 when parallel_tool_calls is false); later ones are dropped.
+
+    Inside `<tool_call>` the body is scanned as JSON (a `CallArrayStreamer` over `[` + body),
+    so a `</tool_call>` inside a string of the arguments does not end the call, the header is
+    sent once the name is complete and the arguments stream as they are generated. A block
+    that does not parse as a call is reported: logged, and sent as content (never dropped).
     """
 
     def __init__(self, tool_names: Collection[str], max_calls: int | None = None) -> None:
@@ -197,39 +212,95 @@ class HermesStreamer(ToolCallStreamer):
         self.tool_names = set(tool_names)
         self.max_calls = max_calls
         self.pending = ""
-        self.inside = False
+        self.block: CallArrayStreamer | None = None   # the scanner of the open block
+        self.body = ""                                # the open block's text
+        self.block_sent = False                       # its header was sent
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.pending += text
         pieces: list[dict[str, Any]] = []
-        while True:
-            marker = TOOL_CALL_END if self.inside else TOOL_CALL_START
-            index = self.pending.find(marker)
-            if index < 0:
+        while self.pending:
+            if self.block is None:
+                index = self.pending.find(TOOL_CALL_START)
+                if index < 0:
+                    held = _held_prefix(self.pending, TOOL_CALL_START)
+                    cut = len(self.pending) - held
+                    pieces += self._content(self.pending[:cut])
+                    self.pending = self.pending[cut:]
+                    break
+                pieces += self._content(self.pending[:index])
+                self.pending = self.pending[index + len(TOOL_CALL_START):]
+                self.block, self.body, self.block_sent = CallArrayStreamer(), "", False
+                self.block.feed("[")
+                continue
+            closed, more = self._scan_block()
+            pieces += more
+            if not closed:
                 break
-            body, self.pending = self.pending[:index], self.pending[index + len(marker):]
-            pieces += self._call(body) if self.inside else self._content(body)
-            self.inside = not self.inside
-        if not self.inside:
-            held = _held_prefix(self.pending, TOOL_CALL_START)
-            pieces += self._content(self.pending[:len(self.pending) - held])
-            self.pending = self.pending[len(self.pending) - held:]
         return pieces
+
+    def _scan_block(self) -> tuple[bool, list[dict[str, Any]]]:
+        """Feed the open block up to its closing tag outside JSON strings (or all of the
+        pending text, but a partial tag). Returns (closed, pieces)."""
+        pieces, start = [], 0
+        while True:
+            index = self.pending.find(TOOL_CALL_END, start)
+            if index < 0:
+                held = 0 if self.block.in_string else _held_prefix(self.pending, TOOL_CALL_END)
+                cut = len(self.pending) - held
+                pieces += self._feed_block(self.pending[:cut])
+                self.pending = self.pending[cut:]
+                return False, pieces
+            pieces += self._feed_block(self.pending[:index])
+            self.pending = self.pending[index:]
+            if not self.block.in_string:
+                self.pending = self.pending[len(TOOL_CALL_END):]
+                return True, pieces + self._end_block(closed=True)
+            pieces += self._feed_block(TOOL_CALL_END)     # inside a string: the call's text
+            self.pending, start = self.pending[len(TOOL_CALL_END):], 0
+
+    def _feed_block(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        self.body += text
+        inner = self.block.feed(text)
+        if not inner:
+            return []
+        if not self.block_sent:              # inner starts with the call's header
+            name = self.block.calls[0].name
+            if name not in self.tool_names or (self.max_calls is not None
+                                               and len(self.calls) >= self.max_calls):
+                return []                    # settled when the block ends
+            self.calls.append(self.block.calls[0])
+            self.block_sent = True
+        for piece in inner:
+            piece["tool_calls"][0]["index"] = len(self.calls) - 1
+        return inner
 
     def finish(self) -> list[dict[str, Any]]:
         pending, self.pending = self.pending, ""
-        if self.inside:          # the model stopped before </tool_call>
-            self.inside = False
-            return self._call(pending, closed=False)
+        if self.block is not None:           # the model stopped before </tool_call>
+            return self._feed_block(pending) + self._end_block(closed=False)
         return self._content(pending)
 
-    def _call(self, body: str, closed: bool = True) -> list[dict[str, Any]]:
+    def _end_block(self, closed: bool) -> list[dict[str, Any]]:
+        block, body, sent = self.block, self.body, self.block_sent
+        self.block, self.body, self.block_sent = None, "", False
         parsed = parse_call(body, self.tool_names)
-        if parsed is None:
-            end = TOOL_CALL_END if closed else ""
-            return self._content(TOOL_CALL_START + body + end)
+        if sent:
+            call = block.calls[0]
+            if not call.arguments and parsed is not None:   # arguments written as a string
+                return self._arguments(parsed[1])
+            if closed and parsed is None:
+                logger.warning("tool call %r: its arguments are not a JSON object: %r",
+                               call.name, body[:200])
+            return []
         if self.max_calls is not None and len(self.calls) >= self.max_calls:
             return []
+        if parsed is None:
+            logger.warning("a <tool_call> block is not a call of the offered tools; sent as "
+                           "content: %r", body[:200])
+            return self._content(TOOL_CALL_START + body + (TOOL_CALL_END if closed else ""))
         return self._header(*parsed)
 
 

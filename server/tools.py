@@ -4,12 +4,14 @@ prompt, constrain the output when a call is required, and pick the parser of the
 | tool_choice          | prompt          | generation                              | parser            |
 | -------------------- | --------------- | --------------------------------------- | ----------------- |
 | "none"               | no tools        | free                                    | none (content)    |
-| "auto" (default)     | tools           | free                                    | HermesStreamer    |
+| "auto" (default)     | tools           | free; a call: its tool's schema         | HermesStreamer    |
 | "required"           | tools           | JSON schema: array of {name, arguments} | CallArrayStreamer |
 | {"function": {name}} | tools           | JSON schema: that function's parameters | NamedCallStreamer |
 
-With "required" or a named function the arguments always parse and match the function's
-`parameters` schema (the grammar enforces it); with "auto" they are what the model wrote.
+The arguments always parse and match the function's `parameters` schema (the grammar enforces
+it; with "auto" from the moment the model writes `<tool_call>`, through a lazily triggered
+XGrammar structural tag), except where `max_tokens` cuts the call, and for a function that
+says `"strict": false` (then any JSON object, as OpenAI reads it).
 
 Tools reach the model through the chat template (`apply_chat_template(tools=...)`) when the
 template uses them; otherwise (SmolLM2's template ignores tools) a Hermes-style system prompt
@@ -53,9 +55,13 @@ class ToolConfig:
     parallel: bool
 
     def parameters(self, name: str) -> dict[str, Any]:
+        """The schema the grammar holds the function's arguments to: its `parameters`, any
+        JSON object when the function says `"strict": false` (OpenAI's meaning: no schema
+        enforcement), an empty object when it has no parameters (as OpenAI reads it)."""
         for tool in self.tools:
             if tool["function"]["name"] == name:
-                # no parameters (or {}): an empty parameter list, as OpenAI reads it
+                if tool["function"].get("strict") is False:
+                    return {"type": "object"}
                 return (tool["function"].get("parameters")
                         or {"type": "object", "properties": {}, "additionalProperties": False})
         raise KeyError(name)
@@ -137,9 +143,12 @@ def tool_config(req: ChatCompletionRequest) -> ToolConfig | None:
 
 
 def tool_so_args(config: ToolConfig | None) -> dict[str, Any] | None:
-    """The constraint that makes the output a valid call ("required", named), else None."""
-    if config is None or config.choice in ("none", "auto"):
+    """The constraint that makes the output a valid call: "required" and named as a JSON
+    schema, "auto" as a lazily triggered grammar (`auto_tool_tag`); None for "none"."""
+    if config is None or config.choice == "none":
         return None
+    if config.choice == "auto":
+        return {"schema_type": "structural_tag", "schema": auto_tool_tag(config)}
     if config.choice == "named":
         return {"schema_type": "json", "schema": config.parameters(config.name)}
     # each function's parameters become `$defs/__tool<i>` of the array schema, their local
@@ -155,6 +164,21 @@ def tool_so_args(config: ToolConfig | None) -> dict[str, Any] | None:
     if not config.parallel:
         schema["maxItems"] = 1
     return {"schema_type": "json", "schema": schema}
+
+
+def auto_tool_tag(config: ToolConfig) -> dict[str, Any]:
+    """XGrammar's structural tag for tool_choice "auto": text is free until the model writes
+    `<tool_call>`; from there the block must be `<tool_call>\\n{"name": <one of the tools>,
+    "arguments": <that tool's parameters>}\\n</tool_call>` (the Hermes format the prompt
+    asks for), then text is free again. Whitespace inside the arguments is at most one
+    character per gap, so a call cannot run away."""
+    tags = [{"begin": f'{TOOL_CALL_START}\n{{"name": {json.dumps(name)}, "arguments": ',
+             "content": {"type": "json_schema", "json_schema": config.parameters(name),
+                         "max_whitespace_cnt": 1},
+             "end": f"}}\n{TOOL_CALL_END}"} for name in config.names]
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [TOOL_CALL_START], "tags": tags,
+        "at_least_one": False, "stop_after_first": not config.parallel}}
 
 
 def _rebase_refs(schema: Any, root: str) -> Any:

@@ -8,6 +8,10 @@ A constraint is `SamplingParams.so_args = {"schema_type": ..., "schema": ...}`:
 | "json_object" | ignored                                   | any JSON object                |
 | "regex"       | a regular expression (str)                | a full match of it             |
 | "ebnf"        | an EBNF grammar with a `root` rule (str)  | a sentence of the grammar      |
+| "structural_tag" | an XGrammar structural tag (dict / JSON) | free text; after a trigger, its tag |
+
+An optional `"backend"` key picks the grammar backend: "xgrammar", "guidance" (LLGuidance) or
+"auto" (vLLM's spellings; see manager.py for what "auto" picks).
 
 Pure module: no torch, no xgrammar. The shape of XGrammar's API (compile once, then one matcher
 per sequence that accepts tokens, fills a bitmask and rolls back; STYLE.md #11) is the protocol.
@@ -19,10 +23,14 @@ import json
 from typing import Any, Protocol
 
 GrammarKey = tuple[str, str]  # (schema_type, canonical schema text)
+BACKENDS = ("auto", "xgrammar", "guidance")
 # characters of a constraint's canonical text at most: compiling grows with it (20,000 choices
 # as one regex held two CPU cores for minutes; 400 choices, 63.5K characters, took 0.46 s with
 # SmolLM2's tokenizer and 2 threads on a 2-core CPU machine)
 MAX_SCHEMA_CHARS = 1 << 16
+# JSON schemas compile in time with their size, not with choices multiplied out: Kubernetes
+# schemas of JSONSchemaBench (~160K characters) took 0.15 s (LLGuidance) / 1.8 s (XGrammar)
+MAX_JSON_SCHEMA_CHARS = 1 << 18
 
 
 class GrammarError(ValueError):
@@ -36,11 +44,25 @@ def grammar_key(so_args: dict[str, Any]) -> GrammarKey:
         GrammarError: as `_canonical_key`, or the constraint is too long to compile quickly.
     """
     key = _canonical_key(so_args)
-    if len(key[1]) > MAX_SCHEMA_CHARS:
+    limit = MAX_JSON_SCHEMA_CHARS if key[0] == "json" else MAX_SCHEMA_CHARS
+    if len(key[1]) > limit:
         raise GrammarError(f"the constraint's text is {len(key[1])} characters; the limit is "
-                           f"{MAX_SCHEMA_CHARS}. Shorten it (fewer choices, a smaller schema or "
+                           f"{limit}. Shorten it (fewer choices, a smaller schema or "
                            "grammar)")
     return key
+
+
+def backend_choice(so_args: dict[str, Any], default: str) -> str:
+    """The backend a constraint asks for (`so_args["backend"]`), else `default`.
+
+    Raises:
+        GrammarError: not one of BACKENDS.
+    """
+    choice = so_args.get("backend") or default
+    if choice not in BACKENDS:
+        raise GrammarError(f"structured-outputs backend {choice!r} is not one of "
+                           f"{', '.join(BACKENDS)}; send one of them or leave it out.")
+    return choice
 
 
 def _canonical_key(so_args: dict[str, Any]) -> GrammarKey:
@@ -67,13 +89,20 @@ def _canonical_key(so_args: dict[str, Any]) -> GrammarKey:
             raise GrammarError(f"the JSON schema must be an object, got {type(schema).__name__}"
                                "; send a JSON schema object such as {\"type\": \"object\"}.")
         return schema_type, json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    if schema_type == "structural_tag":
+        if not isinstance(schema, (dict, str)) or not schema:
+            raise GrammarError("so_args schema for schema_type='structural_tag' must be a "
+                               f"structural tag (a dict or its JSON text), got {schema!r}.")
+        text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False,
+                                                                 separators=(",", ":"))
+        return schema_type, text
     if schema_type in ("regex", "ebnf"):
         if not isinstance(schema, str) or not schema:
             raise GrammarError(f"so_args schema for schema_type={schema_type!r} must be a "
                                f"non-empty string, got {schema!r}.")
         return schema_type, schema
     raise GrammarError(f"so_args schema_type={schema_type!r} is not one of 'json', "
-                       "'json_object', 'regex', 'ebnf'.")
+                       "'json_object', 'regex', 'ebnf', 'structural_tag'.")
 
 
 class GrammarMatcher(Protocol):

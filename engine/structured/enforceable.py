@@ -24,6 +24,11 @@ _IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependen
 _VALUE_KEYWORDS = ("pattern", "format", "minLength", "maxLength", "minimum", "maximum",
                    "exclusiveMinimum", "exclusiveMaximum")
 LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")   # (?= (?! (?<= (?<!, not escaped
+# what in a pattern stands for a character JSON writes escaped (quote, backslash, a control
+# character): XGrammar matches the pattern against the escaped JSON text, so the decoded value
+# breaks it (found by black-box testing: "^[A-Z]:\\\\[a-z]+$" gave "P:\n")
+_JSON_ESCAPED = re.compile(r'["\x00-\x1f]|\\(?:[\\"nrtfv0]|c[A-Za-z]|x(?:[01][0-9A-Fa-f]|22|5[Cc])'
+                           r'|u(?:00[01][0-9A-Fa-f]|0022|005[Cc]))')
 _SCHEMA_VALUES = ("items", "additionalProperties", "contains", "propertyNames", "not", "if",
                   "then", "else", "unevaluatedProperties", "unevaluatedItems",
                   "additionalItems")
@@ -111,9 +116,33 @@ def _check_values(schema: dict, path: str) -> None:
                            "(the length is dropped); write the length into the pattern, "
                            "e.g. '^[a-z]{1,3}$'")
     pattern = schema.get("pattern")
+    patterns = [("pattern", pattern)] + [
+        (f"patternProperties key {key!r}", key) for key in schema.get("patternProperties") or {}
+        if isinstance(schema.get("patternProperties"), dict)]
+    for where, text in patterns:
+        if isinstance(text, str) and _JSON_ESCAPED.search(_without_escaped_pairs(text)):
+            raise GrammarError(f"the {where} at {path} matches a quote, backslash or control "
+                               "character, which XGrammar would match against the escaped "
+                               "JSON text instead of the string's value; use the 'guidance' "
+                               "or 'auto' structured-outputs backend")
     if isinstance(pattern, str) and LOOKAROUND.search(pattern):
         raise GrammarError(f"the pattern at {path} uses a lookahead or lookbehind, which "
                            "cannot be enforced while generating; rewrite it without one")
+
+
+def _without_escaped_pairs(pattern: str) -> str:
+    """`pattern` with each escape pair other than a quote / backslash / control escape removed
+    (read left to right, so `\\\\d` is an escaped backslash, then `d`)."""
+    kept, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern):
+            if pattern[i + 1] in '\\"nrtfv0cxu':
+                kept.append(pattern[i:i + 2])
+            i += 2
+        else:
+            kept.append(pattern[i])
+            i += 1
+    return "".join(kept)
 
 
 def _check_object(schema: dict, path: str) -> None:
@@ -193,3 +222,99 @@ def check_enforceable(schema: Any, path: str = "#", in_branch: bool = False,
             for i, sub in enumerate(schema[key]):
                 check_enforceable(sub, f"{path}/{key}/{i}",
                                    in_branch or key in ("anyOf", "oneOf"), root)
+
+
+def exclusive_one_of(schema: Any, root: Any = None) -> Any:
+    """The schema with each `oneOf` that can be generated exactly as `anyOf` rewritten so:
+    branches `_exclusive` proves exclusive become `anyOf` as they are; branches that differ only
+    in `required` (`{"properties": P, "oneOf": [{"required": R_i}, ...]}`, a common "one of
+    these sets of fields" idiom) become `anyOf` of closed objects, branch i without the fields
+    that only other branches require, so no value matches two. Other `oneOf`s are kept (and
+    refused: XGrammar by `check_enforceable`, LLGuidance by itself)."""
+    root = schema if root is None else root
+    if isinstance(schema, list):
+        return [exclusive_one_of(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: value if key in ("enum", "const", "default", "examples")
+              else exclusive_one_of(value, root) for key, value in schema.items()}
+    _settle_dependencies(schema)
+    branches = schema.get("oneOf")
+    if not isinstance(branches, list) or len(branches) < 2:
+        return _required_into_branches(schema)
+    if _exclusive(branches, root) and "anyOf" not in schema:
+        schema["anyOf"] = schema.pop("oneOf")
+        return _required_into_branches(schema)
+    narrowed = _narrowed_branches(schema, branches)
+    if narrowed is not None:
+        for key in ("oneOf", "properties", "required", "additionalProperties"):
+            schema.pop(key, None)
+        schema["anyOf"] = narrowed
+    return _required_into_branches(schema)
+
+
+def _required_into_branches(schema: dict) -> dict:
+    """`{"required": R, "anyOf": [B_i]}` with R also in each B_i (the same set of values):
+    XGrammar drops a parent's `required` inside `anyOf` branches (found by the benchmark:
+    JSONSchemaBench Github_trivial/o35155 gave an object without its required "type")."""
+    branches, required = schema.get("anyOf"), schema.get("required")
+    if (isinstance(branches, list) and isinstance(required, list) and required
+            and all(isinstance(b, dict) and "$ref" not in b for b in branches)):
+        schema["anyOf"] = [{**branch, "required": list(dict.fromkeys(
+            (branch.get("required") or []) + required))} for branch in branches]
+    return schema
+
+
+def _settle_dependencies(schema: dict) -> None:
+    """Drop (in place) `dependencies` / `dependentRequired` entries a strict output settles:
+    one whose trigger property cannot appear (the object is closed, as strict outputs close
+    objects with `properties`, and does not name it), and one whose trigger is required (its
+    dependencies join `required`). Others are kept (and refused)."""
+    properties = schema.get("properties")
+    closed = (isinstance(properties, dict) and "patternProperties" not in schema
+              and schema.get("additionalProperties") in (None, False))
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    for keyword in ("dependencies", "dependentRequired"):
+        entries = schema.get(keyword)
+        if not isinstance(entries, dict):
+            continue
+        for trigger, needed in list(entries.items()):
+            if closed and trigger not in properties:
+                del entries[trigger]
+            elif trigger in required and isinstance(needed, list):
+                required += [name for name in needed if name not in required]
+                del entries[trigger]
+        if not entries:
+            del schema[keyword]
+    if required:
+        schema["required"] = required
+
+
+def _narrowed_branches(schema: dict, branches: list) -> list | None:
+    """`exclusive_one_of`'s second case: the closed object branches, or None if it does not
+    apply (branches with more than `required`, open extra keys, or a branch whose required
+    fields include another's, so a value could match both)."""
+    properties = schema.get("properties")
+    if (not isinstance(properties, dict) or "anyOf" in schema
+            or schema.get("additionalProperties") not in (None, False)
+            or "patternProperties" in schema):
+        return None
+    required_sets = []
+    for branch in branches:
+        if (not isinstance(branch, dict) or set(branch) - {"required", "description", "title"}
+                or not isinstance(branch.get("required"), list)):
+            return None
+        required_sets.append({name for name in branch["required"] if isinstance(name, str)})
+    base = [name for name in schema.get("required") or [] if isinstance(name, str)]
+    narrowed = []
+    for i, own in enumerate(required_sets):
+        others = [other - own for j, other in enumerate(required_sets) if j != i]
+        if any(not extra for extra in others):
+            return None
+        excluded = set().union(*others)
+        allowed = {name: sub for name, sub in properties.items() if name not in excluded}
+        allowed.update({name: {} for name in own if name not in allowed})
+        narrowed.append({"type": "object", "properties": allowed,
+                         "required": list(dict.fromkeys(base + sorted(own))),
+                         "additionalProperties": False})
+    return narrowed

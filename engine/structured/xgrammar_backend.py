@@ -53,6 +53,12 @@ def _declare_required(schema: Any) -> Any:
     return schema
 
 
+def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
+    """Each token id's bytes as the model spells them (XGrammar's decoded vocabulary)."""
+    return list(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+                .decoded_vocab)
+
+
 class XGrammarMatcher:
     """`GrammarMatcher` over `xgrammar.GrammarMatcher` (see backend.py for the contract)."""
 
@@ -126,8 +132,13 @@ class XGrammarBackend:
                 return self._compiler.compile_regex(schema)
             if schema_type == "ebnf":
                 return self._compiler.compile_grammar(schema)
-        except RuntimeError as exc:
-            what = {"json": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}[schema_type]
+            if schema_type == "structural_tag":
+                return self._compiler.compile_structural_tag(schema)
+        except GrammarError:
+            raise
+        except (RuntimeError, ValueError) as exc:
+            what = {"json": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar",
+                    "structural_tag": "structural tag"}[schema_type]
             raise GrammarError(f"invalid or unsupported {what}: {_clean_error(exc)}") from None
         raise GrammarError(f"unknown schema_type {schema_type!r}")
 

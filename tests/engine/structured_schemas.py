@@ -71,6 +71,46 @@ HAND_WRITTEN: dict[str, dict] = {
                   "required": ["name", "qty"]}},
 }
 
+# the kinds issue 34 names beyond HAND_WRITTEN (with it, 20): several need LLGuidance under
+# "auto" (allOf of two, multipleOf, patternProperties with minProperties, quoted / backslashed
+# patterns and constants, which XGrammar would match against the escaped text)
+ISSUE_KINDS: dict[str, dict] = {
+    "all_of_two": {"allOf": [
+        {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1}},
+         "required": ["id"]},
+        {"type": "object", "properties": {"tag": {"type": "string", "maxLength": 8}},
+         "required": ["tag"]}]},
+    "multiple_of": {"type": "object", "properties": {
+        "step": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 500},
+        "ratio": {"type": "number", "multipleOf": 0.25}}, "required": ["step", "ratio"]},
+    "pattern_properties_min": {"type": "object", "patternProperties": {
+        "^x_[a-z]{1,6}$": {"type": "integer"}}, "additionalProperties": False,
+        "minProperties": 1, "maxProperties": 3},
+    "formats": {"type": "object", "properties": {
+        "when": {"type": "string", "format": "date-time"},
+        "who": {"type": "string", "format": "email"},
+        "day": {"type": "string", "format": "date"}}, "required": ["when", "who", "day"]},
+    "recursive_ref": {"$defs": {"node": {"type": "object", "properties": {
+        "value": {"type": "integer"},
+        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+        "required": ["value"]}}, "$ref": "#/$defs/node"},
+    "windows_path": {"type": "object", "properties": {
+        "path": {"type": "string", "pattern": "^[A-Z]:\\\\[a-z]+$"}}, "required": ["path"]},
+    "quote_pattern": {"type": "object", "properties": {
+        "said": {"type": "string", "pattern": '^"[a-z]{1,5}"$'}}, "required": ["said"]},
+    "newline_pattern": {"type": "object", "properties": {
+        "two_lines": {"type": "string", "pattern": "^[a-z]{1,4}\\n[a-z]{1,4}$"}},
+        "required": ["two_lines"]},
+    "escaped_const_enum": {"type": "object", "properties": {
+        "c": {"const": "tab\there \"q\" back\\slash \u00e9\u0001"},
+        "e": {"enum": ["C:\\dir", "line\nbreak", "\u2028"]}}, "required": ["c", "e"]},
+    "unbounded_numbers": {"type": "object", "properties": {
+        "confidence": {"type": "number"}, "count": {"type": "integer"}},
+        "required": ["confidence", "count"]},
+    "open_object": {"type": "object"},
+    "any_value": {},
+}
+
 _INEXACT_KEYWORDS = {"not", "allOf", "oneOf", "if", "then", "else", "dependencies",
                      "dependentSchemas", "dependentRequired", "patternProperties",
                      "propertyNames", "contains", "uniqueItems", "minProperties",
@@ -119,3 +159,45 @@ expr ::= term (("+" | "-") term){0,3}
 term ::= num | "(" expr ")"
 num ::= [1-9] [0-9]{0,2}
 """
+
+
+def allowed_ids(bitmask, vocab_size: int):
+    """[1, ceil(V / 32)] int32 bitmask -> the allowed token ids (numpy array)."""
+    import numpy as np
+    bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)
+
+
+def random_walk(manager, so_args: dict, stop_ids: list[int], rng, max_tokens: int,
+                preferred: set[int] = frozenset(), prefer_p: float = 0.6, end_p: float = 0.5,
+                timings: list | None = None, prefix: list[int] = (),
+                until: str | None = None, tokenizer=None) -> tuple[list[int], bool]:
+    """Tokens a matcher allows, picked at random (from `preferred` with probability `prefer_p`
+    when any is allowed; a stop token with probability `end_p` once one is allowed), until a
+    stop token or `max_tokens`. Returns (tokens without the stop token, whether it stopped).
+    `timings` collects each mask fill's seconds. The walk starts after `prefix` (tokens the
+    matcher accepts first) and, given `until` and `tokenizer`, counts as stopped once the text
+    contains `until`."""
+    import time
+    matcher = manager.new_matcher(so_args, list(prefix), stop_ids)
+    vocab = manager.backend.vocab_size
+    tokens: list[int] = []
+    for _ in range(max_tokens):
+        start = time.perf_counter()
+        bitmask, _ = manager.fill_bitmask([matcher])
+        if timings is not None:
+            timings.append(time.perf_counter() - start)
+        allowed = [int(t) for t in allowed_ids(bitmask, vocab)]
+        assert allowed, f"no token allowed after {tokens}"
+        stops = [t for t in allowed if t in stop_ids]
+        if stops and (rng.random() < end_p or len(stops) == len(allowed)):
+            assert matcher.accept_token(stops[0]) and matcher.is_terminated()
+            return tokens, True
+        others = [t for t in allowed if t not in stop_ids]
+        liked = [t for t in others if t in preferred]
+        token = rng.choice(liked if liked and rng.random() < prefer_p else others)
+        assert matcher.accept_token(token)
+        tokens.append(token)
+        if until is not None and until in tokenizer.decode(list(prefix) + tokens):
+            return tokens, True
+    return tokens, False

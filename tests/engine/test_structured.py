@@ -143,7 +143,8 @@ def test_grammar_key_is_canonical_and_checks_types():
     ({"schema_type": "ebnf", "schema": "root ::= [^\\x00-\\U0010FFFF]"}, "matches no string"),
 ])
 def test_invalid_constraint_is_a_clear_value_error(llm, so_args, message):
-    params = SamplingParams(max_tokens=8, so_args=so_args)
+    """Under the XGrammar backend (under "auto" several of these go to LLGuidance)."""
+    params = SamplingParams(max_tokens=8, so_args={**so_args, "backend": "xgrammar"})
     with pytest.raises(ValueError, match=message):
         llm.engine_core.make_request(PROMPT, params)
     assert not llm.engine_core.has_unfinished_requests()
@@ -197,7 +198,7 @@ class CountingBackend:
 
 def test_cache_compiles_each_constraint_once_across_threads_and_evicts_lru():
     backend = CountingBackend()
-    manager = StructuredOutputManager(lambda: backend, max_cached_grammars=2)
+    manager = StructuredOutputManager({"xgrammar": lambda: backend}, max_cached_grammars=2)
     results = []
     threads = [threading.Thread(target=lambda: results.append(
         manager.compile({"schema_type": "regex", "schema": "a+"}))) for _ in range(6)]
@@ -430,3 +431,30 @@ def test_a_slow_compile_never_stalls_other_requests(tiny_llama_dir):
     assert other_out.num_output_tokens == 8
     assert slow_out.finish_reason == "stop"
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", slow_out.text), slow_out.text
+
+
+@pytest.mark.parametrize("backend", ["guidance", "auto"])
+def test_issue_kinds_validate_end_to_end_and_a_cut_is_length(llm, backend):
+    """The model generating under each kind issue 34 names (LLGuidance, or auto's pick): every
+    output that stops validates (formats checked); one cut by max_tokens says "length"."""
+    from structured_schemas import ISSUE_KINDS
+    from test_structured_backends import format_checker
+
+    names = list(ISSUE_KINDS)
+    params = [SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_tokens=MAX_TOKENS,
+                             so_args={"schema_type": "json", "schema": ISSUE_KINDS[name],
+                                      "backend": backend})
+              for name in names for seed in range(2)]
+    outputs = llm.generate([PROMPT] * len(params), params)
+    stopped = 0
+    for i, output in enumerate(outputs):
+        if output.finish_reason == "stop":
+            stopped += 1
+            jsonschema.validate(json.loads(output.text), ISSUE_KINDS[names[i // 2]],
+                                format_checker=format_checker())
+            assert_compact(output.text)
+    assert stopped >= 0.7 * len(outputs)
+    cut = llm.generate([PROMPT], SamplingParams(
+        temperature=0.0, max_tokens=3, so_args={"schema_type": "json", "backend": backend,
+                                                "schema": ISSUE_KINDS["formats"]}))[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3

@@ -89,7 +89,7 @@ def test_completions_take_structured_fields():
     ({"guided_choice": [f"choice number {i}" for i in range(20000)]}, "guided_choice",
      "the limit is 65536"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}}},
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(12000)}}}}},
      "response_format", "Shorten it"),
     ({"structured_outputs": {"grammar": "root ::= \"a\"" + " " * 70000}},
      "structured_outputs", "the constraint's text is 70012 characters"),
@@ -205,7 +205,13 @@ def test_auto_parses_hermes_calls_and_streams_them():
     assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in calls] == [("function", "get_weather", {"city": "Paris"}),
                                 ("function", "get_time", {})]
-    assert sent_params(engine)[0].so_args is None              # auto generates freely
+    tag = sent_params(engine)[0].so_args           # free text; a call under its tool's schema
+    assert tag["schema_type"] == "structural_tag"
+    assert [t["begin"] for t in tag["schema"]["format"]["tags"]] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": ',
+        '<tool_call>\n{"name": "get_time", "arguments": ']
+    assert tag["schema"]["format"]["tags"][0]["content"]["json_schema"] == WEATHER["function"][
+        "parameters"]
     check_same_in_stream(client, payload, body)
     one = client.post("/v1/chat/completions",
                       json={**payload, "parallel_tool_calls": False}).json()
@@ -406,3 +412,71 @@ def test_required_keeps_local_refs_of_nested_parameters_resolvable(smollm2_token
     assert accepts('[{"name": "ship", "arguments": {"to": {"city": "Paris"}}}]')
     assert accepts('[{"name": "get_time", "arguments": {"zone": "UTC"}}]')
     assert not accepts('[{"name": "ship", "arguments": {"to": {"city": 1}}}]')
+
+
+def test_a_closing_tag_inside_the_arguments_keeps_the_call(caplog):
+    """Issue 27.1: arguments containing `</tool_call>` (an agent writing about tool calling)
+    came back as content with tool_calls null; the body is now scanned as JSON. A block that
+    is not a call of the offered tools is reported: logged and sent as content, never dropped."""
+    doc = 'Wrap calls in <tool_call>...</tool_call> tags, e.g. "</tool_call>".'
+    reply = ('<tool_call>\n' + json.dumps({"name": "get_weather", "arguments": {
+        "city": doc}}) + '\n</tool_call>')
+    client, _ = client_for(reply)
+    payload = {"messages": USER, "tools": [WEATHER, TIME]}
+    body = client.post("/v1/chat/completions", json=payload).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {
+        "city": doc}
+    check_same_in_stream(client, payload, body)
+    bad = '<tool_call>\nget_weather(city="Paris")\n</tool_call>'
+    client, _ = client_for("Sure. " + bad)
+    body = client.post("/v1/chat/completions", json=payload).json()
+    assert body["choices"][0]["message"]["content"] == "Sure. " + bad
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert "is not a call of the offered tools" in caplog.text
+    # arguments that break after the name was streamed: the call as generated, and a warning
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    client, _ = client_for(broken)
+    body = client.post("/v1/chat/completions", json=payload).json()
+    call = body["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call == {"name": "get_weather", "arguments": '{"city": }\n'}
+    assert "its arguments are not a JSON object" in caplog.text
+
+
+def test_auto_streams_arguments_as_they_are_generated():
+    """Issue 34.3: a streamed auto call sends its header once the name is complete, then its
+    arguments in fragments, which concatenate to the non-streamed arguments."""
+    arguments = {"city": "Paris, \"FR\"", "days": 3}
+    reply = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": '
+             + json.dumps(arguments) + '}\n</tool_call>')
+    client, _ = client_for(reply)
+    payload = {"messages": USER, "tools": [WEATHER, TIME]}
+    body = client.post("/v1/chat/completions", json=payload).json()
+    call = body["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call == {"name": "get_weather", "arguments": json.dumps(arguments)}
+    chunks = stream(client, payload)
+    fragments = [c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]
+                 for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert len([f for f in fragments if f]) > 3
+    check_same_in_stream(client, payload, body)
+
+
+@pytest.mark.parametrize("fields, so_args", [
+    ({"structured_outputs": {"json": SCHEMA, "backend": "guidance"}},
+     {"schema_type": "json", "schema": SCHEMA, "backend": "guidance"}),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"backend": "xgrammar"}},
+     {"schema_type": "json_object", "backend": "xgrammar"}),
+    ({"tools": [WEATHER], "tool_choice": "required", "structured_outputs": {"backend": "auto"}},
+     "auto"),
+])
+def test_structured_outputs_backend_is_passed_per_request(fields, so_args):
+    client, engine = client_for("{}" if "tools" not in fields else "[]")
+    response = client.post("/v1/chat/completions", json={"messages": USER, **fields})
+    assert response.status_code == 200, response.text
+    sent = sent_params(engine)[0].so_args
+    assert (sent["backend"] == so_args) if isinstance(so_args, str) else sent == so_args
+    bad = client.post("/v1/chat/completions", json={
+        "messages": USER, "structured_outputs": {"json": SCHEMA, "backend": "outlines"}})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "structured_outputs.backend"
