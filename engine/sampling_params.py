@@ -64,6 +64,8 @@ class SamplingParams:
     skip_special_tokens: drop special tokens when detokenizing.
     so_args: structured output, `{"schema_type": "json"|"regex"|"ebnf"|"json_object",
         "schema": ...}` (enforced by the structured-output backend).
+    cache_salt: requests with different salts share no prefix-cache or KV-store block (vLLM's
+        `cache_salt`): one user's cached prompt cannot be probed by another. None = shared.
     """
 
     temperature: float = 1.0
@@ -84,6 +86,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     so_args: dict[str, Any] | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.seq_seed is not None:
@@ -118,6 +121,10 @@ class SamplingParams:
         if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
             raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must be a list "
                                       "of token ids.", "stop_token_ids")
+        if not (self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                            and self.cache_salt)):
+            raise SamplingParamsError(f"cache_salt={self.cache_salt!r} must be a non-empty "
+                                      "string or None.", "cache_salt")
         if not (self.so_args is None or isinstance(self.so_args, dict)):
             raise SamplingParamsError(
                 f"so_args={self.so_args!r} must be a dict like {{'schema_type': 'regex', "

@@ -10,6 +10,7 @@ it shuts it down (see `server.cli`).
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from typing import Any
@@ -27,18 +28,39 @@ from deepinfer.server.serving_chat import ChatServing
 from deepinfer.server.serving_completion import CompletionServing
 
 
-class APIKeyMiddleware:
-    """Refuses /v1 requests without `Authorization: Bearer <api_key>` (constant-time compare)."""
+CACHE_ISOLATION_MODES = ("none", "user", "api-key")
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+def cache_salt(body: Any, authorization: str, mode: str) -> str | None:
+    """The request's effective `cache_salt`: its own, plus with `mode` "user" its `user` field
+    or with "api-key" a digest of its bearer token, so requests of different users / keys share
+    no cached block (prefix cache and KV store; see README "Prompt privacy and the cache")."""
+    if body.cache_salt == "":
+        return ""   # refused by validation with its own message
+    parts = [f"salt:{body.cache_salt}"] if body.cache_salt else []
+    if mode == "user":
+        parts.append(f"user:{body.user or ''}")
+    elif mode == "api-key":
+        token = authorization.partition(" ")[2].strip().encode()
+        parts.append(f"key:{hashlib.sha256(token).hexdigest()}")
+    return "\n".join(parts) or None
+
+
+class APIKeyMiddleware:
+    """Refuses /v1 requests (and the API docs) without `Authorization: Bearer <key>` for one
+    of `api_keys` (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._keys = [key.encode() for key in api_keys]
+
+    def _allowed(self, token: bytes) -> bool:
+        return any([secrets.compare_digest(token, key) for key in self._keys])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                    token.strip().encode(), self._key):
+            if scheme.lower() != "bearer" or not self._allowed(token.strip().encode()):
                 given = "a wrong API key" if token else "no API key"
                 err = APIError(f"The request has {given}; send the server's key as "
                                "'Authorization: Bearer <key>' (its --api-key or "
@@ -46,6 +68,10 @@ class APIKeyMiddleware:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+# with an API key, the OpenAPI schema and its viewers need it as /v1 does
+PROTECTED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
 
 
 class HTTPMetricsMiddleware:
@@ -78,8 +104,18 @@ class HTTPMetricsMiddleware:
             self._metrics.http_response(route, status[0])
 
 
-def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
-    """The app for `engine` (an `AsyncLLM` or anything with its public surface)."""
+def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
+              cache_isolation: str = "none") -> FastAPI:
+    """The app for `engine` (an `AsyncLLM` or anything with its public surface).
+
+    api_key: one key or several (each client its own); None = no authentication.
+    cache_isolation: "none" (all requests share cached prefixes), "user" (salted by the
+        request's `user` field) or "api-key" (salted by the bearer token); see `cache_salt`.
+    """
+    if cache_isolation not in CACHE_ISOLATION_MODES:
+        raise ValueError(f"cache_isolation={cache_isolation!r} is not one of "
+                         f"{CACHE_ISOLATION_MODES}.")
+    api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     metrics = ServerMetrics(engine.get_stats, engine.model_name, engine.max_model_len)
     decode = TokenDecoder(engine.tokenizer)
     chat = ChatServing(engine, metrics, decode)
@@ -90,8 +126,8 @@ def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # outermost: sees 401s too
 
     def model_card() -> ModelCard:
@@ -125,10 +161,14 @@ def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        body.cache_salt = cache_salt(body, raw.headers.get("authorization", ""),
+                                     cache_isolation)
         return await chat.create(body, raw)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
+        body.cache_salt = cache_salt(body, raw.headers.get("authorization", ""),
+                                     cache_isolation)
         return await completion.create(body, raw)
 
     return app

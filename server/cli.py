@@ -117,8 +117,22 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--kv-store-ttl-s", type=int, default=keep,
                        help="expiry of blocks stored in Redis, seconds; 0 = never (default 86400)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
-                            "$DEEPINFER_API_KEY; unset = no authentication; empty is refused)")
+                       help="require 'Authorization: Bearer KEY' on /v1 routes and the API "
+                            "docs (default: $DEEPINFER_API_KEY; unset = no authentication; "
+                            "empty is refused). A flag shows in `ps`: prefer the variable or "
+                            "--api-key-file")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read API keys from PATH, one per line ('#' comments): each "
+                            "client may get its own (see --cache-isolation api-key)")
+    serve.add_argument("--cache-isolation", choices=["none", "user", "api-key"],
+                       default="none",
+                       help="prefix-cache and KV-store sharing between requests: 'none' "
+                            "shares cached prompt blocks between all requests (fastest; "
+                            "cached_tokens then tells a client whether a prefix was seen); "
+                            "'user' salts them by the request's `user` field, 'api-key' by "
+                            "the bearer token, so users cannot probe each other's prompts; a "
+                            "request's own `cache_salt` is always honoured (default: "
+                            "%(default)s)")
     serve.add_argument("--graceful-shutdown-s", type=int, default=30,
                        help="on SIGTERM, how long in-flight requests may run (default 30)")
     serve.add_argument("--log-level", default="info",
@@ -164,6 +178,29 @@ def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         raise ValueError(f"{source} is set but empty; give the key, or leave it unset to "
                          "serve without authentication")
     return key
+
+
+def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None
+             ) -> tuple[str, ...]:
+    """Every accepted key: `api_key(...)` plus the lines of --api-key-file.
+
+    Raises:
+        ValueError: the file cannot be read or holds no key.
+    """
+    keys = [key] if (key := api_key(args, environ)) is not None else []
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            lines = open(path, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}; give a readable "
+                             "file with one key per line") from None
+        found = [line.strip() for line in lines if line.strip() and
+                 not line.lstrip().startswith("#")]
+        if not found:
+            raise ValueError(f"--api-key-file {path} holds no key; put one key per line")
+        keys.extend(found)
+    return tuple(keys)
 
 
 def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
@@ -226,7 +263,7 @@ def serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_engine_config(args)
-        key = api_key(args)
+        key = api_keys(args)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         _check_listen_address(args.host, args.port)   # last: the flags' own errors come first
@@ -255,7 +292,7 @@ def serve(args: argparse.Namespace) -> int:
     # instead of the process dying mid-cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = build_app(engine, api_key=key)
+    app = build_app(engine, api_key=key, cache_isolation=args.cache_isolation)
     freeze_startup_heap()   # no collector pauses over the startup heap while serving
     try:
         asyncio.run(_serve_http(app, args))

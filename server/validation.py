@@ -78,6 +78,11 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     for i, text in enumerate(stop):
         check_unicode(text, "stop" if isinstance(req.stop, str) else f"stop.{i}")
+    if req.cache_salt is not None:
+        check_unicode(req.cache_salt, "cache_salt")
+        if not req.cache_salt:
+            raise APIError("cache_salt is empty; send a non-empty string or omit it.",
+                           param="cache_salt", code="invalid_value")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true; set stream=true or "
                        "remove stream_options.", param="stream_options", code="invalid_value")
@@ -95,6 +100,7 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
         "ignore_eos": bool(req.ignore_eos),
         "seed": _seed(req.seed, req.seq_seed),
         "skip_special_tokens": req.skip_special_tokens is not False,
+        "cache_salt": req.cache_salt,
     }
 
 
