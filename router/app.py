@@ -31,6 +31,7 @@ from deepinfer.router.errors import error_response
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.proxy import Proxy
 from deepinfer.router.registry import Registry, Replica
+from deepinfer.server.http_limits import BodyLimitMiddleware, HTTPLimits
 
 MODELS_TIMEOUT_S = 10.0
 # Idle connections to workers are dropped after this many seconds, well before a worker closes
@@ -114,9 +115,11 @@ def _lifespan(registry: Registry, discovery: ServiceDiscovery | None,
     return lifespan
 
 
-def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns) -> FastAPI:
+def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns,
+              limits: HTTPLimits = HTTPLimits()) -> FastAPI:
     """The router app for `config`; `resolve` looks up the pools' addresses (DNS discovery;
-    tests give a fake)."""
+    tests give a fake); `limits` bound how slowly and how much a client may send (the body is
+    read whole before a request counts as in flight)."""
     registry = build_registry(config)
     client = build_client(config)
     metrics = RouterMetrics(registry.known, lambda: proxy.in_flight)
@@ -129,6 +132,7 @@ def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns) -> FastA
                   lifespan=_lifespan(registry, discovery, client, config))
     app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
     app.state.discovery = discovery
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -20,6 +20,7 @@ import sys
 from typing import Any, Sequence
 
 from deepinfer.router.config import DISCOVERY_MODES, POLICY_NAMES, RouterConfig
+from deepinfer.server.http_limits import add_limit_flags, limits_from_args, uvicorn_limits
 
 # seconds between ending the relays still running at the drain deadline and uvicorn
 # cancelling whatever has not finished
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "before they are cut (%(default)s)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+    add_limit_flags(parser)
     return parser
 
 
@@ -105,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        limits = limits_from_args(args)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         if not 0 <= args.port <= 65535:
@@ -135,13 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # handlers receive it, so the router exits 0 after a clean drain
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = build_app(config)
+    app = build_app(config, limits=limits)
     # uvicorn cuts what still runs ABORT_MARGIN_S after our own deadline, by which time every
     # relay has ended with a proper answer (see _serve)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
-        timeout_keep_alive=CLIENT_KEEP_ALIVE_S))
+        timeout_keep_alive=CLIENT_KEEP_ALIVE_S, **uvicorn_limits(limits)))
     asyncio.run(_serve(server, app.state.proxy, args.graceful_shutdown_s))
     print("deepinfer router: stopped", flush=True)
     return 0

@@ -21,6 +21,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deepinfer.server.errors import APIError, install_error_handlers
+from deepinfer.server.http_limits import BodyLimitMiddleware, HTTPLimits
 from deepinfer.server.logprobs import TokenDecoder
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -105,12 +106,13 @@ class HTTPMetricsMiddleware:
 
 
 def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
-              cache_isolation: str = "none") -> FastAPI:
+              cache_isolation: str = "none", limits: HTTPLimits = HTTPLimits()) -> FastAPI:
     """The app for `engine` (an `AsyncLLM` or anything with its public surface).
 
     api_key: one key or several (each client its own); None = no authentication.
     cache_isolation: "none" (all requests share cached prefixes), "user" (salted by the
         request's `user` field) or "api-key" (salted by the bearer token); see `cache_salt`.
+    limits: how slowly and how much a client may send (server.http_limits).
     """
     if cache_isolation not in CACHE_ISOLATION_MODES:
         raise ValueError(f"cache_isolation={cache_isolation!r} is not one of "
@@ -126,6 +128,7 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # outermost: sees 401s too

@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import Any, Sequence
 
+from deepinfer.server.http_limits import add_limit_flags, limits_from_args, uvicorn_limits
+
 # flag dest -> (EngineConfig section, field, converter)
 ENGINE_FLAGS: dict[str, tuple[str, str, Any]] = {
     "model": ("model", "model", str),
@@ -137,6 +139,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="on SIGTERM, how long in-flight requests may run (default 30)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    add_limit_flags(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,7 +222,8 @@ async def _serve_http(app: Any, args: argparse.Namespace) -> None:
     # request has had its proper error answer (see _abort_after_drain)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
-                            timeout_keep_alive=KEEP_ALIVE_S)
+                            timeout_keep_alive=KEEP_ALIVE_S,
+                            **uvicorn_limits(limits_from_args(args)))
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     deadline = asyncio.create_task(_abort_after_drain(server, app.state.engine,
@@ -264,6 +268,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = build_engine_config(args)
         key = api_keys(args)
+        limits = limits_from_args(args)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         _check_listen_address(args.host, args.port)   # last: the flags' own errors come first
@@ -292,7 +297,7 @@ def serve(args: argparse.Namespace) -> int:
     # instead of the process dying mid-cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = build_app(engine, api_key=key, cache_isolation=args.cache_isolation)
+    app = build_app(engine, api_key=key, cache_isolation=args.cache_isolation, limits=limits)
     freeze_startup_heap()   # no collector pauses over the startup heap while serving
     try:
         asyncio.run(_serve_http(app, args))
