@@ -106,9 +106,10 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
 
 def _check_max_tokens(name: str, value: int | None, omitted: str) -> None:
     """400 unless value is None or in [1, 2**31 - 1]; `omitted`: what leaving it out does."""
-    if value is not None and not 1 <= value <= MAX_INT32:
-        raise APIError(f"{name}={value} is outside [1, {MAX_INT32}]; send a positive number of "
-                       f"tokens or omit it to {omitted}.", param=name, code="invalid_value")
+    if value is not None and value < 1:
+        raise APIError(f"{name}={value} must be >= 1; send a positive number of tokens or omit "
+                       f"it to {omitted}.", param=name, code="invalid_value")
+    _in_range(name, value, 1, MAX_INT32)
 
 
 def _check_not_served(req: ChatCompletionRequest) -> None:
