@@ -151,7 +151,7 @@ def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns,
 
     @app.get("/health")
     async def health() -> Response:
-        serving = [r for r in registry.serving() if r.healthy]
+        serving = [r for r in registry.serving() if r.healthy and not r.stopping]
         if not serving:
             return error_response("No replica that answers requests is healthy.",
                                   status_code=503, code="no_healthy_replica")

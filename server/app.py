@@ -1,6 +1,7 @@
 """`build_app(engine)`: the FastAPI app serving one engine through the OpenAI API.
 
-Routes: GET (or HEAD) /health (200 while the step loop lives, else 503; the Kubernetes startup,
+Routes: GET (or HEAD) /health (200 while the step loop lives, else 503; 503
+`{"status": "draining"}` after SIGTERM while in-flight requests finish; the Kubernetes startup,
 readiness and liveness probes in deploy/ call it), GET (or HEAD) /metrics (Prometheus text),
 GET (or HEAD) /v1/models and /v1/models/{model}, POST /v1/chat/completions, POST /v1/completions.
 With `api_key`, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -75,6 +77,26 @@ class APIKeyMiddleware:
 PROTECTED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
 
 
+class InFlightMiddleware:
+    """Counts the POST requests being answered in `state.in_flight` (their answer included, to
+    a stream's last byte): a draining server (server.cli) exits when it reaches zero."""
+
+    def __init__(self, app: ASGIApp, state: Any) -> None:
+        self.app = app
+        self._state = state
+        state.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        self._state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._state.in_flight -= 1
+
+
 class HTTPMetricsMiddleware:
     """Counts every HTTP answer in `deepinfer:http_requests_total` by route template and status.
 
@@ -127,8 +149,10 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
     app = FastAPI(title="deepinfer", summary="OpenAI-compatible LLM server")
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.draining = False   # set by server.cli on SIGTERM: /health answers "draining"
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limits=limits)
+    app.add_middleware(InFlightMiddleware, state=app.state)   # whole requests only
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # outermost: sees 401s too
@@ -144,6 +168,9 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
         except Exception as exc:
             raise APIError(f"The inference engine is not running: {exc}. Restart the server.",
                            status_code=503, type="server_error", code="engine_dead") from exc
+        if app.state.draining:   # still serving what it has; a router sends nothing new
+            return JSONResponse({"status": "draining", "in_flight": app.state.in_flight},
+                                status_code=503)
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])

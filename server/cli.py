@@ -4,8 +4,10 @@ The engine config is built as defaults <- `DEEPINFER_*` environment variables <-
 user gave (a flag left out never overrides the environment). The engine is imported only when
 serving, so `deepinfer --help` starts in a blink without torch.
 
-On SIGTERM or Ctrl-C uvicorn stops accepting connections and lets in-flight requests finish
-(up to --graceful-shutdown-s), then the engine's step loop is stopped.
+On SIGTERM or Ctrl-C the server drains: it keeps listening and serving while its in-flight
+requests finish (up to --graceful-shutdown-s; those still running then answer 503), /health
+answers 503 `{"status": "draining"}` so a router sends nothing new without cancelling what runs;
+at zero in flight uvicorn stops, then the engine's step loop. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from typing import Any, Sequence
 
 from deepinfer.server.http_limits import add_limit_flags, limits_from_args, uvicorn_limits
@@ -55,17 +58,41 @@ KEEP_ALIVE_S = 75
 ABORT_MARGIN_S = 5
 
 
-async def _abort_after_drain(server: Any, engine: Any, drain_s: float) -> None:
-    """Once shutdown starts (SIGTERM), give in-flight requests `drain_s` seconds, then abort
-    those still running: each answers an OpenAI-style 503 `server_shutting_down` (an SSE error
-    event then `[DONE]` for a stream) instead of being cut by uvicorn with a bare 500."""
-    while not server.should_exit:
+async def _drain(server: Any, app: Any, drain_s: float) -> None:
+    """Once a signal starts the drain, wait until no request is in flight or `drain_s` seconds
+    passed; then abort those still running (each answers an OpenAI-style 503
+    `server_shutting_down`, a stream an SSE error event then `[DONE]`, instead of being cut by
+    uvicorn with a bare 500) and let uvicorn stop."""
+    while not (server.draining or server.should_exit):
         await asyncio.sleep(0.1)
-    await asyncio.sleep(drain_s)
-    aborted = engine.abort_all(f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
+    deadline = time.monotonic() + drain_s
+    while app.state.in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    aborted = app.state.engine.abort_all(
+        f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
     if aborted:
         logging.getLogger("deepinfer.server").warning(
             "shutdown: aborted %d request(s) still running after %g s", aborted, drain_s)
+    server.should_exit = True
+
+
+def draining_server(config: Any) -> Any:
+    """A uvicorn.Server whose first SIGTERM/SIGINT starts a drain (`_drain`) instead of
+    closing the listener: a router health-checking it sees "draining", not a dead worker."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.draining and not self.should_exit:
+                self._captured_signals.append(sig)   # re-raised by uvicorn at the end
+                self.draining = True
+                config.app.state.draining = True
+                return
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -224,10 +251,9 @@ async def _serve_http(app: Any, args: argparse.Namespace) -> None:
                             timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
                             timeout_keep_alive=KEEP_ALIVE_S,
                             **uvicorn_limits(limits_from_args(args)))
-    server = uvicorn.Server(config)
+    server = draining_server(config)
     serving = asyncio.create_task(server.serve())
-    deadline = asyncio.create_task(_abort_after_drain(server, app.state.engine,
-                                                      args.graceful_shutdown_s))
+    deadline = asyncio.create_task(_drain(server, app, args.graceful_shutdown_s))
     serving.add_done_callback(lambda _: deadline.cancel())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
