@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="connect timeout to a worker (%(default)s)")
     parser.add_argument("--request-timeout-s", type=float, default=RouterConfig.request_timeout_s,
                         help="longest wait for a worker's next byte (%(default)s)")
+    parser.add_argument("--stream-stall-timeout-s", type=float,
+                        default=RouterConfig.stream_stall_timeout_s,
+                        help="a stream whose worker sends no byte for this long (a hung "
+                             "worker) is ended with an SSE error event `stream_stalled` and "
+                             "[DONE] (%(default)s)")
     parser.add_argument("--max-attempts", type=int, default=RouterConfig.max_attempts,
                         help="workers tried when connections fail before the answer "
                              "(%(default)s)")
@@ -90,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_failures=args.max_failures, max_concurrent_requests=args.max_concurrent_requests,
         connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
         max_attempts=args.max_attempts, discovery=args.discovery,
+        stream_stall_timeout_s=args.stream_stall_timeout_s,
         discovery_interval_s=args.discovery_interval_s)
 
 

@@ -138,16 +138,31 @@ class UpstreamResponse(StreamingResponse):
     leaving, the worker dying), the worker's connection is closed and `on_close` runs once."""
 
     def __init__(self, upstream: httpx.Response, on_close: Callable[[], None],
-                 drain_over: asyncio.Event) -> None:
+                 drain_over: asyncio.Event, stall_timeout_s: float) -> None:
         self._upstream = upstream
         self._on_close = on_close
         self._drain_over = drain_over
+        self._stall_timeout_s = stall_timeout_s
         super().__init__(self._relay(), status_code=upstream.status_code,
                          headers=relayed_headers(upstream))
 
     async def _relay(self):
+        chunks = self._upstream.aiter_raw()
         try:
-            async for chunk in self._upstream.aiter_raw():
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), self._stall_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:   # a hung worker: tell the client, do not wait
+                    logger.warning("worker %s sent nothing for %g s; ending the stream",
+                                   self._upstream.url, self._stall_timeout_s)
+                    yield b"\n\n" + sse_error_event(
+                        f"The worker sent nothing for {self._stall_timeout_s:g} s "
+                        "(--stream-stall-timeout-s): the stream stalled and was ended, the "
+                        "answer is incomplete. Retry the request.", code="stream_stalled")
+                    yield SSE_DONE
+                    return
                 yield chunk
                 if self._drain_over.is_set():  # the router is stopping: end the stream cleanly
                     yield sse_error_event(SHUTTING_DOWN, code="router_shutting_down")
@@ -297,7 +312,8 @@ class Proxy:
             def on_close() -> None:
                 release_replica()
                 self.in_flight -= 1
-            return UpstreamResponse(upstream, on_close, self.drain_over)
+            return UpstreamResponse(upstream, on_close, self.drain_over,
+                                    self.config.stream_stall_timeout_s)
         try:  # a JSON answer is complete once its header comes: relay it in one piece
             content = b"".join([chunk async for chunk in upstream.aiter_raw()])
         except httpx.HTTPError as exc:  # the worker is gone mid-answer: never re-send

@@ -54,3 +54,39 @@ def test_a_draining_worker_finishes_every_non_streamed_request(tmp_path):
         for process in (router, worker):
             if process is not None:
                 process.kill()
+
+
+def test_a_hung_worker_ends_the_stream_with_an_error_event(tmp_path):
+    """Issue 26.5: a worker that stops responding mid-stream (SIGSTOP) used to leave the
+    client's stream silent for up to the 600 s request timeout; the router now ends it after
+    --stream-stall-timeout-s with an error event the client can act on, then [DONE]."""
+    import json
+
+    worker = ServerProcess("worker", deepinfer("serve", "--max-num-seqs", "2"),
+                           tmp_path / "worker.log")
+    router = None
+    try:
+        worker.wait_ready()
+        router = ServerProcess("router", deepinfer(
+            "router", "--backend", worker.url, "--stream-stall-timeout-s", "3"),
+            tmp_path / "router.log").wait_ready(60)
+        lines: list[str] = []
+        stopped_at = None
+        with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=120,
+                          json={**BODY, "max_tokens": 2000, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3 and stopped_at is None:
+                    worker.proc.send_signal(signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+        waited_s = time.monotonic() - stopped_at
+        assert 2.5 < waited_s < 20, (waited_s, lines[-4:])
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][len("data: "):])["error"]
+        assert error["code"] == "stream_stalled" and "sent nothing for 3 s" in error["message"]
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
+        for process in (router, worker):
+            if process is not None:
+                process.kill()
