@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "before they are cut (%(default)s)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes and the API "
+                             "docs (default: $DEEPINFER_ROUTER_API_KEY; unset = open). A flag "
+                             "shows in `ps`: prefer the variable or --api-key-file")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="read the router's API keys from PATH, one per line")
     add_limit_flags(parser)
     return parser
 
@@ -99,6 +105,36 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery_interval_s=args.discovery_interval_s)
 
 
+def router_api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None
+                    ) -> tuple[str, ...]:
+    """--api-key (else $DEEPINFER_ROUTER_API_KEY) plus the lines of --api-key-file.
+
+    Raises:
+        ValueError: a key set but empty, or a file unreadable or without a key.
+    """
+    import os
+
+    environ = os.environ if environ is None else environ
+    key = args.api_key if args.api_key is not None else environ.get("DEEPINFER_ROUTER_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("the router's API key is set but empty; give the key, or unset it to "
+                         "serve without authentication")
+    keys = [key.strip()] if key is not None else []
+    if args.api_key_file:
+        try:
+            lines = open(args.api_key_file, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") \
+                from None
+        found = [line.strip() for line in lines
+                 if line.strip() and not line.lstrip().startswith("#")]
+        if not found:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key; put one key "
+                             "per line")
+        keys.extend(found)
+    return tuple(keys)
+
+
 def _cannot_listen(host: str, port: int) -> str | None:
     """Why a server could not listen on host:port (taken, not a local address), or None."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -114,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         limits = limits_from_args(args)
+        keys = router_api_keys(args)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         if not 0 <= args.port <= 65535:
@@ -144,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # handlers receive it, so the router exits 0 after a clean drain
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = build_app(config, limits=limits)
+    app = build_app(config, limits=limits, api_keys=keys)
     # uvicorn cuts what still runs ABORT_MARGIN_S after our own deadline, by which time every
     # relay has ended with a proper answer (see _serve)
     server = uvicorn.Server(uvicorn.Config(

@@ -107,11 +107,10 @@ def parse_body(body: bytes) -> Any:
 
 
 def body_problem(body: bytes, payload: Any) -> tuple[str, str] | None:
-    """(message, code) when no worker could accept `body`, for the router to answer 400 itself
-    with the workers' codes: `invalid_json` for an empty or unparsable body, `invalid_type` for
-    JSON that is not an object. None for a JSON object, also one nested too deeply for
-    `parse_body` (payload None), and for a body too deep for Python's json to parse at all:
-    those are forwarded for the worker to judge."""
+    """(message, code) when the router answers 400 itself, with the workers' codes:
+    `invalid_json` for an empty or unparsable body or one nested deeper than `MAX_JSON_DEPTH`
+    (forwarded unparsed, its `kv_transfer_params` would reach a decode worker unchecked),
+    `invalid_type` for JSON that is not an object. None for a JSON object within the depth."""
     if isinstance(payload, dict):
         return None
     if payload is None:
@@ -121,16 +120,29 @@ def body_problem(body: bytes, payload: Any) -> tuple[str, str] | None:
         try:
             payload = json.loads(body)
         except RecursionError:
-            return None
+            return _too_deep()
         except ValueError as exc:
-            return (f"The request body is not valid JSON ({exc}); send a JSON object with "
-                    "Content-Type: application/json.", "invalid_json")
+            return (f"The request body is not valid JSON ({_json_reason(exc)}); send a JSON "
+                    "object with Content-Type: application/json.", "invalid_json")
         if isinstance(payload, dict):
-            return None   # an object nested deeper than MAX_JSON_DEPTH: the worker decides
+            return _too_deep()
     kind = {type(None): "null", list: "array", str: "string", bool: "boolean"}.get(
         type(payload), "number")
     return (f"The request body is JSON {kind}; send a JSON object "
             '(e.g. {"model": ..., "messages": [...]}).', "invalid_type")
+
+
+def _too_deep() -> tuple[str, str]:
+    return (f"The request body nests lists and objects deeper than {MAX_JSON_DEPTH} levels; "
+            "send a flatter JSON object.", "invalid_json")
+
+
+def _json_reason(exc: ValueError) -> str:
+    """The JSON error, without Python's advice (an integer past the 4,300-digit limit)."""
+    text = str(exc)
+    if "integer string conversion" in text:
+        return "an integer has more than 4,300 digits"
+    return text
 
 
 class UpstreamResponse(StreamingResponse):

@@ -12,18 +12,16 @@ it shuts it down (see `server.cli`).
 from __future__ import annotations
 
 import hashlib
-import secrets
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deepinfer.server.errors import APIError, install_error_handlers
-from deepinfer.server.http_limits import BodyLimitMiddleware, HTTPLimits
+from deepinfer.server.http_limits import APIKeyMiddleware, BodyLimitMiddleware, HTTPLimits
 from deepinfer.server.logprobs import TokenDecoder
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -49,32 +47,6 @@ def cache_salt(body: Any, authorization: str, mode: str) -> str | None:
     return "\n".join(parts) or None
 
 
-class APIKeyMiddleware:
-    """Refuses /v1 requests (and the API docs) without `Authorization: Bearer <key>` for one
-    of `api_keys` (constant-time compare)."""
-
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
-        self.app = app
-        self._keys = [key.encode() for key in api_keys]
-
-    def _allowed(self, token: bytes) -> bool:
-        return any([secrets.compare_digest(token, key) for key in self._keys])
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not self._allowed(token.strip().encode()):
-                given = "a wrong API key" if token else "no API key"
-                err = APIError(f"The request has {given}; send the server's key as "
-                               "'Authorization: Bearer <key>' (its --api-key or "
-                               "DEEPINFER_API_KEY).", status_code=401, code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-# with an API key, the OpenAPI schema and its viewers need it as /v1 does
-PROTECTED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
 
 
 class InFlightMiddleware:

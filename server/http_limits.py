@@ -241,6 +241,43 @@ class _TooLarge(Exception):
     pass
 
 
+# with an API key, the OpenAPI schema and its viewers need it as /v1 does
+PROTECTED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
+
+
+class APIKeyMiddleware:
+    """Refuses requests to `PROTECTED_PREFIXES` without `Authorization: Bearer <key>` for one
+    of `api_keys` (constant-time compare), with an OpenAI-shaped 401; `who` names the process
+    in the message ("server" or "router")."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], who: str = "server") -> None:
+        self.app = app
+        self._keys = [key.encode() for key in api_keys]
+        self._who = who
+
+    def _allowed(self, token: bytes) -> bool:
+        import secrets
+
+        return any([secrets.compare_digest(token, key) for key in self._keys])
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not self._allowed(token.strip().encode()):
+                given = "a wrong API key" if token else "no API key"
+                body = error_json(f"The request has {given}; send the {self._who}'s key as "
+                                  "'Authorization: Bearer <key>' (its --api-key, "
+                                  "--api-key-file or environment variable).",
+                                  type="invalid_request_error", code="invalid_api_key")
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 def add_limit_flags(parser: Any) -> None:
     """The `HTTPLimits` flags, on `deepinfer serve` and `deepinfer router` alike."""
     parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
