@@ -472,10 +472,16 @@ class Proxy:
                            upstream.status_code, data[:200])
             return self._fallback()
         try:
-            params = json.loads(data).get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            params = None
-        return params if isinstance(params, dict) else self._fallback()
+            answer = json.loads(data)
+            params = answer.get("kv_transfer_params")
+            cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        except (ValueError, AttributeError, KeyError, TypeError):
+            params, cached = None, None
+        if not isinstance(params, dict):
+            return self._fallback()
+        if isinstance(cached, int):   # what the client's prompt hit, for the decode's usage
+            params["prompt_cached_tokens"] = cached
+        return params
 
     def _fallback(self) -> None:
         self.metrics.disagg_fallbacks.inc()

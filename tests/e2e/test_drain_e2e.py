@@ -17,7 +17,7 @@ from tests.processes import ServerProcess, deepinfer, metric
 
 pytestmark = pytest.mark.slow
 
-BODY = {"messages": [{"role": "user", "content": "Count to a hundred."}], "max_tokens": 48,
+BODY = {"messages": [{"role": "user", "content": "Count to a hundred."}], "max_tokens": 256,
         "ignore_eos": True, "temperature": 0}
 
 
@@ -45,7 +45,7 @@ def test_a_draining_worker_finishes_every_non_streamed_request(tmp_path):
             assert httpx.get(router.url + "/health", timeout=10).status_code == 503
             replies = [f.result() for f in futures]
         assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
-        assert [r.json()["usage"]["completion_tokens"] for r in replies] == [48] * 3
+        assert [r.json()["usage"]["completion_tokens"] for r in replies] == [256] * 3
         assert worker.proc.wait(timeout=60) == 0
         assert "deepinfer: stopped" in worker.log()
         # ejected only once gone (connection refused after its exit), never while it drained

@@ -293,7 +293,9 @@ def test_disaggregated_prefill_then_decode(workers, router_factory):
     sent_to_prefill = prefill.bodies[0]
     assert sent_to_prefill == {**CHAT, "kv_transfer_params": {"do_remote_decode": True},
                                "max_tokens": 1, "stream": False, "n": 1}
-    assert decode.bodies[0] == {**body, "kv_transfer_params": STORED}
+    # what the client's prompt hit at the prefill goes along, for the decode's usage
+    assert decode.bodies[0] == {**body, "kv_transfer_params": {**STORED,
+                                                               "prompt_cached_tokens": 3}}
 
     prefill.mode = "break"  # a failed prefill step: the decode worker recomputes
     reply = router.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
