@@ -140,7 +140,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "a decode worker, 'decode' loads them (default both)")
     serve.add_argument("--kv-store", default=keep, metavar="URL",
                        help="KV block store shared as a prefix cache: memory (in-process, the "
-                            "default), none, redis://[:password@]host:port/db or rediss://...")
+                            "default), none, redis://[:password@]host:port/db or rediss://... "
+                            "(a password in a flag shows in `ps`: set DEEPINFER_KV_STORE "
+                            "instead)")
     serve.add_argument("--kv-store-memory-gb", type=float, default=keep,
                        help="byte cap of the memory KV store in GiB (default 1)")
     serve.add_argument("--kv-store-ttl-s", type=int, default=keep,
