@@ -181,6 +181,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model dir (default: embedded)")
     parser.add_argument("--out", default="soak_results.json")
     parser.add_argument("--log", default="soak_server.log")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="extra `deepinfer serve` argument (repeat), e.g. "
+                             "--serve-arg=--kv-store --serve-arg=none to tell the KV store's "
+                             "share of RSS from the rest")
     args = parser.parse_args(argv)
     if not 0 < args.duration_s <= MAX_DURATION_S:
         parser.error(f"--duration-s {args.duration_s} must be in (0, {MAX_DURATION_S}]")
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     serve = ["serve", *([args.model] if args.model else []), "--host", "127.0.0.1",
              "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", "8",
-             "--log-level", "warning"]
+             "--log-level", "warning", *args.serve_arg]
     server = ServerProcess("soak-worker", deepinfer(*serve), Path(args.log))
     try:
         server.wait_ready()
