@@ -154,6 +154,19 @@ async def sample_loop(server: ServerProcess, args: argparse.Namespace, counters:
         await asyncio.sleep(min(args.sample_s, max(stop_at - time.monotonic(), 0.1)))
 
 
+async def idle_stats(url: str, timeout_s: float = 60) -> dict[str, float]:
+    """/metrics once no request runs or waits (aborts of dropped streams land at the next
+    step), or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await asyncio.sleep(1)
+        stats = await asyncio.to_thread(scrape, url)
+        busy = (stats.get("deepinfer:num_requests_running", 0)
+                + stats.get("deepinfer:num_requests_waiting", 0))
+        if busy == 0 or time.monotonic() > deadline:
+            return stats
+
+
 async def soak(server: ServerProcess, args: argparse.Namespace) -> dict:
     counters = Counters()
     result = {"config": vars(args), "samples": []}
@@ -162,8 +175,7 @@ async def soak(server: ServerProcess, args: argparse.Namespace) -> dict:
     await asyncio.gather(*(client_loop(server.url, args.seed + i, stop_at, counters)
                            for i in range(args.concurrency)))
     await sampler
-    await asyncio.sleep(2)   # idle: every block must be back
-    stats = scrape(server.url)
+    stats = await idle_stats(server.url)   # every block must be back
     result["idle_kv_blocks_in_use"] = round(stats.get("deepinfer:kv_cache_usage_perc", 0)
                                             * NUM_KV_BLOCKS)
     result["idle_rss_mib"] = round(rss_bytes(server.proc.pid) / 2**20, 1)
