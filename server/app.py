@@ -1,8 +1,9 @@
 """`build_app(engine)`: the FastAPI app serving one engine through the OpenAI API.
 
 Routes: GET (or HEAD) /health (200 while the step loop lives, else 503; 503
-`{"status": "draining"}` after SIGTERM while in-flight requests finish; the Kubernetes startup,
-readiness and liveness probes in deploy/ call it), GET (or HEAD) /metrics (Prometheus text),
+`{"status": "draining"}` after SIGTERM while in-flight requests finish; the Kubernetes startup
+and readiness probes in deploy/ call it), GET (or HEAD) /liveness (200 while the step loop
+lives, draining included: the liveness probe), GET (or HEAD) /metrics (Prometheus text),
 GET (or HEAD) /v1/models and /v1/models/{model}, POST /v1/chat/completions, POST /v1/completions.
 With `api_key`, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health
 and /metrics stay open for probes and scrapers. The app does not own the engine: whoever made
@@ -133,13 +134,23 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
         return ModelCard(id=engine.model_name, root=engine.model_name, created=created,
                          max_model_len=engine.max_model_len)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
+    def check_engine() -> None:
         try:
             engine.check_health()
         except Exception as exc:
             raise APIError(f"The inference engine is not running: {exc}. Restart the server.",
                            status_code=503, type="server_error", code="engine_dead") from exc
+
+    @app.api_route("/liveness", methods=["GET", "HEAD"])
+    async def liveness() -> Response:
+        """200 while the step loop lives, draining or not (the liveness probe: a draining
+        worker must not be restarted mid-drain)."""
+        check_engine()
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        check_engine()
         if app.state.draining:   # still serving what it has; a router sends nothing new
             return JSONResponse({"status": "draining", "in_flight": app.state.in_flight},
                                 status_code=503)

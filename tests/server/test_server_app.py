@@ -360,3 +360,16 @@ def test_cache_salt_by_isolation_mode():
 def test_an_empty_cache_salt_is_a_400(client):
     assert_error(client.post("/v1/completions", json={"prompt": "a", "cache_salt": ""}), 400,
                  "cache_salt", "invalid_value", "cache_salt is empty")
+
+
+def test_draining_health_is_503_and_liveness_stays_200(engine):
+    """Issue 26.4: after SIGTERM (server.cli sets `draining`) /health says draining so routers
+    and readiness probes send nothing new; /liveness (the liveness probe) stays 200."""
+    app = build_app(engine)
+    client = TestClient(app)
+    assert client.get("/health").json() == {"status": "ok"}
+    app.state.draining = True
+    reply = client.get("/health")
+    assert reply.status_code == 503 and reply.json()["status"] == "draining"
+    assert client.get("/liveness").status_code == 200
+    assert client.head("/liveness").status_code == 200
