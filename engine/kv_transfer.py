@@ -349,7 +349,7 @@ class KVTransfer:
                 batch = hashes[batch_start:batch_start + FETCH_BATCH_BLOCKS]
                 values = await asyncio.wait_for(self.store.get_many([self.key(h) for h in batch]),
                                                 self.config.timeout_s * 4)
-                payloads, corrupt = self._decode_prefix(values)
+                payloads, corrupt = self._decode_prefix(batch, values)
                 found.extend(payloads)
                 if len(payloads) < len(batch):
                     break
@@ -366,15 +366,16 @@ class KVTransfer:
         self.stats.observe("load", time.monotonic() - started)
         return blocks
 
-    def _decode_prefix(self, values: list[bytes | None]) -> tuple[list[memoryview], int]:
-        """Payloads of the leading values that decode and fit this cache; (payloads, 1 if the
-        first bad value was corrupt or of another layout else 0)."""
+    def _decode_prefix(self, hashes: list[int], values: list[bytes | None]
+                       ) -> tuple[list[memoryview], int]:
+        """Payloads of the leading values that decode under their key and fit this cache;
+        (payloads, 1 if the first bad value was corrupt, of another key or layout else 0)."""
         payloads = []
-        for value in values:
+        for block_hash, value in zip(hashes, values):
             if value is None:
                 return payloads, 0
             try:
-                header, payload = decode_block(value)
+                header, payload = decode_block(value, key=self.key(block_hash))
             except CodecError as error:
                 logger.warning("KV store block is corrupt (%s); recomputing it", error)
                 return payloads, 1
@@ -394,7 +395,8 @@ class KVTransfer:
         try:
             payloads = await asyncio.to_thread(read.payloads) if read.pending else read.payloads()
             raw = payloads[rows[0]:rows[1]]
-            items = {self.key(h): encode_block(self.header, raw[i]) for i, h in enumerate(hashes)}
+            items = {self.key(h): encode_block(self.header, raw[i], key=self.key(h))
+                     for i, h in enumerate(hashes)}
             await asyncio.wait_for(self.store.put_many(items), self.config.timeout_s * 4)
         except (KVStoreError, asyncio.TimeoutError, OSError) as error:
             self._store_failed("save", error)

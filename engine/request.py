@@ -46,6 +46,8 @@ class Request:
     eos_token_ids: ids that end generation unless `sampling_params.ignore_eos`.
     max_total_tokens: prompt + output may not exceed this (the context window, or max_tokens).
     seed: the resolved 64-bit sampling seed (see `SamplingParams.resolved_seed`).
+    cache_salt: isolates this request's prefix-cache and KV-store blocks from requests with
+        another salt (engine/kv_cache/hashing.py); defaults to `sampling_params.cache_salt`.
     """
 
     request_id: str
@@ -70,6 +72,11 @@ class Request:
     # speculative decoding: draft tokens proposed after the last output token, to be scored
     # in the next step (Scheduler.update_draft_token_ids); never part of num_tokens
     spec_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_salt is None:
+            self.cache_salt = getattr(self.sampling_params, "cache_salt", None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,11 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
                  "frequency_penalty")
 _INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "logprobs", "n", "seed")
 _OPTIONAL_FIELDS = ("max_tokens", "logprobs", "seed")
+# Counts and ids the engine packs into int32/int64 tensors (top_k, token ids, lengths): anything
+# larger than this is refused here, before it reaches a step (top_k = 2**63 overflowed the
+# sampler's int64 tensor and killed the step loop for every request).
+MAX_INT32 = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)   # a signed or an unsigned 64-bit seed
 
 
 def _is_integer(value: Any) -> bool:
@@ -60,6 +65,8 @@ class SamplingParams:
     so_args: structured output, `{"schema_type": "json"|"regex"|"ebnf"|"json_object",
         "schema": ..., "backend": "auto"|"xgrammar"|"guidance" (optional)}` (enforced by
         engine/structured).
+    cache_salt: requests with different salts share no prefix-cache or KV-store block (vLLM's
+        `cache_salt`): one user's cached prompt cannot be probed by another. None = shared.
     """
 
     temperature: float = 1.0
@@ -80,6 +87,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     so_args: dict[str, Any] | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.seq_seed is not None:
@@ -114,6 +122,10 @@ class SamplingParams:
         if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
             raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must be a list "
                                       "of token ids.", "stop_token_ids")
+        if not (self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                            and self.cache_salt)):
+            raise SamplingParamsError(f"cache_salt={self.cache_salt!r} must be a non-empty "
+                                      "string or None.", "cache_salt")
         if not (self.so_args is None or isinstance(self.so_args, dict)):
             raise SamplingParamsError(
                 f"so_args={self.so_args!r} must be a dict like {{'schema_type': 'regex', "
@@ -129,34 +141,41 @@ class SamplingParams:
 
     def _validate(self) -> None:
         """Raises SamplingParamsError (a ValueError) naming the first bad field."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise SamplingParamsError(f"{name}={value} is not a finite number; send a "
+                                          "finite value.", name)
+        for name, low, high in (("top_k", -1, MAX_INT32), ("max_tokens", 1, MAX_INT32),
+                                ("min_tokens", 0, MAX_INT32), ("n", 1, MAX_INT32),
+                                ("seed", *SEED_RANGE)):
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise SamplingParamsError(f"{name}={value} is outside [{low}, {high}], the "
+                                          "range the engine can represent; send a value in "
+                                          "it.", name)
         checks = [
-            ("temperature", 0.0 <= self.temperature < math.inf,
+            ("temperature", 0.0 <= self.temperature,
              f"temperature={self.temperature} must be a finite number >= 0."),
             ("top_p", 0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]."),
             ("top_k", self.top_k == -1 or self.top_k >= 0,
              f"top_k={self.top_k} must be -1 (off) or >= 0."),
             ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]."),
-            ("repetition_penalty", 0.0 < self.repetition_penalty < math.inf,
+            ("repetition_penalty", 0.0 < self.repetition_penalty,
              f"repetition_penalty={self.repetition_penalty} must be a finite number > 0."),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
              f"presence_penalty={self.presence_penalty} must be in [-2, 2]."),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
              f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]."),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
-             f"max_tokens={self.max_tokens} must be >= 1."),
-            ("min_tokens", self.min_tokens >= 0, f"min_tokens={self.min_tokens} must be >= 0."),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}."),
             ("stop", all(isinstance(s, str) and s for s in self.stop),
              "stop strings must be non-empty strings."),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be non-negative integers."),
-            ("seed", self.seed is None or (isinstance(self.seed, int)
-                                           and -(2**63) <= self.seed < 2**64),
-             f"seed={self.seed} (seq_seed) must be an integer that fits in 64 bits."),
+            ("stop_token_ids", all(_is_integer(t) and 0 <= t <= MAX_INT32
+                                   for t in self.stop_token_ids),
+             f"stop_token_ids must be integers in [0, {MAX_INT32}] (token ids)."),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs={self.logprobs} must be between 0 and 20."),
-            ("n", self.n >= 1, f"n={self.n} must be >= 1."),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -6,14 +6,21 @@
     6       2     meta length M (u16)
     8       8     payload length P in bytes (u64)
     16      4     CRC-32 of meta + payload (u32, zlib.crc32)
-    20      M     meta: UTF-8 JSON {"layout": str, "dtype": str, "shape": [int, ...]}
+    20      M     meta: UTF-8 JSON {"layout": str, "dtype": str, "shape": [int, ...],
+                  "key": str}
     20+M    P     payload: the tensor's bytes, C order
 
 Never pickle: decoding reads numbers and JSON only, so a hostile or corrupted value cannot run
 code. Anything off — magic, version, a short or long buffer, the checksum, meta that does not
 parse, a payload size that disagrees with dtype x shape — raises `CodecError`, which readers
-count as a miss. CRC-32 (not a cryptographic hash) guards against torn writes and bit rot; the
-store is trusted not to forge values.
+count as a miss. CRC-32 (not a cryptographic hash) guards against torn writes and bit rot.
+
+The value binds the key it was written under (block hash + model fingerprint, the caller's
+store key): the key is in the checksummed meta and `decode_block` refuses a value read under
+another key, so a block copied or swapped to another prompt's key (with a correct CRC for its
+bytes) is a miss, recomputed, never a silently wrong answer. Version 1 values (no key) are
+refused. The store is still trusted not to forge values: whoever can write to it can also write
+a correct key and CRC (protect it with Redis ACLs / TLS, see README).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"DIKV"
-VERSION = 1
+VERSION = 2   # 2: the meta binds the store key
 _FIXED = struct.Struct("<4sHHQI")  # magic, version, meta length, payload length, crc32
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
@@ -50,8 +57,8 @@ class BlockHeader:
         return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
-def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
-    """Header + payload as one bytes value.
+def encode_block(header: BlockHeader, payload: bytes | memoryview, *, key: str) -> bytes:
+    """Header + payload as one bytes value bound to `key`, the store key it is written under.
 
     Raises:
         ValueError: unknown dtype, or the payload size is not dtype size x prod(shape).
@@ -63,17 +70,20 @@ def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
         raise ValueError(f"payload has {payload.nbytes} bytes; {header.dtype} x "
                          f"{list(header.shape)} needs {header.num_bytes}.")
     meta = json.dumps({"layout": header.layout, "dtype": header.dtype,
-                       "shape": list(header.shape)}, separators=(",", ":")).encode()
+                       "shape": list(header.shape), "key": key},
+                      separators=(",", ":")).encode()
     checksum = zlib.crc32(payload, zlib.crc32(meta))
     return b"".join((_FIXED.pack(MAGIC, VERSION, len(meta), payload.nbytes, checksum), meta,
                      payload))
 
 
-def decode_block(data: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
-    """Parse and verify a value; returns its header and a zero-copy view of the payload.
+def decode_block(data: bytes | memoryview, *, key: str) -> tuple[BlockHeader, memoryview]:
+    """Parse and verify a value read under `key`; returns its header and a zero-copy view of
+    the payload.
 
     Raises:
-        CodecError: bad magic, other version, wrong length, bad checksum or bad meta.
+        CodecError: bad magic, other version, wrong length, bad checksum, bad meta, or a value
+            written under another key than `key`.
     """
     data = memoryview(data).cast("B")
     if data.nbytes < _FIXED.size:
@@ -96,8 +106,12 @@ def decode_block(data: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
         header = BlockHeader(str(fields["layout"]), str(fields["dtype"]),
                              tuple(int(d) for d in fields["shape"]))
         expected = header.num_bytes
+        written_under = fields["key"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CodecError(f"bad header meta: {exc}") from None
+    if written_under != key:
+        raise CodecError(f"value was written under key {written_under!r} and read under "
+                         f"{key!r}: a copied or swapped block, not this prompt's.")
     if expected != payload_len:
         raise CodecError(f"payload has {payload_len} bytes; {header.dtype} x "
                          f"{list(header.shape)} needs {expected}.")

@@ -5,7 +5,8 @@ Routes: POST /v1/chat/completions and /v1/completions (proxied, SSE included), G
 at least one replica that answers requests is admitted, else 503: the Kubernetes readiness
 probe), GET /liveness (200 while the router serves, whatever its workers do: the startup and
 liveness probes, so a router is never restarted for its workers' sake), GET /metrics (the
-router's own Prometheus metrics). Errors of the router itself have OpenAI's error shape.
+router's own Prometheus metrics); every GET route answers HEAD too. With --api-key, /v1 and the
+API docs need the router's key. Errors of the router itself have OpenAI's error shape.
 
 The app owns its httpx client (one connection pool for all workers), the health-check task and,
 with `discovery="dns"`, the discovery task: they start and stop with the app's lifespan; the
@@ -31,6 +32,7 @@ from deepinfer.router.errors import error_response
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.proxy import Proxy
 from deepinfer.router.registry import Registry, Replica
+from deepinfer.server.http_limits import APIKeyMiddleware, BodyLimitMiddleware, HTTPLimits
 
 MODELS_TIMEOUT_S = 10.0
 # Idle connections to workers are dropped after this many seconds, well before a worker closes
@@ -114,9 +116,13 @@ def _lifespan(registry: Registry, discovery: ServiceDiscovery | None,
     return lifespan
 
 
-def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns) -> FastAPI:
+def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns,
+              limits: HTTPLimits = HTTPLimits(), api_keys: tuple[str, ...] = ()) -> FastAPI:
     """The router app for `config`; `resolve` looks up the pools' addresses (DNS discovery;
-    tests give a fake)."""
+    tests give a fake); `limits` bound how slowly and how much a client may send (the body is
+    read whole before a request counts as in flight); `api_keys`: the router's own keys for
+    /v1 and the API docs (checked before anything is forwarded; the client's Authorization
+    header still goes to the workers)."""
     registry = build_registry(config)
     client = build_client(config)
     metrics = RouterMetrics(registry.known, lambda: proxy.in_flight)
@@ -129,6 +135,9 @@ def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns) -> FastA
                   lifespan=_lifespan(registry, discovery, client, config))
     app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
     app.state.discovery = discovery
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys, who="router")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -145,19 +154,19 @@ def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns) -> FastA
     async def completions(request: Request) -> Response:
         return await proxy.handle(request, "/v1/completions")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        serving = [r for r in registry.serving() if r.healthy]
+        serving = [r for r in registry.serving() if r.healthy and not r.stopping]
         if not serving:
             return error_response("No replica that answers requests is healthy.",
                                   status_code=503, code="no_healthy_replica")
         return JSONResponse({"status": "ok", "healthy_replicas": len(serving)})
 
-    @app.get("/liveness")
+    @app.api_route("/liveness", methods=["GET", "HEAD"])
     async def liveness() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -183,14 +192,14 @@ def _add_model_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClien
                                              "shortly.", status_code=503,
                                              code="no_healthy_replica")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models(request: Request) -> Response:
         cards, failure = await model_cards(request)
         if failure is not None:
             return failure
         return JSONResponse({"object": "list", "data": cards})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def get_model(model_id: str, request: Request) -> Response:
         cards, failure = await model_cards(request)
         if failure is not None:

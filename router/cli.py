@@ -20,6 +20,7 @@ import sys
 from typing import Any, Sequence
 
 from deepinfer.router.config import DISCOVERY_MODES, POLICY_NAMES, RouterConfig
+from deepinfer.server.http_limits import add_limit_flags, limits_from_args, uvicorn_limits
 
 # seconds between ending the relays still running at the drain deadline and uvicorn
 # cancelling whatever has not finished
@@ -68,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="connect timeout to a worker (%(default)s)")
     parser.add_argument("--request-timeout-s", type=float, default=RouterConfig.request_timeout_s,
                         help="longest wait for a worker's next byte (%(default)s)")
+    parser.add_argument("--stream-stall-timeout-s", type=float,
+                        default=RouterConfig.stream_stall_timeout_s,
+                        help="a stream whose worker sends no byte for this long (a hung "
+                             "worker) is ended with an SSE error event `stream_stalled` and "
+                             "[DONE] (%(default)s)")
     parser.add_argument("--max-attempts", type=int, default=RouterConfig.max_attempts,
                         help="workers tried when connections fail before the answer "
                              "(%(default)s)")
@@ -76,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "before they are cut (%(default)s)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes and the API "
+                             "docs (default: $DEEPINFER_ROUTER_API_KEY; unset = open). A flag "
+                             "shows in `ps`: prefer the variable or --api-key-file")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="read the router's API keys from PATH, one per line")
+    add_limit_flags(parser)
     return parser
 
 
@@ -88,7 +101,38 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_failures=args.max_failures, max_concurrent_requests=args.max_concurrent_requests,
         connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
         max_attempts=args.max_attempts, discovery=args.discovery,
+        stream_stall_timeout_s=args.stream_stall_timeout_s,
         discovery_interval_s=args.discovery_interval_s)
+
+
+def router_api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None
+                    ) -> tuple[str, ...]:
+    """--api-key (else $DEEPINFER_ROUTER_API_KEY) plus the lines of --api-key-file.
+
+    Raises:
+        ValueError: a key set but empty, or a file unreadable or without a key.
+    """
+    import os
+
+    environ = os.environ if environ is None else environ
+    key = args.api_key if args.api_key is not None else environ.get("DEEPINFER_ROUTER_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("the router's API key is set but empty; give the key, or unset it to "
+                         "serve without authentication")
+    keys = [key.strip()] if key is not None else []
+    if args.api_key_file:
+        try:
+            lines = open(args.api_key_file, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") \
+                from None
+        found = [line.strip() for line in lines
+                 if line.strip() and not line.lstrip().startswith("#")]
+        if not found:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key; put one key "
+                             "per line")
+        keys.extend(found)
+    return tuple(keys)
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
@@ -105,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        limits = limits_from_args(args)
+        keys = router_api_keys(args)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         if not 0 <= args.port <= 65535:
@@ -135,13 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # handlers receive it, so the router exits 0 after a clean drain
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = build_app(config)
+    app = build_app(config, limits=limits, api_keys=keys)
     # uvicorn cuts what still runs ABORT_MARGIN_S after our own deadline, by which time every
     # relay has ended with a proper answer (see _serve)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
-        timeout_keep_alive=CLIENT_KEEP_ALIVE_S))
+        timeout_keep_alive=CLIENT_KEEP_ALIVE_S, **uvicorn_limits(limits)))
     asyncio.run(_serve(server, app.state.proxy, args.graceful_shutdown_s))
     print("deepinfer router: stopped", flush=True)
     return 0

@@ -42,6 +42,8 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     # longest wait for a worker's next byte (a long non-streamed generation included)
     request_timeout_s: float = 600.0
+    # a relayed stream with no byte from its worker for this long is ended with an error event
+    stream_stall_timeout_s: float = 60.0
     # replicas tried per request when connections fail before the first byte
     max_attempts: int = 3
     discovery: str = "static"
@@ -97,7 +99,7 @@ class RouterConfig:
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance={self.max_imbalance} must be >= 0")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
-                     "request_timeout_s", "discovery_interval_s"):
+                     "request_timeout_s", "discovery_interval_s", "stream_stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
 

@@ -107,11 +107,10 @@ def parse_body(body: bytes) -> Any:
 
 
 def body_problem(body: bytes, payload: Any) -> tuple[str, str] | None:
-    """(message, code) when no worker could accept `body`, for the router to answer 400 itself
-    with the workers' codes: `invalid_json` for an empty or unparsable body, `invalid_type` for
-    JSON that is not an object. None for a JSON object, also one nested too deeply for
-    `parse_body` (payload None), and for a body too deep for Python's json to parse at all:
-    those are forwarded for the worker to judge."""
+    """(message, code) when the router answers 400 itself, with the workers' codes:
+    `invalid_json` for an empty or unparsable body or one nested deeper than `MAX_JSON_DEPTH`
+    (forwarded unparsed, its `kv_transfer_params` would reach a decode worker unchecked),
+    `invalid_type` for JSON that is not an object. None for a JSON object within the depth."""
     if isinstance(payload, dict):
         return None
     if payload is None:
@@ -121,16 +120,29 @@ def body_problem(body: bytes, payload: Any) -> tuple[str, str] | None:
         try:
             payload = json.loads(body)
         except RecursionError:
-            return None
+            return _too_deep()
         except ValueError as exc:
-            return (f"The request body is not valid JSON ({exc}); send a JSON object with "
-                    "Content-Type: application/json.", "invalid_json")
+            return (f"The request body is not valid JSON ({_json_reason(exc)}); send a JSON "
+                    "object with Content-Type: application/json.", "invalid_json")
         if isinstance(payload, dict):
-            return None   # an object nested deeper than MAX_JSON_DEPTH: the worker decides
+            return _too_deep()
     kind = {type(None): "null", list: "array", str: "string", bool: "boolean"}.get(
         type(payload), "number")
     return (f"The request body is JSON {kind}; send a JSON object "
             '(e.g. {"model": ..., "messages": [...]}).', "invalid_type")
+
+
+def _too_deep() -> tuple[str, str]:
+    return (f"The request body nests lists and objects deeper than {MAX_JSON_DEPTH} levels; "
+            "send a flatter JSON object.", "invalid_json")
+
+
+def _json_reason(exc: ValueError) -> str:
+    """The JSON error, without Python's advice (an integer past the 4,300-digit limit)."""
+    text = str(exc)
+    if "integer string conversion" in text:
+        return "an integer has more than 4,300 digits"
+    return text
 
 
 class UpstreamResponse(StreamingResponse):
@@ -138,16 +150,31 @@ class UpstreamResponse(StreamingResponse):
     leaving, the worker dying), the worker's connection is closed and `on_close` runs once."""
 
     def __init__(self, upstream: httpx.Response, on_close: Callable[[], None],
-                 drain_over: asyncio.Event) -> None:
+                 drain_over: asyncio.Event, stall_timeout_s: float) -> None:
         self._upstream = upstream
         self._on_close = on_close
         self._drain_over = drain_over
+        self._stall_timeout_s = stall_timeout_s
         super().__init__(self._relay(), status_code=upstream.status_code,
                          headers=relayed_headers(upstream))
 
     async def _relay(self):
+        chunks = self._upstream.aiter_raw()
         try:
-            async for chunk in self._upstream.aiter_raw():
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), self._stall_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:   # a hung worker: tell the client, do not wait
+                    logger.warning("worker %s sent nothing for %g s; ending the stream",
+                                   self._upstream.url, self._stall_timeout_s)
+                    yield b"\n\n" + sse_error_event(
+                        f"The worker sent nothing for {self._stall_timeout_s:g} s "
+                        "(--stream-stall-timeout-s): the stream stalled and was ended, the "
+                        "answer is incomplete. Retry the request.", code="stream_stalled")
+                    yield SSE_DONE
+                    return
                 yield chunk
                 if self._drain_over.is_set():  # the router is stopping: end the stream cleanly
                     yield sse_error_event(SHUTTING_DOWN, code="router_shutting_down")
@@ -297,7 +324,8 @@ class Proxy:
             def on_close() -> None:
                 release_replica()
                 self.in_flight -= 1
-            return UpstreamResponse(upstream, on_close, self.drain_over)
+            return UpstreamResponse(upstream, on_close, self.drain_over,
+                                    self.config.stream_stall_timeout_s)
         try:  # a JSON answer is complete once its header comes: relay it in one piece
             content = b"".join([chunk async for chunk in upstream.aiter_raw()])
         except httpx.HTTPError as exc:  # the worker is gone mid-answer: never re-send
@@ -444,10 +472,16 @@ class Proxy:
                            upstream.status_code, data[:200])
             return self._fallback()
         try:
-            params = json.loads(data).get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            params = None
-        return params if isinstance(params, dict) else self._fallback()
+            answer = json.loads(data)
+            params = answer.get("kv_transfer_params")
+            cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        except (ValueError, AttributeError, KeyError, TypeError):
+            params, cached = None, None
+        if not isinstance(params, dict):
+            return self._fallback()
+        if isinstance(cached, int):   # what the client's prompt hit, for the decode's usage
+            params["prompt_cached_tokens"] = cached
+        return params
 
     def _fallback(self) -> None:
         self.metrics.disagg_fallbacks.inc()

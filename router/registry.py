@@ -5,6 +5,9 @@ Health: every `health_interval_s` the router sends `GET /health` to each replica
 count; anything else counts a failure, and `max_failures` consecutive failures eject it. A
 refused connection ejects at once, from a health check or from a proxied request. Replicas start
 ejected and join at their first good check, so a worker still loading its model gets no traffic.
+A worker shutting down answers 503 `{"status": "draining"}` while it finishes its requests: it
+is marked `stopping` (no new request goes to it) but stays admitted, so the requests it holds
+are neither cancelled nor retried; its next 200 clears the mark.
 
 Membership: static replicas stay for the router's life. Discovered ones (`router.discovery`)
 come and go through `sync(source, role, urls)`: a new URL joins ejected; a URL that left is
@@ -44,6 +47,15 @@ class Replica:
     source: str | None = None
     # left the pool while requests were in flight: not selected, not checked, forgotten at 0
     draining: bool = False
+    # the worker said it is shutting down ("draining" health): finishing, taking nothing new
+    stopping: bool = False
+
+
+def _says_draining(response: httpx.Response) -> bool:
+    try:
+        return response.json().get("status") == "draining"
+    except (ValueError, AttributeError):
+        return False
 
 
 class Registry:
@@ -67,8 +79,9 @@ class Registry:
         return self.all + self.draining
 
     def replicas(self, role: str) -> list[Replica]:
-        """Replicas that can take `role` work: a role-`both` replica does any."""
-        return [r for r in self.all if r.role == role or r.role == "both"]
+        """Replicas that can take new `role` work: a role-`both` replica does any; a stopping
+        one none."""
+        return [r for r in self.all if (r.role == role or r.role == "both") and not r.stopping]
 
     def serving(self) -> list[Replica]:
         """Replicas that answer whole requests (decode or both)."""
@@ -138,10 +151,11 @@ class Registry:
     async def check(self, client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
         """One health check of `replica`: GET /health must answer 200 within `timeout_s`.
         A replica that left the pool meanwhile is not updated."""
-        reason, unreachable = None, False
+        reason, unreachable, stopping = None, False, False
         try:
             response = await client.get(replica.url + "/health", timeout=timeout_s)
-            if response.status_code != 200:
+            stopping = response.status_code == 503 and _says_draining(response)
+            if response.status_code != 200 and not stopping:
                 reason = f"/health answered {response.status_code}"
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             reason, unreachable = type(exc).__name__, True
@@ -149,6 +163,12 @@ class Registry:
             reason = type(exc).__name__
         if replica not in self.all:  # discovery removed it during the check
             return
+        if stopping != replica.stopping:
+            logger.info("replica %s (%s) %s", replica.url, replica.role,
+                        "is draining: no new requests" if stopping else "serves again")
+            replica.stopping = stopping
+        if stopping:
+            return   # neither a success (no new work) nor a failure (keep what it runs)
         if reason is None:
             self.record_success(replica)
         else:

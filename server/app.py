@@ -1,7 +1,9 @@
 """`build_app(engine)`: the FastAPI app serving one engine through the OpenAI API.
 
-Routes: GET (or HEAD) /health (200 while the step loop lives, else 503; the Kubernetes startup,
-readiness and liveness probes in deploy/ call it), GET (or HEAD) /metrics (Prometheus text),
+Routes: GET (or HEAD) /health (200 while the step loop lives, else 503; 503
+`{"status": "draining"}` after SIGTERM while in-flight requests finish; the Kubernetes startup
+and readiness probes in deploy/ call it), GET (or HEAD) /liveness (200 while the step loop
+lives, draining included: the liveness probe), GET (or HEAD) /metrics (Prometheus text),
 GET (or HEAD) /v1/models and /v1/models/{model}, POST /v1/chat/completions, POST /v1/completions.
 With `api_key`, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health
 and /metrics stay open for probes and scrapers. The app does not own the engine: whoever made
@@ -10,16 +12,17 @@ it shuts it down (see `server.cli`).
 
 from __future__ import annotations
 
-import secrets
+import hashlib
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deepinfer.server.errors import APIError, install_error_handlers
+from deepinfer.server.http_limits import APIKeyMiddleware, BodyLimitMiddleware, HTTPLimits
 from deepinfer.server.logprobs import TokenDecoder
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -27,25 +30,44 @@ from deepinfer.server.serving_chat import ChatServing
 from deepinfer.server.serving_completion import CompletionServing
 
 
-class APIKeyMiddleware:
-    """Refuses /v1 requests without `Authorization: Bearer <api_key>` (constant-time compare)."""
+CACHE_ISOLATION_MODES = ("none", "user", "api-key")
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+def cache_salt(body: Any, authorization: str, mode: str) -> str | None:
+    """The request's effective `cache_salt`: its own, plus with `mode` "user" its `user` field
+    or with "api-key" a digest of its bearer token, so requests of different users / keys share
+    no cached block (prefix cache and KV store; see README "Prompt privacy and the cache")."""
+    if body.cache_salt == "":
+        return ""   # refused by validation with its own message
+    parts = [f"salt:{body.cache_salt}"] if body.cache_salt else []
+    if mode == "user":
+        parts.append(f"user:{body.user or ''}")
+    elif mode == "api-key":
+        token = authorization.partition(" ")[2].strip().encode()
+        parts.append(f"key:{hashlib.sha256(token).hexdigest()}")
+    return "\n".join(parts) or None
+
+
+
+
+class InFlightMiddleware:
+    """Counts the POST requests being answered in `state.in_flight` (their answer included, to
+    a stream's last byte): a draining server (server.cli) exits when it reaches zero."""
+
+    def __init__(self, app: ASGIApp, state: Any) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._state = state
+        state.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                    token.strip().encode(), self._key):
-                given = "a wrong API key" if token else "no API key"
-                err = APIError(f"The request has {given}; send the server's key as "
-                               "'Authorization: Bearer <key>' (its --api-key or "
-                               "DEEPINFER_API_KEY).", status_code=401, code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        self._state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._state.in_flight -= 1
 
 
 class HTTPMetricsMiddleware:
@@ -78,8 +100,19 @@ class HTTPMetricsMiddleware:
             self._metrics.http_response(route, status[0])
 
 
-def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
-    """The app for `engine` (an `AsyncLLM` or anything with its public surface)."""
+def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
+              cache_isolation: str = "none", limits: HTTPLimits = HTTPLimits()) -> FastAPI:
+    """The app for `engine` (an `AsyncLLM` or anything with its public surface).
+
+    api_key: one key or several (each client its own); None = no authentication.
+    cache_isolation: "none" (all requests share cached prefixes), "user" (salted by the
+        request's `user` field) or "api-key" (salted by the bearer token); see `cache_salt`.
+    limits: how slowly and how much a client may send (server.http_limits).
+    """
+    if cache_isolation not in CACHE_ISOLATION_MODES:
+        raise ValueError(f"cache_isolation={cache_isolation!r} is not one of "
+                         f"{CACHE_ISOLATION_MODES}.")
+    api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     metrics = ServerMetrics(engine.get_stats, engine.model_name, engine.max_model_len)
     decode = TokenDecoder(engine.tokenizer)
     chat = ChatServing(engine, metrics, decode)
@@ -89,22 +122,38 @@ def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="deepinfer", summary="OpenAI-compatible LLM server")
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.draining = False   # set by server.cli on SIGTERM: /health answers "draining"
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
+    app.add_middleware(InFlightMiddleware, state=app.state)   # whole requests only
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # outermost: sees 401s too
 
     def model_card() -> ModelCard:
         return ModelCard(id=engine.model_name, root=engine.model_name, created=created,
                          max_model_len=engine.max_model_len)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
+    def check_engine() -> None:
         try:
             engine.check_health()
         except Exception as exc:
             raise APIError(f"The inference engine is not running: {exc}. Restart the server.",
                            status_code=503, type="server_error", code="engine_dead") from exc
+
+    @app.api_route("/liveness", methods=["GET", "HEAD"])
+    async def liveness() -> Response:
+        """200 while the step loop lives, draining or not (the liveness probe: a draining
+        worker must not be restarted mid-drain)."""
+        check_engine()
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        check_engine()
+        if app.state.draining:   # still serving what it has; a router sends nothing new
+            return JSONResponse({"status": "draining", "in_flight": app.state.in_flight},
+                                status_code=503)
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
@@ -125,10 +174,14 @@ def build_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        body.cache_salt = cache_salt(body, raw.headers.get("authorization", ""),
+                                     cache_isolation)
         return await chat.create(body, raw)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
+        body.cache_salt = cache_salt(body, raw.headers.get("authorization", ""),
+                                     cache_isolation)
         return await completion.create(body, raw)
 
     return app

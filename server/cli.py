@@ -4,8 +4,10 @@ The engine config is built as defaults <- `DEEPINFER_*` environment variables <-
 user gave (a flag left out never overrides the environment). The engine is imported only when
 serving, so `deepinfer --help` starts in a blink without torch.
 
-On SIGTERM or Ctrl-C uvicorn stops accepting connections and lets in-flight requests finish
-(up to --graceful-shutdown-s), then the engine's step loop is stopped.
+On SIGTERM or Ctrl-C the server drains: it keeps listening and serving while its in-flight
+requests finish (up to --graceful-shutdown-s; those still running then answer 503), /health
+answers 503 `{"status": "draining"}` so a router sends nothing new without cancelling what runs;
+at zero in flight uvicorn stops, then the engine's step loop. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from typing import Any, Sequence
+
+from deepinfer.server.http_limits import add_limit_flags, limits_from_args, uvicorn_limits
 
 # Idle keep-alive connections are closed after this many seconds: longer than the router's pool
 # keeps them (router.app.WORKER_IDLE_EXPIRY_S) and than common load balancers' idle timeouts
@@ -29,17 +34,41 @@ KEEP_ALIVE_S = 75
 ABORT_MARGIN_S = 5
 
 
-async def _abort_after_drain(server: Any, engine: Any, drain_s: float) -> None:
-    """Once shutdown starts (SIGTERM), give in-flight requests `drain_s` seconds, then abort
-    those still running: each answers an OpenAI-style 503 `server_shutting_down` (an SSE error
-    event then `[DONE]` for a stream) instead of being cut by uvicorn with a bare 500."""
-    while not server.should_exit:
+async def _drain(server: Any, app: Any, drain_s: float) -> None:
+    """Once a signal starts the drain, wait until no request is in flight or `drain_s` seconds
+    passed; then abort those still running (each answers an OpenAI-style 503
+    `server_shutting_down`, a stream an SSE error event then `[DONE]`, instead of being cut by
+    uvicorn with a bare 500) and let uvicorn stop."""
+    while not (server.draining or server.should_exit):
         await asyncio.sleep(0.1)
-    await asyncio.sleep(drain_s)
-    aborted = engine.abort_all(f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
+    deadline = time.monotonic() + drain_s
+    while app.state.in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    aborted = app.state.engine.abort_all(
+        f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
     if aborted:
         logging.getLogger("deepinfer.server").warning(
             "shutdown: aborted %d request(s) still running after %g s", aborted, drain_s)
+    server.should_exit = True
+
+
+def draining_server(config: Any) -> Any:
+    """A uvicorn.Server whose first SIGTERM/SIGINT starts a drain (`_drain`) instead of
+    closing the listener: a router health-checking it sees "draining", not a dead worker."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.draining and not self.should_exit:
+                self._captured_signals.append(sig)   # re-raised by uvicorn at the end
+                self.draining = True
+                config.app.state.draining = True
+                return
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -91,18 +120,35 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "a decode worker, 'decode' loads them (default both)")
     serve.add_argument("--kv-store", default=keep, metavar="URL",
                        help="KV block store shared as a prefix cache: memory (in-process, the "
-                            "default), none, redis://[:password@]host:port/db or rediss://...")
+                            "default), none, redis://[:password@]host:port/db or rediss://... "
+                            "(a password in a flag shows in `ps`: set DEEPINFER_KV_STORE "
+                            "instead)")
     serve.add_argument("--kv-store-memory-gb", type=float, default=keep,
                        help="byte cap of the memory KV store in GiB (default 1)")
     serve.add_argument("--kv-store-ttl-s", type=int, default=keep,
                        help="expiry of blocks stored in Redis, seconds; 0 = never (default 86400)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
-                            "$DEEPINFER_API_KEY; unset = no authentication; empty is refused)")
+                       help="require 'Authorization: Bearer KEY' on /v1 routes and the API "
+                            "docs (default: $DEEPINFER_API_KEY; unset = no authentication; "
+                            "empty is refused). A flag shows in `ps`: prefer the variable or "
+                            "--api-key-file")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read API keys from PATH, one per line ('#' comments): each "
+                            "client may get its own (see --cache-isolation api-key)")
+    serve.add_argument("--cache-isolation", choices=["none", "user", "api-key"],
+                       default="none",
+                       help="prefix-cache and KV-store sharing between requests: 'none' "
+                            "shares cached prompt blocks between all requests (fastest; "
+                            "cached_tokens then tells a client whether a prefix was seen); "
+                            "'user' salts them by the request's `user` field, 'api-key' by "
+                            "the bearer token, so users cannot probe each other's prompts; a "
+                            "request's own `cache_salt` is always honoured (default: "
+                            "%(default)s)")
     serve.add_argument("--graceful-shutdown-s", type=int, default=30,
                        help="on SIGTERM, how long in-flight requests may run (default 30)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    add_limit_flags(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +192,29 @@ def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     return key
 
 
+def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None
+             ) -> tuple[str, ...]:
+    """Every accepted key: `api_key(...)` plus the lines of --api-key-file.
+
+    Raises:
+        ValueError: the file cannot be read or holds no key.
+    """
+    keys = [key] if (key := api_key(args, environ)) is not None else []
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            lines = open(path, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}; give a readable "
+                             "file with one key per line") from None
+        found = [line.strip() for line in lines if line.strip() and
+                 not line.lstrip().startswith("#")]
+        if not found:
+            raise ValueError(f"--api-key-file {path} holds no key; put one key per line")
+        keys.extend(found)
+    return tuple(keys)
+
+
 def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None = None):
     """The engine config of the environment and the flags (a bad value from a variable is
     reported naming the variable)."""
@@ -162,11 +231,11 @@ async def _serve_http(app: Any, args: argparse.Namespace) -> None:
     # request has had its proper error answer (see _abort_after_drain)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
-                            timeout_keep_alive=KEEP_ALIVE_S)
-    server = uvicorn.Server(config)
+                            timeout_keep_alive=KEEP_ALIVE_S,
+                            **uvicorn_limits(limits_from_args(args)))
+    server = draining_server(config)
     serving = asyncio.create_task(server.serve())
-    deadline = asyncio.create_task(_abort_after_drain(server, app.state.engine,
-                                                      args.graceful_shutdown_s))
+    deadline = asyncio.create_task(_drain(server, app, args.graceful_shutdown_s))
     serving.add_done_callback(lambda _: deadline.cancel())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
@@ -206,7 +275,8 @@ def serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_engine_config(args)
-        key = api_key(args)
+        key = api_keys(args)
+        limits = limits_from_args(args)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         _check_listen_address(args.host, args.port)   # last: the flags' own errors come first
@@ -235,7 +305,7 @@ def serve(args: argparse.Namespace) -> int:
     # instead of the process dying mid-cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = build_app(engine, api_key=key)
+    app = build_app(engine, api_key=key, cache_isolation=args.cache_isolation, limits=limits)
     freeze_startup_heap()   # no collector pauses over the startup heap while serving
     try:
         asyncio.run(_serve_http(app, args))

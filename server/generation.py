@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
@@ -97,6 +98,15 @@ def engine_errors() -> Iterator[None]:
         raise err from exc
 
 
+def _prompt_cached_tokens(kv_transfer_params: dict | None) -> int | None:
+    """In disaggregated mode the decode worker's cache hits include the prefill's hand-off;
+    what the client's prompt really hit is what the prefill found cached, which the router
+    passes as `kv_transfer_params.prompt_cached_tokens` (None when absent)."""
+    value = (kv_transfer_params or {}).get("prompt_cached_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else None
+
+
 async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
                          subs: list[SubRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield `(choice_index, output)` from all sub-requests until each has finished.
@@ -108,6 +118,7 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
 
     async def pump(sub: SubRequest) -> None:
         tracker, failed = metrics.tracker(), False
+        client_hit = _prompt_cached_tokens(sub.kv_transfer_params)
         try:
             stream = engine.generate(sub.prompt_token_ids, sub.params,
                                      f"{request_id}-{sub.index}",
@@ -115,6 +126,8 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     tracker.observe(out)
+                    if client_hit is not None and out.num_cached_tokens > client_hit:
+                        out = dataclasses.replace(out, num_cached_tokens=client_hit)
                     queue.put_nowait((sub.index, out))
         except Exception as exc:  # handed to the consumer, which maps or logs it
             failed = True

@@ -92,6 +92,8 @@ class SamplingFields(_Request):
     # prefill/decode disaggregation, vLLM's convention: {"do_remote_decode": true} asks a
     # prefill worker to store the prompt's KV; a decode worker gets what the prefill returned
     kv_transfer_params: dict[str, Any] | None = None
+    # prefix-cache isolation (vLLM's name): requests with different salts share no cached block
+    cache_salt: str | None = None
     # structured outputs (server.structured maps them to so_args)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -11,24 +11,50 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.sampling_params import MAX_INT32, SEED_RANGE, SamplingParams
 from deepinfer.server.errors import APIError, check_unicode
 from deepinfer.server.protocol import (CHAT_FIELDS_NOT_SERVED, ChatCompletionRequest, CompletionRequest,
                              KVTransferParams, SamplingFields)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _in_range(name: str, value: float | None, low: float, high: float, *,
               low_open: bool = False) -> None:
+    """400 naming `name`, its value and the interval unless value is None or inside it (NaN
+    and infinities are outside every interval)."""
     if value is None:
         return
     ok = (low < value if low_open else low <= value) and value <= high
     if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        bounds = [f"{b:g}" if isinstance(b, float) else str(b) for b in (low, high)]
+        interval = f"{'(' if low_open else '['}{bounds[0]}, {bounds[1]}]"
         raise APIError(f"{name}={value} is outside {interval}; send a value in {interval}.",
                        param=name, code="invalid_value")
+
+
+def _check_numbers(req: SamplingFields) -> None:
+    """Every number of the request inside what the engine can represent (a count or token id
+    fits int32, a seed 64 bits, a float is finite and in its range), before any reaches a
+    step: one out-of-range value used to kill the step loop for every request."""
+    _in_range("n", req.n, 1, MAX_N)
+    _in_range("temperature", req.temperature, 0.0, 2.0)
+    _in_range("top_p", req.top_p, 0.0, 1.0, low_open=True)
+    _in_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _in_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    _in_range("top_k", req.top_k, -1, MAX_INT32)
+    _in_range("min_p", req.min_p, 0.0, 1.0)
+    _in_range("repetition_penalty", req.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+              low_open=True)
+    _in_range("min_tokens", req.min_tokens, 0, MAX_INT32)
+    _in_range("seed", req.seed, *SEED_RANGE)
+    _in_range("seq_seed", req.seq_seed, *SEED_RANGE)
+    for i, token_id in enumerate(req.stop_token_ids or []):
+        _in_range(f"stop_token_ids.{i}", token_id, 0, MAX_INT32)
+    for token, bias in (req.logit_bias or {}).items():
+        _in_range(f"logit_bias.{token}", bias, -100.0, 100.0)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -47,17 +73,18 @@ def _seed(seed: int | None, seq_seed: int | None) -> int | None:
 
 
 def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
-    _in_range("n", req.n, 1, MAX_N)
-    _in_range("temperature", req.temperature, 0.0, 2.0)
-    _in_range("top_p", req.top_p, 0.0, 1.0, low_open=True)
-    _in_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
-    _in_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    _check_numbers(req)
     if req.logit_bias:
         raise APIError("logit_bias is not supported by this server; remove it.",
                        param="logit_bias", code="unsupported_parameter")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     for i, text in enumerate(stop):
         check_unicode(text, "stop" if isinstance(req.stop, str) else f"stop.{i}")
+    if req.cache_salt is not None:
+        check_unicode(req.cache_salt, "cache_salt")
+        if not req.cache_salt:
+            raise APIError("cache_salt is empty; send a non-empty string or omit it.",
+                           param="cache_salt", code="invalid_value")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true; set stream=true or "
                        "remove stream_options.", param="stream_options", code="invalid_value")
@@ -75,14 +102,16 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
         "ignore_eos": bool(req.ignore_eos),
         "seed": _seed(req.seed, req.seq_seed),
         "skip_special_tokens": req.skip_special_tokens is not False,
+        "cache_salt": req.cache_salt,
     }
 
 
 def _check_max_tokens(name: str, value: int | None, omitted: str) -> None:
-    """400 unless value is None or >= 1; `omitted`: what leaving it out does."""
+    """400 unless value is None or in [1, 2**31 - 1]; `omitted`: what leaving it out does."""
     if value is not None and value < 1:
         raise APIError(f"{name}={value} must be >= 1; send a positive number of tokens or omit "
                        f"it to {omitted}.", param=name, code="invalid_value")
+    _in_range(name, value, 1, MAX_INT32)
 
 
 def _check_not_served(req: ChatCompletionRequest) -> None:
@@ -128,6 +157,7 @@ def completion_kwargs(req: CompletionRequest) -> tuple[dict[str, Any], int | Non
     _check_max_tokens("max_tokens", req.max_tokens,
                       f"generate up to {COMPLETIONS_DEFAULT_MAX_TOKENS} tokens (the default)")
     _in_range("logprobs", req.logprobs, 0, MAX_LOGPROBS)
+    _in_range("best_of", req.best_of, 1, MAX_N)
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise APIError(f"best_of={req.best_of} differs from n={n}; this server does not rank "

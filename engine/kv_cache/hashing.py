@@ -3,6 +3,9 @@
 `h_i = H(h_{i-1} || token ids of block i || extra)` with H = BLAKE2b-64 over a fixed byte
 encoding, so a hash is stable across processes and machines (never Python's `hash()`); `extra`
 carries whatever changes the KV for the same tokens (model fingerprint, dtype, block size).
+A request's `cache_salt` (vLLM's name) goes into the first block's hash only: the chain carries
+it to every later block, so requests with different salts share no cached block, here or in the
+KV store (whose keys are these hashes), and cache hits cannot leak one user's prompt to another.
 Scheme as in vLLM's prefix caching (vllm/v1/core/kv_cache_utils.py) and SGLang's radix keys.
 
 Pure module: no torch import.
@@ -31,17 +34,29 @@ def hash_block_tokens(parent_hash: int, token_ids: list[int], extra: bytes = b""
     return int.from_bytes(digest.digest(), "little")
 
 
+def salt_bytes(cache_salt: str | None) -> bytes:
+    """The bytes a salt adds to the first block's `extra` (empty for no salt; length-prefixed,
+    so no salt is a suffix of another's encoding)."""
+    if not cache_salt:
+        return b""
+    raw = cache_salt.encode("utf-8", "surrogatepass")
+    return b"salt" + len(raw).to_bytes(8, "little") + raw
+
+
 def extend_block_hashes(block_hashes: list[int], token_ids_of, num_tokens: int,
-                        block_size: int, extra: bytes = b"") -> None:
+                        block_size: int, extra: bytes = b"", cache_salt: str | None = None
+                        ) -> None:
     """Append the hashes of every block made full by the first `num_tokens` tokens.
 
     Args:
         block_hashes: the chain so far, extended in place.
         token_ids_of: callable (start, end) -> token ids [start, end).
         num_tokens: tokens whose ids are known.
+        cache_salt: mixed into the first block's hash (None = unsalted, shared by all).
     """
     parent = block_hashes[-1] if block_hashes else ROOT_HASH
     for index in range(len(block_hashes), num_tokens // block_size):
         start = index * block_size
-        parent = hash_block_tokens(parent, token_ids_of(start, start + block_size), extra)
+        block_extra = extra + salt_bytes(cache_salt) if index == 0 else extra
+        parent = hash_block_tokens(parent, token_ids_of(start, start + block_size), block_extra)
         block_hashes.append(parent)

@@ -51,7 +51,7 @@ class KVCacheManager:
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         extend_block_hashes(request.block_hashes, request.token_ids_slice, num_tokens,
-                            self.block_size, self.hash_extra)
+                            self.block_size, self.hash_extra, request.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest prefix of the request's full blocks found in the cache.

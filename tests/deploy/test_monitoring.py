@@ -131,7 +131,8 @@ def test_probe_paths_answer_200(stack):
                 assert httpx.get(proc.url + action["path"]).status_code == 200, \
                     (workload["metadata"]["name"], probe)
                 checked.add((port, action["path"]))
-    assert checked == {(8000, "/health"), (8080, "/health"), (8080, "/liveness")}
+    assert checked == {(8000, "/health"), (8000, "/liveness"), (8080, "/health"),
+                       (8080, "/liveness")}
 
 
 def test_every_metric_queried_is_exported(stack):

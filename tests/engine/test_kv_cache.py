@@ -120,3 +120,37 @@ def test_prefix_cache_counters():
     manager.get_computed_blocks(second)
     assert manager.prefix_cache_queries == 18
     assert manager.prefix_cache_hits == 8
+
+
+def test_a_cache_salt_isolates_every_block_of_the_chain():
+    """Issue 26.3: the salt enters the first block's hash and the chain carries it, so
+    requests with other salts (or none) share no block, in the cache or the KV store."""
+    from deepinfer.engine.kv_cache.hashing import extend_block_hashes
+
+    tokens = list(range(100, 116))
+
+    def chain(salt):
+        hashes: list[int] = []
+        extend_block_hashes(hashes, lambda a, b: tokens[a:b], 16, 4, b"model", salt)
+        return hashes
+
+    plain, alice, bob = chain(None), chain("alice"), chain("bob")
+    assert len(plain) == 4 and chain("alice") == alice
+    for a, b in ((plain, alice), (alice, bob), (plain, bob)):
+        assert not set(a) & set(b)
+    assert chain("") == plain   # no salt (the API refuses an empty one)
+
+
+def test_requests_with_another_salt_get_no_prefix_hit():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(100, 113))
+    salted = SamplingParams(max_tokens=8, cache_salt="alice")
+    first = Request("a", tokens, salted)
+    assert manager.get_computed_blocks(first) == ([], 0)
+    manager.allocate_slots(first, len(tokens))
+    manager.free(first)
+    assert Request("x", tokens, salted).cache_salt == "alice"
+    for request_id, params, hits in (("b", SamplingParams(max_tokens=8), 0),
+                                     ("c", SamplingParams(max_tokens=8, cache_salt="bob"), 0),
+                                     ("d", salted, 12)):
+        assert manager.get_computed_blocks(Request(request_id, tokens, params))[1] == hits

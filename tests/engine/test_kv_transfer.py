@@ -120,6 +120,22 @@ def test_corrupt_block_is_recomputed(core, cold):
     assert outs[0].num_cached_tokens == 5 * BLOCK
 
 
+def test_a_block_swapped_to_another_key_is_recomputed(core, cold):
+    """Issue 26.6: a valid block (correct CRC) copied under another prompt's key used to load
+    and give a silently wrong answer; the key is bound into the value, so it is a corrupt miss
+    and the tokens are the cold ones."""
+    store = MemoryKVStore()
+    run(fresh(core, store), PROMPTS[:2])
+    keys = list(store._items)   # saved in block order: 17 of PROMPTS[0], then 4 of PROMPTS[1]
+    store._items[keys[17]] = store._items[keys[0]]   # PROMPTS[1]'s first block <- another's
+    before = core.get_stats().kv_store
+    tokens, outs = run(fresh(core), PROMPTS[1:2])
+    assert tokens == cold[1:2]
+    stats = delta(core, before)
+    assert (stats["hits"], stats["corrupt"]) == (0, 1)
+    assert outs[0].num_cached_tokens == 0
+
+
 def test_other_model_never_reads_these_blocks(core, other_llama_dir):
     store = MemoryKVStore()
     run(fresh(core, store), PROMPTS)

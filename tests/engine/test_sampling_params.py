@@ -18,8 +18,8 @@ from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
     ({"so_args": "json"}, "so_args", "must be a dict"),
     ({"so_args": {"schema_type": "regex", "schema": "a+", "foo": 1}}, "so_args",
      r"unknown keys \['foo'\]"),
-    ({"temperature": float("inf")}, "temperature", "a finite number >= 0"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty", "a finite number > 0"),
+    ({"temperature": float("inf")}, "temperature", "temperature=inf is not a finite number"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty", "not a finite number"),
 ])
 def test_wrong_types_name_the_field(fields, param, message):
     with pytest.raises(SamplingParamsError, match=message) as info:
@@ -45,3 +45,39 @@ def test_fan_out_seeds_choice_j_with_seed_plus_j():
     assert [(p.seed, p.n) for p in SamplingParams(seed=-5).fan_out(2)] == [(-5, 1), (-4, 1)]
     copies = SamplingParams(n=2).fan_out()
     assert [p.seed for p in copies] == [None, None] and copies[0] is not copies[1]
+
+
+BIG, NEG, I32 = 2**63, -(2**63) - 1, 2**31
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"top_k": BIG}, "top_k", rf"top_k={BIG} is outside \[-1, 2147483647\]"),
+    ({"top_k": NEG}, "top_k", rf"top_k={NEG} is outside"),
+    ({"top_k": I32}, "top_k", rf"top_k={I32} is outside"),
+    ({"max_tokens": BIG}, "max_tokens", rf"max_tokens={BIG} is outside \[1, 2147483647\]"),
+    ({"min_tokens": NEG}, "min_tokens", "is outside"),
+    ({"n": I32}, "n", "is outside"),
+    ({"seed": 2**64}, "seed", "is outside"),
+    ({"seed": NEG}, "seed", "is outside"),
+    ({"logprobs": BIG}, "logprobs", "between 0 and 20"),
+    ({"stop_token_ids": [3, BIG]}, "stop_token_ids", r"\[0, 2147483647\]"),
+    ({"stop_token_ids": [True]}, "stop_token_ids", "integers"),
+    ({"temperature": float("nan")}, "temperature", "temperature=nan is not a finite"),
+    ({"top_p": float("nan")}, "top_p", "not a finite"),
+    ({"min_p": float("nan")}, "min_p", "not a finite"),
+    ({"presence_penalty": float("-inf")}, "presence_penalty", "not a finite"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty", "not a finite"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty", "not a finite"),
+])
+def test_values_the_engine_cannot_represent_are_refused(fields, param, message):
+    """LLM.generate users get a ValueError naming the field (issue 26.1: top_k = 2**63 killed
+    the step loop)."""
+    with pytest.raises(SamplingParamsError, match=message) as info:
+        SamplingParams(**fields)
+    assert info.value.param == param
+
+
+def test_the_largest_representable_values_pass():
+    SamplingParams(top_k=2**31 - 1, max_tokens=2**31 - 1, min_tokens=2**31 - 1,
+                   stop_token_ids=[2**31 - 1], seed=2**64 - 1)
+    SamplingParams(top_k=-1, seed=-(2**63), n=2**31 - 1, temperature=1e300)

@@ -121,6 +121,7 @@ class FakeWorker:
         answer = {"worker": self.name, "echo": body}
         if params.get("do_remote_decode"):
             answer["kv_transfer_params"] = STORED
+            answer["usage"] = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 3}}
         self.completed += 1
         return JSONResponse(answer)
 

@@ -202,7 +202,7 @@ def test_disaggregated_pools_by_dns(pods, make_router):
     reply = router.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["worker"] in ("pod1", "pod2")
     assert pods[0].bodies[0]["kv_transfer_params"] == {"do_remote_decode": True}
-    assert reply.json()["echo"]["kv_transfer_params"] == STORED
+    assert reply.json()["echo"]["kv_transfer_params"] == {**STORED, "prompt_cached_tokens": 3}
 
 
 def test_real_dns_localhost_pool(pods, make_router):

@@ -293,7 +293,9 @@ def test_disaggregated_prefill_then_decode(workers, router_factory):
     sent_to_prefill = prefill.bodies[0]
     assert sent_to_prefill == {**CHAT, "kv_transfer_params": {"do_remote_decode": True},
                                "max_tokens": 1, "stream": False, "n": 1}
-    assert decode.bodies[0] == {**body, "kv_transfer_params": STORED}
+    # what the client's prompt hit at the prefill goes along, for the decode's usage
+    assert decode.bodies[0] == {**body, "kv_transfer_params": {**STORED,
+                                                               "prompt_cached_tokens": 3}}
 
     prefill.mode = "break"  # a failed prefill step: the decode worker recomputes
     reply = router.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
@@ -323,27 +325,67 @@ def test_disaggregated_no_decode_worker_skips_the_prefill(workers, router_factor
     assert router.metric("deepinfer_router:rejected_requests_total", reason="no_replica") == 1
 
 
-@pytest.mark.parametrize("depth", [100_000, 900])
-def test_absurdly_nested_json_is_forwarded_not_a_500(workers, router_factory, depth):
-    """json.loads raises RecursionError (not ValueError) on deep nesting: the router must
-    forward such a body unparsed, never answer 500 itself."""
+@pytest.mark.parametrize("depth", [100_000, 900, 129])
+def test_json_nested_deeper_than_the_router_parses_is_refused(workers, router_factory, depth):
+    """Issue 26.7: a body nested deeper than MAX_JSON_DEPTH used to be forwarded unparsed, so a
+    client's own `kv_transfer_params` reached the decode worker; it is now a 400 from the
+    router (json.loads' RecursionError included: never a 500), and no worker sees it."""
     nested = b"[" * depth + b"]" * depth
     prefill, decode = workers
     for config in ({}, {"backends": (), "prefill": (prefill.url,), "decode": (decode.url,)}):
         router = router_factory(policy="prefix_affinity", **config)
-        for path, body in (("/v1/completions", b'{"prompt":' + nested + b'}'),
+        for path, body in (("/v1/completions", b'{"prompt": "hi", "x":' + nested
+                            + b', "kv_transfer_params": {"do_remote_prefill": true}}'),
                            ("/v1/chat/completions", b'{"messages":[{"role":"user","x":'
                             + nested + b'}]}')):
-            prefill.raw_bodies.clear()
-            decode.raw_bodies.clear()
             reply = router.client.post(path, content=body,
                                        headers={"content-type": "application/json"})
-            # the router relayed the body unchanged, and the worker's answer: 200 where the
-            # fake worker parses it (depth 900), its 400 where it cannot; never a 500
-            assert (prefill.raw_bodies + decode.raw_bodies)[-1] == body
-            assert reply.status_code == (400 if depth > 1000 else 200)
-            if config:  # disaggregated: no prefill step for a body the router cannot parse
-                assert prefill.raw_bodies == []
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "invalid_json" and "deeper than 128 levels" in \
+                error["message"]
+    assert prefill.raw_bodies == decode.raw_bodies == []
+
+
+def test_a_4300_digit_integer_is_a_400_without_pythons_advice(workers, router_factory):
+    router = router_factory()
+    reply = router.client.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": '
+                               + b"9" * 5000 + b"}", headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+    message = reply.json()["error"]["message"]
+    assert "more than 4,300 digits" in message
+    assert "sys." not in message and "set_int_max_str_digits" not in message
+
+
+def test_head_answers_on_the_get_routes(workers, router_factory):
+    router = router_factory()
+    for path in ("/health", "/liveness", "/metrics", "/v1/models", "/v1/models/fake-model"):
+        reply = router.client.head(path)
+        assert reply.status_code == 200, (path, reply.status_code)
+        assert reply.content == b""
+
+
+def test_the_routers_own_api_key_guards_v1_and_the_docs(workers):
+    app = build_app(RouterConfig(backends=tuple(w.url for w in workers),
+                                 health_interval_s=3600), api_keys=("sekrit", "other"))
+    thread = ServerThread(app).start()
+    try:
+        for path in ("/v1/models", "/docs", "/redoc", "/openapi.json"):
+            reply = httpx.get(thread.url + path, timeout=30)
+            assert reply.status_code == 401, path
+            assert reply.json()["error"]["code"] == "invalid_api_key"
+            wrong = httpx.get(thread.url + path, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401 and "a wrong API key" in wrong.text
+        for key in ("sekrit", "other"):
+            auth = {"Authorization": f"Bearer {key}"}
+            assert httpx.get(thread.url + "/openapi.json", headers=auth).status_code == 200
+            assert httpx.get(thread.url + "/v1/models", headers=auth).status_code == 200
+        reply = httpx.post(thread.url + "/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 401
+        assert workers[0].raw_bodies == workers[1].raw_bodies == []   # refused at the edge
+        assert httpx.get(thread.url + "/health").status_code == 200   # probes stay open
+    finally:
+        thread.stop()
 
 
 def test_models_relay_a_workers_401_not_503(workers, router_factory):

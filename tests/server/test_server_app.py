@@ -325,3 +325,51 @@ def test_http_requests_are_counted_by_route_template_and_status(engine):
                              ("/v1/models/{model_id:path}", 404, 1), ("unmatched", 401, 1),
                              ("unmatched", 404, 2)):
         assert f"{count(route, status)} {float(n)}" in text, (route, status, text)
+
+
+def test_the_api_docs_need_the_key_when_one_is_set(engine):
+    """Issue 26.7: /docs, /redoc and /openapi.json were open with --api-key set."""
+    client = TestClient(build_app(engine, api_key=("s3cret", "second")))
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert_error(client.get(path), 401, None, "invalid_api_key", "no API key")
+        for key in ("s3cret", "second"):
+            assert client.get(path, headers={"Authorization": f"Bearer {key}"}).status_code \
+                == 200
+    assert TestClient(build_app(engine)).get("/openapi.json").status_code == 200
+
+
+def test_cache_salt_by_isolation_mode():
+    from types import SimpleNamespace
+
+    from deepinfer.server.app import cache_salt
+
+    def body(salt=None, user=None):
+        return SimpleNamespace(cache_salt=salt, user=user)
+
+    assert cache_salt(body(), "Bearer k", "none") is None
+    assert cache_salt(body("t1"), "Bearer k", "none") == "salt:t1"
+    assert cache_salt(body(user="alice"), "", "user") == "user:alice"
+    assert cache_salt(body(user="alice"), "", "user") != cache_salt(body(user="bob"), "", "user")
+    assert cache_salt(body(), "", "user") == "user:"   # no user: its own pool, not the shared one
+    by_key = cache_salt(body(), "Bearer k1", "api-key")
+    assert by_key.startswith("key:") and "k1" not in by_key   # a digest, never the key
+    assert by_key != cache_salt(body(), "Bearer k2", "api-key")
+    assert cache_salt(body(""), "", "user") == ""   # refused by validation with its message
+
+
+def test_an_empty_cache_salt_is_a_400(client):
+    assert_error(client.post("/v1/completions", json={"prompt": "a", "cache_salt": ""}), 400,
+                 "cache_salt", "invalid_value", "cache_salt is empty")
+
+
+def test_draining_health_is_503_and_liveness_stays_200(engine):
+    """Issue 26.4: after SIGTERM (server.cli sets `draining`) /health says draining so routers
+    and readiness probes send nothing new; /liveness (the liveness probe) stays 200."""
+    app = build_app(engine)
+    client = TestClient(app)
+    assert client.get("/health").json() == {"status": "ok"}
+    app.state.draining = True
+    reply = client.get("/health")
+    assert reply.status_code == 503 and reply.json()["status"] == "draining"
+    assert client.get("/liveness").status_code == 200
+    assert client.head("/liveness").status_code == 200

@@ -172,3 +172,17 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
         assert "Traceback" not in server.log() and "deepinfer: stopped" in server.log()
     finally:
         server.kill()
+
+
+def test_api_keys_come_from_a_file_too(tmp_path):
+    from deepinfer.server.cli import api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# one per client\nalpha\n\n  beta  \n")
+    assert api_keys(parse("--api-key-file", str(keys)), environ={}) == ("alpha", "beta")
+    assert api_keys(parse("--api-key-file", str(keys)),
+                    environ={"DEEPINFER_API_KEY": "env"}) == ("env", "alpha", "beta")
+    (tmp_path / "empty").write_text("# nothing\n")
+    for path, message in ((tmp_path / "empty", "holds no key"), (tmp_path / "nope", "nope")):
+        with pytest.raises(ValueError, match=message):
+            api_keys(parse("--api-key-file", str(path)), environ={})

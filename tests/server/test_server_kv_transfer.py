@@ -125,3 +125,23 @@ def test_cli_flags_and_environment_map_to_kv_transfer_config():
         build_engine_config(build_parser().parse_args(["serve", "--kv-store", "s3://x"]), {})
     with pytest.raises(ValueError, match="kv_store=memory is not one"):   # nothing would cross
         build_engine_config(build_parser().parse_args(["serve", "--role", "prefill"]), {})
+
+
+def test_decode_reports_what_the_clients_prompt_hit_not_the_handoff(workers):
+    """Issue 26.7: in disaggregated mode the decode worker's hits include the prefill's
+    hand-off, so cached_tokens said the whole prompt was cached on a cold prompt. With the
+    router's `prompt_cached_tokens` (the prefill's own cached_tokens) the client sees that."""
+    body = {"prompt": "A cold prompt that nobody sent before, about handoffs " * 4,
+            "max_tokens": 4, "temperature": 0}
+    prefill = call(workers["prefill"], "/v1/completions",
+                   {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert prefill.status_code == 200, prefill.text
+    assert prefill.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    handoff = prefill.json()["kv_transfer_params"]
+    plain = call(workers["decode"], "/v1/completions", {**body, "kv_transfer_params": handoff})
+    assert plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0   # the hand-off
+    reported = call(workers["decode"], "/v1/completions", {
+        **body, "kv_transfer_params": {**handoff, "prompt_cached_tokens": 0}})
+    assert reported.status_code == 200, reported.text
+    assert reported.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert reported.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
