@@ -185,6 +185,7 @@ def test_a_sampling_value_the_sampler_cannot_pack_fails_its_request_only(llm, ex
     only its own request."""
     bad = SamplingParams(temperature=1.0, top_k=5, seed=1, max_tokens=12, ignore_eos=True)
     object.__setattr__(bad, "top_k", 2**63)
+    object.__setattr__(bad, "fan_out", lambda: [bad])   # LLM.generate's clone would validate it
     outputs = llm.generate(PROMPTS + [PROMPTS[0]], [GREEDY] * len(PROMPTS) + [bad])
     assert outputs[-1].finish_reason == "error" and outputs[-1].token_ids == []
     assert outputs[-1].error.startswith(f"request {len(PROMPTS)} failed inside an engine step")
