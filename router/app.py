@@ -154,7 +154,8 @@ def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns,
     async def completions(request: Request) -> Response:
         return await proxy.handle(request, "/v1/completions")
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         serving = [r for r in registry.serving() if r.healthy and not r.stopping]
         if not serving:
@@ -162,11 +163,13 @@ def build_app(config: RouterConfig, *, resolve: Resolver = resolve_dns,
                                   status_code=503, code="no_healthy_replica")
         return JSONResponse({"status": "ok", "healthy_replicas": len(serving)})
 
-    @app.api_route("/liveness", methods=["GET", "HEAD"])
+    @app.get("/liveness")
+    @app.head("/liveness", include_in_schema=False)
     async def liveness() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -192,14 +195,16 @@ def _add_model_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClien
                                              "shortly.", status_code=503,
                                              code="no_healthy_replica")
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    @app.get("/v1/models")
+    @app.head("/v1/models", include_in_schema=False)
     async def list_models(request: Request) -> Response:
         cards, failure = await model_cards(request)
         if failure is not None:
             return failure
         return JSONResponse({"object": "list", "data": cards})
 
-    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    @app.get("/v1/models/{model_id:path}")
+    @app.head("/v1/models/{model_id:path}", include_in_schema=False)
     async def get_model(model_id: str, request: Request) -> Response:
         cards, failure = await model_cards(request)
         if failure is not None:

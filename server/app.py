@@ -141,14 +141,16 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
             raise APIError(f"The inference engine is not running: {exc}. Restart the server.",
                            status_code=503, type="server_error", code="engine_dead") from exc
 
-    @app.api_route("/liveness", methods=["GET", "HEAD"])
+    @app.get("/liveness")
+    @app.head("/liveness", include_in_schema=False)
     async def liveness() -> Response:
         """200 while the step loop lives, draining or not (the liveness probe: a draining
         worker must not be restarted mid-drain)."""
         check_engine()
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         check_engine()
         if app.state.draining:   # still serving what it has; a router sends nothing new
@@ -156,15 +158,18 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
                                 status_code=503)
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    @app.get("/v1/models")
+    @app.head("/v1/models", include_in_schema=False)
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    @app.get("/v1/models/{model_id:path}")
+    @app.head("/v1/models/{model_id:path}", include_in_schema=False)
     async def get_model(model_id: str) -> ModelCard:
         if model_id != engine.model_name:
             raise APIError(f"The model `{model_id}` does not exist; this server serves "
