@@ -128,6 +128,24 @@ def _check_values(schema: dict, path: str) -> None:
     if isinstance(pattern, str) and LOOKAROUND.search(pattern):
         raise GrammarError(f"the pattern at {path} uses a lookahead or lookbehind, which "
                            "cannot be enforced while generating; rewrite it without one")
+    _check_numeric_bounds(schema, path)
+
+
+# XGrammar writes a number range's bounds with 6 decimals and through float64: a bound finer
+# than that, or past 2**53, gives a range grammar that admits nothing or the wrong values (its
+# grammar for [1e-17, 2e-17] is the empty string: `{"v": }` came back as "stop")
+_RANGE_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _check_numeric_bounds(schema: dict, path: str) -> None:
+    for key in _RANGE_KEYS:
+        bound = schema.get(key)
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)):
+            continue
+        if abs(bound) >= 2 ** 53 or round(float(bound), 6) != bound:
+            raise GrammarError(f"'{key}': {bound} at {path} needs more precision than "
+                               "XGrammar's range grammar keeps (6 decimals, |x| < 2**53); use "
+                               "the 'guidance' or 'auto' structured-outputs backend")
 
 
 def _without_escaped_pairs(pattern: str) -> str:

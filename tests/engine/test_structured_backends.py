@@ -92,6 +92,21 @@ def test_auto_uses_xgrammar_where_it_enforces_every_keyword_else_guidance(manage
     assert manager.compile(json_args(schema, "guidance")).backend == "guidance"
 
 
+TINY_RANGE = {"type": "object", "properties": {"v": {"type": "number", "minimum": 1e-17,
+                                                     "maximum": 2e-17}}, "required": ["v"]}
+
+
+def test_a_range_finer_than_xgrammar_keeps_goes_to_guidance_and_holds(manager, tokenizer,
+                                                                       digits):
+    """XGrammar's grammar for [1e-17, 2e-17] is the empty string (`{"v": }` came back as
+    "stop"): auto sends such bounds to LLGuidance, whose outputs hold them."""
+    with pytest.raises(GrammarError, match="'minimum': 1e-17 at #/properties/v"):
+        manager.compile(json_args(TINY_RANGE, "xgrammar"))
+    assert manager.compile(json_args(TINY_RANGE)).backend == "guidance"
+    finished, _ = walk_texts(manager, tokenizer, json_args(TINY_RANGE), digits, seeds=3)
+    assert finished and all(1e-17 <= json.loads(text)["v"] <= 2e-17 for text in finished)
+
+
 @pytest.mark.parametrize("schema, message", [
     ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
      r"keyword 'not' at #/properties/a .*LLGuidance cannot enforce it either.*not"),
