@@ -53,6 +53,7 @@ class ToolCallStreamer:
         self.calls: list[ToolCall] = []
         self.content_parts: list[str] = []
         self.held_space = ""     # whitespace before any content: not sent unless text follows
+        self.whole = False       # run(): a whole output, nothing streamed
 
     @property
     def content(self) -> str | None:
@@ -90,7 +91,9 @@ class ToolCallStreamer:
         return []
 
     def run(self, text: str) -> "ToolCallStreamer":
-        """Feed a whole output and finish (the non-stream path)."""
+        """Feed a whole output and finish (the non-stream path: nothing was sent yet, so a
+        call that turns out broken can still become content)."""
+        self.whole = True
         self.feed(text)
         self.finish()
         return self
@@ -291,7 +294,12 @@ class HermesStreamer(ToolCallStreamer):
             call = block.calls[0]
             if not call.arguments and parsed is not None:   # arguments written as a string
                 return self._arguments(parsed[1])
-            if closed and parsed is None:
+            if parsed is None and self.whole:   # not streamed yet: the block becomes content
+                self.calls.remove(call)
+                logger.warning("a <tool_call> block does not parse as a call; sent as content: "
+                               "%r", body[:200])
+                return self._content(TOOL_CALL_START + body + (TOOL_CALL_END if closed else ""))
+            if closed and parsed is None:   # streamed: its header and arguments are out
                 logger.warning("tool call %r: its arguments are not a JSON object: %r",
                                call.name, body[:200])
             return []

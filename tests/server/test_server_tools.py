@@ -435,12 +435,18 @@ def test_a_closing_tag_inside_the_arguments_keeps_the_call(caplog):
     assert body["choices"][0]["message"]["content"] == "Sure. " + bad
     assert body["choices"][0]["finish_reason"] == "stop"
     assert "is not a call of the offered tools" in caplog.text
-    # arguments that break after the name was streamed: the call as generated, and a warning
+    # arguments that break after the name: not streamed, the block is content; streamed (the
+    # header and fragments are out already), the call as generated, and a warning
     broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
     client, _ = client_for(broken)
     body = client.post("/v1/chat/completions", json=payload).json()
-    call = body["choices"][0]["message"]["tool_calls"][0]["function"]
-    assert call == {"name": "get_weather", "arguments": '{"city": }\n'}
+    assert body["choices"][0]["message"]["tool_calls"] is None
+    assert body["choices"][0]["message"]["content"] == broken
+    assert "does not parse as a call; sent as content" in caplog.text
+    streamer = HermesStreamer(["get_weather"])
+    streamer.feed(broken)
+    streamer.finish()
+    assert [(c.name, c.arguments) for c in streamer.calls] == [("get_weather", '{"city": }\n')]
     assert "its arguments are not a JSON object" in caplog.text
 
 
@@ -480,3 +486,20 @@ def test_structured_outputs_backend_is_passed_per_request(fields, so_args):
         "messages": USER, "structured_outputs": {"json": SCHEMA, "backend": "outlines"}})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "structured_outputs.backend"
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "get_weather", "arguments": {"city": }}',           # arguments not JSON
+    '{"name": "get_weather", "arguments": [1]}',                    # not an object
+    '{"name": "get_weather", "arguments": {"city": "Rome"}} junk',  # text after the call
+])
+def test_a_broken_block_of_a_whole_output_is_content_not_a_call(body):
+    """Non-streamed, nothing was sent yet: a block whose name is an offered tool but whose
+    body does not parse as a call comes back as content (README), not as a broken call."""
+    text = f"<tool_call>{body}</tool_call> tail"
+    streamer = HermesStreamer(["get_weather"]).run(text)
+    assert streamer.calls == [] and streamer.content == text
+    good = HermesStreamer(["get_weather"]).run(
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    assert [(c.name, json.loads(c.arguments)) for c in good.calls] == [
+        ("get_weather", {"city": "Rome"})]
