@@ -8,7 +8,7 @@ any length, and a model that starts `1000000` at low temperature can write zeros
 that would make a run of digits longer than its bound. The bounds are far above what a schema
 means by a number (an int64 has 19 digits, a float64 17 significant digits, a largest exponent
 of 308), so they only end runaways; a schema whose own bounds need more digits (`"minimum":
-1e25`) is refused by `check_bounds_fit`, and where the grammar allows nothing but more digits
+1e25`, or anything at or past 2**63) is refused by `check_bounds_fit`, and where the grammar allows nothing but more digits
 (a `multipleOf` not yet met) the grammar wins.
 
 Tokens are read as bytes (digits, quotes and backslashes are ASCII, so byte-level tokens spell
@@ -29,6 +29,7 @@ import torch
 from deepinfer.engine.structured.backend import GrammarError, GrammarMatcher
 
 INTEGER_DIGITS, FRACTION_DIGITS, EXPONENT_DIGITS = 20, 17, 3
+MAX_BOUND = 2 ** 63   # a schema's minimum / maximum at or past it is refused (check_bounds_fit)
 _BOUND = {"integer": INTEGER_DIGITS, "fraction": FRACTION_DIGITS, "exponent": EXPONENT_DIGITS}
 _DIGITS = frozenset(b"0123456789")
 
@@ -157,8 +158,9 @@ class DigitBoundMatcher:
 
 
 def check_bounds_fit(schema: Any, path: str = "#") -> None:
-    """Refuse a schema whose `minimum` / `maximum` (or the exclusive ones) need more integer
-    digits than INTEGER_DIGITS: no bounded number could satisfy it."""
+    """Refuse a schema whose `minimum` / `maximum` (or the exclusive ones) is at or past
+    MAX_BOUND (2**63, under INTEGER_DIGITS' 10**20): past it LLGuidance clamps to int64 and
+    XGrammar rounds through float64, so outputs could break the bound."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
             check_bounds_fit(item, f"{path}/{i}")
@@ -168,10 +170,11 @@ def check_bounds_fit(schema: Any, path: str = "#") -> None:
     for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         value = schema.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                abs(value) >= 10.0 ** INTEGER_DIGITS):
-            raise GrammarError(f"'{key}': {json.dumps(value)} at {path} needs more than "
-                               f"{INTEGER_DIGITS} integer digits, the most a generated number "
-                               "has; use a smaller bound")
+                abs(value) >= MAX_BOUND):
+            raise GrammarError(f"'{key}': {json.dumps(value)} at {path} is past 2**63, beyond "
+                               "what the grammar backends enforce exactly (LLGuidance bounds "
+                               "numbers as int64, XGrammar through float64); use a smaller "
+                               "bound")
     for key, value in schema.items():
         if key not in ("enum", "const", "default", "examples") and isinstance(value,
                                                                               (dict, list)):
