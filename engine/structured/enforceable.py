@@ -51,6 +51,46 @@ def _resolve(schema: Any, root: Any) -> Any:
     return schema
 
 
+_ANNOTATIONS = {"$ref", "$defs", "definitions", "title", "description", "$comment", "$id",
+                "$schema"}
+
+
+def _ref_target(ref: str, root: Any) -> Any:
+    """One hop of a local `$ref` ("#/$defs/a"), or None where it does not resolve."""
+    node = root
+    for part in ref.lstrip("#").split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def check_ref_cycles(schema: Any, root: Any = None, path: str = "#") -> None:
+    """Refuse a chain of nothing but `$ref`s that leads back to itself
+    (`{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}`): it describes no value;
+    XGrammar refuses it, and LLGuidance compiled it to an empty output that "stopped"."""
+    root = schema if root is None else root
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_ref_cycles(item, root, f"{path}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    node, seen = schema, []
+    while (isinstance(node, dict) and isinstance(node.get("$ref"), str)
+           and not set(node) - _ANNOTATIONS):
+        if any(node is earlier for earlier in seen):
+            raise GrammarError(f"the $ref at {path} leads only back to itself, so the schema "
+                               "describes no value; give the definition a type or properties")
+        seen.append(node)
+        node = _ref_target(node["$ref"], root)
+    for key, value in schema.items():
+        if key not in ("enum", "const", "default", "examples") and isinstance(value,
+                                                                              (dict, list)):
+            check_ref_cycles(value, root, f"{path}/{key}")
+
+
 def _type_group(branch: dict) -> str | None:
     """The JSON type a branch's `type` allows, integer and number as one; None for several."""
     kind = branch.get("type")

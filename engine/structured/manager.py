@@ -42,7 +42,8 @@ from typing import Any
 from deepinfer.engine.structured.backend import (BACKENDS, GrammarBackend, GrammarError,
                                                  GrammarKey, GrammarMatcher, backend_choice,
                                                  grammar_key)
-from deepinfer.engine.structured.enforceable import check_enforceable, exclusive_one_of
+from deepinfer.engine.structured.enforceable import (check_enforceable, check_ref_cycles,
+                                                     exclusive_one_of)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class StructuredOutputManager:
             from deepinfer.engine.structured.number_bounds import check_bounds_fit
             schema = exclusive_one_of(json.loads(key[1]))
             check_bounds_fit(schema)
+            check_ref_cycles(schema)
             key = ("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
         if key[0] == "structural_tag":    # tool-call grammars: XGrammar's structural tags
             return Compiled("xgrammar", self.get_backend("xgrammar").compile(key), False)

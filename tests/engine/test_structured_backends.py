@@ -115,6 +115,11 @@ def test_a_range_finer_than_xgrammar_keeps_goes_to_guidance_and_holds(manager, t
     ({"type": "object", "properties": {"k": {"if": {"type": "string"}, "then": {
         "minLength": 2}}}}, r"keyword 'if' at #/properties/k .*either.*if"),
     ({"type": "integer", "minimum": 1e25}, r"'minimum': 1e\+25 at # is past 2\*\*63"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},   # LLGuidance: "" + stop
+     r"the \$ref at # leads only back to itself"),
+    ({"type": "object", "properties": {"x": {"$ref": "#/$defs/b"}},
+      "$defs": {"b": {"$ref": "#/$defs/c"}, "c": {"$ref": "#/$defs/b"}}},
+     r"the \$ref at #/properties/x leads only back to itself"),
     ({"type": "integer", "minimum": 12345678901234567890},   # LLGuidance gave int64's max
      r"'minimum': 12345678901234567890 at # is past"),
 ])
