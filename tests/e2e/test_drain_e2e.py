@@ -7,6 +7,7 @@ the requests whose answer had not begun: 503 after 0.8 s for requests needing 2.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import signal
 import time
 
@@ -21,16 +22,29 @@ BODY = {"messages": [{"role": "user", "content": "Count to a hundred."}], "max_t
         "ignore_eos": True, "temperature": 0}
 
 
-def test_a_draining_worker_finishes_every_non_streamed_request(tmp_path):
-    worker = ServerProcess("worker", deepinfer("serve", "--max-num-seqs", "4",
-                                               "--graceful-shutdown-s", "120"),
-                           tmp_path / "worker.log")
+@contextlib.contextmanager
+def worker_behind_router(tmp_path, worker_args: tuple[str, ...], router_args: tuple[str, ...]):
+    """(worker, router) processes, the router in front of the worker; both killed after (the
+    worker continued first, in case a test stopped it)."""
+    worker = ServerProcess("worker", deepinfer("serve", *worker_args), tmp_path / "worker.log")
     router = None
     try:
         worker.wait_ready()
-        router = ServerProcess("router", deepinfer(
-            "router", "--backend", worker.url, "--health-interval-s", "0.5"),
-            tmp_path / "router.log").wait_ready(60)
+        router = ServerProcess("router", deepinfer("router", "--backend", worker.url,
+                                                   *router_args),
+                               tmp_path / "router.log").wait_ready(60)
+        yield worker, router
+    finally:
+        if worker.proc.poll() is None:
+            worker.proc.send_signal(signal.SIGCONT)
+        for process in (router, worker):
+            if process is not None:
+                process.kill()
+
+
+def test_a_draining_worker_finishes_every_non_streamed_request(tmp_path):
+    with worker_behind_router(tmp_path, ("--max-num-seqs", "4", "--graceful-shutdown-s", "120"),
+                              ("--health-interval-s", "0.5")) as (worker, router):
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(httpx.post, router.url + "/v1/chat/completions", json=BODY,
                                    timeout=300) for _ in range(3)]
@@ -50,10 +64,6 @@ def test_a_draining_worker_finishes_every_non_streamed_request(tmp_path):
         assert "deepinfer: stopped" in worker.log()
         # ejected only once gone (connection refused after its exit), never while it drained
         assert "was ejected before answering" not in router.log()
-    finally:
-        for process in (router, worker):
-            if process is not None:
-                process.kill()
 
 
 def test_a_hung_worker_ends_the_stream_with_an_error_event(tmp_path):
@@ -62,14 +72,8 @@ def test_a_hung_worker_ends_the_stream_with_an_error_event(tmp_path):
     --stream-stall-timeout-s with an error event the client can act on, then [DONE]."""
     import json
 
-    worker = ServerProcess("worker", deepinfer("serve", "--max-num-seqs", "2"),
-                           tmp_path / "worker.log")
-    router = None
-    try:
-        worker.wait_ready()
-        router = ServerProcess("router", deepinfer(
-            "router", "--backend", worker.url, "--stream-stall-timeout-s", "3"),
-            tmp_path / "router.log").wait_ready(60)
+    with worker_behind_router(tmp_path, ("--max-num-seqs", "2"),
+                              ("--stream-stall-timeout-s", "3")) as (worker, router):
         lines: list[str] = []
         stopped_at = None
         with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=120,
@@ -85,8 +89,3 @@ def test_a_hung_worker_ends_the_stream_with_an_error_event(tmp_path):
         assert lines[-1] == "data: [DONE]"
         error = json.loads(lines[-2][len("data: "):])["error"]
         assert error["code"] == "stream_stalled" and "sent nothing for 3 s" in error["message"]
-    finally:
-        worker.proc.send_signal(signal.SIGCONT)
-        for process in (router, worker):
-            if process is not None:
-                process.kill()
