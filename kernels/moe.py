@@ -3,9 +3,10 @@
 Backends, imported lazily on first use:
 - "reference": `kernels/reference/moe.py`, a loop over all experts with index_select (the oracle).
 - "torch": `kernels/moe_torch.py`, (token, k) pairs sorted by expert, one GEMM pair per hit
-  expert on a contiguous slice.
-`backend="auto"` is "torch"; a grouped-GEMM backend (Triton on CUDA) registers in
-`_BACKENDS` with an `auto` rule.
+  expert on a contiguous slice (reads the per-expert counts on the host: not graph-safe).
+- "triton": `kernels/moe_triton.py`, on-device alignment + grouped GEMMs (gate_up with
+  SiLU-and-mul fused, down with the routing weights) + combine; no host sync, CUDA-graph safe.
+`backend="auto"` is "triton" on CUDA where Triton is installed, else "torch".
 
 Expert weights are addressed by *physical* expert index (the model maps logical → physical
 before calling), so replicated or re-placed experts (EPLB) need no change here.
@@ -15,15 +16,29 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.backends import Backends
+from deepinfer.kernels.backends import Backends, triton_available
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
-_BACKENDS = Backends("MoE", {"reference": "deepinfer.kernels.reference.moe", "torch": "deepinfer.kernels.moe_torch"})
+
+def _auto_backend(device: torch.device) -> str:
+    """"triton" on CUDA where Triton is installed, else "torch"."""
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
+_BACKENDS = Backends("MoE", {"reference": "deepinfer.kernels.reference.moe",
+                             "torch": "deepinfer.kernels.moe_torch",
+                             "triton": "deepinfer.kernels.moe_triton"}, auto=_auto_backend)
 BACKENDS = _BACKENDS.names
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend name `backend` means on `device` ("auto" resolved)."""
+    return _BACKENDS.resolve(backend, device)
 
 
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                backend: str = "auto") -> torch.Tensor:
+                backend: str = "auto", settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Each token's routing-weighted sum of its top-k SwiGLU experts.
 
     Args:
@@ -32,10 +47,15 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             rows then up rows).
         w2: [num_physical_experts, hidden_size, intermediate_size] (down projection).
         topk_weights: [num_tokens, top_k] float32.
-        topk_ids: [num_tokens, top_k] int64 physical expert ids, each < num_physical_experts.
-        backend: "auto", "reference" or "torch".
+        topk_ids: [num_tokens, top_k] int64 (or int32) physical expert ids, each <
+            num_physical_experts.
+        backend: "auto", "reference", "torch" or "triton".
+        settings: kernel choices (the Triton backend's tile table `moe_tiles`).
     Returns:
         [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32).
     """
-    experts = _BACKENDS.get(backend, hidden.device)
+    name = _BACKENDS.resolve(backend, hidden.device)
+    experts = _BACKENDS.load(name)
+    if name == "triton":
+        return experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids, settings=settings)
     return experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids)

@@ -22,6 +22,30 @@ from dataclasses import dataclass, field
 PDL_RELEASE_EARLY = frozenset({"attention", "linear_gluon gated", "linear_gluon residual"})
 
 
+@dataclass(frozen=True)
+class MoETile:
+    """Tile sizes of the Triton fused MoE (`kernels/moe_triton.py`) for calls whose mean rows
+    per expert (tokens * top_k / experts) is at most `max_rows`.
+
+    block_m: rows per tile (each expert's rows are padded to a multiple of it; >= 16).
+    block_n: gate_up columns per program (the gate and the up tile each); down_block_n: down
+        columns per program; block_k: the K step of both GEMMs.
+    """
+
+    max_rows: int
+    block_m: int
+    block_n: int
+    down_block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# decode (a few rows per expert) to prefill (hundreds): measured on the H200, RESULTS.md
+MOE_TILES = (MoETile(2, 16, 32, 64, 128, 4, 4), MoETile(8, 16, 64, 64, 128, 4, 4),
+             MoETile(32, 32, 64, 128, 64, 4, 4), MoETile(1 << 30, 64, 128, 128, 64, 8, 3))
+
+
 def _check(name: str, ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"KernelConfig.{name}: {message}")
@@ -57,6 +81,8 @@ class KernelConfig:
         rows' sums of squares with an x x^T dot in its K loop; below, a pre-pass over x.
     quantized_max_rows: up to this many rows (default 64) a CPU linear with a Q4_1 / Q8_0
         weight runs the AVX2 block-quantized kernel.
+    moe_tiles: the Triton fused MoE's tile sizes by mean rows per expert (`MoETile`), in
+        increasing max_rows; default `MOE_TILES`.
     batch_invariant: reserved for the batch-invariant mode (a row's result independent of the
         batch around it); no behaviour yet. Default False.
     """
@@ -72,6 +98,7 @@ class KernelConfig:
     pdl_release_early: frozenset[str] = field(default=PDL_RELEASE_EARLY)
     norm_by_dot_rows: int = 32
     quantized_max_rows: int = 64
+    moe_tiles: tuple[MoETile, ...] = MOE_TILES
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -92,6 +119,11 @@ class KernelConfig:
                f"{sorted(kernels | roles)}.")
         _check("norm_by_dot_rows", self.norm_by_dot_rows >= 1,
                f"{self.norm_by_dot_rows} must be >= 1.")
+        object.__setattr__(self, "moe_tiles", tuple(
+            t if isinstance(t, MoETile) else MoETile(**t) for t in self.moe_tiles))
+        _check("moe_tiles", bool(self.moe_tiles) and all(
+            t.block_m >= 16 and t.block_k >= 16 and t.block_n >= 16 and t.down_block_n >= 16
+            for t in self.moe_tiles), "needs at least one tile, each block >= 16 (tl.dot).")
         _check("quantized_max_rows", self.quantized_max_rows >= 0,
                f"{self.quantized_max_rows} must be >= 0; 0 turns the quantized kernel off.")
 

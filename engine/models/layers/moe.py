@@ -14,6 +14,7 @@ from torch import nn
 
 from deepinfer.engine.moe.gating import RoutingConfig, select_experts
 from deepinfer.kernels.moe import moe_experts
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
 class MoE(nn.Module):
@@ -27,7 +28,12 @@ class MoE(nn.Module):
             ([experts.e.down_proj.weight]).
     Buffers:
         logical_to_physical: [num_experts] int64, identity for now.
+
+    The forward never reads a value back to the host (routing, alignment and the expert GEMMs
+    stay on the device with the "triton" backend), so CUDA graphs can hold it.
     """
+
+    kernel_config: KernelConfig = DEFAULT  # set by `layers.set_kernel_config`
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, routing: RoutingConfig,
                  dtype: torch.dtype, *, backend: str = "auto") -> None:
@@ -70,7 +76,7 @@ class MoE(nn.Module):
                                                 self.e_score_correction_bias)
         physical_ids = self.logical_to_physical[topk_ids]  # [T, top_k]
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
-                           backend=self.backend)
+                           backend=self.backend, settings=self.kernel_config)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.routing.num_experts}, top_k={self.routing.top_k}, "

@@ -1,0 +1,261 @@
+"""Fused MoE experts in Triton: on-device token->expert alignment, a grouped GEMM over experts
+for gate_up with SiLU-and-mul in its epilogue, a grouped GEMM for down with the routing weights
+applied, and the combine back to token order. No host sync and every size a static bound of
+the input shapes, so a CUDA graph can hold the whole call.
+
+Design (after vLLM / SGLang `fused_moe`: tokens sorted by expert and padded per expert to the
+GEMM's row tile, one program per (row tile, column tile) reading its tile's expert id; our own
+code, with these departures):
+1. Alignment is two small kernels instead of a sort: `_rank_kernel` gives each (token, k) pair
+   its rank inside its expert with an atomic increment (the per-expert counters double as the
+   counts), `_layout_kernel` (one program) turns the counts into padded offsets, writes each
+   row tile's expert (-1 for unused tiles) and scatters every pair to
+   `padded_start[e] + rank`; padding slots get the sentinel `num_pairs`, real slots a pair, so
+   the two write sets are disjoint and need no barrier. It leaves the counters at zero for the
+   next call. The rank order inside an expert varies run to run, but a GEMM row's result does
+   not depend on which row of its tile it sits in, and the combine sums each token's k results
+   in k order: the output is deterministic.
+2. The row-tile count is the static bound `cdiv(P + min(E, P) * (BLOCK_M - 1), BLOCK_M)` for
+   P = tokens * top_k pairs and E experts (each hit expert wastes < BLOCK_M rows), not
+   `P + E * (BLOCK_M - 1)`: at decode (P = 6, E = 64) that is 6 row tiles instead of 61.
+3. gate_up runs both halves in one program (two accumulators over the same A tile), so the
+   SiLU-and-mul is the epilogue and the [P, 2I] gate_up output never exists; the down GEMM
+   multiplies by the routing weight and writes float32 per pair, and `_combine_kernel` sums
+   each token's top_k rows in order (no float atomics: deterministic).
+
+Tile choice: `KernelConfig.moe_tiles` (kernels/settings.py), picked by the mean rows per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels.settings import DEFAULT, KernelConfig, MoETile
+
+_counters: dict[torch.device, torch.Tensor] = {}
+MAX_EXPERTS = 1024
+
+
+def _expert_counters(device: torch.device) -> torch.Tensor:
+    """[MAX_EXPERTS] int32 zeros per device, left at zero by every call (see module doc).
+
+    Raises:
+        RuntimeError: first needed inside a CUDA graph capture (run the work eagerly first).
+    """
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the MoE expert counters are first needed inside a CUDA graph "
+                               "capture; run the work once eagerly before capturing")
+        _counters[device] = torch.zeros(MAX_EXPERTS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    rank = tl.atomic_add(counts_ptr + expert, 1, mask=mask)
+    tl.store(rank_ptr + offs, rank, mask=mask)
+
+
+@triton.jit
+def _layout_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                   num_experts, num_slots, num_blocks, BLOCK_M: tl.constexpr,
+                   E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    e_offs = tl.arange(0, E_PAD)
+    e_mask = e_offs < num_experts
+    counts = tl.load(counts_ptr + e_offs, mask=e_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)                    # [E_PAD] exclusive end
+    padded_start = padded_end - padded
+    total = tl.sum(padded, axis=0)
+    # each row tile's expert: the number of experts whose padded range ends at or before it
+    for start in range(0, num_blocks, CHUNK):
+        b = start + tl.arange(0, CHUNK)
+        row = b * BLOCK_M
+        ends = tl.where(e_mask[None, :], padded_end[None, :], 1 << 30)
+        expert = tl.sum((ends <= row[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(row < total, expert, -1)
+        tl.store(block_expert_ptr + b, expert, mask=b < num_blocks)
+    # padding slots (inside a hit expert's last tile, or past the used tiles) get the sentinel
+    for start in range(0, num_slots, CHUNK):
+        s = start + tl.arange(0, CHUNK)
+        inside = (s[:, None] >= padded_start[None, :]) & (s[:, None] < padded_end[None, :])
+        local = s[:, None] - padded_start[None, :]
+        real = tl.sum((inside & (local < counts[None, :])).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + s, tl.full([CHUNK], 0, tl.int32) + num_pairs,
+                 mask=(s < num_slots) & (real == 0))
+    # real slots get their pair
+    for start in range(0, num_pairs, CHUNK):
+        p = start + tl.arange(0, CHUNK)
+        p_mask = p < num_pairs
+        expert = tl.load(ids_ptr + p, mask=p_mask, other=0)
+        rank = tl.load(rank_ptr + p, mask=p_mask, other=0)
+        base = tl.sum(tl.where(e_offs[None, :] == expert[:, None], padded_start[None, :], 0),
+                      axis=1)
+        tl.store(sorted_ptr + base + rank, p.to(tl.int32), mask=p_mask)
+    tl.store(counts_ptr + e_offs, tl.zeros([E_PAD], tl.int32), mask=e_mask)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, N, K,
+                    stride_xm, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_ok = pair < num_pairs
+    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+              + offs_k[:, None])
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_pairs, N,
+                 K, stride_am, stride_we, stride_wn, stride_ym, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[pair, n] = weight[pair] * (a[slot] . w[e, n]), float32, for the tile's real slots."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+              + offs_k[:, None])
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    acc = acc * weight[:, None]
+    y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t, n] = sum over k in order of y[t * TOP_K + k, n]."""
+    token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + k) * N + offs_n, mask=n_ok, other=0.0)
+    tl.store(out_ptr + token * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def pick_tile(num_pairs: int, num_experts: int, settings: KernelConfig) -> MoETile:
+    """The first `settings.moe_tiles` entry whose max_rows >= the mean rows per expert."""
+    mean_rows = num_pairs / num_experts
+    for tile in settings.moe_tiles:
+        if mean_rows <= tile.max_rows:
+            return tile
+    return settings.moe_tiles[-1]
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+          ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sort (token, k) pairs by expert, each expert's run padded to a multiple of block_m.
+
+    Args:
+        topk_ids: [num_tokens, top_k] integer physical expert ids in [0, num_experts).
+    Returns:
+        (sorted_pairs [num_slots] int32: flat pair index t * top_k + k, or num_pairs on a
+        padding slot; block_expert [num_blocks] int32: each row tile's expert, -1 past the
+        used tiles; num_blocks), num_slots = num_blocks * block_m a static bound of the shapes.
+    """
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"{num_experts} physical experts; the Triton MoE handles up to "
+                         f"{MAX_EXPERTS}.")
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    num_slots = num_blocks * block_m
+    counts = _expert_counters(device)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(num_slots, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    _rank_kernel[(triton.cdiv(num_pairs, 1024),)](ids, counts, rank, num_pairs, BLOCK=1024)
+    e_pad = triton.next_power_of_2(num_experts)
+    _layout_kernel[(1,)](ids, counts, rank, sorted_pairs, block_expert, num_pairs, num_experts,
+                         num_slots, num_blocks, BLOCK_M=block_m, E_PAD=e_pad,
+                         CHUNK=max(16, min(256, 8192 // e_pad)), num_warps=4)
+    return sorted_pairs, block_expert, num_blocks
+
+
+def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                settings: KernelConfig = DEFAULT) -> torch.Tensor:
+    """Same contract as `kernels.reference.moe.moe_experts` (CUDA tensors, or any device under
+    TRITON_INTERPRET=1); five kernel launches, no host sync."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, inter2, hidden_size = w13.shape
+    inter = inter2 // 2
+    if num_tokens == 0:
+        return hidden.new_zeros(0, hidden_size)
+    hidden = hidden.contiguous()
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("w13 and w2 must be row-major in their last dim")
+    num_pairs = num_tokens * top_k
+    tile = pick_tile(num_pairs, num_experts, settings)
+    # float32 models (the parity tests) multiply in full precision, not TF32
+    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    sorted_pairs, block_expert, num_blocks = align(topk_ids, num_experts, tile.block_m)
+    act = torch.empty(num_blocks * tile.block_m, inter, dtype=hidden.dtype, device=hidden.device)
+    grid = (num_blocks, triton.cdiv(inter, tile.block_n))
+    _gate_up_kernel[grid](hidden, w13, act, sorted_pairs, block_expert, num_pairs, inter,
+                          hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+                          act.stride(0), TOP_K=top_k, PRECISION=precision, BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+                          num_stages=tile.num_stages)
+    y = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    grid = (num_blocks, triton.cdiv(hidden_size, tile.down_block_n))
+    _down_kernel[grid](act, w2, y, weights, sorted_pairs, block_expert, num_pairs, hidden_size,
+                       inter, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+                       PRECISION=precision, BLOCK_M=tile.block_m, BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k,
+                       num_warps=tile.num_warps, num_stages=tile.num_stages)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    block_n = min(1024, triton.next_power_of_2(hidden_size))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        y, out, hidden_size, TOP_K=top_k, BLOCK_N=block_n, num_warps=4)
+    return out
