@@ -32,10 +32,26 @@ def _flat_cache(kv_cache: torch.Tensor) -> torch.Tensor:
 def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store each new token's latent at its slot, in place (contract: the reference's)."""
     flat = _flat_cache(kv_cache)
+    if flat.is_cuda and slot_mapping.numel():
+        _write_latent_no_sync(latent, flat, slot_mapping)
+        return
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
         latent, slot_mapping = latent[keep], slot_mapping[keep]
     flat.index_copy_(0, slot_mapping, latent)
+
+
+def _write_latent_no_sync(latent: torch.Tensor, flat: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    """`write_latent` without reading anything back to the host (CUDA-graph safe): a row with
+    slot -1 rewrites the first kept row's slot with that row's own latent (or, when no row is
+    kept, slot 0 with its current contents), so every duplicate index carries identical data."""
+    keep = slot_mapping >= 0
+    first = keep.to(torch.int8).argmax().view(1)  # first kept row, 0 if none
+    target = torch.where(keep, slot_mapping, slot_mapping.index_select(0, first).clamp(min=0))
+    fallback = torch.where(keep.index_select(0, first)[:, None], latent.index_select(0, first),
+                           flat.index_select(0, target))
+    flat.index_copy_(0, target, torch.where(keep[:, None], latent, fallback))
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -66,13 +82,16 @@ def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     query = torch.cat([q_latent, q_pe], dim=-1)  # [S, H, L + R]
     num_blocks = -(-max_seq_len // block_size)
     latents = _gather_blocks(kv_cache, block_tables, num_blocks)  # [S, L_pad, L + R]
-    if num_seqs == 1:
+    # one eager sequence reads exactly its context; on CUDA max_seq_len may be a CUDA graph's
+    # bound (max_model_len) above the real lengths, so the mask always applies there
+    masked = num_seqs > 1 or q_nope.is_cuda
+    if not masked:
         latents = latents[:, :max_seq_len]
     # All heads share the one latent "KV head": two batched GEMMs (plain bmm, not SDPA: the
     # latent's value width differs from its key width, and small bmm calls stay cheap on a
     # busy CPU).
     scores = torch.bmm(query, latents.transpose(1, 2)).mul_(scale)  # [S, H, L_pad]
-    if num_seqs > 1:
+    if masked:
         positions = torch.arange(latents.shape[1], device=q_nope.device)
         scores.masked_fill_((positions >= seq_lens[:, None])[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)

@@ -268,9 +268,9 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
     num_mtp_layers, vocab_size, dtype, config.
     """
 
-    # the torch MLA and MoE paths read slot and expert counts back to the host (a sync that a
-    # CUDA graph capture cannot hold): decode runs eagerly until capture-safe kernels exist
-    supports_cuda_graphs = False
+    # decode reads nothing back to the host on CUDA (MoE: routing and the Triton experts on the
+    # device; MLA: the torch decode path's graph-safe write and masks), so graphs capture it
+    supports_cuda_graphs = True
 
     default_scoring_func = "softmax"
     default_topk_method = "greedy"
