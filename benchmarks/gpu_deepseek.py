@@ -1,0 +1,359 @@
+"""deepinfer's DeepSeek path on one GPU: decode and prefill throughput against the roofline and
+HF transformers, on DeepSeek-V2-Lite's shapes with random bf16 weights built on the device.
+
+Shapes (DeepSeek-V2-Lite): 27 layers, hidden 2048, 16 heads, kv_lora 512, rope 64, nope 128,
+v 128, no q_lora; layer 0 dense (intermediate 10944), the rest 64 routed experts top-6 (softmax,
+greedy) + 2 shared, moe_intermediate 1408; vocab 102400. `--layers N` keeps the first N layers.
+
+One process, in order (JSON rewritten after each stage, so a cut-short run keeps what it has):
+1. ceilings: device copy bandwidth (bytes read + written, 4 GiB) and the bf16 and FP8
+   (`torch._scaled_mm`, e4m3, per-tensor scales) matmul rates at 8192^3;
+2. the models: HF `DeepseekV2ForCausalLM` initialised in memory on the device, its weights
+   copied into deepinfer's model (same weights on both sides);
+3. the Triton fused MoE alone (routing + experts of one layer, a CUDA graph of 10 layers'
+   worth, replayed): microseconds per layer and the bandwidth its distinct experts' bytes imply;
+4. routing statistics: each MoE layer's top-k ids over 2,048 prompt tokens, and from them the
+   expected number of distinct experts a batch of B tokens touches per layer (Monte Carlo);
+5. HF `generate` (greedy) at batch 1 and 8, 128-token prompts: decode tokens/s from the time for
+   N new tokens minus the time for 1 (N = 32: HF is slow and the rate is flat in N);
+6. deepinfer's `EngineCore` (CUDA graphs for decode, async scheduling): decode tokens/s at batch
+   1, 8, 64, 256 (128-token prompts, 128 new tokens; timed once every request has its first
+   token), then, in a second engine without graphs and a 4k context, prefill tokens/s of
+   2,048-token prompts.
+
+Rooflines. Decode step bytes = every weight except the routed experts and the embedding table
+(only B rows of it are read; the LM head is included) + per MoE layer the expected distinct
+experts x one expert's bytes + the KV read (B x mean context x layers x 576 x 2 bytes); step time
+= max(bytes / copy bandwidth, FLOPs / matmul rate); roofline tok/s = B / step time. Prefill =
+FLOPs / bf16 matmul rate, FLOPs = 2 x active parameters per token (non-expert, shared, top-6
+experts; LM head once per prompt) x tokens + causal MLA attention (expanded: 2 x (192 + 128) x
+heads x L^2 / 2 per layer).
+
+Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_decode import _random_prompts, _run_requests, _timed, write_model_dir  # noqa: E402
+
+V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+               moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+               num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6,
+               n_shared_experts=2, first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=512,
+               q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+               topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+               routed_scaling_factor=1.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
+               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+               initializer_range=0.02)
+PROMPT_TOKENS, NEW_TOKENS, PREFILL_TOKENS, HF_NEW_TOKENS = 128, 128, 2048, 32
+DECODE_BATCHES, HF_BATCHES = (1, 8, 64, 256), (1, 8)
+LATENT = 512 + 64
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes/s, read + write), bf16 and FP8 matmul rates (FLOP/s)."""
+    numel = 1 << 31
+    src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * numel * 2 / _timed(lambda: dst.copy_(src), 20)
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = {"copy_bandwidth_Bps": bandwidth,
+           "matmul_flops": 2 * n ** 3 / _timed(lambda: a @ b, 20)}
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).T  # column-major B
+        one = torch.ones((), device="cuda")
+        out["fp8_matmul_flops"] = 2 * n ** 3 / _timed(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                     out_dtype=torch.bfloat16), 20)
+    except (RuntimeError, AttributeError) as exc:   # no FP8 GEMM on this device / torch
+        out["fp8_matmul_error"] = str(exc)[:200]
+    return out
+
+
+def hf_state_as_checkpoint(hf_model):
+    """HF's in-memory state dict (fused `experts.gate_up_proj` [E, 2I, H] / `down_proj`
+    [E, H, I]) as checkpoint names (`experts.e.gate_proj.weight`, ...), views, no copies."""
+    for name, tensor in hf_model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = name[:-len("gate_up_proj")], tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :inter]
+                yield f"{prefix}{e}.up_proj.weight", tensor[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[:-len("down_proj")]
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor
+
+
+def build_models(hf_config, with_hf: bool):
+    """(HF model or None, deepinfer model) on CUDA in bf16 with the same random weights."""
+    from transformers import DeepseekV2ForCausalLM as HFDeepseek
+
+    from deepinfer.engine.models.deepseek import DeepseekV2ForCausalLM
+
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            hf_model = HFDeepseek(hf_config).eval()
+            ours = DeepseekV2ForCausalLM(hf_config, torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        ours.load_weights(hf_state_as_checkpoint(hf_model))
+    if not with_hf:
+        del hf_model
+        hf_model = None
+    return hf_model, ours.eval()
+
+
+def moe_modules(model):
+    from deepinfer.engine.models.layers.moe import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def model_costs(model, c) -> dict:
+    moes = moe_modules(model)
+    params = sum(p.numel() for p in model.parameters())
+    routed = sum(m.w13.numel() + m.w2.numel() for m in moes)
+    expert = moes[0].w13[0].numel() + moes[0].w2[0].numel()
+    embed, head = model.embed_tokens.weight.numel(), model.lm_head.weight.numel()
+    non_expert = params - routed - embed
+    return {"non_expert_bytes": non_expert * 2, "expert_bytes": expert * 2,
+            "moe_layers": len(moes), "top_k": c.num_experts_per_tok, "head_params": head,
+            "active_params": non_expert + len(moes) * c.num_experts_per_tok * expert,
+            "kv_bytes_per_token": c.num_hidden_layers * LATENT * 2,
+            "attn_flops_per_ctx": c.num_hidden_layers * c.num_attention_heads * 2 * 2 * LATENT,
+            "prefill_attn_flops_per_l2": c.num_hidden_layers * c.num_attention_heads * 2
+            * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2,
+            "total_GB": params * 2 / 1e9}
+
+
+def decode_roofline(costs, ceilings, distinct: dict, batch: int, context: float) -> dict:
+    step_bytes = (costs["non_expert_bytes"] + costs["moe_layers"] * distinct[batch]
+                  * costs["expert_bytes"] + batch * context * costs["kv_bytes_per_token"])
+    step_flops = batch * (2 * costs["active_params"] + context * costs["attn_flops_per_ctx"])
+    step_s = max(step_bytes / ceilings["copy_bandwidth_Bps"],
+                 step_flops / ceilings["matmul_flops"])
+    return {"roofline_tok_s": batch / step_s, "step_GB": step_bytes / 1e9,
+            "roofline_step_ms": 1e3 * step_s}
+
+
+def prefill_roofline(costs, ceilings, length: int) -> float:
+    flops = (2 * (costs["active_params"] - costs["head_params"]) * length
+             + 2 * costs["head_params"] + costs["prefill_attn_flops_per_l2"] * length ** 2)
+    return length * ceilings["matmul_flops"] / flops
+
+
+@torch.inference_mode()
+def routing_stats(core, model, vocab: int, batches=DECODE_BATCHES, trials: int = 200) -> dict:
+    """Expected distinct experts per MoE layer for B random tokens, from the top-k ids the
+    layers pick over 16 x 128 prompt tokens (eager prefill steps, recorded by forward hooks)."""
+    from deepinfer.engine.moe.gating import select_experts
+
+    picks = {i: [] for i, _ in enumerate(moe_modules(model))}
+
+    def hook(index):
+        def record(module, args, output):
+            logits = args[0].float() @ module.gate_weight.T
+            picks[index].append(select_experts(logits, module.routing,
+                                               module.e_score_correction_bias)[1])
+        return record
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(moe_modules(model))]
+    try:
+        _run_requests(core, _random_prompts(16, PROMPT_TOKENS, vocab, 5), 1)
+    finally:
+        for h in handles:
+            h.remove()
+    num_experts = moe_modules(model)[0].routing.num_experts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for batch in batches:
+        means = []
+        for ids in picks.values():
+            ids = torch.cat(ids)   # [N, top_k]
+            rows = torch.randint(0, ids.shape[0], (trials, batch), device="cuda", generator=gen)
+            hit = torch.zeros(trials, num_experts + 1, device="cuda")
+            hit.scatter_(1, ids[rows].reshape(trials, -1), 1.0)
+            means.append(hit.sum(1).mean().item())
+        out[batch] = sum(means) / len(means)
+    load = torch.bincount(torch.cat(next(iter(picks.values()))).reshape(-1), minlength=num_experts)
+    out["layer1_load_max_over_mean"] = (load.max() / load.float().mean()).item()
+    return out
+
+
+@torch.inference_mode()
+def moe_micro(model, costs, distinct: dict, ceilings) -> dict:
+    """One layer's routing + fused experts, 10 calls in a CUDA graph: us per call and the
+    fraction of copy bandwidth that the distinct experts' bytes imply."""
+    moe = moe_modules(model)[0]
+    out = {}
+    for batch in DECODE_BATCHES:
+        x = torch.randn(batch, moe.gate_weight.shape[1], device="cuda", dtype=torch.bfloat16)
+        moe(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                moe(x)
+        seconds = _timed(graph.replay, 20) / 10
+        moe_bytes = distinct[batch] * costs["expert_bytes"]
+        out[batch] = {"us": 1e6 * seconds, "GBps": moe_bytes / seconds / 1e9,
+                      "fraction_of_copy": moe_bytes / seconds / ceilings["copy_bandwidth_Bps"]}
+        print(f"MoE layer b={batch}: {out[batch]}", flush=True)
+    return out
+
+
+@torch.inference_mode()
+def hf_throughput(hf_model, vocab: int) -> dict:
+    results = {}
+    for batch in HF_BATCHES:
+        ids = torch.tensor(_random_prompts(batch, PROMPT_TOKENS, vocab, batch), device="cuda")
+
+        def generate(new_tokens: int) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        generate(2)
+        elapsed = generate(HF_NEW_TOKENS) - generate(1)
+        results[f"decode_b{batch}"] = batch * (HF_NEW_TOKENS - 1) / elapsed
+        print(f"HF decode b={batch}: {results[f'decode_b{batch}']:.1f} tok/s", flush=True)
+    return results
+
+
+def build_engine(model_dir: Path, model, *, max_model_len: int, enforce_eager: bool):
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.engine_core import EngineCore
+
+    config = EngineConfig().replace(
+        model={"model": str(model_dir), "device": "cuda", "dtype": "bfloat16",
+               "max_model_len": max_model_len, "enforce_eager": enforce_eager},
+        cache={"enable_prefix_caching": False, "gpu_memory_utilization": 0.85},
+        scheduler={"max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                   "max_waiting_requests": 4096},
+        kv_transfer={"kv_store": "none"})
+    start = time.perf_counter()
+    core = EngineCore(config, model=model)
+    print(f"engine ready in {time.perf_counter() - start:.1f} s (graphs: "
+          f"{core.executor.runner.cuda_graphs is not None}, max_model_len {max_model_len})",
+          flush=True)
+    return core
+
+
+def engine_prefill(core, vocab: int, num_prompts: int) -> float:
+    prompts = _random_prompts(num_prompts, PREFILL_TOKENS, vocab, 7)
+    from deepinfer.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for prompt in prompts:
+        core.add_request(core.make_request(prompt, params))
+    while core.has_unfinished_requests():
+        core.step()
+    torch.cuda.synchronize()
+    return num_prompts * PREFILL_TOKENS / (time.perf_counter() - start)
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=27)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    from transformers import DeepseekV2Config
+
+    hf_config = DeepseekV2Config(**{**V2_LITE, "num_hidden_layers": args.layers})
+    vocab = hf_config.vocab_size
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "layers": args.layers}
+
+    def save():
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1, default=str))
+
+    results["ceilings"] = ceilings = measure_ceilings()
+    print(f"ceilings: {json.dumps({k: f'{v:.3g}' for k, v in ceilings.items() if isinstance(v, float)})}",
+          flush=True)
+    start = time.perf_counter()
+    hf_model, ours = build_models(hf_config, with_hf=not args.skip_hf)
+    results["costs"] = costs = model_costs(ours, hf_config)
+    print(f"models built in {time.perf_counter() - start:.1f} s; {costs['total_GB']:.1f} GB "
+          f"each; non-expert {costs['non_expert_bytes'] / 1e9:.2f} GB", flush=True)
+    save()
+    hf = {}
+    if hf_model is not None:
+        results["hf"] = hf = hf_throughput(hf_model, vocab)
+        hf_model = None
+        _free()
+        save()
+    model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="v2-lite-random-")), hf_config)
+    core = build_engine(model_dir, ours, max_model_len=512, enforce_eager=False)
+    results["distinct_experts"] = distinct = routing_stats(core, ours, vocab)
+    print(f"distinct experts per layer: {distinct}", flush=True)
+    results["moe_layer"] = moe_micro(ours, costs, distinct, ceilings)
+    save()
+    context = PROMPT_TOKENS + NEW_TOKENS / 2
+    rows = []
+    for batch in DECODE_BATCHES:
+        seconds, tokens, steps = _run_requests(
+            core, _random_prompts(batch, PROMPT_TOKENS, vocab, 1000 + batch), NEW_TOKENS)
+        run = {"tok_s": tokens / seconds, "step_ms": 1e3 * seconds / max(steps, 1),
+               **decode_roofline(costs, ceilings, distinct, batch, context)}
+        run["fraction"] = run["tok_s"] / run["roofline_tok_s"]
+        results[f"decode_b{batch}"] = run
+        rows.append((f"decode b={batch}", run["tok_s"], run["roofline_tok_s"],
+                     hf.get(f"decode_b{batch}")))
+        print(f"decode b={batch}: {run}", flush=True)
+        save()
+    core = None
+    _free()
+    core = build_engine(model_dir, ours, max_model_len=PREFILL_TOKENS + 64, enforce_eager=True)
+    engine_prefill(core, vocab, 1)   # warm-up: the prefill-shaped kernels compile
+    tok_s = engine_prefill(core, vocab, 4)
+    roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
+    results["prefill"] = {"tok_s": tok_s, "roofline_tok_s": roof, "fraction": tok_s / roof}
+    rows.append((f"prefill {PREFILL_TOKENS}", tok_s, roof, None))
+    save()
+    print("\n| measurement | deepinfer tok/s | roofline tok/s | fraction | HF tok/s | vs HF |\n"
+          "|---|---|---|---|---|---|")
+    for name, tok_s, roof, hf_tok_s in rows:
+        ratio = f"{tok_s / hf_tok_s:.1f}x" if hf_tok_s else "-"
+        hf_text = f"{hf_tok_s:.1f}" if hf_tok_s else "-"
+        print(f"| {name} | {tok_s:.1f} | {roof:.1f} | {tok_s / roof:.2f} | {hf_text} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
