@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.backends import triton_available
+
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -76,18 +78,45 @@ def _group_mask(choice_scores: torch.Tensor, config: RoutingConfig, *,
 
 
 def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
-                   e_score_correction_bias: torch.Tensor | None = None
+                   e_score_correction_bias: torch.Tensor | None = None, *,
+                   logical_to_physical: torch.Tensor | None = None, backend: str = "auto"
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick each token's top-k experts.
+    """Pick each token's top-k experts. Device ops only, never a host sync (CUDA-graph safe).
 
     Args:
         router_logits: [num_tokens, num_experts] float32 (`hidden @ gate.weight.T`).
         config: the routing settings.
         e_score_correction_bias: [num_experts] float32, used by "noaux_tc" (zeros if None).
+        logical_to_physical: [num_experts] int64: return physical ids (`map[logical]`).
+        backend: "auto" (the one-launch Triton kernel `kernels/moe_routing_triton.py` on CUDA
+            where Triton is installed, else torch ops), "torch" or "triton".
     Returns:
         (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64 logical
-        expert ids). The order of the k columns is unspecified.
+        expert ids, physical with `logical_to_physical`). The order of the k columns is
+        unspecified.
     """
+    if backend == "triton" or (backend == "auto" and router_logits.is_cuda
+                               and triton_available()):
+        from deepinfer.kernels.moe_routing_triton import route
+
+        mapping = (logical_to_physical if logical_to_physical is not None else
+                   torch.arange(config.num_experts, device=router_logits.device))
+        return route(router_logits, top_k=config.top_k, scoring_func=config.scoring_func,
+                     topk_method=config.topk_method, n_group=config.n_group,
+                     topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
+                     routed_scaling_factor=config.routed_scaling_factor,
+                     e_score_correction_bias=e_score_correction_bias,
+                     logical_to_physical=mapping)
+    topk_weights, topk_ids = _select_experts_torch(router_logits, config,
+                                                   e_score_correction_bias)
+    if logical_to_physical is not None:
+        topk_ids = logical_to_physical[topk_ids]
+    return topk_weights, topk_ids
+
+
+def _select_experts_torch(router_logits: torch.Tensor, config: RoutingConfig,
+                          e_score_correction_bias: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = router_logits.float()
     scores = logits.sigmoid() if config.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     if config.topk_method == "greedy":

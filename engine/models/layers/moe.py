@@ -72,9 +72,9 @@ class MoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum, same shape/dtype."""
         router_logits = hidden.float() @ self.gate_weight.T  # [T, num_experts] float32
-        topk_weights, topk_ids = select_experts(router_logits, self.routing,
-                                                self.e_score_correction_bias)
-        physical_ids = self.logical_to_physical[topk_ids]  # [T, top_k]
+        topk_weights, physical_ids = select_experts(  # [T, top_k] each
+            router_logits, self.routing, self.e_score_correction_bias,
+            logical_to_physical=self.logical_to_physical)
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
                            backend=self.backend, settings=self.kernel_config)
 
