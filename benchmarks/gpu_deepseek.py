@@ -29,7 +29,9 @@ FLOPs / bf16 matmul rate, FLOPs = 2 x active parameters per token (non-expert, s
 experts; LM head once per prompt) x tokens + causal MLA attention (expanded: 2 x (192 + 128) x
 heads x L^2 / 2 per layer).
 
-Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf]
+7. with `--moe-sweep`: the routed experts alone at batch 1, 64, 256 under candidate tiles.
+
+Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf] [--moe-sweep]
 """
 
 from __future__ import annotations
@@ -225,6 +227,44 @@ def moe_micro(model, costs, distinct: dict, ceilings) -> dict:
     return out
 
 
+SWEEP_TILES = {1: [(16, 32, 64, 128, 4, 4), (16, 64, 64, 128, 4, 3), (16, 32, 32, 256, 4, 3),
+                    (16, 16, 32, 128, 2, 4)],
+               64: [(16, 64, 64, 128, 4, 3), (16, 32, 64, 128, 4, 4), (32, 64, 128, 64, 4, 4),
+                    (16, 128, 128, 64, 4, 3)],
+               256: [(32, 64, 128, 64, 4, 4), (16, 64, 64, 128, 4, 3), (64, 64, 128, 64, 4, 3),
+                     (32, 128, 128, 64, 8, 3)]}
+
+
+@torch.inference_mode()
+def moe_sweep(model, costs, distinct: dict) -> dict:
+    """Routed experts alone (fixed routing, no router) at decode batch sizes under each
+    candidate tile (block_m, block_n, down_block_n, block_k, warps, stages): us per call
+    (10 calls in a CUDA graph)."""
+    from deepinfer.kernels.moe import moe_experts
+    from deepinfer.kernels.settings import KernelConfig, MoETile
+
+    moe = moe_modules(model)[0]
+    out = {}
+    for batch, tiles in SWEEP_TILES.items():
+        x = torch.randn(batch, moe.gate_weight.shape[1], device="cuda", dtype=torch.bfloat16)
+        weights, ids = torch.rand(batch, moe.routing.num_experts, device="cuda").topk(
+            moe.routing.top_k, dim=-1)
+        for tile in tiles:
+            settings = KernelConfig(moe_tiles=(MoETile(1 << 30, *tile),))
+            moe_experts(x, moe.w13, moe.w2, weights, ids, settings=settings)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(10):
+                    moe_experts(x, moe.w13, moe.w2, weights, ids, settings=settings)
+            seconds = _timed(graph.replay, 10) / 10
+            key = f"b{batch}_" + "_".join(map(str, tile))
+            out[key] = {"us": 1e6 * seconds,
+                        "GBps": distinct[batch] * costs["expert_bytes"] / seconds / 1e9}
+            print(f"MoE sweep {key}: {out[key]}", flush=True)
+    return out
+
+
 @torch.inference_mode()
 def hf_throughput(hf_model, vocab: int) -> dict:
     results = {}
@@ -254,7 +294,7 @@ def build_engine(model_dir: Path, model, *, max_model_len: int, enforce_eager: b
     config = EngineConfig().replace(
         model={"model": str(model_dir), "device": "cuda", "dtype": "bfloat16",
                "max_model_len": max_model_len, "enforce_eager": enforce_eager},
-        cache={"enable_prefix_caching": False, "gpu_memory_utilization": 0.85},
+        cache={"enable_prefix_caching": False, "gpu_memory_utilization": 0.5},
         scheduler={"max_num_seqs": 256, "max_num_batched_tokens": 8192,
                    "max_waiting_requests": 4096},
         kv_transfer={"kv_store": "none"})
@@ -291,6 +331,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--moe-sweep", action="store_true",
+                        help="last: time the routed experts under candidate tiles")
     args = parser.parse_args()
     from transformers import DeepseekV2Config
 
@@ -346,13 +388,21 @@ def main() -> int:
     results["prefill"] = {"tok_s": tok_s, "roofline_tok_s": roof, "fraction": tok_s / roof}
     rows.append((f"prefill {PREFILL_TOKENS}", tok_s, roof, None))
     save()
+    print_rows(rows)
+    if args.moe_sweep:
+        results["moe_sweep"] = moe_sweep(ours, costs, distinct)
+        save()
+    return 0
+
+
+def print_rows(rows) -> None:
     print("\n| measurement | deepinfer tok/s | roofline tok/s | fraction | HF tok/s | vs HF |\n"
           "|---|---|---|---|---|---|")
     for name, tok_s, roof, hf_tok_s in rows:
         ratio = f"{tok_s / hf_tok_s:.1f}x" if hf_tok_s else "-"
         hf_text = f"{hf_tok_s:.1f}" if hf_tok_s else "-"
-        print(f"| {name} | {tok_s:.1f} | {roof:.1f} | {tok_s / roof:.2f} | {hf_text} | {ratio} |")
-    return 0
+        print(f"| {name} | {tok_s:.1f} | {roof:.1f} | {tok_s / roof:.2f} | {hf_text} | {ratio} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ code, with these departures):
    `P + E * (BLOCK_M - 1)`: at decode (P = 6, E = 64) that is 6 row tiles instead of 61.
 3. gate_up runs both halves in one program (two accumulators over the same A tile), so the
    SiLU-and-mul is the epilogue and the [P, 2I] gate_up output never exists; the down GEMM
-   multiplies by the routing weight and writes float32 per pair, and `_combine_kernel` sums
-   each token's top_k rows in order (no float atomics: deterministic).
+   multiplies by the routing weight (float32) and writes each pair's row in the model dtype
+   (as vLLM's), and `_combine_kernel` sums each token's top_k rows in order in float32 (no
+   float atomics: deterministic).
 
 Tile choice: `KernelConfig.moe_tiles` (kernels/settings.py), picked by the mean rows per expert.
 """
@@ -142,7 +143,8 @@ def _down_kernel(a_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  K, stride_am, stride_we, stride_wn, stride_ym, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[pair, n] = weight[pair] * (a[slot] . w[e, n]), float32, for the tile's real slots."""
+    """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
+    for the tile's real slots."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -167,7 +169,7 @@ def _down_kernel(a_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -178,7 +180,8 @@ def _combine_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexp
     n_ok = offs_n < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + k) * N + offs_n, mask=n_ok, other=0.0)
+        acc += tl.load(y_ptr + (token * TOP_K + k) * N + offs_n, mask=n_ok,
+                       other=0.0).to(tl.float32)
     tl.store(out_ptr + token * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -247,7 +250,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           act.stride(0), TOP_K=top_k, PRECISION=precision, BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
                           num_stages=tile.num_stages)
-    y = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     grid = (num_blocks, triton.cdiv(hidden_size, tile.down_block_n))
     _down_kernel[grid](act, w2, y, weights, sorted_pairs, block_expert, num_pairs, hidden_size,

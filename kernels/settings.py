@@ -42,7 +42,7 @@ class MoETile:
 
 
 # decode (a few rows per expert) to prefill (hundreds): measured on the H200, RESULTS.md
-MOE_TILES = (MoETile(2, 16, 32, 64, 128, 4, 4), MoETile(8, 16, 64, 64, 128, 4, 4),
+MOE_TILES = (MoETile(2, 16, 32, 64, 128, 4, 4), MoETile(8, 16, 64, 64, 128, 4, 3),
              MoETile(32, 32, 64, 128, 64, 4, 4), MoETile(1 << 30, 64, 128, 128, 64, 8, 3))
 
 
