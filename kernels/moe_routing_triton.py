@@ -77,6 +77,8 @@ def _route_kernel(logits_ptr, bias_ptr, map_ptr, weights_ptr, ids_ptr, num_exper
     if NORM:
         top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
     top_w = top_w * scaling
+    # a NaN row (a CUDA graph's padding row) may argmax anywhere: keep its ids in range
+    top_i = tl.minimum(tl.maximum(top_i, 0), num_experts - 1)
     physical = tl.load(map_ptr + top_i)
     tl.store(weights_ptr + row * TOP_K + k_offs, top_w, mask=k_offs < TOP_K)
     tl.store(ids_ptr + row * TOP_K + k_offs, physical, mask=k_offs < TOP_K)
