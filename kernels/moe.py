@@ -6,7 +6,11 @@ Backends, imported lazily on first use:
   expert on a contiguous slice (reads the per-expert counts on the host: not graph-safe).
 - "triton": `kernels/moe_triton.py`, on-device alignment + grouped GEMMs (gate_up with
   SiLU-and-mul fused, down with the routing weights) + combine; no host sync, CUDA-graph safe.
-`backend="auto"` is "triton" on CUDA where Triton is installed, else "torch".
+- "deep_gemm": `kernels/moe_deep_gemm.py`, DeepGEMM's contiguous grouped bf16 GEMM where the
+  user installed `deep_gemm` (optional, never required).
+`backend="auto"` is "triton" on CUDA where Triton is installed (or "deep_gemm" for bf16 calls of
+at least `KernelConfig.moe_deep_gemm_min_rows` mean rows per expert where deep_gemm is
+installed), else "torch".
 
 Expert weights are addressed by *physical* expert index (the model maps logical → physical
 before calling), so replicated or re-placed experts (EPLB) need no change here.
@@ -27,7 +31,8 @@ def _auto_backend(device: torch.device) -> str:
 
 _BACKENDS = Backends("MoE", {"reference": "deepinfer.kernels.reference.moe",
                              "torch": "deepinfer.kernels.moe_torch",
-                             "triton": "deepinfer.kernels.moe_triton"}, auto=_auto_backend)
+                             "triton": "deepinfer.kernels.moe_triton",
+                             "deep_gemm": "deepinfer.kernels.moe_deep_gemm"}, auto=_auto_backend)
 BACKENDS = _BACKENDS.names
 
 
@@ -49,13 +54,17 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         topk_weights: [num_tokens, top_k] float32.
         topk_ids: [num_tokens, top_k] int64 (or int32) physical expert ids, each <
             num_physical_experts.
-        backend: "auto", "reference", "torch" or "triton".
+        backend: "auto", "reference", "torch", "triton" or "deep_gemm".
         settings: kernel choices (the Triton backend's tile table `moe_tiles`).
     Returns:
         [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32).
     """
     name = _BACKENDS.resolve(backend, hidden.device)
+    if (backend == "auto" and name == "triton" and hidden.dtype == torch.bfloat16
+            and topk_ids.numel() >= settings.moe_deep_gemm_min_rows * w13.shape[0]
+            and _BACKENDS.load("deep_gemm").available()):
+        name = "deep_gemm"
     experts = _BACKENDS.load(name)
-    if name == "triton":
+    if name in ("triton", "deep_gemm"):
         return experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids, settings=settings)
     return experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids)

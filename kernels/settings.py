@@ -83,6 +83,9 @@ class KernelConfig:
         weight runs the AVX2 block-quantized kernel.
     moe_tiles: the Triton fused MoE's tile sizes by mean rows per expert (`MoETile`), in
         increasing max_rows; default `MOE_TILES`.
+    moe_deep_gemm_min_rows: from this many mean rows per expert (default 128: prefill) a bf16
+        MoE call on backend "auto" runs DeepGEMM's grouped GEMM where `deep_gemm` is installed
+        (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
     batch_invariant: reserved for the batch-invariant mode (a row's result independent of the
         batch around it); no behaviour yet. Default False.
     """
@@ -99,6 +102,7 @@ class KernelConfig:
     norm_by_dot_rows: int = 32
     quantized_max_rows: int = 64
     moe_tiles: tuple[MoETile, ...] = MOE_TILES
+    moe_deep_gemm_min_rows: int = 128
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

@@ -151,3 +151,56 @@ def test_fused_routing_matches_torch_routing(name):
     assert torch.equal(i_got.gather(1, order_got), i_ref.gather(1, order_ref))
     torch.testing.assert_close(w_got.gather(1, order_got), w_ref.gather(1, order_ref),
                                atol=1e-6, rtol=1e-5)
+
+
+class _FakeDeepGemm:
+    """Stands in for an installed `deep_gemm` (it does not build here): its contiguous grouped
+    GEMM computed with torch, honouring m_indices (-1 rows skipped), and a call counter."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @staticmethod
+    def get_mk_alignment_for_contiguous_layout():
+        return 128
+
+    def m_grouped_bf16_gemm_nt_contiguous(self, a, b, d, m_indices):
+        self.calls += 1
+        assert a.shape[0] % 128 == 0 and m_indices.dtype == torch.int32
+        d.zero_()
+        for row, expert in enumerate(m_indices.tolist()):
+            if expert >= 0:
+                d[row] = (b[expert].float() @ a[row].float()).to(d.dtype)
+
+
+@pytest.fixture
+def fake_deep_gemm(monkeypatch):
+    import sys
+
+    from deepinfer.kernels import moe_deep_gemm
+
+    fake = _FakeDeepGemm()
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    monkeypatch.setattr(moe_deep_gemm, "available", lambda: True)
+    return fake
+
+
+def test_deep_gemm_backend_layout_matches_reference(fake_deep_gemm):
+    """Our alignment fed to DeepGEMM's contiguous layout (128-row runs, -1 padding rows)."""
+    args = make_moe(21, 8, 3, dtype=torch.float32)
+    got = moe_experts(*args, backend="deep_gemm")
+    expected = moe_experts(*[a.cpu() for a in args], backend="reference")
+    assert fake_deep_gemm.calls == 2
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_picks_deep_gemm_only_for_many_rows_per_expert(fake_deep_gemm):
+    from deepinfer.kernels.moe import resolve_backend
+
+    if resolve_backend("auto", torch.device(DEVICE)) != "triton":
+        pytest.skip("auto is not the Triton backend here (CPU interpreter run)")
+    settings = KernelConfig(moe_deep_gemm_min_rows=4)
+    moe_experts(*make_moe(5, 8, 2, dtype=torch.bfloat16), settings=settings)  # 1.25 rows/expert
+    assert fake_deep_gemm.calls == 0
+    moe_experts(*make_moe(40, 8, 2, dtype=torch.bfloat16), settings=settings)  # 10 rows/expert
+    assert fake_deep_gemm.calls == 2
