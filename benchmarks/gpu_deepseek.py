@@ -346,8 +346,8 @@ def main() -> int:
             args.json.write_text(json.dumps(results, indent=1, default=str))
 
     results["ceilings"] = ceilings = measure_ceilings()
-    print(f"ceilings: {json.dumps({k: f'{v:.3g}' for k, v in ceilings.items() if isinstance(v, float)})}",
-          flush=True)
+    shown = {k: f"{v:.3g}" for k, v in ceilings.items() if isinstance(v, float)}
+    print(f"ceilings: {json.dumps(shown)}", flush=True)
     start = time.perf_counter()
     hf_model, ours = build_models(hf_config, with_hf=not args.skip_hf)
     results["costs"] = costs = model_costs(ours, hf_config)

@@ -41,9 +41,20 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return _BACKENDS.resolve(backend, device)
 
 
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      block: int = 128) -> torch.Tensor:
+    """[E, N, K] FP8 weight times its [E, ceil(N / block), ceil(K / block)] block scales, in
+    `dtype` (the FP8 experts' oracle, and their path on backends without FP8 GEMMs)."""
+    n, k = weight.shape[-2:]
+    full = scale.repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(block, dim=-1)
+    return (weight.float() * full[..., :k]).to(dtype)
+
+
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                backend: str = "auto", settings: KernelConfig = DEFAULT) -> torch.Tensor:
+                backend: str = "auto", settings: KernelConfig = DEFAULT, *,
+                w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's routing-weighted sum of its top-k SwiGLU experts.
 
     Args:
@@ -56,6 +67,9 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             num_physical_experts.
         backend: "auto", "reference", "torch", "triton" or "deep_gemm".
         settings: kernel choices (the Triton backend's tile table `moe_tiles`).
+        w13_scale, w2_scale: FP8 experts: w13 / w2 in float8_e4m3fn with these float32 128x128
+            block scales ([E, 2I / 128, H / 128], [E, H / 128, I / 128]); the Triton backend
+            runs FP8 GEMMs, the others dequantize to hidden's dtype first.
     Returns:
         [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32).
     """
@@ -64,6 +78,13 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             and topk_ids.numel() >= settings.moe_deep_gemm_min_rows * w13.shape[0]
             and _BACKENDS.load("deep_gemm").available()):
         name = "deep_gemm"
+    if w13_scale is not None and name == "triton":
+        return _BACKENDS.load(name).moe_experts(hidden, w13, w2, topk_weights, topk_ids,
+                                                w13_scale=w13_scale, w2_scale=w2_scale,
+                                                settings=settings)
+    if w13_scale is not None:
+        w13 = dequantize_blocks(w13, w13_scale, hidden.dtype)
+        w2 = dequantize_blocks(w2, w2_scale, hidden.dtype)
     experts = _BACKENDS.load(name)
     if name in ("triton", "deep_gemm"):
         return experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids, settings=settings)

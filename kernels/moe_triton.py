@@ -29,6 +29,8 @@ Tile choice: `KernelConfig.moe_tiles` (kernels/settings.py), picked by the mean 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -102,10 +104,23 @@ def _layout_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ptr, block_expert_ptr, 
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, N, K,
-                    stride_xm, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots."""
+def _fp8_block_dot(a, w, w_scale, acc):
+    """acc + (a . w) for one 128-wide K block of FP8 weights (DeepGEMM's recipe): `a`'s rows
+    quantized to e4m3 with their own scale (amax / 448), the e4m3 x e4m3 dot in fp32, times
+    the row scales and the weight block's scale `w_scale`."""
+    a = a.to(tl.float32)
+    a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
+    a8 = tl.clamp(a / a_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    return acc + tl.dot(a8, w, out_dtype=tl.float32) * (a_scale[:, None] * w_scale)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, N,
+                    K, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                    TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots.
+    FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -128,8 +143,15 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pai
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        if FP8:
+            s_row = s_ptr + expert.to(tl.int64) * stride_se + k
+            acc_g = _fp8_block_dot(a, g, tl.load(s_row + (pid_n * BLOCK_N // 128) * stride_sn),
+                                   acc_g)
+            acc_u = _fp8_block_dot(
+                a, u, tl.load(s_row + ((N + pid_n * BLOCK_N) // 128) * stride_sn), acc_u)
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -139,9 +161,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pai
 
 
 @triton.jit
-def _down_kernel(a_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_pairs, N,
-                 K, stride_am, stride_we, stride_wn, stride_ym, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr,
+def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
+                 num_pairs, N, K, stride_am, stride_we, stride_wn, stride_se, stride_sn,
+                 stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
     for the tile's real slots."""
@@ -163,7 +185,11 @@ def _down_kernel(a_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
         k_ok = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if FP8:
+            acc = _fp8_block_dot(a, w, tl.load(s_ptr + expert.to(tl.int64) * stride_se + k
+                                               + (pid_n * BLOCK_N // 128) * stride_sn), acc)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
@@ -227,9 +253,16 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                 settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Same contract as `kernels.reference.moe.moe_experts` (CUDA tensors, or any device under
-    TRITON_INTERPRET=1); five kernel launches, no host sync."""
+    TRITON_INTERPRET=1); five kernel launches, no host sync.
+
+    FP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [E, 2I / 128, H / 128] and w2_scale
+    [E, H / 128, I / 128] float32 128x128 block scales (DeepSeek-V3's `weight_scale_inv`);
+    I and H multiples of 128. Activations are quantized per row and 128-channel block inside
+    the GEMMs (DeepGEMM's recipe), accumulation in float32.
+    """
     num_tokens, top_k = topk_ids.shape
     num_experts, inter2, hidden_size = w13.shape
     inter = inter2 // 2
@@ -238,24 +271,37 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     hidden = hidden.contiguous()
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 must be row-major in their last dim")
+    fp8 = w13_scale is not None
     num_pairs = num_tokens * top_k
     tile = pick_tile(num_pairs, num_experts, settings)
+    if fp8:
+        if inter % 128 or hidden_size % 128 or w2_scale is None:
+            raise ValueError("FP8 experts need intermediate and hidden sizes that are multiples "
+                             "of 128 and both block-scale tensors")
+        # one K step per 128-wide scale block; column tiles inside one scale block
+        tile = dataclasses.replace(tile, block_k=128, block_n=min(tile.block_n, 128),
+                                   down_block_n=min(tile.down_block_n, 128))
     # float32 models (the parity tests) multiply in full precision, not TF32
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     sorted_pairs, block_expert, num_blocks = align(topk_ids, num_experts, tile.block_m)
     act = torch.empty(num_blocks * tile.block_m, inter, dtype=hidden.dtype, device=hidden.device)
+    s13 = w13_scale if fp8 else w13
     grid = (num_blocks, triton.cdiv(inter, tile.block_n))
-    _gate_up_kernel[grid](hidden, w13, act, sorted_pairs, block_expert, num_pairs, inter,
+    _gate_up_kernel[grid](hidden, w13, s13, act, sorted_pairs, block_expert, num_pairs, inter,
                           hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
-                          act.stride(0), TOP_K=top_k, PRECISION=precision, BLOCK_M=tile.block_m,
-                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-                          num_stages=tile.num_stages)
+                          s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
+                          act.stride(0), TOP_K=top_k, PRECISION=precision, FP8=fp8,
+                          BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                          num_warps=tile.num_warps, num_stages=tile.num_stages)
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
+    s2 = w2_scale if fp8 else w2
     grid = (num_blocks, triton.cdiv(hidden_size, tile.down_block_n))
-    _down_kernel[grid](act, w2, y, weights, sorted_pairs, block_expert, num_pairs, hidden_size,
-                       inter, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-                       PRECISION=precision, BLOCK_M=tile.block_m, BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k,
+    _down_kernel[grid](act, w2, s2, y, weights, sorted_pairs, block_expert, num_pairs,
+                       hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1),
+                       s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0, y.stride(0),
+                       PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
+                       BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k,
                        num_warps=tile.num_warps, num_stages=tile.num_stages)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     block_n = min(1024, triton.next_power_of_2(hidden_size))
