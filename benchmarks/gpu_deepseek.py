@@ -29,7 +29,10 @@ FLOPs / bf16 matmul rate, FLOPs = 2 x active parameters per token (non-expert, s
 experts; LM head once per prompt) x tokens + causal MLA attention (expanded: 2 x (192 + 128) x
 heads x L^2 / 2 per layer).
 
-7. with `--moe-sweep`: the routed experts alone at batch 1, 64, 256 under candidate tiles.
+7. with `--fp8-experts` (after the bf16 decode runs): the routed experts quantized to FP8
+   (e4m3, 128x128 block scales; linears stay bf16), decode again against the roofline with the
+   experts' bytes halved;
+8. with `--moe-sweep`: the routed experts alone at batch 1, 64, 256 under candidate tiles.
 
 Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf] [--moe-sweep]
 """
@@ -287,6 +290,29 @@ def hf_throughput(hf_model, vocab: int) -> dict:
     return results
 
 
+def fp8_decode(model, model_dir, costs, ceilings, distinct, context, results) -> list:
+    """The routed experts quantized to FP8 (`MoE.quantize_experts_fp8`: e4m3, 128x128 block
+    scales; the rest stays bf16), a fresh engine (graphs hold the old weights), decode at
+    DECODE_BATCHES against the roofline with the experts' bytes halved (+ their scales)."""
+    for moe in moe_modules(model):
+        moe.quantize_experts_fp8()
+    _free()
+    fp8_costs = {**costs, "expert_bytes": costs["expert_bytes"] / 2 * (1 + 4 / 128 ** 2 * 2)}
+    core = build_engine(model_dir, model, max_model_len=512, enforce_eager=False)
+    rows = []
+    for batch in DECODE_BATCHES:
+        seconds, tokens, steps = _run_requests(
+            core, _random_prompts(batch, PROMPT_TOKENS, model.vocab_size, 2000 + batch),
+            NEW_TOKENS)
+        run = {"tok_s": tokens / seconds, "step_ms": 1e3 * seconds / max(steps, 1),
+               **decode_roofline(fp8_costs, ceilings, distinct, batch, context)}
+        run["fraction"] = run["tok_s"] / run["roofline_tok_s"]
+        results[f"decode_fp8_experts_b{batch}"] = run
+        rows.append((f"decode b={batch} FP8 experts", run["tok_s"], run["roofline_tok_s"], None))
+        print(f"decode b={batch} FP8 experts: {run}", flush=True)
+    return rows
+
+
 def build_engine(model_dir: Path, model, *, max_model_len: int, enforce_eager: bool):
     from deepinfer.engine.config import EngineConfig
     from deepinfer.engine.engine_core import EngineCore
@@ -331,6 +357,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--fp8-experts", action="store_true",
+                        help="after the bf16 decode runs, the same with FP8 routed experts")
     parser.add_argument("--moe-sweep", action="store_true",
                         help="last: time the routed experts under candidate tiles")
     args = parser.parse_args()
@@ -381,6 +409,9 @@ def main() -> int:
         save()
     core = None
     _free()
+    if args.fp8_experts:
+        rows += fp8_decode(ours, model_dir, costs, ceilings, distinct, context, results)
+        save()
     core = build_engine(model_dir, ours, max_model_len=PREFILL_TOKENS + 64, enforce_eager=True)
     engine_prefill(core, vocab, 1)   # warm-up: the prefill-shaped kernels compile
     tok_s = engine_prefill(core, vocab, 4)

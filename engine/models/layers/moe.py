@@ -51,6 +51,31 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size,
                                            dtype=dtype), requires_grad=False)
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
+        # FP8 experts (`quantize_experts_fp8`): [E, rows / 128, cols / 128] float32 block scales
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def quantize_experts_fp8(self, block: int = 128) -> None:
+        """Keep w13 / w2 in float8_e4m3fn with `block` x `block` scales (amax / 448 per block,
+        DeepSeek-V3's `weight_scale_inv` layout), halving the experts' bytes; the forward then
+        runs the FP8 grouped GEMMs (Triton) or dequantizes (other backends).
+
+        Raises:
+            ValueError: an expert dimension is not a multiple of `block`.
+        """
+        for name in ("w13", "w2"):
+            weight = getattr(self, name).data
+            experts, rows, cols = weight.shape
+            if rows % block or cols % block:
+                raise ValueError(f"{name} {tuple(weight.shape)}: FP8 experts need dimensions "
+                                 f"that are multiples of {block}.")
+            blocks = weight.float().view(experts, rows // block, block, cols // block, block)
+            scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448.0
+            quantized = (blocks / scale[:, :, None, :, None]).clamp(-448, 448)
+            setattr(self, name, nn.Parameter(quantized.view(experts, rows, cols).to(
+                torch.float8_e4m3fn), requires_grad=False))
+            setattr(self, f"{name}_scale", scale.contiguous())
 
     def expert_weight(self, logical_expert: int, projection: str) -> torch.Tensor:
         """The physical weight slice an HF expert tensor loads into.
@@ -76,7 +101,8 @@ class MoE(nn.Module):
             router_logits, self.routing, self.e_score_correction_bias,
             logical_to_physical=self.logical_to_physical)
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
-                           backend=self.backend, settings=self.kernel_config)
+                           backend=self.backend, settings=self.kernel_config,
+                           w13_scale=self.w13_scale, w2_scale=self.w2_scale)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.routing.num_experts}, top_k={self.routing.top_k}, "
