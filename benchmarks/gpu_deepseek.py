@@ -31,7 +31,7 @@ heads x L^2 / 2 per layer).
 
 7. with `--fp8-experts` (after the bf16 decode runs): the routed experts quantized to FP8
    (e4m3, 128x128 block scales; linears stay bf16), decode again against the roofline with the
-   experts' bytes halved;
+   experts' bytes halved (the prefill after it then runs FP8 experts too);
 8. with `--moe-sweep`: the routed experts alone at batch 1, 64, 256 under candidate tiles.
 
 Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf] [--moe-sweep]
