@@ -38,7 +38,9 @@ with decode rows of 1 + k tokens (a request's last token and k draft tokens, spe
 decoding): their attention goes through the varlen path, causal within the row against the
 paged cache. Graphs per (batch size, tokens per row) or per total-token bucket are left until a
 measurement on the device shows what they gain. Needs the Triton attention backend (the torch
-one reads host-side lengths and syncs).
+one reads host-side lengths and syncs). DeepSeek models are captured too: their MoE layers run
+the Triton router and fused experts (no host sync), and the torch MLA decode path is graph-safe
+on CUDA (a sync-free latent write, masks against the captured max_seq_len bound).
 """
 
 from __future__ import annotations

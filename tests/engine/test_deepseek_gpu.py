@@ -98,12 +98,20 @@ def _engine_greedy(model_dir, prompts, *, dtype, enforce_eager):
     return [out.token_ids for out in outputs]
 
 
+@pytest.fixture(scope="module")
+def hf_float32_tokens(model_dir):
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return _hf_greedy(model_dir, _prompts(), torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
-def test_greedy_tokens_match_hf_float32(model_dir, enforce_eager):
-    prompts = _prompts()
-    expected = _hf_greedy(model_dir, prompts, torch.float32)
-    assert _engine_greedy(model_dir, prompts, dtype="float32",
-                          enforce_eager=enforce_eager) == expected
+def test_greedy_tokens_match_hf_float32(model_dir, hf_float32_tokens, enforce_eager):
+    assert _engine_greedy(model_dir, _prompts(), dtype="float32",
+                          enforce_eager=enforce_eager) == hf_float32_tokens
 
 
 def test_bfloat16_tracks_hf_on_most_prompts(model_dir):
