@@ -49,3 +49,19 @@ def test_a_shape_without_an_entry_falls_back_and_a_listed_one_is_found(fake_gpu)
     assert linear_triton.tuned_config(3, _cuda_weight(6144, 4096)) == config      # bucket 16
     assert linear_triton.tuned_config(40, _cuda_weight(6144, 4096)) is None       # bucket 64: none
     assert linear_triton.tuned_config(3, _cuda_weight(1000, 4096)) is None        # other shape
+
+
+def test_moe_tiles_from_plain_dicts_and_checked():
+    """`moe_tiles` given as dicts (a JSON file, a CLI) become `MoETile`s; tiles under 16 rows
+    (tl.dot's minimum) are refused; `pick_tile`'s rule is the first tile whose max_rows holds
+    the mean rows per expert."""
+    import pytest
+
+    from deepinfer.kernels.settings import KernelConfig, MoETile
+
+    config = KernelConfig(moe_tiles=[{"max_rows": 4, "block_m": 16, "block_n": 32,
+                                      "down_block_n": 64, "block_k": 128}])
+    assert config.moe_tiles == (MoETile(4, 16, 32, 64, 128),)
+    hash(config)
+    with pytest.raises(ValueError, match="moe_tiles"):
+        KernelConfig(moe_tiles=(MoETile(4, 8, 32, 64, 128),))
