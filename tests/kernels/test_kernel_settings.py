@@ -53,8 +53,7 @@ def test_a_shape_without_an_entry_falls_back_and_a_listed_one_is_found(fake_gpu)
 
 def test_moe_tiles_from_plain_dicts_and_checked():
     """`moe_tiles` given as dicts (a JSON file, a CLI) become `MoETile`s; tiles under 16 rows
-    (tl.dot's minimum) are refused; `pick_tile`'s rule is the first tile whose max_rows holds
-    the mean rows per expert."""
+    (tl.dot's minimum) are refused."""
     import pytest
 
     from deepinfer.kernels.settings import KernelConfig, MoETile
