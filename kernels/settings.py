@@ -59,6 +59,23 @@ class KernelConfig:
         weight runs the AVX2 block-quantized kernel.
     batch_invariant: reserved for the batch-invariant mode (a row's result independent of the
         batch around it); no behaviour yet. Default False.
+    mla_decode_block_h: rows (heads x query tokens of a row) per program of the Triton MLA
+        decode kernel (`kernels/mla_decode_triton.py`), a power of two >= 16; default 16.
+    mla_decode_block_n: context positions per tile of the MLA decode kernel; default 32.
+    mla_decode_max_splits: split-K partitions at most (a power of two); default 32.
+    mla_decode_waves: split so the MLA decode programs fill ~this many waves; default 2.
+    mla_decode_warps, mla_decode_stages: launch shape of the MLA decode kernel; default 4, 2.
+    mla_decode_max_query_len: rows of up to this many new tokens (1 + k speculative) run the
+        MLA decode kernel; longer chunks the prefill kernel. Default 8.
+    mla_prefill_block_m, mla_prefill_block_n: query / key tile of the MLA prefill kernel
+        (`kernels/mla_prefill_triton.py`); default 64, 64.
+    mla_prefill_absorbed: True runs MLA prefill chunks in the absorbed form (the decode kernel
+        tiled over query tokens) instead of the expanded per-head K/V form; default False
+        (expanded measured faster at 2k tokens: benchmarks/RESULTS.md).
+    fp8_block_gemm: True (default): FP8 block-scaled checkpoints keep their linears in FP8 on
+        CUDA devices of compute capability >= 8.9 and run the Triton block-scaled GEMM
+        (`kernels/fp8_gemm_triton.py`); False dequantizes at load as on CPU.
+    fp8_gemm_block_m: rows per program of the FP8 GEMM at most (16..128); default 64.
     """
 
     fused_linears: bool = True
@@ -73,6 +90,18 @@ class KernelConfig:
     norm_by_dot_rows: int = 32
     quantized_max_rows: int = 64
     batch_invariant: bool = False
+    mla_decode_block_h: int = 16
+    mla_decode_block_n: int = 32
+    mla_decode_max_splits: int = 32
+    mla_decode_waves: int = 2
+    mla_decode_warps: int = 4
+    mla_decode_stages: int = 2
+    mla_decode_max_query_len: int = 8
+    mla_prefill_block_m: int = 64
+    mla_prefill_block_n: int = 64
+    mla_prefill_absorbed: bool = False
+    fp8_block_gemm: bool = True
+    fp8_gemm_block_m: int = 64
 
     def __post_init__(self) -> None:
         # sets given as lists or tuples (a JSON file, a CLI) become frozensets: hashable, frozen
@@ -92,6 +121,17 @@ class KernelConfig:
                f"{sorted(kernels | roles)}.")
         _check("norm_by_dot_rows", self.norm_by_dot_rows >= 1,
                f"{self.norm_by_dot_rows} must be >= 1.")
+        for name in ("mla_decode_block_h", "mla_decode_block_n", "mla_decode_max_splits",
+                     "mla_prefill_block_m", "mla_prefill_block_n"):
+            value = getattr(self, name)
+            _check(name, value >= 1 and value & (value - 1) == 0,
+                   f"{value} must be a power of two >= 1.")
+        _check("mla_decode_block_h", self.mla_decode_block_h >= 16,
+               f"{self.mla_decode_block_h} must be >= 16 (tl.dot's smallest M).")
+        _check("mla_decode_max_query_len", 1 <= self.mla_decode_max_query_len <= 16,
+               f"{self.mla_decode_max_query_len} must be in [1, 16].")
+        _check("fp8_gemm_block_m", self.fp8_gemm_block_m in (16, 32, 64, 128),
+               f"{self.fp8_gemm_block_m} must be one of 16, 32, 64, 128.")
         _check("quantized_max_rows", self.quantized_max_rows >= 0,
                f"{self.quantized_max_rows} must be >= 0; 0 turns the quantized kernel off.")
 
