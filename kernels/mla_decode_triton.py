@@ -216,7 +216,8 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
         BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=settings.mla_decode_block_n,
         NUM_SPLITS=splits, NUM_Q_TILES=num_q_tiles, PRECISION="ieee" if fp32 else "tf32",
-        num_warps=settings.mla_decode_warps, num_stages=settings.mla_decode_stages)
+        num_warps=settings.mla_decode_warps * max(1, block_q * block_h // 32),
+        num_stages=settings.mla_decode_stages)
     if splits > 1:
         _mla_reduce_kernel[(metadata.num_seqs, num_heads, max_q_len)](
             part, ml, metadata.query_start_loc, out, max_q_len, out.stride(0), out.stride(1),

@@ -32,13 +32,47 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend(q_nope, q_rope, kn_ptr, kp_ptr, v_ptr, k_start, head, kn_st, kn_sh, kp_st, v_st,
+            v_sh, m, l, acc, q_pos, begin, stop, end, scale_log2, dn, r, dv,
+            NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, BLOCK_N: tl.constexpr,
+            PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online-softmax update of (m, l, acc) over key positions [begin, stop) (< end); CAUSAL
+    masks position > q_pos per row (a row that sees nothing keeps m = -inf)."""
+    for start in range(begin, stop, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        kv_row = k_start + pos                                      # [N] int64
+        k_nope = tl.load(kn_ptr + kv_row[:, None] * kn_st + head * kn_sh + dn[None, :],
+                         mask=valid[:, None] & (dn < NOPE)[None, :], other=0.0)  # [N, Dn]
+        k_rope = tl.load(kp_ptr + kv_row[:, None] * kp_st + r[None, :],
+                         mask=valid[:, None] & (r < ROPE)[None, :], other=0.0)   # [N, R]
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION)
+        s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION) * scale_log2
+        if CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_ref = m_new
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_row[:, None] * v_st + head * v_sh + dv[None, :],
+                    mask=valid[:, None] & (dv < VDIM)[None, :], other=0.0)      # [N, Dv]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _mla_prefill_kernel(qn_ptr, qp_ptr, kn_ptr, kp_ptr, v_ptr, info_ptr, qsl_ptr, seq_lens_ptr,
                         out_ptr, scale_log2, qn_st, qn_sh, qp_st, qp_sh, kn_st, kn_sh, kp_st,
                         v_st, v_sh, out_st, out_sh,
                         NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr,
                         BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)   # the longest (last) tiles start first
     chunk = tl.program_id(1)
     head = tl.program_id(2)
     seq = tl.load(info_ptr + chunk * 2)
@@ -64,26 +98,15 @@ def _mla_prefill_kernel(qn_ptr, qp_ptr, kn_ptr, kp_ptr, v_ptr, info_ptr, qsl_ptr
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)   # last query pos + 1
-    for start in range(0, end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        kv_row = k_start + pos                                      # [N] int64
-        k_nope = tl.load(kn_ptr + kv_row[:, None] * kn_st + head * kn_sh + dn[None, :],
-                         mask=valid[:, None] & (dn < NOPE)[None, :], other=0.0)  # [N, Dn]
-        k_rope = tl.load(kp_ptr + kv_row[:, None] * kp_st + r[None, :],
-                         mask=valid[:, None] & (r < ROPE)[None, :], other=0.0)   # [N, R]
-        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION)
-        s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION) * scale_log2
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_row[:, None] * v_st + head * v_sh + dv[None, :],
-                    mask=valid[:, None] & (dv < VDIM)[None, :], other=0.0)      # [N, Dv]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    # positions before the tile's first query are seen by every row: no mask; then the
+    # diagonal tiles with the causal mask
+    free_end = (seq_len - q_len + tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    m, l, acc = _attend(q_nope, q_rope, kn_ptr, kp_ptr, v_ptr, k_start, head, kn_st, kn_sh,
+                        kp_st, v_st, v_sh, m, l, acc, q_pos, 0, free_end, end, scale_log2,
+                        dn, r, dv, NOPE, ROPE, VDIM, BLOCK_N, PRECISION, CAUSAL=False)
+    m, l, acc = _attend(q_nope, q_rope, kn_ptr, kp_ptr, v_ptr, k_start, head, kn_st, kn_sh,
+                        kp_st, v_st, v_sh, m, l, acc, q_pos, free_end, end, end, scale_log2,
+                        dn, r, dv, NOPE, ROPE, VDIM, BLOCK_N, PRECISION, CAUSAL=True)
     out = acc / tl.maximum(l, 1e-30)[:, None]
     tl.store(out_ptr + token[:, None] * out_st + head * out_sh + dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < VDIM)[None, :])
@@ -122,11 +145,13 @@ def expand_context(kv_cache: torch.Tensor, metadata: AttentionMetadata, chunks: 
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)
     info = torch.tensor([[c, s] for c, s in zip(chunks, starts)], dtype=torch.int32)
-    seq_of_row = torch.repeat_interleave(torch.tensor(chunks), torch.tensor(lengths))
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    seq_of_row, pos = seq_of_row.to(device, non_blocking=True), pos.to(device, non_blocking=True)
-    block_ids = metadata.block_tables[seq_of_row, pos // block_size].to(torch.int64)
-    latents = kv_cache.view(-1, width).index_select(0, block_ids * block_size + pos % block_size)
+    slots = []
+    for chunk, n in zip(chunks, lengths):   # device ops from host ints: no copy of positions
+        pos = torch.arange(n, device=device)
+        block_ids = metadata.block_tables[chunk, pos // block_size].to(torch.int64)
+        slots.append(block_ids * block_size + pos % block_size)
+    slots = slots[0] if len(slots) == 1 else torch.cat(slots)
+    latents = kv_cache.view(-1, width).index_select(0, slots)
     kv = (latents[:, :lora] @ kv_b_weight(w_uk, w_uv).T).view(latents.shape[0], w_uk.shape[0], -1)
     return kv, latents[:, lora:], info.to(device, non_blocking=True)
 
@@ -155,6 +180,8 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     block_m = 32 if fp32 else settings.mla_prefill_block_m
     block_n = 32 if fp32 else settings.mla_prefill_block_n
     block_m = min(block_m, max(16, triton.next_power_of_2(max_q)))
+    warps = 8 if block_m >= 128 else 4
+    stages = 2 if fp32 else 3
     grid = (triton.cdiv(max_q, block_m), len(chunks), num_heads)
     _mla_prefill_kernel[grid](
         q_nope, q_pe, k_nope, k_rope, value, info, metadata.query_start_loc, metadata.seq_lens,
@@ -164,5 +191,4 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         BLOCK_DN=max(16, triton.next_power_of_2(nope)),
         BLOCK_R=max(16, triton.next_power_of_2(rope)),
         BLOCK_DV=max(16, triton.next_power_of_2(v_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION="ieee" if fp32 else "tf32", num_warps=8 if block_m >= 128 else 4,
-        num_stages=2)
+        PRECISION="ieee" if fp32 else "tf32", num_warps=warps, num_stages=stages)

@@ -60,15 +60,17 @@ class KernelConfig:
     batch_invariant: reserved for the batch-invariant mode (a row's result independent of the
         batch around it); no behaviour yet. Default False.
     mla_decode_block_h: rows (heads x query tokens of a row) per program of the Triton MLA
-        decode kernel (`kernels/mla_decode_triton.py`), a power of two >= 16; default 16.
+        decode kernel (`kernels/mla_decode_triton.py`), a power of two >= 16; default 64
+        (capped at the head count: V2-Lite's 16 heads run 16 rows; V3's 128 two programs).
     mla_decode_block_n: context positions per tile of the MLA decode kernel; default 32.
     mla_decode_max_splits: split-K partitions at most (a power of two); default 32.
     mla_decode_waves: split so the MLA decode programs fill ~this many waves; default 2.
-    mla_decode_warps, mla_decode_stages: launch shape of the MLA decode kernel; default 4, 2.
+    mla_decode_warps, mla_decode_stages: launch shape of the MLA decode kernel for up to
+        32 rows per program (64 rows: twice the warps); default 4, 2.
     mla_decode_max_query_len: rows of up to this many new tokens (1 + k speculative) run the
         MLA decode kernel; longer chunks the prefill kernel. Default 8.
     mla_prefill_block_m, mla_prefill_block_n: query / key tile of the MLA prefill kernel
-        (`kernels/mla_prefill_triton.py`); default 64, 64.
+        (`kernels/mla_prefill_triton.py`); default 128, 64.
     mla_prefill_absorbed: True runs MLA prefill chunks in the absorbed form (the decode kernel
         tiled over query tokens) instead of the expanded per-head K/V form; default False
         (expanded measured faster at 2k tokens: benchmarks/RESULTS.md).
@@ -90,14 +92,14 @@ class KernelConfig:
     norm_by_dot_rows: int = 32
     quantized_max_rows: int = 64
     batch_invariant: bool = False
-    mla_decode_block_h: int = 16
+    mla_decode_block_h: int = 64
     mla_decode_block_n: int = 32
     mla_decode_max_splits: int = 32
     mla_decode_waves: int = 2
     mla_decode_warps: int = 4
     mla_decode_stages: int = 2
     mla_decode_max_query_len: int = 8
-    mla_prefill_block_m: int = 64
+    mla_prefill_block_m: int = 128
     mla_prefill_block_n: int = 64
     mla_prefill_absorbed: bool = False
     fp8_block_gemm: bool = True

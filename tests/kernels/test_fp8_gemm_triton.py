@@ -23,8 +23,7 @@ pytestmark = [pytest.mark.gpu, requires_triton]
 
 SHAPES = [(1, 200, 300), (20, 128, 256), (40, 64, 1024)]   # (M, N, K): partial tiles, split-K
 if DEVICE == "cuda":   # DeepSeek-V2-Lite's linears at decode and prefill sizes
-    SHAPES += [(1, 3072, 2048), (64, 576, 2048), (256, 2048, 2048), (300, 21888, 2048),
-               (7, 2048, 10944)]
+    SHAPES += [(64, 576, 2048), (300, 21888, 2048), (7, 2048, 10944)]
 
 
 def _quantized_product(x, weight, scale_inv):
