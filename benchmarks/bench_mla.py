@@ -132,9 +132,10 @@ def bench_prefill(results, heads=16, tokens=2048):
     q_pe = torch.randn(tokens, heads, ROPE, device="cuda", dtype=torch.bfloat16)
     # causal attention FLOPs of the expanded form: 2 * (Dn + R + Dv) per (query, key, head) / 2
     flops = 2 * (NOPE + ROPE + VDIM) * heads * tokens * tokens / 2
-    for name, backend, settings in (("triton_expanded", "triton", KernelConfig()),
+    for name, backend, settings in (("triton_expanded", "triton",
+                                     KernelConfig(mla_prefill="expanded")),
                                     ("triton_absorbed", "triton",
-                                     KernelConfig(mla_prefill_absorbed=True)),
+                                     KernelConfig(mla_prefill="absorbed")),
                                     ("torch_sdpa", "torch", KernelConfig())):
         ms = do_bench(lambda b=backend, s=settings: mla_attention(
             q_nope, q_pe, cache, metadata, w_uk, w_uv, 0.1, backend=b, settings=s),

@@ -6,7 +6,9 @@
 - `mla_attention`: rows of at most `KernelConfig.mla_decode_max_query_len` new tokens (decode,
   and 1 + k speculative rows) run absorbed in `kernels/mla_decode_triton.py` (W_UK folded into
   the query by one batched GEMM before, W_UV applied by one after); longer chunks run expanded
-  in `kernels/mla_prefill_triton.py` (or absorbed, `mla_prefill_absorbed`). A decode-only batch
+  in `kernels/mla_prefill_triton.py`, except that by default (`KernelConfig.mla_prefill`
+  "auto") chunks without a prefix-cache hit run torch SDPA on expanded K/V, which measured
+  faster (`mla_attention_torch.prefill_expanded`). A decode-only batch
   reads only host ints from the metadata (`max_query_len`, `max_seq_len`, `num_seqs`): no
   device sync, static shapes, so it can be captured in a CUDA graph.
 
@@ -21,6 +23,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.mla_attention_torch import prefill_expanded
 from deepinfer.kernels.mla_decode_triton import latent_attention
 from deepinfer.kernels.mla_prefill_triton import mla_prefill
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
@@ -88,7 +91,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     if metadata.max_query_len <= max_decode:
         return absorbed(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
                         max_q_len=metadata.max_query_len, settings=settings)
-    if settings.mla_prefill_absorbed:
+    if settings.mla_prefill == "absorbed":
         return absorbed(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
                         max_q_len=metadata.max_query_len, block_rows=64,
                         block_q=max(1, 64 // triton.next_power_of_2(num_heads)), splits=1,
@@ -100,6 +103,16 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
                        max_q_len=longest, settings=settings).contiguous()
     else:
         out = q_nope.new_empty(num_tokens, num_heads, w_uv.shape[1])
+    if settings.mla_prefill == "auto":   # fresh chunks (no cached prefix): SDPA
+        lens = metadata.query_lens_cpu
+        fresh = [c for c in chunks if lens[c] == metadata.seq_lens_cpu[c]]
+        for chunk in fresh:
+            first = sum(lens[:chunk])
+            rows = slice(first, first + lens[chunk])
+            out[rows] = prefill_expanded(q_nope[rows], q_pe[rows], kv_cache,
+                                         metadata.block_tables[chunk],
+                                         metadata.seq_lens_cpu[chunk], w_uk, w_uv, scale)
+        chunks = [c for c in chunks if c not in fresh]
     mla_prefill(q_nope, q_pe, kv_cache, metadata, chunks, w_uk, w_uv, scale, out, settings)
     return out
 

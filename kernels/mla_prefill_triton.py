@@ -14,7 +14,7 @@ BLOCK_M x BLOCK_N scores only: no [tokens, tokens] matrix.
 Why expanded, not absorbed, for prefill: per (query, key) pair and head the absorbed form
 multiplies over L + R + L = 1088 values, the expanded over Dn + R + Dv = 320; the up-projection
 costs seq_len * L * H * (Dn + Dv) MACs once. benchmarks/RESULTS.md has the 2k-token timing of
-both (`KernelConfig.mla_prefill_absorbed` picks).
+both and of torch SDPA (`KernelConfig.mla_prefill` picks).
 
 Numerics: fp32 scores / softmax / accumulation; P cast to the value dtype for P @ V.
 """
@@ -181,7 +181,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     block_n = 32 if fp32 else settings.mla_prefill_block_n
     block_m = min(block_m, max(16, triton.next_power_of_2(max_q)))
     warps = 8 if block_m >= 128 else 4
-    stages = 2 if fp32 else 3
+    stages = 2
     grid = (triton.cdiv(max_q, block_m), len(chunks), num_heads)
     _mla_prefill_kernel[grid](
         q_nope, q_pe, k_nope, k_rope, value, info, metadata.query_start_loc, metadata.seq_lens,

@@ -65,15 +65,20 @@ class KernelConfig:
     mla_decode_block_n: context positions per tile of the MLA decode kernel; default 32.
     mla_decode_max_splits: split-K partitions at most (a power of two); default 32.
     mla_decode_waves: split so the MLA decode programs fill ~this many waves; default 2.
-    mla_decode_warps, mla_decode_stages: launch shape of the MLA decode kernel for up to
-        32 rows per program (64 rows: twice the warps); default 4, 2.
+    mla_decode_warps: warps of an MLA decode program of up to 32 rows (64 rows: twice as
+        many); default 4.
+    mla_decode_stages: software-pipelining stages of the MLA decode kernel; default 2.
     mla_decode_max_query_len: rows of up to this many new tokens (1 + k speculative) run the
         MLA decode kernel; longer chunks the prefill kernel. Default 8.
-    mla_prefill_block_m, mla_prefill_block_n: query / key tile of the MLA prefill kernel
-        (`kernels/mla_prefill_triton.py`); default 128, 64.
-    mla_prefill_absorbed: True runs MLA prefill chunks in the absorbed form (the decode kernel
-        tiled over query tokens) instead of the expanded per-head K/V form; default False
-        (expanded measured faster at 2k tokens: benchmarks/RESULTS.md).
+    mla_prefill_block_m: query tile of the MLA prefill kernel (`kernels/mla_prefill_triton.py`);
+        default 64 (128, with 8 warps and 3 stages, measured ~25% slower at 2k tokens).
+    mla_prefill_block_n: key tile of the MLA prefill kernel; default 64.
+    mla_prefill: how MLA prefill chunks run on CUDA. "auto" (default): chunks without a
+        prefix-cache hit through torch SDPA on expanded K/V (causal, no mask tensor; measured
+        2-2.6x faster than the Triton kernel at 2k tokens, benchmarks/RESULTS.md), chunks with
+        a hit through the Triton expanded kernel (SDPA would need a [q_len, seq_len] mask);
+        "expanded": every chunk through the Triton expanded kernel; "absorbed": every chunk
+        through the absorbed decode kernel tiled over query tokens.
     fp8_block_gemm: True (default): FP8 block-scaled checkpoints keep their linears in FP8 on
         CUDA devices of compute capability >= 8.9 and run the Triton block-scaled GEMM
         (`kernels/fp8_gemm_triton.py`); False dequantizes at load as on CPU.
@@ -99,9 +104,9 @@ class KernelConfig:
     mla_decode_warps: int = 4
     mla_decode_stages: int = 2
     mla_decode_max_query_len: int = 8
-    mla_prefill_block_m: int = 128
+    mla_prefill_block_m: int = 64
     mla_prefill_block_n: int = 64
-    mla_prefill_absorbed: bool = False
+    mla_prefill: str = "auto"
     fp8_block_gemm: bool = True
     fp8_gemm_block_m: int = 64
 
@@ -132,6 +137,8 @@ class KernelConfig:
                f"{self.mla_decode_block_h} must be >= 16 (tl.dot's smallest M).")
         _check("mla_decode_max_query_len", 1 <= self.mla_decode_max_query_len <= 16,
                f"{self.mla_decode_max_query_len} must be in [1, 16].")
+        _check("mla_prefill", self.mla_prefill in ("auto", "expanded", "absorbed"),
+               f"{self.mla_prefill!r} must be 'auto', 'expanded' or 'absorbed'.")
         _check("fp8_gemm_block_m", self.fp8_gemm_block_m in (16, 32, 64, 128),
                f"{self.fp8_gemm_block_m} must be one of 16, 32, 64, 128.")
         _check("quantized_max_rows", self.quantized_max_rows >= 0,

@@ -9,7 +9,11 @@ differs. What must hold:
 2. at least MIN_EXACT_PROMPTS of the 8 prompts are token-exact over all NEW_TOKENS steps.
 The FP8 variant: the engine's linears run the FP8 GEMM, which also rounds each activation to
 e4m3 (3 mantissa bits, ~3% RMS per value), against HF on the dequantized weights in bf16, so its
-margin is wider (FP8_TIE_MARGIN) and no prompt needs to be exact.
+margin is wider (FP8_TIE_MARGIN) and no prompt needs to be exact. Its layers are all dense: with
+routed experts, activation noise of that size flips near-tie expert choices, a discontinuity
+that turns small logit differences into large ones (an MoE version of this test, run once on
+the H200 on 2026-12-04, had departures beyond 0.5 of the RMS; the list was cut off by the call's
+time limit). `test_fp8_linears_match_their_dequantized_weights` checks each FP8 linear directly.
 """
 
 import gc
@@ -41,6 +45,7 @@ def _config(variant: str):
     if variant == "v2_bf16":
         return DeepseekV2Config(**common, q_lora_rank=None, topk_method="greedy",
                                 routed_scaling_factor=1.0, norm_topk_prob=False)
+    common["first_k_dense_replace"] = common["num_hidden_layers"]   # dense only (docstring)
     return DeepseekV3Config(**common, q_lora_rank=128, n_group=4, topk_group=2,
                             routed_scaling_factor=2.5, norm_topk_prob=True,
                             num_nextn_predict_layers=0)
@@ -69,7 +74,7 @@ def _save(variant, path):
     fp8, dequantized = {}, {}
     for name, tensor in tensors.items():
         fp8[name] = dequantized[name] = tensor
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+        if name.startswith("model.layers.") and "_proj" in name and name.endswith(".weight"):
             codes, scale_inv = quantize_block_fp8(tensor.float(), (128, 128))
             fp8[name], fp8[name[:-len("weight")] + "weight_scale_inv"] = codes, scale_inv
             dequantized[name] = dequantize_block_fp8(codes, scale_inv, (128, 128),
@@ -152,7 +157,7 @@ def test_fp8_linears_match_their_dequantized_weights(tmp_path):
     reference = load_model(deq_dir, torch.bfloat16, "cuda")
     kept = [(name, m) for name, m in ours.named_modules()
             if isinstance(m, Linear) and m.weight_scale_inv is not None]
-    assert len(kept) >= 10   # per layer q_a, q_b, kv_a, o (+ gate_up, down of MLP / shared)
+    assert len(kept) == 18   # per layer q_a, q_b, kv_a, o, the MLP's gate_up and down
     gen = torch.Generator(device="cuda").manual_seed(0)
     errors = {}
     for name, linear in kept:

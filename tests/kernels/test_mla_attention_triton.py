@@ -82,13 +82,15 @@ def test_mla_triton_matches_reference(case, dtype):
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("settings", [KernelConfig(mla_prefill_absorbed=True),
+@pytest.mark.parametrize("settings", [KernelConfig(mla_prefill="absorbed"),
+                                      KernelConfig(mla_prefill="expanded"),
                                       KernelConfig(mla_decode_max_splits=1),
                                       KernelConfig(mla_decode_max_query_len=1)],
-                         ids=["absorbed_prefill", "one_split", "spec_rows_as_prefill"])
+                         ids=["absorbed_prefill", "triton_expanded_prefill", "one_split",
+                              "spec_rows_as_prefill"])
 def test_mla_triton_settings_variants(settings):
-    """The absorbed prefill, the unsplit decode and multi-token rows through the prefill
-    kernel compute the same attention."""
+    """The absorbed prefill, the Triton kernel for fresh chunks too, the unsplit decode and
+    multi-token rows through the prefill kernel compute the same attention."""
     case = "mixed" if settings.mla_decode_max_query_len > 1 else "spec_rows_1plus_k"
     q_nope, q_pe, w_uk, w_uv, kv_cache, metadata, scale = _batch(case, torch.float32)
     out = mla_op.mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
