@@ -1,8 +1,8 @@
 """MLA decode through DeepSeek's FlashMLA library (https://github.com/deepseek-ai/FlashMLA)
 where the user installed it: the "flash_mla" backend of `kernels.mla_attention`.
 
-FlashMLA serves what its kernel covers: decode-only batches whose rows all have the same number
-of new tokens, bf16 / fp16, 64-token cache blocks, a 512 + 64 latent. Every other batch (and the
+FlashMLA serves what its kernel covers: decode batches whose rows all have the same number
+(<= `KernelConfig.mla_decode_max_query_len`) of new tokens, bf16 / fp16, 64-token cache blocks, a 512 + 64 latent. Every other batch (and the
 latent write) goes to the "triton" backend. The library is never required: `library_available`
 says whether `import flash_mla` works, and `backend="auto"` picks this backend only then.
 
@@ -36,10 +36,12 @@ def library_available() -> bool:
 
 
 def covers(q_nope: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-           w_uk: torch.Tensor) -> bool:
-    """True if FlashMLA's kernel covers this batch (see the module docstring)."""
+           w_uk: torch.Tensor, settings: KernelConfig = DEFAULT) -> bool:
+    """True if FlashMLA's kernel covers this batch (see the module docstring): rows of
+    equal length, each at most `settings.mla_decode_max_query_len` new tokens."""
     lens = metadata.query_lens_cpu
     return (library_available() and q_nope.is_cuda and kv_cache.shape[1] == FLASH_MLA_BLOCK_SIZE
+            and metadata.max_query_len <= settings.mla_decode_max_query_len
             and q_nope.dtype in (torch.bfloat16, torch.float16)
             and (w_uk.shape[2], kv_cache.shape[2] - w_uk.shape[2]) == FLASH_MLA_LATENT
             and bool(lens) and min(lens) == max(lens))
@@ -50,7 +52,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
                   scale: float, settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """`kernels.mla_attention.mla_attention`'s contract; FlashMLA where it `covers` the batch,
     the Triton backend otherwise."""
-    if not covers(q_nope, kv_cache, metadata, w_uk):
+    if not covers(q_nope, kv_cache, metadata, w_uk, settings):
         return triton_backend.mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
                                             settings=settings)
     flash_mla = importlib.import_module("flash_mla")
