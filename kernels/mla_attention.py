@@ -7,8 +7,13 @@ Backends, imported lazily on first use:
 - "reference": `kernels/reference/mla_attention.py`, token by token in float32, expanded form.
 - "torch": `kernels/mla_attention_torch.py`, batched torch ops on any device: decode rows in the
   absorbed form (attention in the latent space), prefill chunks expanded to per-head K/V.
-`backend="auto"` is "torch" everywhere; an accelerated backend (e.g. a FlashMLA-style Triton
-kernel) registers in `_BACKENDS` with an `auto` rule.
+- "triton": `kernels/mla_attention_triton.py`, CUDA: a FlashMLA-style absorbed decode kernel
+  (many heads per program, split-K + reduce, 1 + k token rows) and an expanded varlen flash
+  prefill kernel over the paged cache; no host sync for decode-only batches (CUDA graphs).
+- "flash_mla": `kernels/mla_attention_flashmla.py`, DeepSeek's FlashMLA library where the user
+  installed it (decode-only batches on 64-token blocks; everything else goes to "triton").
+`backend="auto"`: "flash_mla" on CUDA where `flash_mla` imports, else "triton" on CUDA where
+Triton is installed, else "torch".
 
 Latent cache layout (one layer): `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`;
 slot = block_id * block_size + offset.
@@ -19,13 +24,32 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.attention_metadata import AttentionMetadata
-from deepinfer.kernels.backends import Backends
+from deepinfer.kernels.backends import Backends, triton_available
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
+
+
+def _auto_backend(device: torch.device) -> str:
+    """"flash_mla" on CUDA where the library imports, "triton" on CUDA with Triton, else
+    "torch"."""
+    if device.type == "cuda" and triton_available():
+        return "flash_mla" if _BACKENDS.load("flash_mla").library_available() else "triton"
+    return "torch"
+
 
 _BACKENDS = Backends("MLA attention", {
     "reference": "deepinfer.kernels.reference.mla_attention",
     "torch": "deepinfer.kernels.mla_attention_torch",
-})
+    "triton": "deepinfer.kernels.mla_attention_triton",
+    "flash_mla": "deepinfer.kernels.mla_attention_flashmla",
+}, auto=_auto_backend)
 BACKENDS = _BACKENDS.names
+_TAKES_SETTINGS = ("triton", "flash_mla")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend `backend` means on `device` ("auto" resolved); raises ValueError for an
+    unknown name."""
+    return _BACKENDS.resolve(backend, device)
 
 
 def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -37,14 +61,15 @@ def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: tor
             normalised c_KV then the rotated k_R.
         kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], contiguous.
         slot_mapping: [num_tokens] int64, block_id * block_size + offset; -1 = skip the token.
-        backend: "auto", "reference" or "torch".
+        backend: "auto" or one of BACKENDS ("flash_mla" writes with "triton").
     """
     _BACKENDS.get(backend, kv_cache.device).write_latent(latent, kv_cache, slot_mapping)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                   metadata: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                  scale: float, backend: str = "auto") -> torch.Tensor:
+                  scale: float, backend: str = "auto", settings: KernelConfig = DEFAULT
+                  ) -> torch.Tensor:
     """Causal MLA for a varlen batch mixing prefill chunks and decode tokens.
 
     Head i attends with query `[q_nope_i ; q_pe_i]` to keys `[W_UK_i c_KV ; k_R]` and values
@@ -59,9 +84,12 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
             weight are fine: the last two dims must be row-major).
         w_uv: [num_heads, v_head_dim, kv_lora_rank] (W_UV; likewise).
         scale: softmax scale.
-        backend: "auto", "reference" or "torch".
+        backend: "auto" or one of BACKENDS.
+        settings: the GPU kernels' tuning (tiles, splits; `KernelConfig.mla_*`).
     Returns:
         [num_tokens, num_heads, v_head_dim], q_nope's dtype.
     """
-    return _BACKENDS.get(backend, q_nope.device).mla_attention(q_nope, q_pe, kv_cache, metadata,
-                                                          w_uk, w_uv, scale)
+    name = _BACKENDS.resolve(backend, q_nope.device)
+    extra = {"settings": settings} if name in _TAKES_SETTINGS else {}
+    return _BACKENDS.load(name).mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv,
+                                              scale, **extra)

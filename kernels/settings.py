@@ -88,6 +88,30 @@ class KernelConfig:
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
     batch_invariant: reserved for the batch-invariant mode (a row's result independent of the
         batch around it); no behaviour yet. Default False.
+    mla_decode_block_h: rows (heads x query tokens of a row) per program of the Triton MLA
+        decode kernel (`kernels/mla_decode_triton.py`), a power of two >= 16; default 64
+        (capped at the head count: V2-Lite's 16 heads run 16 rows; V3's 128 two programs).
+    mla_decode_block_n: context positions per tile of the MLA decode kernel; default 32.
+    mla_decode_max_splits: split-K partitions at most (a power of two); default 32.
+    mla_decode_waves: split so the MLA decode programs fill ~this many waves; default 2.
+    mla_decode_warps: warps of an MLA decode program of up to 32 rows (64 rows: twice as
+        many); default 4.
+    mla_decode_stages: software-pipelining stages of the MLA decode kernel; default 2.
+    mla_decode_max_query_len: rows of up to this many new tokens (1 + k speculative) run the
+        MLA decode kernel; longer chunks the prefill kernel. Default 8.
+    mla_prefill_block_m: query tile of the MLA prefill kernel (`kernels/mla_prefill_triton.py`);
+        default 64 (128, with 8 warps and 3 stages, measured ~25% slower at 2k tokens).
+    mla_prefill_block_n: key tile of the MLA prefill kernel; default 64.
+    mla_prefill: how MLA prefill chunks run on CUDA. "auto" (default): chunks without a
+        prefix-cache hit through torch SDPA on expanded K/V (causal, no mask tensor; measured
+        2-2.6x faster than the Triton kernel at 2k tokens, benchmarks/RESULTS.md), chunks with
+        a hit through the Triton expanded kernel (SDPA would need a [q_len, seq_len] mask);
+        "expanded": every chunk through the Triton expanded kernel; "absorbed": every chunk
+        through the absorbed decode kernel tiled over query tokens.
+    fp8_block_gemm: True (default): FP8 block-scaled checkpoints keep their linears in FP8 on
+        CUDA devices of compute capability >= 8.9 and run the Triton block-scaled GEMM
+        (`kernels/fp8_gemm_triton.py`); False dequantizes at load as on CPU.
+    fp8_gemm_block_m: rows per program of the FP8 GEMM at most (16..128); default 64.
     """
 
     fused_linears: bool = True
@@ -104,6 +128,18 @@ class KernelConfig:
     moe_tiles: tuple[MoETile, ...] = MOE_TILES
     moe_deep_gemm_min_rows: int = 128
     batch_invariant: bool = False
+    mla_decode_block_h: int = 64
+    mla_decode_block_n: int = 32
+    mla_decode_max_splits: int = 32
+    mla_decode_waves: int = 2
+    mla_decode_warps: int = 4
+    mla_decode_stages: int = 2
+    mla_decode_max_query_len: int = 8
+    mla_prefill_block_m: int = 64
+    mla_prefill_block_n: int = 64
+    mla_prefill: str = "auto"
+    fp8_block_gemm: bool = True
+    fp8_gemm_block_m: int = 64
 
     def __post_init__(self) -> None:
         # sets given as lists or tuples (a JSON file, a CLI) become frozensets: hashable, frozen
@@ -128,6 +164,19 @@ class KernelConfig:
         _check("moe_tiles", bool(self.moe_tiles) and all(
             t.block_m >= 16 and t.block_k >= 16 and t.block_n >= 16 and t.down_block_n >= 16
             for t in self.moe_tiles), "needs at least one tile, each block >= 16 (tl.dot).")
+        for name in ("mla_decode_block_h", "mla_decode_block_n", "mla_decode_max_splits",
+                     "mla_prefill_block_m", "mla_prefill_block_n"):
+            value = getattr(self, name)
+            _check(name, value >= 1 and value & (value - 1) == 0,
+                   f"{value} must be a power of two >= 1.")
+        _check("mla_decode_block_h", self.mla_decode_block_h >= 16,
+               f"{self.mla_decode_block_h} must be >= 16 (tl.dot's smallest M).")
+        _check("mla_decode_max_query_len", 1 <= self.mla_decode_max_query_len <= 16,
+               f"{self.mla_decode_max_query_len} must be in [1, 16].")
+        _check("mla_prefill", self.mla_prefill in ("auto", "expanded", "absorbed"),
+               f"{self.mla_prefill!r} must be 'auto', 'expanded' or 'absorbed'.")
+        _check("fp8_gemm_block_m", self.fp8_gemm_block_m in (16, 32, 64, 128),
+               f"{self.fp8_gemm_block_m} must be one of 16, 32, 64, 128.")
         _check("quantized_max_rows", self.quantized_max_rows >= 0,
                f"{self.quantized_max_rows} must be >= 0; 0 turns the quantized kernel off.")
 

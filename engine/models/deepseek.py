@@ -12,7 +12,9 @@
   `engine.moe.gating` (greedy / group_limited_greedy / noaux_tc, softmax or sigmoid scores).
 - Multi-Token Prediction (V3 §2.2): the checkpoint's layer `num_hidden_layers + k` is MTP module
   k; `mtp_forward` gives draft logits for the token after next.
-- FP8 block-scaled checkpoints (V3 §3.3) are dequantized at load (`engine.models.fp8`).
+- FP8 block-scaled checkpoints (V3 §3.3): on devices with the FP8 GEMM the attention / dense
+  MLP / shared-expert linears stay FP8 with their scales; everything else (and every weight on
+  CPU) is dequantized at load (`engine.models.fp8`).
 
 DeepSeek's rotary dims come in interleaved pairs (x0, x1), (x2, x3), ... At load the rope rows
 of the q and kv_a projections are permuted to (x0, x2, ..., x1, x3, ...), so the shared
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 
 from deepinfer.engine.kv_cache.spec import MLAAttentionSpec
-from deepinfer.engine.models.fp8 import dequantize_fp8_weights, fp8_block_size
+from deepinfer.engine.models.fp8 import Fp8LinearStaging, dequantize_fp8_weights, fp8_block_size
 from deepinfer.engine.models.layers.decoder import PreNormDecoderLayer
 from deepinfer.engine.models.layers.linear import Linear
 from deepinfer.engine.models.layers.lm_head import CausalLMLogits
@@ -40,7 +42,9 @@ from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, apply_rotary
                                          yarn_get_mscale)
 from deepinfer.engine.moe.gating import RoutingConfig
 from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.fp8 import fp8_supported
 from deepinfer.kernels.mla_attention import mla_attention, write_latent
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 # checkpoint name -> (destination tensor, optional transform applied to the checkpoint tensor)
 Targets = dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]]
@@ -74,7 +78,10 @@ class MLAAttention(nn.Module):
     """Multi-head Latent Attention. Module names follow HF (`q_a_proj`, `kv_b_proj`, ...).
 
     kv_b_proj.weight: [H * (Dn + Dv), L], per head Dn rows of W_UK then Dv rows of W_UV.
+    `kernel_config`: the MLA kernels' tuning (`layers.set_kernel_config`).
     """
+
+    kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, hf_config, dtype: torch.dtype, *, interleaved_rope: bool) -> None:
         super().__init__()
@@ -149,7 +156,8 @@ class MLAAttention(nn.Module):
         k_pe = apply_rotary(kv_a[:, None, self.kv_lora_rank:], *rope)[:, 0]  # [T, R]
         write_latent(torch.cat([c_kv, k_pe], dim=-1), kv_cache, attn_metadata.slot_mapping)
         out = mla_attention(query[..., :self.nope_dim], q_pe, kv_cache, attn_metadata,
-                            self.w_uk, self.w_uv, self.scale)  # [T, H, Dv]
+                            self.w_uk, self.w_uv, self.scale,
+                            settings=self.kernel_config)  # [T, H, Dv]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
 
@@ -398,18 +406,30 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         return (layer_idx >= self.num_layers
                 or name.endswith((".embed_tokens.weight", ".shared_head.head.weight")))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill the parameters from HF checkpoint tensors (FP8 block-scaled ones dequantized to
-        the model dtype), drop the MTP modules if the checkpoint has none, then prepare the
-        linears and MLA's W_UK / W_UV.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     keep_fp8: bool | None = None) -> None:
+        """Fill the parameters from HF checkpoint tensors, drop the MTP modules if the
+        checkpoint has none, then prepare the linears and MLA's W_UK / W_UV.
+
+        FP8 block-scaled tensors are dequantized to the model dtype; with `keep_fp8` (default:
+        where `kernels.fp8.fp8_supported` says the device runs the FP8 GEMM) the linears that
+        can stay FP8 get their codes and scales back afterwards (`Fp8LinearStaging`).
 
         Raises:
             ValueError: an unknown name, a shape mismatch, or a tensor left unfilled.
         """
         block_size = fp8_block_size(self.config)
-        if block_size is not None:
-            weights = dequantize_fp8_weights(weights, block_size, self.dtype)
         targets = self.checkpoint_targets()
+        staging = None
+        if block_size is not None:
+            if keep_fp8 is None:
+                keep_fp8 = fp8_supported(self.embed_tokens.weight.device)
+            if keep_fp8:
+                exclude = [self.lm_head] + [m.kv_b_proj for m in self.modules()
+                                            if isinstance(m, MLAAttention)]
+                staging = Fp8LinearStaging(self, targets, block_size, exclude)
+            weights = dequantize_fp8_weights(weights, block_size, self.dtype,
+                                             staging.stage if staging else None)
         filled: set[str] = set()
         for name, tensor in weights:
             if self._is_skipped(name):
@@ -431,6 +451,8 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}; the "
                              f"model would run with uninitialised weights.")
+        if staging is not None:
+            staging.finish()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()

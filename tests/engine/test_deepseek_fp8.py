@@ -122,3 +122,33 @@ def test_quantization_config_is_checked():
         fp8_block_size(Config())
     Config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     assert fp8_block_size(Config()) == (128, 128)
+
+
+def test_fp8_linears_kept_in_fp8_generate_like_the_dequantized_model(fp8_dirs):
+    """`keep_fp8=True` (what a Hopper GPU gets by default) on CPU: the linears whose checkpoint
+    rows line up with the scale tiles hold float8 codes + scales and run the dequantizing
+    fallback of `fp8_block_linear`; kv_b_proj and the LM head stay float32. Same weights, so
+    the same greedy tokens, logits within float32 summation order (atol 1e-5)."""
+    from deepinfer.engine.loader import iter_safetensors, load_hf_config
+    from deepinfer.engine.models.layers.linear import Linear
+    from deepinfer.engine.models import get_model_class
+
+    _, fp8_dir, reference_dir = fp8_dirs
+    config = load_hf_config(fp8_dir)
+    ours = get_model_class(config)(config, torch.float32)
+    ours.load_weights(iter_safetensors(fp8_dir), keep_fp8=True)
+    ours.eval()
+    kept = {name for name, m in ours.named_modules()
+            if isinstance(m, Linear) and m.weight_scale_inv is not None}
+    assert kept and not any("kv_b_proj" in n or n == "lm_head" for n in kept)
+    assert "layers.0.self_attn.o_proj" in kept
+    for name in kept:
+        assert ours.get_submodule(name).weight.dtype == torch.float8_e4m3fn
+    prompts = [[5, 9, 200, 31, 7, 64, 3], list(range(100, 121))]
+    tokens, logits = generate_greedy(PagedDriver(ours, num_blocks=64, block_size=4), prompts)
+    reference = load_model(reference_dir, torch.float32, "cpu")
+    ref_tokens, ref_logits = generate_greedy(PagedDriver(reference, num_blocks=64,
+                                                         block_size=4), prompts)
+    assert tokens == ref_tokens
+    for seq in range(len(prompts)):
+        torch.testing.assert_close(logits[seq], ref_logits[seq], atol=1e-5, rtol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.kernels.fp8 import fp8_block_linear
 from deepinfer.kernels.linear import linear, linear_row_argmax, pack_linear_weight, quantize_linear_weight
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
@@ -17,6 +18,9 @@ class Linear(nn.Module):
     dequantized Q4_1 / Q8_0 blocks (GGUF models), the block-quantized kernel for decode-sized
     inputs (see `kernels/linear.py`). Call `pack()` again after changing the weight in place.
     `kernel_config`: the GPU kernel choices (`layers.set_kernel_config` sets the engine's).
+    A block-scaled FP8 checkpoint may leave `weight` float8_e4m3fn with its `weight_scale_inv`
+    ([ceil(out/bn), ceil(in/bk)] float32) and `fp8_block_size` (bn, bk) set
+    (`engine.models.fp8.Fp8LinearStaging`); forward then runs `kernels.fp8.fp8_block_linear`.
     """
 
     kernel_config: KernelConfig = DEFAULT
@@ -31,6 +35,8 @@ class Linear(nn.Module):
                      if bias else None)
         self.packed_weight: torch.Tensor | None = None
         self.quantized_weight = None  # kernels.quantized_linear.QuantizedWeight | None
+        self.weight_scale_inv: torch.Tensor | None = None  # FP8 weights only
+        self.fp8_block_size: tuple[int, int] | None = None
 
     def pack(self) -> None:
         """Refresh the packed and quantized copies of the weight (a no-op off CPU float32)."""
@@ -38,7 +44,11 @@ class Linear(nn.Module):
         self.quantized_weight = quantize_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, in_features] -> [num_tokens, out_features], the weight's dtype."""
+        """x: [num_tokens, in_features] -> [num_tokens, out_features], the weight's dtype (x's
+        for an FP8 weight)."""
+        if self.weight_scale_inv is not None:
+            return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.bias,
+                                    block_size=self.fp8_block_size, settings=self.kernel_config)
         return linear(x, self.weight, self.bias, self.packed_weight, self.quantized_weight,
                       settings=self.kernel_config)
 
@@ -46,11 +56,12 @@ class Linear(nn.Module):
         """(`forward(x)`, each row's first maximal column [num_tokens] int64 where the GEMM's
         epilogue took it (`kernels.linear.linear_row_argmax`), else None)."""
         if (self.bias is not None or self.packed_weight is not None
-                or self.quantized_weight is not None):
+                or self.quantized_weight is not None or self.weight_scale_inv is not None):
             return self.forward(x), None
         return linear_row_argmax(x, self.weight, settings=self.kernel_config)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, packed={self.packed_weight is not None}, "
-                f"quantized={getattr(self.quantized_weight, 'format', None)}")
+                f"quantized={getattr(self.quantized_weight, 'format', None)}"
+                f"{', fp8' if self.weight_scale_inv is not None else ''}")

@@ -1,0 +1,122 @@
+"""MLA attention and latent write on CUDA in Triton: the "triton" backend of
+`kernels.mla_attention`.
+
+- `write_latent`: one program per new token stores its latent at `slot_mapping[t]`, skipping
+  slot -1 inside the kernel (no host check: safe in a CUDA graph).
+- `mla_attention`: rows of at most `KernelConfig.mla_decode_max_query_len` new tokens (decode,
+  and 1 + k speculative rows) run absorbed in `kernels/mla_decode_triton.py` (W_UK folded into
+  the query by one batched GEMM before, W_UV applied by one after); longer chunks run expanded
+  in `kernels/mla_prefill_triton.py`, except that by default (`KernelConfig.mla_prefill`
+  "auto") chunks without a prefix-cache hit run torch SDPA on expanded K/V, which measured
+  faster (`mla_attention_torch.prefill_expanded`). A decode-only batch
+  reads only host ints from the metadata (`max_query_len`, `max_seq_len`, `num_seqs`): no
+  device sync, static shapes, so it can be captured in a CUDA graph.
+
+Tolerances vs the float32 reference: float32 ~1e-5; bf16 ~1e-2 relative (q_latent, P and the
+latent output rounded to bf16, as the torch backend does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels.attention_metadata import AttentionMetadata
+from deepinfer.kernels.mla_attention_torch import prefill_expanded
+from deepinfer.kernels.mla_decode_triton import latent_attention
+from deepinfer.kernels.mla_prefill_triton import mla_prefill
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
+
+
+@triton.jit
+def _write_latent_kernel(latent_ptr, cache_ptr, slot_ptr, latent_stride,
+                         WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < WIDTH) & ((slot + 0 * cols) >= 0)
+    values = tl.load(latent_ptr + token * latent_stride + cols, mask=mask)
+    tl.store(cache_ptr + slot * WIDTH + cols, values, mask=mask)
+
+
+def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each new token's latent at its slot, in place (contract: kernels/mla_attention).
+
+    Args:
+        latent: [num_tokens, L + R], the cache's dtype, unit last stride.
+        kv_cache: [num_blocks, block_size, L + R], contiguous.
+        slot_mapping: [num_tokens] int64; -1 = skip the token.
+    """
+    if not kv_cache.is_contiguous():
+        raise ValueError("the MLA kv_cache must be contiguous ([num_blocks, block_size, "
+                         "latent_dim]); the Triton kernels address it by slot.")
+    if latent.shape[0] == 0:
+        return
+    latent = latent if latent.stride(-1) == 1 else latent.contiguous()
+    width = kv_cache.shape[-1]
+    _write_latent_kernel[(latent.shape[0],)](latent, kv_cache, slot_mapping, latent.stride(0),
+                                             WIDTH=width, BLOCK=triton.next_power_of_2(width))
+
+
+def absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+             metadata: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+             *, max_q_len: int, block_q: int | None = None, block_rows: int | None = None,
+             splits: int | None = None, settings: KernelConfig = DEFAULT) -> torch.Tensor:
+    """Absorbed MLA of the rows with <= max_q_len new tokens: [T, H, Dv] (other rows: garbage).
+
+    q_latent = q_nope W_UK ([H, T, L], one bmm), latent attention, then o_latent W_UV^T."""
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)                 # [H, T, L]
+    out_latent = latent_attention(q_latent.transpose(0, 1), q_pe, kv_cache, metadata, scale,
+                                  max_q_len=max_q_len, block_q=block_q, block_rows=block_rows,
+                                  splits=splits,
+                                  settings=settings, heads_major=True)  # [T, H, L] view
+    return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  metadata: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                  scale: float, settings: KernelConfig = DEFAULT) -> torch.Tensor:
+    """`kernels.mla_attention.mla_attention`'s contract (shapes there); see the module
+    docstring for which rows run which kernel."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("the MLA kv_cache must be contiguous ([num_blocks, block_size, "
+                         "latent_dim]); the Triton kernels address it by slot.")
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    num_tokens, num_heads = q_nope.shape[:2]
+    if num_tokens == 0:
+        return q_nope.new_empty(0, num_heads, w_uv.shape[1])
+    max_decode = settings.mla_decode_max_query_len
+    if metadata.max_query_len <= max_decode:
+        return absorbed(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
+                        max_q_len=metadata.max_query_len, settings=settings)
+    if settings.mla_prefill == "absorbed":
+        return absorbed(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
+                        max_q_len=metadata.max_query_len, block_rows=64,
+                        block_q=max(1, 64 // triton.next_power_of_2(num_heads)), splits=1,
+                        settings=settings)
+    chunks = [i for i, n in enumerate(metadata.query_lens_cpu) if n > max_decode]
+    if len(chunks) < metadata.num_seqs:   # decode rows too: absorbed first, chunks overwrite
+        longest = max(n for n in metadata.query_lens_cpu if n <= max_decode)
+        out = absorbed(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
+                       max_q_len=longest, settings=settings).contiguous()
+    else:
+        out = q_nope.new_empty(num_tokens, num_heads, w_uv.shape[1])
+    if settings.mla_prefill == "auto":   # fresh chunks (no cached prefix): SDPA
+        lens = metadata.query_lens_cpu
+        fresh = [c for c in chunks if lens[c] == metadata.seq_lens_cpu[c]]
+        for chunk in fresh:
+            first = sum(lens[:chunk])
+            rows = slice(first, first + lens[chunk])
+            out[rows] = prefill_expanded(q_nope[rows], q_pe[rows], kv_cache,
+                                         metadata.block_tables[chunk],
+                                         metadata.seq_lens_cpu[chunk], w_uk, w_uv, scale)
+        chunks = [c for c in chunks if c not in fresh]
+    mla_prefill(q_nope, q_pe, kv_cache, metadata, chunks, w_uk, w_uv, scale, out, settings)
+    return out
+
+
+def kernel_available() -> bool:
+    """True when a CUDA device is present (Triton itself imported with this module)."""
+    return torch.cuda.is_available()

@@ -1,0 +1,151 @@
+"""Triton MLA (decode kernel, prefill kernel, latent write) vs the float32 reference.
+
+Tolerances (relative error ||out - ref|| / ||ref||): float32 inputs 1e-5 (IEEE dots; only the
+summation order and the absorbed-vs-expanded association differ); bfloat16 2e-2 (q_latent, P
+and the latent output rounded to bf16). Latent writes are copies: exact.
+Runs on CUDA, or on CPU under TRITON_INTERPRET=1 with the small cases (gpu_common.py).
+"""
+
+import sys
+import types
+from dataclasses import replace
+
+import pytest
+import torch
+
+from deepinfer.kernels import mla_attention as mla_op
+from deepinfer.kernels.reference import mla_attention as reference
+from deepinfer.kernels.settings import KernelConfig
+from gpu_common import DEVICE, random_paged_batch, relative_error, requires_triton
+
+pytestmark = [pytest.mark.gpu, requires_triton]
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+
+CASES = {
+    # name: (query_lens, context_lens (cached before the step), H, Dn, Dv, L, R, block_size)
+    "decode_ragged": ([1, 1, 1, 1], [0, 16, 32, 70], 4, 16, 24, 32, 16, 4),
+    "decode_block16_heads20": ([1, 1], [69, 32], 20, 16, 16, 32, 16, 16),
+    "spec_rows_1plus_k": ([3, 1, 2, 4], [9, 39, 3, 20], 4, 16, 24, 32, 16, 8),
+    "prefill_fresh": ([5, 16, 23], [0, 0, 0], 4, 16, 24, 32, 16, 4),
+    "prefill_prefix_hit": ([20, 12], [45, 9], 4, 16, 16, 32, 16, 16),
+    "mixed": ([1, 9, 1, 12, 2], [39, 0, 1, 7, 14], 4, 16, 24, 32, 16, 16),
+}
+if DEVICE == "cuda":   # DeepSeek-V2-Lite / V3 shapes (too slow for the interpreter)
+    CASES.update({
+        "v2lite_decode_b64": ([1] * 64, [i * 37 % 2000 for i in range(64)], 16, 128, 128, 512,
+                              64, 64),
+        "v3_decode_heads128": ([1, 1, 1], [900, 1, 300], 128, 128, 128, 512, 64, 64),
+        "v2lite_spec_block16": ([2, 4, 1], [500, 33, 1200], 16, 128, 128, 512, 64, 16),
+        "v2lite_prefill_prefix": ([300, 1, 129], [256, 700, 0], 16, 128, 128, 512, 64, 64),
+    })
+
+
+def _batch(case, dtype, seed=0):
+    query_lens, context_lens, heads, nope, v_dim, lora, rope, block_size = CASES[case]
+    _, kv_cache, metadata = random_paged_batch(
+        query_lens, context_lens, num_q_heads=1, num_kv_heads=1, head_dim=lora + rope,
+        block_size=block_size, dtype=dtype, seed=seed)
+    kv_cache = kv_cache[0, :, :, 0].contiguous()   # [num_blocks, block_size, L + R]
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = sum(query_lens)
+    q_nope = torch.randn(tokens, heads, nope, generator=gen)
+    q_pe = torch.randn(tokens, heads, rope, generator=gen)
+    w_uk = torch.randn(heads, nope, lora, generator=gen) * lora ** -0.5
+    w_uv = torch.randn(heads, v_dim, lora, generator=gen) * lora ** -0.5
+    tensors = [t.to(dtype).to(DEVICE) for t in (q_nope, q_pe, w_uk, w_uv)]
+    return (*tensors, kv_cache, metadata, (nope + rope) ** -0.5)
+
+
+def _on_cpu(metadata):
+    return replace(metadata, query_start_loc=metadata.query_start_loc.cpu(),
+                   seq_lens=metadata.seq_lens.cpu(), block_tables=metadata.block_tables.cpu(),
+                   slot_mapping=metadata.slot_mapping.cpu())
+
+
+def _reference(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale):
+    args = [t.float().cpu() for t in (q_nope, q_pe, kv_cache)]
+    return reference.mla_attention(*args, _on_cpu(metadata), w_uk.float().cpu(),
+                                   w_uv.float().cpu(), scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_mla_triton_matches_reference(case, dtype):
+    q_nope, q_pe, w_uk, w_uv, kv_cache, metadata, scale = _batch(case, dtype)
+    out = mla_op.mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
+                               backend="triton")
+    assert out.shape == (q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    assert out.dtype == dtype
+    expected = _reference(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("settings", [KernelConfig(mla_prefill="absorbed"),
+                                      KernelConfig(mla_prefill="expanded"),
+                                      KernelConfig(mla_decode_max_splits=1),
+                                      KernelConfig(mla_decode_max_query_len=1)],
+                         ids=["absorbed_prefill", "triton_expanded_prefill", "one_split",
+                              "spec_rows_as_prefill"])
+def test_mla_triton_settings_variants(settings):
+    """The absorbed prefill, the Triton kernel for fresh chunks too, the unsplit decode and
+    multi-token rows through the prefill kernel compute the same attention."""
+    case = "mixed" if settings.mla_decode_max_query_len > 1 else "spec_rows_1plus_k"
+    q_nope, q_pe, w_uk, w_uv, kv_cache, metadata, scale = _batch(case, torch.float32)
+    out = mla_op.mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
+                               backend="triton", settings=settings)
+    expected = _reference(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale)
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_mla_triton_write_latent_skips_negative_slots():
+    gen = torch.Generator().manual_seed(0)
+    latent = torch.randn(5, 48, generator=gen).to(DEVICE)
+    slots = torch.tensor([3, 17, -1, 0, 30], device=DEVICE)
+    expected = torch.zeros(4, 8, 48, device=DEVICE)
+    actual = expected.clone()
+    reference.write_latent(latent.cpu(), expected_cpu := expected.cpu(), slots.cpu())
+    mla_op.write_latent(latent, actual, slots, backend="triton")
+    assert torch.equal(actual.cpu(), expected_cpu)
+    assert int((actual.abs().sum(-1) > 0).sum()) == 4
+
+
+def test_auto_picks_flash_mla_when_installed(monkeypatch):
+    """Dispatch only (FlashMLA does not build here): with a stand-in `flash_mla` module, auto
+    resolves to it on CUDA, covered batches call its two functions with FlashMLA's shapes, and
+    uncovered ones (block size 16) fall back to the Triton kernel."""
+    from deepinfer.kernels import mla_attention_flashmla as flash
+
+    calls = []
+
+    def get_mla_metadata(seq_lens, rows, kv_heads):
+        calls.append(("plan", rows, kv_heads))
+        return "plan", "splits"
+
+    def flash_mla_with_kvcache(q, cache, tables, seq_lens, v_dim, plan, splits, *,
+                               softmax_scale, causal):
+        calls.append(("run", tuple(q.shape), tuple(cache.shape), v_dim, causal))
+        return q.new_zeros(*q.shape[:3], v_dim), None
+
+    fake = types.SimpleNamespace(get_mla_metadata=get_mla_metadata,
+                                 flash_mla_with_kvcache=flash_mla_with_kvcache)
+    monkeypatch.setitem(sys.modules, "flash_mla", fake)
+    monkeypatch.setattr(flash, "library_available", lambda: True)
+    assert mla_op.resolve_backend("auto", torch.device("cuda")) == "flash_mla"
+    assert mla_op.resolve_backend("auto", torch.device("cpu")) == "torch"
+    blocks = torch.zeros(3, 64, 576, dtype=torch.bfloat16, device=DEVICE)
+    q_nope = torch.zeros(4, 16, 128, dtype=torch.bfloat16, device=DEVICE)
+    q_pe = torch.zeros(4, 16, 64, dtype=torch.bfloat16, device=DEVICE)
+    w_uk = torch.zeros(16, 128, 512, dtype=torch.bfloat16, device=DEVICE)
+    w_uv = torch.zeros(16, 128, 512, dtype=torch.bfloat16, device=DEVICE)
+    metadata = replace(_batch("decode_ragged", torch.float32)[5], max_seq_len=3,
+                       seq_lens_cpu=[1, 1, 1, 1])
+    metadata.block_tables = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
+    metadata.seq_lens = torch.ones(4, dtype=torch.int32, device=DEVICE)
+    if DEVICE == "cuda":
+        out = flash.mla_attention(q_nope, q_pe, blocks, metadata, w_uk, w_uv, 0.1)
+        assert out.shape == (4, 16, 128)
+        assert calls == [("plan", 16, 1), ("run", (4, 1, 16, 576), (3, 64, 1, 576), 512, True)]
+    assert not flash.covers(q_nope, blocks[:, :16].contiguous(), metadata, w_uk)
+    assert flash.covers(q_nope.to(DEVICE), blocks, metadata, w_uk) == (DEVICE == "cuda")
