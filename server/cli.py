@@ -115,9 +115,25 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "(default: on for CUDA, off for CPU)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
-    serve.add_argument("--role", choices=["both", "prefill", "decode"], default=keep,
+    serve.add_argument("--role", choices=["both", "prefill", "decode", "encoder"], default=keep,
                        help="prefill/decode disaggregation: 'prefill' stores prompt KV blocks for "
-                            "a decode worker, 'decode' loads them (default both)")
+                            "a decode worker, 'decode' loads them; 'encoder' runs only a "
+                            "vision-language model's image encoder and stores embeddings "
+                            "(default both)")
+    serve.add_argument("--mm-encoder-cache-gb", type=float, default=keep,
+                       help="memory for encoded images kept by content hash, GiB (default 0.25)")
+    serve.add_argument("--max-images-per-request", type=int, default=keep,
+                       help="more image parts in one request are a 400 (default 8)")
+    serve.add_argument("--max-image-bytes", type=int, default=keep,
+                       help="an image's size cap in bytes, inline or downloaded (default 20 MiB)")
+    serve.add_argument("--allow-remote-media", action=argparse.BooleanOptionalAction,
+                       default=keep, help="fetch http(s) image URLs (default on; off: data "
+                                          "URLs only)")
+    serve.add_argument("--allowed-media-domains", default=keep, metavar="HOSTS",
+                       help="comma-separated hosts remote images may come from, subdomains "
+                            "included (default: any)")
+    serve.add_argument("--media-fetch-timeout-s", type=float, default=keep,
+                       help="a remote image's download limit in seconds (default 10)")
     serve.add_argument("--kv-store", default=keep, metavar="URL",
                        help="KV block store shared as a prefix cache: memory (in-process, the "
                             "default), none, redis://[:password@]host:port/db or rediss://... "
@@ -305,7 +321,8 @@ def serve(args: argparse.Namespace) -> int:
     # instead of the process dying mid-cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = build_app(engine, api_key=key, cache_isolation=args.cache_isolation, limits=limits)
+    app = build_app(engine, api_key=key, cache_isolation=args.cache_isolation, limits=limits,
+                    media=config.multimodal)
     freeze_startup_heap()   # no collector pauses over the startup heap while serving
     try:
         asyncio.run(_serve_http(app, args))
