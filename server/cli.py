@@ -286,6 +286,26 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _serve_encoder(config: Any, args: argparse.Namespace) -> int:
+    """`--role encoder`: only the vision tower, behind POST /v1/encode (server.encoder_app)."""
+    try:
+        from deepinfer.engine.mm_worker import EncoderWorker
+        from deepinfer.server.encoder_app import build_encoder_app
+
+        worker = EncoderWorker(config)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"deepinfer: cannot start the encoder worker: {exc}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        asyncio.run(_serve_http(build_encoder_app(worker, config.multimodal), args))
+    finally:
+        worker.shutdown()
+    print("deepinfer: stopped", flush=True)
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -305,6 +325,8 @@ def serve(args: argparse.Namespace) -> int:
     # default disposition would be ignored where the server runs as a container's PID 1.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
+    if config.kv_transfer.role == "encoder":
+        return _serve_encoder(config, args)
     try:
         from deepinfer.engine.async_llm import AsyncLLM, freeze_startup_heap
         from deepinfer.server.app import build_app
