@@ -294,10 +294,10 @@ class Proxy:
             message, code = problem
             return error_response(message, status_code=400, type="invalid_request_error",
                                   code=code)
-        if self.config.encoders and _has_images(payload):
-            await self._encode(payload, headers)   # bounded by --encoder-timeout-s
         features = request_features(next(self._seq), path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        if self.config.encoders and _has_images(payload):
+            await self._encode(payload, headers)   # bounded by --encoder-timeout-s
         # raw bytes are relayed: the worker may compress only as the client accepts
         headers.setdefault("accept-encoding", "identity")
         if self.config.disaggregated and payload is not None:
