@@ -24,8 +24,9 @@ from deepinfer.server.protocol import ChatMessage
 
 
 class _Collector:
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, state: Any) -> None:
         self.worker = worker
+        self.state = state
 
     def collect(self):
         stats = self.worker.get_stats()
@@ -40,6 +41,11 @@ class _Collector:
                                   labels=["model_name"])
         gauge.add_metric(labels, stats.cache_bytes)
         yield gauge
+        # encode calls queued behind the one running: what the pool's HPA scales on
+        waiting = GaugeMetricFamily("deepinfer:num_requests_waiting",
+                                    "encode calls waiting for the encoder", labels=["model_name"])
+        waiting.add_metric(labels, max(self.state.in_flight - 1, 0))
+        yield waiting
 
 
 def build_encoder_app(worker: Any, media: MultiModalConfig = MultiModalConfig()) -> FastAPI:
@@ -50,7 +56,7 @@ def build_encoder_app(worker: Any, media: MultiModalConfig = MultiModalConfig())
     app.state.in_flight = 0
     install_error_handlers(app)
     registry = CollectorRegistry()
-    registry.register(_Collector(worker))
+    registry.register(_Collector(worker, app.state))
 
     @app.get("/health")
     @app.get("/liveness")
@@ -69,9 +75,13 @@ def build_encoder_app(worker: Any, media: MultiModalConfig = MultiModalConfig())
         except Exception:
             raise APIError("the body must be a chat-completions request with 'messages'.",
                            param="messages", code="invalid_value") from None
-        loaded = await load_images(messages, media)
-        processed = await asyncio.to_thread(process_images, worker.mm_processor, loaded)
-        images = await asyncio.to_thread(worker.encode_and_store, processed)
+        app.state.in_flight += 1
+        try:
+            loaded = await load_images(messages, media)
+            processed = await asyncio.to_thread(process_images, worker.mm_processor, loaded)
+            images = await asyncio.to_thread(worker.encode_and_store, processed)
+        finally:
+            app.state.in_flight -= 1
         return JSONResponse({"model": worker.model_name, "images": images})
 
     return app
