@@ -225,7 +225,7 @@ def bench_split(model_dir: Path, redis_url: str, requests: int, concurrency: int
               f"{concurrency} in flight, 16 output tokens, one CPU box ({os.cpu_count()} "
               "cores) shared by all processes:")
         print(f"  monolithic worker                  {requests / mono_s:7.2f} req/s")
-        print(f"  router: encoder -> prefill -> decode {requests / split_s:5.2f} req/s")
+        print(f"  router: encoder->prefill->decode   {requests / split_s:7.2f} req/s")
         print(f"  split / monolithic                 {mono_s / split_s:7.2f}")
     finally:
         for proc in procs:

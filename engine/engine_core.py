@@ -98,6 +98,9 @@ class EngineCore:
         self.tokenizer = loader.load_tokenizer(self.model_dir)
         # a vision-language model's processor (images -> pixel values, placeholder expansion)
         self.mm_processor = load_mm_processor(self.model_dir, hf_config, config.multimodal)
+        template = getattr(getattr(self.mm_processor, "processor", None), "chat_template", None)
+        if template and not getattr(self.tokenizer, "chat_template", None):
+            self.tokenizer.chat_template = template   # SmolVLM ships it with the processor
         hf_config = hf_config.get_text_config()
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
@@ -212,9 +215,8 @@ class EngineCore:
         if mm_inputs and self.mm_processor is None:
             raise ValueError(f"{self.model_name} is a text-only model and accepts no images; "
                              "send text only, or serve a vision-language model.")
-        if mm_inputs and any(i.end > num_prompt or i.num_embeds < 1 for i in mm_inputs):
-            raise ValueError("an image's placeholder span lies outside the prompt; place the "
-                             "images with MultiModalProcessor.place.")
+        if self.mm_processor is not None:
+            self._check_image_tokens(prompt_token_ids, mm_inputs or [])
         if message := outside_vocabulary(prompt_token_ids, self.vocab_size, "the prompt"):
             raise ValueError(message)
         # a stop id outside the vocabulary could never be generated: it would never fire
@@ -237,6 +239,17 @@ class EngineCore:
             prompt_token_ids), sampling_params=params, eos_token_ids=self.eos_token_ids,
             max_total_tokens=limit, seed=seed, kv_transfer_params=kv_transfer_params,
             mm_inputs=list(mm_inputs or ()))
+
+    def _check_image_tokens(self, prompt_token_ids: list[int], mm_inputs: list) -> None:
+        """Every image token of the prompt must belong to one of its images (no image tokens
+        typed as text, none without embeddings)."""
+        num_image_tokens = prompt_token_ids.count(self.mm_processor.image_token_id)
+        wanted = sum(image.num_embeds for image in mm_inputs)
+        if num_image_tokens != wanted or any(i.end > len(prompt_token_ids)
+                                             for i in mm_inputs):
+            raise ValueError(f"the prompt holds {num_image_tokens} image tokens but its "
+                             f"{len(mm_inputs)} image(s) fill {wanted}; send images as chat "
+                             "image parts and do not type image tokens into the text.")
 
     def add_request(self, request: Request) -> None:
         """Raises QueueFullError when the waiting queue is at its cap. With a KV store, the

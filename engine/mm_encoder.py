@@ -137,8 +137,8 @@ class EmbeddingStore:
         return array, False
 
     def put(self, content_hash: str, embedding: torch.Tensor) -> bool:
-        """Store [num_embeds, hidden] (float32 / float16 / bfloat16 as float32 bytes are
-        not needed: the dtype is kept, bfloat16 through its int16 view)."""
+        """Store an embedding [num_embeds, hidden] in its own dtype (bfloat16 as its int16
+        bits); False when the store failed (the reader then encodes itself)."""
         key = self.key(content_hash)
         array, dtype = _to_numpy(embedding)
         value = encode_block(BlockHeader(EMBED_LAYOUT, dtype, tuple(array.shape)),

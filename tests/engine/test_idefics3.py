@@ -133,3 +133,12 @@ def test_text_only_model_refuses_images(tmp_path, smollm2_tokenizer):
             text_core.make_request([1, 2, 3], GREEDY, mm_inputs=[object()])
     finally:
         text_core.close()
+
+
+def test_image_tokens_without_images_are_refused(core):
+    ids, mm = prompt_for(core, "User:<image>Hi<end_of_utterance>\nAssistant:",
+                         [png_bytes(20, 20, seed=9)])
+    with pytest.raises(ValueError, match="image tokens"):
+        core.make_request(ids, GREEDY, "typed")          # image tokens, no image
+    with pytest.raises(ValueError, match="image tokens"):
+        core.make_request(ids[:-30], GREEDY, "cut", mm_inputs=mm)   # span cut off
