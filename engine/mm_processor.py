@@ -3,7 +3,8 @@
 Preprocessing (resize, split into tiles, rescale, normalize) is the HF image processor's
 (transformers `AutoProcessor.from_pretrained(model_dir)`, Pillow underneath); the placeholder
 expansion is the HF processor's own `replace_image_token` (Idefics3: one `<image>` marker becomes
-rows x cols tiles of `image_seq_len` image tokens plus a global image). Each image is processed
+rows x cols tiles of `image_seq_len` image tokens plus a global image; LLaVA: one image token per
+patch). Each image is processed
 alone, so its pixel values, and its content hash, do not depend on the other images of the
 request. No torch here: pixel values stay numpy until the model runner.
 """
@@ -26,10 +27,14 @@ class ImageError(ValueError):
     which and how to fix it."""
 
 
+_VLM_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration")
+
+
 def is_multimodal(hf_config) -> bool:
-    """True for a config with a vision tower the engine implements (Idefics3 / SmolVLM)."""
-    return getattr(hf_config, "vision_config", None) is not None and "Idefics3" in "".join(
-        getattr(hf_config, "architectures", None) or [])
+    """True for a config with a vision tower the engine implements (Idefics3 / SmolVLM,
+    LLaVA)."""
+    return getattr(hf_config, "vision_config", None) is not None and any(
+        a in _VLM_ARCHITECTURES for a in getattr(hf_config, "architectures", None) or [])
 
 
 @dataclass
@@ -46,8 +51,8 @@ class MultiModalProcessor:
 
     Args:
         model_dir: the HF directory with preprocessor_config.json / processor_config.json.
-        hf_config: its config (`image_token_id`, vision `image_size` / `patch_size`,
-            `scale_factor`).
+        hf_config: its config (`image_token_id`; Idefics3's vision `image_size` /
+            `patch_size` and `scale_factor`).
         max_image_pixels: larger decoded images are refused (width x height).
     """
 
@@ -56,10 +61,12 @@ class MultiModalProcessor:
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.image_processor = self.processor.image_processor
-        vision = hf_config.vision_config
-        self.image_seq_len = int((vision.image_size // vision.patch_size) ** 2
-                                 / hf_config.scale_factor ** 2)
-        self.processor.image_seq_len = self.image_seq_len
+        self.tiled = hasattr(hf_config, "scale_factor")   # Idefics3: tiles + a global image
+        if self.tiled:
+            vision = hf_config.vision_config
+            self.processor.image_seq_len = int((vision.image_size // vision.patch_size) ** 2
+                                               / hf_config.scale_factor ** 2)
+        self.image_token = self.processor.image_token
         self.image_token_id = int(hf_config.image_token_id)
         self.max_image_pixels = max_image_pixels
 
@@ -95,19 +102,24 @@ class MultiModalProcessor:
         text that replaces its marker in the prompt.
         """
         image = self.decode(data, where)
-        out = self.image_processor(images=[[image]], return_tensors="np",
-                                   return_row_col_info=True)
-        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        if self.tiled:
+            out = self.image_processor(images=[[image]], return_tensors="np",
+                                       return_row_col_info=True)
+            pixels = out["pixel_values"][0]            # [tiles, 3, H, W]
+        else:
+            out = self.image_processor(images=[image], return_tensors="np")
+            pixels = out["pixel_values"]               # [1, 3, H, W]
+        pixels = np.ascontiguousarray(pixels, dtype=np.float32)
         mask = out.get("pixel_attention_mask")
         mask_bytes = b""
         if mask is not None and not np.asarray(mask).all():
             mask_bytes = np.ascontiguousarray(mask[0], dtype=np.uint8).tobytes()
-        rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
-        replacement = self.processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
+        # the HF processor's own expansion of one image marker
+        replacement = self.processor.replace_image_token(out, 0)
         shape = tuple(int(d) for d in pixels.shape)
         raw = pixels.tobytes()
         item = ImageInput(pixel_hash(raw, shape, mask_bytes), raw, shape, mask_bytes,
-                          num_embeds=shape[0] * self.image_seq_len)
+                          num_embeds=replacement.count(self.image_token))
         return ProcessedImage(item, replacement)
 
     @staticmethod

@@ -97,3 +97,41 @@ def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
     return out.getvalue()
+
+
+def save_tiny_llava(path: Path, tokenizer, seed: int = 0) -> Path:
+    """A tiny random LLaVA (float32): CLIP vision tower (2 layers, hidden 32, 32x32 px of 8x8
+    patches -> 16 image tokens, CLS dropped), the MLP projector and the tiny Llama's text shape,
+    with a real CLIP image processor and LlavaProcessor files."""
+    import copy
+
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    config = LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8, projection_dim=32),
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, tie_word_embeddings=False),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+        architectures=["LlavaForConditionalGeneration"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():   # image rows as large as token embeddings: they move the output
+        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
+    model.save_pretrained(path)
+    tokenizer.chat_template = SMOLVLM_CHAT_TEMPLATE
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                            crop_size={"height": 32, "width": 32})
+    LlavaProcessor(image_processor, tokenizer, patch_size=8, num_additional_image_tokens=1,
+                   vision_feature_select_strategy="default",
+                   chat_template=SMOLVLM_CHAT_TEMPLATE).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -17,6 +17,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("deepinfer.engine.models.llama", "Qwen2ForCausalLM"),
     "Idefics3ForConditionalGeneration": ("deepinfer.engine.models.idefics3",
                                          "Idefics3ForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("deepinfer.engine.models.llava",
+                                      "LlavaForConditionalGeneration"),
     "DeepseekV2ForCausalLM": ("deepinfer.engine.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepinfer.engine.models.deepseek", "DeepseekV3ForCausalLM"),
 }
