@@ -286,7 +286,7 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _serve_encoder(config: Any, args: argparse.Namespace) -> int:
+def _serve_encoder(config: Any, args: argparse.Namespace, key: Any, limits: Any) -> int:
     """`--role encoder`: only the vision tower, behind POST /v1/encode (server.encoder_app)."""
     try:
         from deepinfer.engine.mm_worker import EncoderWorker
@@ -299,7 +299,8 @@ def _serve_encoder(config: Any, args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        asyncio.run(_serve_http(build_encoder_app(worker, config.multimodal), args))
+        app = build_encoder_app(worker, config.multimodal, api_key=key, limits=limits)
+        asyncio.run(_serve_http(app, args))
     finally:
         worker.shutdown()
     print("deepinfer: stopped", flush=True)
@@ -326,7 +327,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
     if config.kv_transfer.role == "encoder":
-        return _serve_encoder(config, args)
+        return _serve_encoder(config, args, key, limits)
     try:
         from deepinfer.engine.async_llm import AsyncLLM, freeze_startup_heap
         from deepinfer.server.app import build_app

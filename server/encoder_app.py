@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deepinfer.engine.config import MultiModalConfig
 from deepinfer.server.errors import APIError, install_error_handlers
+from deepinfer.server.http_limits import APIKeyMiddleware, BodyLimitMiddleware, HTTPLimits
 from deepinfer.server.media import load_images, process_images
 from deepinfer.server.protocol import ChatMessage
 
@@ -48,13 +49,20 @@ class _Collector:
         yield waiting
 
 
-def build_encoder_app(worker: Any, media: MultiModalConfig = MultiModalConfig()) -> FastAPI:
-    """The app for an `engine.mm_worker.EncoderWorker`."""
+def build_encoder_app(worker: Any, media: MultiModalConfig = MultiModalConfig(), *,
+                      api_key: str | tuple[str, ...] | None = None,
+                      limits: HTTPLimits = HTTPLimits()) -> FastAPI:
+    """The app for an `engine.mm_worker.EncoderWorker`; `api_key` and `limits` as in
+    `server.app.build_app` (the router forwards the client's Authorization header)."""
     app = FastAPI(title="deepinfer encoder")
     app.state.engine = worker        # server.cli reads model_name / abort_all from it
     app.state.draining = False
     app.state.in_flight = 0
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
+    api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     registry = CollectorRegistry()
     registry.register(_Collector(worker, app.state))
 

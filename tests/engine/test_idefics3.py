@@ -104,6 +104,17 @@ def test_same_image_encoded_once_and_hashes_keep_images_apart(core):
     assert out[0] == out[1]
     stats = core.get_stats().mm_encoder
     assert stats.images_encoded - before == 1 and stats.cache_hits >= 1
+    # again, alone: a prefix-cache hit that ends inside the image's tokens; the rest of the
+    # image's rows are sliced out of the cached embedding by position
+    request = core.make_request(second[0], GREEDY, "again", mm_inputs=second[1])
+    core.add_request(request)
+    while core.has_unfinished_requests():
+        for done in core.step():
+            if done.finished:
+                assert done.token_ids == out[0]
+    image = second[1][0]
+    assert image.offset < request.num_cached_tokens < image.end
+    assert core.get_stats().mm_encoder.images_encoded - before == 1
     # the image's blocks hash differently for another image: no prefix-cache hit mixes them
     run(core, [third])
     assert core.get_stats().mm_encoder.images_encoded - before == 2

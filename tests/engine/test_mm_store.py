@@ -77,3 +77,39 @@ def test_encoder_worker_embeddings_are_loaded_and_corruption_is_recomputed(vlm_d
         assert core.get_stats().mm_encoder.images_encoded == 2
     finally:
         core.close()
+
+
+def test_encoder_endpoint_needs_the_key_and_names_bad_parts(vlm_dir, redis_server):
+    import asyncio
+    import base64
+
+    import httpx
+
+    from deepinfer.server.encoder_app import build_encoder_app
+
+    worker = EncoderWorker(config(vlm_dir, redis_server.url, role="encoder"))
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(30, 30, seed=5)).decode()
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    bad = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+
+    async def calls():
+        app = build_encoder_app(worker, api_key="k")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as client:
+            auth = {"Authorization": "Bearer k"}
+            return (await client.post("/v1/encode", json=body),
+                    await client.post("/v1/encode", json=body, headers=auth),
+                    await client.post("/v1/encode", json=bad, headers=auth),
+                    (await client.get("/metrics")).text)
+
+    try:
+        refused, done, invalid, metrics = asyncio.run(calls())
+    finally:
+        worker.shutdown()
+    assert refused.status_code == 401
+    assert done.status_code == 200 and done.json()["images"][0]["stored"] is True
+    assert invalid.status_code == 400
+    assert invalid.json()["error"]["param"] == "messages.0.content.0"
+    assert "deepinfer:mm_encoder_images_encoded_total" in metrics
