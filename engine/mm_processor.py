@@ -114,13 +114,37 @@ class MultiModalProcessor:
         mask_bytes = b""
         if mask is not None and not np.asarray(mask).all():
             mask_bytes = np.ascontiguousarray(mask[0], dtype=np.uint8).tobytes()
-        # the HF processor's own expansion of one image marker
-        replacement = self.processor.replace_image_token(out, 0)
+        replacement = self._replacement(out)
         shape = tuple(int(d) for d in pixels.shape)
         raw = pixels.tobytes()
         item = ImageInput(pixel_hash(raw, shape, mask_bytes), raw, shape, mask_bytes,
                           num_embeds=replacement.count(self.image_token))
         return ProcessedImage(item, replacement)
+
+    def _replacement(self, out) -> str:
+        """The HF processor's own expansion of one image marker (`replace_image_token`; its
+        signature differs across transformers 5 releases, and 4.x has the module function)."""
+        processor = self.processor
+        if not self.tiled:
+            if hasattr(processor, "replace_image_token"):
+                return processor.replace_image_token(out, 0)
+            height, width = out["pixel_values"].shape[-2:]
+            count = (height // processor.patch_size) * (width // processor.patch_size) + getattr(
+                processor, "num_additional_image_tokens", 0)
+            if getattr(processor, "vision_feature_select_strategy", None) == "default":
+                count -= 1
+            return self.image_token * count
+        rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
+        if hasattr(processor, "replace_image_token"):
+            return processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0,
+                                                 image_seq_len=processor.image_seq_len)
+        from transformers.models.idefics3.processing_idefics3 import get_image_prompt_string
+
+        return get_image_prompt_string(rows, cols, processor.image_seq_len,
+                                       processor.fake_image_token.content
+                                       if hasattr(processor.fake_image_token, "content")
+                                       else processor.fake_image_token,
+                                       self.image_token, processor.global_image_tag)
 
     @staticmethod
     def expand(text: str, processed: list[ProcessedImage]) -> str:
