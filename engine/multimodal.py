@@ -5,12 +5,13 @@ An `ImageInput` is one image of a request after the model's own HF image process
 and where its placeholder tokens sit in the prompt. It crosses process boundaries as plain data
 (bytes, ints, strings: msgpack/msgspec-friendly, never pickle).
 
-The placeholder span `[offset, offset + length)` covers the image's whole expanded text (for
-Idefics3: `<fake_token_around_image><row_1_col_1><image>*n ... <global-img><image>*n<fake...>`);
-the positions in it whose token is the model's image token receive the encoder's output rows, in
-order (`embed_positions`). Block hashes of blocks that overlap a span include the image's hash
-(`block_mm_extra`), so a prefix-cache or KV-store hit can never mix two images with the same
-placeholder tokens. Scheme as vLLM's `PlaceholderRange` + `mm_hashes` in its block keys.
+The placeholder span `[offset, offset + length)` runs from the image's first image token to its
+last (for Idefics3 the tokens between tiles, like `<row_1_col_2>`, lie inside it and keep their
+own embeddings); the positions in it whose token is the model's image token receive the
+encoder's output rows, in order. Block hashes of blocks that overlap a span include the image's
+hash (`block_mm_extra`), so a prefix-cache or KV-store hit can never mix two images with the same
+placeholder tokens; later blocks inherit it through the hash chain. Scheme as vLLM's
+`PlaceholderRange` + `mm_hashes` in its block keys.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class ImageInput:
         [num_tiles, channels, height, width] (the HF processor's `pixel_values` of this image).
     pixel_mask: raw uint8 bytes of shape [num_tiles, height, width] (1 = real pixel), or b""
         when every pixel is real.
-    offset, length: the placeholder span in the prompt's token ids.
+    offset, length: the placeholder span in the prompt's token ids (`place_images`).
     num_embeds: how many of the span's tokens are image tokens (encoder output rows).
     """
 

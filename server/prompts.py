@@ -26,17 +26,13 @@ def _content_parts(message: ChatMessage, index: int) -> list[dict[str, Any]]:
     """A vision-language model's content: a list of {"type": "text", "text"} and
     {"type": "image"} parts (its chat template renders the image markers)."""
     if isinstance(message.content, list):
-        parts, texts = [], []
-        for j, part in enumerate(message.content):
+        parts = []
+        for part in message.content:
             if part.type in ("image_url", "input_image"):
                 parts.append({"type": "image"})
-            elif part.type == "text" and part.text is not None:
-                parts.append({"type": "text", "text": part.text})
-                texts.append(part.text)
-            else:
-                texts.append(_flatten_content(message.model_copy(
-                    update={"content": [part]}), index))
-                parts.append({"type": "text", "text": texts[-1]})
+            else:   # text or refusal; anything else gets `_flatten_content`'s 400
+                text = _flatten_content(message.model_copy(update={"content": [part]}), index)
+                parts.append({"type": "text", "text": text})
         return parts
     return [{"type": "text", "text": _flatten_content(message, index)}]
 
