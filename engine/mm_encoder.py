@@ -34,6 +34,7 @@ from deepinfer.kvstore.codec import BlockHeader, CodecError, decode_block, encod
 logger = logging.getLogger(__name__)
 
 EMBED_LAYOUT = "mm_embedding:v1"
+STORE_DOWN_BACKOFF_S = 1.0   # after a store failure, encode locally this long without asking
 
 
 def embedding_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
@@ -104,6 +105,7 @@ class EmbeddingStore:
         self.store = open_store(store, timeout_s=timeout_s) if isinstance(store, str) else store
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
+        self._down_until = 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="deepinfer-mm-store")
@@ -115,14 +117,26 @@ class EmbeddingStore:
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(self.timeout_s)
 
+    def _down(self) -> bool:
+        """True while backing off after a failure: the step loop does not wait on a store
+        that just failed (as `KVTransfer` does for KV blocks)."""
+        return time.monotonic() < self._down_until
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self._down_until = time.monotonic() + STORE_DOWN_BACKOFF_S
+        logger.warning("embedding store %s failed (%r); encoding locally for %.0f s", what,
+                       exc, STORE_DOWN_BACKOFF_S)
+
     def get(self, content_hash: str) -> tuple[np.ndarray | None, bool]:
         """(embedding [num_embeds, hidden] as stored, corrupt?): (None, False) when absent or
         the store failed, (None, True) when the value did not decode."""
         key = self.key(content_hash)
+        if self._down():
+            return None, False
         try:
             value = self._run(self.store.get_many([key]))[0]
         except Exception as exc:   # store down or slow: encode instead
-            logger.warning("embedding store get failed (%r); encoding instead", exc)
+            self._failed("get", exc)
             return None, False
         if value is None:
             return None, False
@@ -146,7 +160,7 @@ class EmbeddingStore:
         try:
             self._run(self.store.put_many({key: value}))
         except Exception as exc:
-            logger.warning("embedding store put failed (%r)", exc)
+            self._failed("put", exc)
             return False
         return True
 
