@@ -58,6 +58,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig):
         self.engine_core = EngineCore(config)
         self.tokenizer = self.engine_core.tokenizer
+        self.mm_processor = self.engine_core.mm_processor   # None for a text-only model
         self.model_name = self.engine_core.model_name
         self.max_model_len = self.engine_core.max_model_len
         # requests running or waiting at most (a request of more choices can never fit)
@@ -79,9 +80,11 @@ class AsyncLLM:
     # ---- caller side ---------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None, *,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None,
+                       mm_inputs: list | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (deltas) until it finishes. `kv_transfer_params`: see
         `EngineCore.make_request` (the last output then carries the prefill's answer).
+        `mm_inputs`: the prompt's images as plain data (`engine.multimodal.ImageInput`).
 
         Raises (before the first output):
             QueueFullError: too many requests in flight (HTTP 429).
@@ -97,7 +100,8 @@ class AsyncLLM:
             await self.compile_grammar(sampling_params.so_args)
         request = self.engine_core.make_request(prompt_token_ids, sampling_params,
                                                 request_id or uuid.uuid4().hex,
-                                                kv_transfer_params=kv_transfer_params)
+                                                kv_transfer_params=kv_transfer_params,
+                                                mm_inputs=mm_inputs)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if len(self._streams) >= self.max_in_flight:

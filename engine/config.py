@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from deepinfer.kernels.settings import KernelConfig
 
 __all__ = ["CacheConfig", "ConfigError", "EngineConfig", "KVTransferConfig", "KernelConfig",
-           "ModelConfig", "SchedulerConfig", "apply_blas_determinism", "config_from",
+           "ModelConfig", "MultiModalConfig", "SchedulerConfig", "apply_blas_determinism", "config_from",
            "engine_flags", "env_overrides", "server_env"]
 
 
@@ -167,7 +167,9 @@ class KVTransferConfig:
     """The KV block store and this worker's role in prefill/decode disaggregation.
 
     role: "both" (serve whole requests), "prefill" (compute prompts and store their blocks for
-        a decode worker) or "decode" (load stored prompt blocks, then generate; saves nothing).
+        a decode worker), "decode" (load stored prompt blocks, then generate; saves nothing)
+        or "encoder" (a VLM's vision tower only: encodes images into the store's embedding
+        namespace, engine/mm_encoder.py).
     kv_store: "memory" (an in-process LRU, the embedded default), "none" (no store), or
         `redis://[:password@]host:port/db` / `rediss://...` (shared by workers).
     memory_store_bytes: byte cap of the "memory" store.
@@ -185,8 +187,8 @@ class KVTransferConfig:
     timeout_s: float = _field(2.0, env="DEEPINFER_KV_STORE_TIMEOUT_S")
 
     def __post_init__(self) -> None:
-        _check("role", self.role in ("both", "prefill", "decode"),
-               f"role={self.role!r} is not supported; use both, prefill or decode.")
+        _check("role", self.role in ("both", "prefill", "decode", "encoder"),
+               f"role={self.role!r} is not supported; use both, prefill, decode or encoder.")
         _check("kv_store", self.kv_store in ("memory", "none")
                or self.kv_store.startswith(("redis://", "rediss://")),
                f"kv_store={self.kv_store!r} is not supported; use memory, none, "
@@ -206,6 +208,49 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """Images (vision-language models such as SmolVLM; engine/mm_*.py, server/media.py).
+
+    encoder_cache_bytes: device memory for encoded images kept by content hash (LRU): the same
+        image in another request, or in the next prefill chunk, is not encoded again.
+    max_images_per_request: more image parts are a 400.
+    max_image_bytes: an image's encoded size cap (data URL or download), bytes.
+    max_image_pixels: a decoded image's width x height cap.
+    allow_remote_media: fetch http(s) image URLs (off: only data URLs are accepted).
+    allowed_media_domains: comma-separated host names remote images may come from ("" = any);
+        a host matches itself and its subdomains.
+    media_fetch_timeout_s: a remote image's download limit, seconds (connect + read).
+    """
+
+    encoder_cache_bytes: int = _field(256 << 20, env="DEEPINFER_MM_ENCODER_CACHE_BYTES",
+                                      flag="mm_encoder_cache_gb", flag_in_gib=True)
+    max_images_per_request: int = _field(8, env="DEEPINFER_MAX_IMAGES_PER_REQUEST",
+                                         flag="max_images_per_request")
+    max_image_bytes: int = _field(20 << 20, env="DEEPINFER_MAX_IMAGE_BYTES",
+                                  flag="max_image_bytes")
+    max_image_pixels: int = _field(32_000_000, env="DEEPINFER_MAX_IMAGE_PIXELS")
+    allow_remote_media: bool = _field(True, env="DEEPINFER_ALLOW_REMOTE_MEDIA",
+                                      flag="allow_remote_media")
+    allowed_media_domains: str = _field("", env="DEEPINFER_ALLOWED_MEDIA_DOMAINS",
+                                        flag="allowed_media_domains")
+    media_fetch_timeout_s: float = _field(10.0, env="DEEPINFER_MEDIA_FETCH_TIMEOUT_S",
+                                          flag="media_fetch_timeout_s")
+
+    def __post_init__(self) -> None:
+        _check("encoder_cache_bytes", self.encoder_cache_bytes >= 0,
+               "encoder_cache_bytes must be >= 0.")
+        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+            _check(name, getattr(self, name) >= 1, f"{name} must be >= 1.")
+        _check("media_fetch_timeout_s", self.media_fetch_timeout_s > 0,
+               "media_fetch_timeout_s must be > 0.")
+
+    @property
+    def domains(self) -> tuple[str, ...]:
+        return tuple(d.strip().lower() for d in self.allowed_media_domains.split(",")
+                     if d.strip())
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine's sub-configs; `kernel` goes to the model runner (GPU kernel choices)."""
 
@@ -214,6 +259,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def replace(self, **sections: dict) -> "EngineConfig":
         """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""

@@ -28,6 +28,7 @@ from deepinfer.engine.executor import Executor, RunnerOutputFuture, UniProcExecu
 from deepinfer.engine.fault_isolation import FaultIsolation
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
+from deepinfer.engine.mm_processor import load_mm_processor
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.outputs import (EngineCoreOutput, ModelRunnerOutput, RequestOutput,
                                       SchedulerOutput, SchedulerStats)
@@ -95,6 +96,12 @@ class EngineCore:
         device, dtype = resolve_device_dtype(config.model)
         hf_config = loader.load_hf_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(self.model_dir)
+        # a vision-language model's processor (images -> pixel values, placeholder expansion)
+        self.mm_processor = load_mm_processor(self.model_dir, hf_config, config.multimodal)
+        template = getattr(getattr(self.mm_processor, "processor", None), "chat_template", None)
+        if template and not getattr(self.tokenizer, "chat_template", None):
+            self.tokenizer.chat_template = template   # SmolVLM ships it with the processor
+        hf_config = hf_config.get_text_config()
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         if model is None:
@@ -109,6 +116,7 @@ class EngineCore:
         self.executor.warm_up(config.scheduler.max_num_seqs, self.max_model_len)
         fingerprint = model_fingerprint(self.model_dir, dtype, cache.block_size)
         self.kv_transfer = self._build_kv_transfer(fingerprint)
+        self._attach_embedding_store(dtype)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint),
             save_kv_blocks=isinstance(self.kv_transfer, KVTransfer)
@@ -145,8 +153,26 @@ class EngineCore:
                     fingerprint.hex())
         return KVTransfer(config, self.executor, fingerprint, self.config.cache.block_size)
 
+    def _mm_embedder(self):
+        """The runner's `MultiModalEmbedder` (in-process executors), or None."""
+        return getattr(getattr(self.executor, "runner", None), "mm", None)
+
+    def _attach_embedding_store(self, dtype: torch.dtype) -> None:
+        """With a shared (Redis) store, images are looked up in its embedding namespace (an
+        encoder worker may have put them there) before being encoded here."""
+        store_url = self.config.kv_transfer.kv_store
+        embedder = self._mm_embedder()
+        if embedder is None or not store_url.startswith(("redis://", "rediss://")):
+            return
+        from deepinfer.engine.mm_encoder import EmbeddingStore, embedding_fingerprint
+
+        embedder.store = EmbeddingStore(store_url, embedding_fingerprint(self.model_dir, dtype),
+                                        self.config.kv_transfer.timeout_s)
+
     def close(self) -> None:
         """Release the KV store connection and its thread, and the worker side."""
+        if (embedder := self._mm_embedder()) is not None:
+            embedder.close()
         self.kv_transfer.close()
         self.executor.shutdown()
 
@@ -167,8 +193,12 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None, *,
-                     kv_transfer_params: dict | None = None) -> Request:
+                     kv_transfer_params: dict | None = None,
+                     mm_inputs: list | None = None) -> Request:
         """Validate a tokenized prompt and build its `Request`.
+
+        `mm_inputs`: the prompt's images (`engine.multimodal.ImageInput`, placed at their
+        placeholder spans: `MultiModalProcessor.place`); a text-only model refuses them.
 
         `kv_transfer_params`: prefill/decode disaggregation (engine/kv_transfer.py), e.g.
         `{"do_remote_decode": True}` to store the prompt's blocks for a decode worker.
@@ -182,6 +212,11 @@ class EngineCore:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty; give at least one token.")
+        if mm_inputs and self.mm_processor is None:
+            raise ValueError(f"{self.model_name} is a text-only model and accepts no images; "
+                             "send text only, or serve a vision-language model.")
+        if self.mm_processor is not None:
+            self._check_image_tokens(prompt_token_ids, mm_inputs or [])
         if message := outside_vocabulary(prompt_token_ids, self.vocab_size, "the prompt"):
             raise ValueError(message)
         # a stop id outside the vocabulary could never be generated: it would never fire
@@ -202,7 +237,19 @@ class EngineCore:
             seed = self.config.model.seed
         return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=list(
             prompt_token_ids), sampling_params=params, eos_token_ids=self.eos_token_ids,
-            max_total_tokens=limit, seed=seed, kv_transfer_params=kv_transfer_params)
+            max_total_tokens=limit, seed=seed, kv_transfer_params=kv_transfer_params,
+            mm_inputs=list(mm_inputs or ()))
+
+    def _check_image_tokens(self, prompt_token_ids: list[int], mm_inputs: list) -> None:
+        """Every image token of the prompt must belong to one of its images (no image tokens
+        typed as text, none without embeddings)."""
+        num_image_tokens = prompt_token_ids.count(self.mm_processor.image_token_id)
+        wanted = sum(image.num_embeds for image in mm_inputs)
+        if num_image_tokens != wanted or any(i.end > len(prompt_token_ids)
+                                             for i in mm_inputs):
+            raise ValueError(f"the prompt holds {num_image_tokens} image tokens but its "
+                             f"{len(mm_inputs)} image(s) fill {wanted}; send images as chat "
+                             "image parts and do not type image tokens into the text.")
 
     def add_request(self, request: Request) -> None:
         """Raises QueueFullError when the waiting queue is at its cap. With a KV store, the
@@ -359,6 +406,8 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()
         stats.kv_store = self.kv_transfer.get_stats()
+        if (embedder := self._mm_embedder()) is not None:
+            stats.mm_encoder = embedder.snapshot()
         return stats
 
 

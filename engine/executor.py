@@ -119,7 +119,8 @@ class UniProcExecutor:
         self.kv_cache_spec = spec
         self.runner = ModelRunner(model, self.num_blocks, cache.block_size, device, dtype,
                                   eos_token_ids, structured_output=structured_output,
-                                  kernel_config=config.kernel)
+                                  kernel_config=config.kernel,
+                                  mm_cache_bytes=config.multimodal.encoder_cache_bytes)
         self.kv = KVBlockCopier(self.runner)
         self._previous: AsyncRunnerOutput | None = None  # the non-blocking step in flight
 

@@ -15,7 +15,7 @@ context), and all 1 + k positions produce logits (`StepInputs.draft_token_ids`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -36,6 +36,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     seed: int
     grammar: Any = None           # a structured-output GrammarMatcher when so_args is set
+    mm_inputs: list = field(default_factory=list)  # engine.multimodal.ImageInput, placed
 
     @property
     def output_token_ids(self) -> list[int]:

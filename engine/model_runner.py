@@ -104,7 +104,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, eos_token_ids: frozenset[int],
                  structured_output: StructuredOutputManager | None = None,
-                 kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG):
+                 kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
+                 mm_cache_bytes: int = 256 << 20):
         self.model = model
         self.set_kernel_config(kernel_config)
         self.structured_output = structured_output
@@ -120,6 +121,13 @@ class ModelRunner:
             cpu_extension()  # build the C++ CPU kernels now (first run only), not on a request
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        # a multimodal model's image embeddings (engine/mm_encoder.py); EngineCore may give it
+        # the KV store's embedding namespace
+        self.mm = None
+        if getattr(model, "is_multimodal", False):
+            from deepinfer.engine.mm_encoder import MultiModalEmbedder
+
+            self.mm = MultiModalEmbedder(model.encode_image, device, dtype, mm_cache_bytes)
         self.cuda_graphs = None  # engine.cuda_graphs.CudaGraphRunner after capture_cuda_graphs
         # [S] int64: the last async step's sampled ids, where the next step's fed tokens are
         # read (engine/async_step.py); sized for max_num_seqs once graphs bake its address in
@@ -163,7 +171,8 @@ class ModelRunner:
                 request_id=new.request_id, token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                sampling_params=new.sampling_params, seed=new.seed)
+                sampling_params=new.sampling_params, seed=new.seed,
+                mm_inputs=list(new.mm_inputs))
             if new.sampling_params.so_args is not None:   # rebuilt from the output so far
                 state.grammar = self.structured_output.new_matcher(
                     new.sampling_params.so_args, state.output_token_ids,
@@ -194,7 +203,8 @@ class ModelRunner:
         num_scheduled = [scheduler_output.num_scheduled_tokens[s.request_id] for s in states]
         inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device,
                                    draft_token_ids=scheduler_output.scheduled_spec_decode_tokens)
-        hidden, graph_outputs = self._forward(inputs)
+        embeds = self._image_embeds(scheduler_output, states, num_scheduled, inputs)
+        hidden, graph_outputs = self._forward(inputs, inputs_embeds=embeds)
         sampled: dict[str, tuple[list[int], list | None]] = {}
         step_logits = None
         if inputs.sampling_states:
@@ -280,7 +290,24 @@ class ModelRunner:
                         for j in range(1, len(draft_ids) + 1))
         return rows
 
-    def _forward(self, inputs: StepInputs, feed_rows: np.ndarray | None = None
+    def _image_embeds(self, scheduler_output: SchedulerOutput,
+                      states: list[CachedRequestState], num_scheduled: list[int],
+                      inputs: StepInputs, feed_rows: np.ndarray | None = None
+                      ) -> torch.Tensor | None:
+        """[num_tokens, hidden] input embeddings with the scheduled image tokens' rows in
+        place (engine/mm_encoder.py), or None for a step without image tokens."""
+        if self.mm is None or not scheduler_output.scheduled_encoder_inputs:
+            return None
+        device_inputs = inputs.on_device()
+        if feed_rows is not None:   # tokens sampled by the step in flight, before embedding
+            feed_tokens(device_inputs.input_ids, feed_rows, self.last_sampled)
+        return self.mm.inputs_embeds(self.model.embed_tokens, device_inputs.input_ids, states,
+                                     num_scheduled, inputs.query_start_loc,
+                                     self.model.image_token_id,
+                                     scheduler_output.scheduled_encoder_inputs)
+
+    def _forward(self, inputs: StepInputs, feed_rows: np.ndarray | None = None, *,
+                 inputs_embeds: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, GraphOutputs | None]:
         """(hidden [num_tokens, hidden_size], the graph's outputs): a captured graph's replay
         for a decode step it covers (hidden, logits and greedy ids of every row), else the
@@ -289,10 +316,14 @@ class ModelRunner:
         feed_rows: [num_tokens] int64 or None (`AsyncRunnerOutput.feed_rows`): tokens whose id
             is `last_sampled[row]` (row >= 0), still on the device.
         """
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs):
+        if (inputs_embeds is None and self.cuda_graphs is not None
+                and self.cuda_graphs.can_run(inputs)):
             outputs = self.cuda_graphs.run(inputs, feed_rows)
             return outputs.hidden, outputs
         device_inputs = inputs.on_device()
+        if inputs_embeds is not None:   # image rows in place (ids were fed by _image_embeds)
+            return self.model(device_inputs.input_ids, device_inputs.positions, self.kv_caches,
+                              device_inputs.attn_metadata, inputs_embeds=inputs_embeds), None
         if feed_rows is not None:
             feed_tokens(device_inputs.input_ids, feed_rows, self.last_sampled)
         return self.model(device_inputs.input_ids, device_inputs.positions, self.kv_caches,
@@ -340,7 +371,8 @@ class ModelRunner:
         num_scheduled = [scheduler_output.num_scheduled_tokens[s.request_id] for s in states]
         inputs = build_step_inputs(states, num_scheduled, self.block_size, self.device)
         feed_rows = previous.feed_rows(states, num_scheduled) if previous is not None else None
-        hidden, graph_outputs = self._forward(inputs, feed_rows)
+        embeds = self._image_embeds(scheduler_output, states, num_scheduled, inputs, feed_rows)
+        hidden, graph_outputs = self._forward(inputs, feed_rows, inputs_embeds=embeds)
         token_ids = logprobs = None
         if inputs.sampling_states:
             metadata = build_sampling_metadata(inputs.sampling_states, self.device,

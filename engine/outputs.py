@@ -31,6 +31,7 @@ class NewRequestData:
     num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hits)
     sampling_params: SamplingParams
     seed: int
+    mm_inputs: list = field(default_factory=list)   # engine.multimodal.ImageInput, placed
 
 
 @dataclass
@@ -70,8 +71,8 @@ class SchedulerOutput:
     # sampled token (its row scores 1 + k tokens; num_scheduled_tokens counts them). Only
     # requests with drafts appear; empty on the default path.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # multimodal: request id -> indices of its encoder inputs to run this step (empty for now;
-    # the vision-encoder worker fills it)
+    # multimodal: request id -> indices of its images (`NewRequestData.mm_inputs`) whose
+    # placeholder tokens this step computes: the runner encodes (or finds) them first
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -188,6 +189,21 @@ class SchedulerStats:
     prefix_cache_hits: int = 0            # of which served from cache (counter)
     num_preemptions: int = 0              # counter
     kv_store: "KVStoreStats | None" = None  # None when no KV store is configured
+    mm_encoder: "MMEncoderStats | None" = None  # None for a text-only model
+
+
+@dataclass
+class MMEncoderStats:
+    """Counters of a multimodal model's image encoder (engine/mm_encoder.py), for /metrics."""
+
+    images_encoded: int = 0        # images run through the vision tower here
+    cache_hits: int = 0            # image embeddings served by the encoder cache
+    store_hits: int = 0            # image embeddings loaded from the KV store's namespace
+    store_misses: int = 0          # looked up in the store and not usable (absent, corrupt)
+    store_corrupt: int = 0         # of the misses: values that failed to decode
+    store_saves: int = 0           # embeddings written to the store
+    encode_seconds: float = 0.0    # time spent encoding (sum)
+    cache_bytes: int = 0           # encoder cache occupancy (gauge)
 
 
 @dataclass

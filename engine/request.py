@@ -73,6 +73,8 @@ class Request:
     # in the next step (Scheduler.update_draft_token_ids); never part of num_tokens
     spec_token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
+    # images (engine.multimodal.ImageInput, placed at their placeholder spans in the prompt)
+    mm_inputs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.cache_salt is None:

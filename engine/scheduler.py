@@ -31,6 +31,7 @@ from deepinfer.engine.errors import QueueFullError
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.outputs import (CachedRequestData, EngineCoreOutput, KVBlocks, ModelRunnerOutput,
                             NewRequestData, SchedulerOutput, SchedulerStats)
+from deepinfer.engine.multimodal import images_in_range
 from deepinfer.engine.request import Request, RequestStatus
 
 
@@ -150,7 +151,12 @@ class Scheduler:
                 self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            if request.mm_inputs:   # images whose placeholder tokens this step computes
+                start = request.num_computed_tokens
+                if indices := images_in_range(request.mm_inputs, start, start + num_tokens):
+                    out.scheduled_encoder_inputs[request_id] = indices
+            request.num_computed_tokens += num_tokens
         if self.save_kv_blocks:
             out.kv_saves = self._blocks_to_save(out)
         return out
@@ -294,7 +300,7 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens, sampling_params=request.sampling_params,
-                seed=request.seed))
+                seed=request.seed, mm_inputs=request.mm_inputs))
             out.num_scheduled_tokens[request.request_id] = num_tokens
             budget -= num_tokens
 

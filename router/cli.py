@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", action="append", default=[], metavar="URL",
                         help="a worker that serves whole requests, or a pool of them with "
                              "--discovery dns (repeat for each)")
+    parser.add_argument("--encoder", action="append", default=[], metavar="URL",
+                        help="a --role encoder worker (repeat for each): requests with images "
+                             "go encoder -> prefill -> decode (or encoder -> backend); any "
+                             "encoder failure falls back to encoding on the next worker")
+    parser.add_argument("--encoder-timeout-s", type=float, default=30.0,
+                        help="an encoder call's limit, seconds (%(default)s)")
     parser.add_argument("--prefill", action="append", default=[], metavar="URL",
                         help="a --role prefill worker or pool (repeat for each)")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
@@ -96,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The RouterConfig the flags describe; raises ValueError with a fix in the message."""
     return RouterConfig(
         backends=tuple(args.backend), prefill=tuple(args.prefill), decode=tuple(args.decode),
+        encoders=tuple(args.encoder), encoder_timeout_s=args.encoder_timeout_s,
         policy=args.policy, max_imbalance=args.max_imbalance,
         health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
         max_failures=args.max_failures, max_concurrent_requests=args.max_concurrent_requests,

@@ -28,6 +28,11 @@ class RouterConfig:
     backends: tuple[str, ...] = ()
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    # vision-encoder workers (`--role encoder`): a request with image parts is first sent to
+    # one (round robin) to put its image embeddings into the shared store; any failure there
+    # only means the prefill / both worker encodes itself
+    encoders: tuple[str, ...] = ()
+    encoder_timeout_s: float = 30.0
     policy: str = "least_outstanding"
     # prefix_affinity's load guard: leave the preferred replica when it has more than this many
     # outstanding requests above the least-loaded one.

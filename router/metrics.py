@@ -85,6 +85,10 @@ class RouterMetrics:
                                 registry=reg)
         for reason in REJECT_REASONS:  # exported at 0 from the start, so rates and alerts see 0
             self.rejected.labels(reason)
+        self.encoder_steps = Counter("deepinfer_router:encoder_steps",
+                                     "image requests sent to an encoder worker first, by "
+                                     "outcome (ok, failed: the next worker encodes itself)",
+                                     ["outcome"], registry=reg)
         self.disagg_fallbacks = Counter("deepinfer_router:disagg_fallbacks",
                                         "prefill steps that failed (decode recomputed)",
                                         registry=reg)

@@ -235,6 +235,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
     return True, task.result()  # raises the work's exception
 
 
+def _has_images(payload: Any) -> bool:
+    """A chat request with an image content part (the encoder step's business)."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
+        return False
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") in ("image_url", "input_image")
+                       for p in m["content"])
+               for m in payload["messages"])
+
+
 class Proxy:
     """Forwards OpenAI requests to the registry's replicas under `config`'s policy."""
 
@@ -247,6 +257,7 @@ class Proxy:
         self.policy = make_policy(config.policy, max_imbalance=config.max_imbalance)
         self.in_flight = 0
         self._seq = itertools.count()
+        self._encoder_turn = itertools.count()
         # set when the router's drain after SIGTERM is over (router.cli): requests still
         # waiting for a worker answer 503, relayed streams end with an error event and [DONE]
         self.drain_over = asyncio.Event()
@@ -285,6 +296,8 @@ class Proxy:
                                   code=code)
         features = request_features(next(self._seq), path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        if self.config.encoders and _has_images(payload):
+            await self._encode(payload, headers)   # bounded by --encoder-timeout-s
         # raw bytes are relayed: the worker may compress only as the client accepts
         headers.setdefault("accept-encoding", "identity")
         if self.config.disaggregated and payload is not None:
@@ -412,6 +425,28 @@ class Proxy:
         if sending.cancelled():
             raise ReplicaEjected(replica.url)
         return sending.result()
+
+    async def _encode(self, payload: dict[str, Any], headers: dict[str, str]) -> bool:
+        """The encoder step: ask an encoder worker (round robin) to put the request's image
+        embeddings into the shared store. Never raises: on any failure the prefill / both
+        worker encodes the images itself (counted in deepinfer_router:encoder_steps)."""
+        urls = self.config.encoders
+        url = urls[next(self._encoder_turn) % len(urls)].rstrip("/")
+        body = json.dumps({"messages": payload.get("messages")}).encode()
+        try:
+            response = await self.client.post(
+                f"{url}/v1/encode", content=body, timeout=self.config.encoder_timeout_s,
+                headers={k: v for k, v in headers.items()
+                         if k.lower() in ("authorization", "content-type")})
+            ok = response.status_code == 200
+            if not ok:
+                logger.warning("encoder %s answered %d; the next worker encodes",
+                               url, response.status_code)
+        except Exception as exc:   # down, slow, reset: the next worker encodes itself
+            logger.warning("encoder %s failed (%r); the next worker encodes", url, exc)
+            ok = False
+        self.metrics.encoder_steps.labels("ok" if ok else "failed").inc()
+        return ok
 
     async def _disaggregated(self, path: str, payload: dict[str, Any], headers: dict[str, str],
                              features: RequestFeatures) -> tuple[httpx.Response, Replica, float]:

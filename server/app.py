@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from deepinfer.engine.config import MultiModalConfig
 from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.http_limits import APIKeyMiddleware, BodyLimitMiddleware, HTTPLimits
 from deepinfer.server.logprobs import TokenDecoder
@@ -101,13 +102,15 @@ class HTTPMetricsMiddleware:
 
 
 def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
-              cache_isolation: str = "none", limits: HTTPLimits = HTTPLimits()) -> FastAPI:
+              cache_isolation: str = "none", limits: HTTPLimits = HTTPLimits(),
+              media: MultiModalConfig = MultiModalConfig()) -> FastAPI:
     """The app for `engine` (an `AsyncLLM` or anything with its public surface).
 
     api_key: one key or several (each client its own); None = no authentication.
     cache_isolation: "none" (all requests share cached prefixes), "user" (salted by the
         request's `user` field) or "api-key" (salted by the bearer token); see `cache_salt`.
     limits: how slowly and how much a client may send (server.http_limits).
+    media: image part limits and remote fetching (server.media), for vision-language models.
     """
     if cache_isolation not in CACHE_ISOLATION_MODES:
         raise ValueError(f"cache_isolation={cache_isolation!r} is not one of "
@@ -115,7 +118,7 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
     api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     metrics = ServerMetrics(engine.get_stats, engine.model_name, engine.max_model_len)
     decode = TokenDecoder(engine.tokenizer)
-    chat = ChatServing(engine, metrics, decode)
+    chat = ChatServing(engine, metrics, decode, media)
     completion = CompletionServing(engine, metrics, decode)
     created = int(time.time())
 

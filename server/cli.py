@@ -115,9 +115,25 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "(default: on for CUDA, off for CPU)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
-    serve.add_argument("--role", choices=["both", "prefill", "decode"], default=keep,
+    serve.add_argument("--role", choices=["both", "prefill", "decode", "encoder"], default=keep,
                        help="prefill/decode disaggregation: 'prefill' stores prompt KV blocks for "
-                            "a decode worker, 'decode' loads them (default both)")
+                            "a decode worker, 'decode' loads them; 'encoder' runs only a "
+                            "vision-language model's image encoder and stores embeddings "
+                            "(default both)")
+    serve.add_argument("--mm-encoder-cache-gb", type=float, default=keep,
+                       help="memory for encoded images kept by content hash, GiB (default 0.25)")
+    serve.add_argument("--max-images-per-request", type=int, default=keep,
+                       help="more image parts in one request are a 400 (default 8)")
+    serve.add_argument("--max-image-bytes", type=int, default=keep,
+                       help="an image's size cap in bytes, inline or downloaded (default 20 MiB)")
+    serve.add_argument("--allow-remote-media", action=argparse.BooleanOptionalAction,
+                       default=keep, help="fetch http(s) image URLs (default on; off: data "
+                                          "URLs only)")
+    serve.add_argument("--allowed-media-domains", default=keep, metavar="HOSTS",
+                       help="comma-separated hosts remote images may come from, subdomains "
+                            "included (default: any)")
+    serve.add_argument("--media-fetch-timeout-s", type=float, default=keep,
+                       help="a remote image's download limit in seconds (default 10)")
     serve.add_argument("--kv-store", default=keep, metavar="URL",
                        help="KV block store shared as a prefix cache: memory (in-process, the "
                             "default), none, redis://[:password@]host:port/db or rediss://... "
@@ -270,6 +286,27 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _serve_encoder(config: Any, args: argparse.Namespace, key: Any, limits: Any) -> int:
+    """`--role encoder`: only the vision tower, behind POST /v1/encode (server.encoder_app)."""
+    try:
+        from deepinfer.engine.mm_worker import EncoderWorker
+        from deepinfer.server.encoder_app import build_encoder_app
+
+        worker = EncoderWorker(config)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"deepinfer: cannot start the encoder worker: {exc}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        app = build_encoder_app(worker, config.multimodal, api_key=key, limits=limits)
+        asyncio.run(_serve_http(app, args))
+    finally:
+        worker.shutdown()
+    print("deepinfer: stopped", flush=True)
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -289,6 +326,8 @@ def serve(args: argparse.Namespace) -> int:
     # default disposition would be ignored where the server runs as a container's PID 1.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
+    if config.kv_transfer.role == "encoder":
+        return _serve_encoder(config, args, key, limits)
     try:
         from deepinfer.engine.async_llm import AsyncLLM, freeze_startup_heap
         from deepinfer.server.app import build_app
@@ -305,7 +344,8 @@ def serve(args: argparse.Namespace) -> int:
     # instead of the process dying mid-cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = build_app(engine, api_key=key, cache_isolation=args.cache_isolation, limits=limits)
+    app = build_app(engine, api_key=key, cache_isolation=args.cache_isolation, limits=limits,
+                    media=config.multimodal)
     freeze_startup_heap()   # no collector pauses over the startup heap while serving
     try:
         asyncio.run(_serve_http(app, args))

@@ -39,6 +39,7 @@ class SubRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (see the engine)
+    mm_inputs: list | None = None           # the prompt's images (engine.multimodal)
 
 
 @dataclass
@@ -120,9 +121,10 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
         tracker, failed = metrics.tracker(), False
         client_hit = _prompt_cached_tokens(sub.kv_transfer_params)
         try:
+            images = {"mm_inputs": sub.mm_inputs} if sub.mm_inputs else {}
             stream = engine.generate(sub.prompt_token_ids, sub.params,
                                      f"{request_id}-{sub.index}",
-                                     kv_transfer_params=sub.kv_transfer_params)
+                                     kv_transfer_params=sub.kv_transfer_params, **images)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     tracker.observe(out)

@@ -88,6 +88,25 @@ class _EngineStatsCollector:
         kv_store = stats.kv_store
         if kv_store is not None:
             yield from self._kv_store_metrics(kv_store)
+        mm = getattr(stats, "mm_encoder", None)
+        if mm is not None:
+            yield from self._mm_encoder_metrics(mm)
+
+    def _mm_encoder_metrics(self, mm) -> Iterator[Metric]:
+        """A vision-language model's image encoder (engine/mm_encoder.py)."""
+        for name, doc, value in (
+                ("images_encoded", "Images run through the vision encoder.", mm.images_encoded),
+                ("cache_hits", "Image embeddings served by the encoder cache.", mm.cache_hits),
+                ("encode_seconds", "Seconds spent encoding images.", mm.encode_seconds),
+                ("store_hits", "Image embeddings loaded from the KV store.", mm.store_hits),
+                ("store_misses", "Image embeddings looked up in the KV store and encoded "
+                                 "instead (absent, corrupt or store down).", mm.store_misses),
+                ("store_corrupt", "Of the store misses: stored embeddings that failed their "
+                                  "checksum, version or layout check.", mm.store_corrupt),
+                ("store_saves", "Image embeddings written to the KV store.", mm.store_saves)):
+            yield self._counter(f"deepinfer:mm_encoder_{name}", doc, value)
+        yield self._gauge("deepinfer:mm_encoder_cache_bytes",
+                          "Bytes held by the encoder cache.", mm.cache_bytes)
 
     def _kv_store_metrics(self, kv: KVStoreStats) -> Iterator[Metric]:
         """The KV block store's traffic (engine/kv_transfer.py), when a store is configured."""

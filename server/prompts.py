@@ -22,6 +22,21 @@ from deepinfer.server.tools import ToolConfig, template_inputs
 _NON_TEXT_PARTS = {"image_url", "input_audio", "audio_url", "video_url", "file", "input_image"}
 
 
+def _content_parts(message: ChatMessage, index: int) -> list[dict[str, Any]]:
+    """A vision-language model's content: a list of {"type": "text", "text"} and
+    {"type": "image"} parts (its chat template renders the image markers)."""
+    if isinstance(message.content, list):
+        parts = []
+        for part in message.content:
+            if part.type in ("image_url", "input_image"):
+                parts.append({"type": "image"})
+            else:   # text or refusal; anything else gets `_flatten_content`'s 400
+                text = _flatten_content(message.model_copy(update={"content": [part]}), index)
+                parts.append({"type": "text", "text": text})
+        return parts
+    return [{"type": "text", "text": _flatten_content(message, index)}]
+
+
 def _flatten_content(message: ChatMessage, index: int) -> str:
     if message.content is None:
         if message.role != "assistant":   # only an assistant turn (tool calls) may omit it
@@ -55,8 +70,10 @@ def _flatten_content(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages -> the dicts chat templates expect (content as one string).
+def chat_template_messages(messages: list[ChatMessage], multimodal: bool = False
+                           ) -> list[dict[str, Any]]:
+    """OpenAI messages -> the dicts chat templates expect (content as one string; for a
+    `multimodal` model a list of text and image parts, as SmolVLM's template wants).
 
     `developer` (OpenAI's newer name for system) is passed as `system`, which templates know.
     """
@@ -67,8 +84,13 @@ def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     rendered = []
     for i, message in enumerate(messages):
         extra = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
-        content = _flatten_content(message, i)
-        check_unicode(content, f"messages.{i}.content")   # not its place in the template
+        if multimodal:
+            content = _content_parts(message, i)
+            for part in content:
+                check_unicode(part.get("text", ""), f"messages.{i}.content")
+        else:
+            content = _flatten_content(message, i)
+            check_unicode(content, f"messages.{i}.content")   # not its place in the template
         item = {**extra, "role": "system" if message.role == "developer" else message.role,
                 "content": content}
         if message.name is not None:
@@ -98,12 +120,16 @@ def check_text(text: str, tokenizer: Any, max_model_len: int, param: str) -> Non
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], max_model_len: int,
-                    tools: ToolConfig | None = None) -> list[int]:
+                    tools: ToolConfig | None = None, mm_processor: Any = None,
+                    images: list | None = None) -> list[int]:
     """Render the chat template with a generation prompt and encode it (no second BOS).
 
-    `tools` (server.tools) puts the offered functions and the tool turns into the prompt."""
-    conversation, template_kwargs = template_inputs(tokenizer, chat_template_messages(messages),
-                                                    tools)
+    `tools` (server.tools) puts the offered functions and the tool turns into the prompt.
+    `mm_processor` (a vision-language model's `engine.mm_processor.MultiModalProcessor`):
+    content goes to the template as parts, and each image marker is expanded into the
+    placeholder tokens of `images` (their `ProcessedImage`s, in prompt order)."""
+    conversation, template_kwargs = template_inputs(
+        tokenizer, chat_template_messages(messages, multimodal=mm_processor is not None), tools)
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                              tokenize=False, **template_kwargs)
@@ -111,6 +137,11 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], max_model_len: 
         raise APIError(f"The model's chat template rejected these messages: {exc}. Adjust the "
                        "conversation (roles, order) or use /v1/completions with a raw prompt.",
                        param="messages", code="invalid_messages") from None
+    if mm_processor is not None:
+        try:
+            text = mm_processor.expand(text, images or [])
+        except ValueError as exc:
+            raise APIError(str(exc), param="messages", code="invalid_value") from None
     check_text(text, tokenizer, max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=False))
 

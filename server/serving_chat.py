@@ -14,9 +14,11 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request, Response
 
+from deepinfer.engine.config import MultiModalConfig
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server import generation as gen
 from deepinfer.server.errors import APIError
+from deepinfer.server.media import load_images, process_images
 from deepinfer.server.logprobs import TokenDecoder, chat_logprobs, shown_logprobs
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.prompts import chat_prompt_ids
@@ -38,10 +40,22 @@ def _finish_reason(reason: str | None, tools: ToolConfig | None, num_calls: int)
 
 
 class ChatServing:
-    def __init__(self, engine: Any, metrics: ServerMetrics, decode: TokenDecoder) -> None:
+    def __init__(self, engine: Any, metrics: ServerMetrics, decode: TokenDecoder,
+                 media: MultiModalConfig = MultiModalConfig()) -> None:
         self.engine = engine
         self.metrics = metrics
         self.decode = decode
+        self.media = media   # image part limits (server.media)
+        # a vision-language model's processor (engine.mm_processor), None for text-only
+        self.mm_processor = getattr(engine, "mm_processor", None)
+
+    async def _images(self, req: ChatCompletionRequest) -> list | None:
+        """The request's images, fetched and preprocessed (`ProcessedImage`s), or None for a
+        text-only model (whose prompt code then refuses image parts with a 400)."""
+        if self.mm_processor is None:
+            return None
+        loaded = await load_images(req.messages, self.media)
+        return await asyncio.to_thread(process_images, self.mm_processor, loaded)
 
     async def _constraint(self, req: ChatCompletionRequest,
                           tools: ToolConfig | None) -> dict[str, Any] | None:
@@ -65,15 +79,23 @@ class ChatServing:
         kwargs, asked_max_tokens = chat_kwargs(req)
         tools = tool_config(req)
         kwargs["so_args"] = await self._constraint(req, tools)
+        images = await self._images(req)
         # tokenizing a long prompt takes a while: keep the event loop serving others
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer,
-                                             req.messages, self.engine.max_model_len, tools)
+                                             req.messages, self.engine.max_model_len, tools,
+                                             self.mm_processor, images)
+        mm_inputs = None
+        if images:
+            try:
+                mm_inputs = self.mm_processor.place(prompt_ids, images)
+            except ValueError as exc:
+                raise APIError(str(exc), param="messages", code="invalid_value") from None
         max_tokens = fit_max_tokens(asked_max_tokens, len(prompt_ids), self.engine.max_model_len,
                                     prompt_param="messages")
         params = build_params(kwargs, max_tokens)
         n = req.n or 1
         handoff = check_kv_transfer_params(req, n)
-        subs = [gen.SubRequest(i, prompt_ids, p, handoff)
+        subs = [gen.SubRequest(i, prompt_ids, p, handoff, mm_inputs)
                 for i, p in enumerate(params.fan_out(n))]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await gen.respond(

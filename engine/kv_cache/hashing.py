@@ -44,8 +44,8 @@ def salt_bytes(cache_salt: str | None) -> bytes:
 
 
 def extend_block_hashes(block_hashes: list[int], token_ids_of, num_tokens: int,
-                        block_size: int, extra: bytes = b"", cache_salt: str | None = None
-                        ) -> None:
+                        block_size: int, extra: bytes = b"", cache_salt: str | None = None,
+                        mm_extra_of=None) -> None:
     """Append the hashes of every block made full by the first `num_tokens` tokens.
 
     Args:
@@ -53,10 +53,14 @@ def extend_block_hashes(block_hashes: list[int], token_ids_of, num_tokens: int,
         token_ids_of: callable (start, end) -> token ids [start, end).
         num_tokens: tokens whose ids are known.
         cache_salt: mixed into the first block's hash (None = unsalted, shared by all).
+        mm_extra_of: callable (start, end) -> bytes naming the images whose placeholder
+            tokens lie in [start, end) (`engine.multimodal.block_mm_extra`), or None.
     """
     parent = block_hashes[-1] if block_hashes else ROOT_HASH
     for index in range(len(block_hashes), num_tokens // block_size):
         start = index * block_size
         block_extra = extra + salt_bytes(cache_salt) if index == 0 else extra
+        if mm_extra_of is not None:
+            block_extra += mm_extra_of(start, start + block_size)
         parent = hash_block_tokens(parent, token_ids_of(start, start + block_size), block_extra)
         block_hashes.append(parent)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from deepinfer.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from deepinfer.engine.kv_cache.hashing import extend_block_hashes
+from deepinfer.engine.multimodal import block_mm_extra
 from deepinfer.engine.request import Request
 
 
@@ -50,8 +51,11 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
+        images = request.mm_inputs
         extend_block_hashes(request.block_hashes, request.token_ids_slice, num_tokens,
-                            self.block_size, self.hash_extra, request.cache_salt)
+                            self.block_size, self.hash_extra, request.cache_salt,
+                            (lambda start, end: block_mm_extra(images, start, end))
+                            if images else None)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest prefix of the request's full blocks found in the cache.

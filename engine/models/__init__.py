@@ -15,6 +15,10 @@ import importlib
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("deepinfer.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("deepinfer.engine.models.llama", "Qwen2ForCausalLM"),
+    "Idefics3ForConditionalGeneration": ("deepinfer.engine.models.idefics3",
+                                         "Idefics3ForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("deepinfer.engine.models.llava",
+                                      "LlavaForConditionalGeneration"),
     "DeepseekV2ForCausalLM": ("deepinfer.engine.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepinfer.engine.models.deepseek", "DeepseekV3ForCausalLM"),
 }

@@ -168,8 +168,8 @@ class LlamaForCausalLM(CausalLMLogits, nn.Module):
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata
-                ) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One varlen step.
 
         Args:
@@ -178,10 +178,12 @@ class LlamaForCausalLM(CausalLMLogits, nn.Module):
             kv_caches: num_layers tensors [2, num_blocks, block_size, num_kv_heads, head_dim]
                 of the model dtype; this step's K/V are written into them.
             attn_metadata: the step's varlen batch description.
+            inputs_embeds: [num_tokens, hidden_size] input embeddings to use instead of
+                `embed_tokens(input_ids)` (a multimodal model's image rows put in place).
         Returns:
             [num_tokens, hidden_size] final-norm hidden states, model dtype.
         """
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
