@@ -188,6 +188,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0            # of which served from cache (counter)
     num_preemptions: int = 0              # counter
     kv_store: "KVStoreStats | None" = None  # None when no KV store is configured
+    # attention data parallelism: each rank's own (engine/dp_scheduler.py); None with one rank
+    per_rank: "list[SchedulerStats] | None" = None
 
 
 @dataclass

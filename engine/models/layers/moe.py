@@ -45,6 +45,9 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size,
                                            dtype=dtype), requires_grad=False)
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
+        # engine/moe/expert_parallel.py: this layer's slice of the experts over the EP ranks,
+        # its replicas and load counter (None: all experts here, no EP)
+        self.expert_parallel = None
 
     def expert_weight(self, logical_expert: int, projection: str) -> torch.Tensor:
         """The physical weight slice an HF expert tensor loads into.
@@ -65,6 +68,8 @@ class MoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum, same shape/dtype."""
+        if self.expert_parallel is not None:
+            return self.expert_parallel.forward(self, hidden)
         router_logits = hidden.float() @ self.gate_weight.T  # [T, num_experts] float32
         topk_weights, topk_ids = select_experts(router_logits, self.routing,
                                                 self.e_score_correction_bias)
