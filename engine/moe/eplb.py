@@ -28,7 +28,9 @@ import torch
 
 __all__ = ["rebalance_experts", "balancedness", "pack_balanced", "replicate_experts"]
 
-SWAP_ROUNDS = 64  # refinement rounds of the packing; each makes <= 1 swap per row
+PAIR_ROUNDS = 16  # refinement rounds pairing heavy with light packs (many swaps per row each)
+SWAP_ROUNDS = 24  # then rounds of the heaviest pack against all others (<= 1 swap per row)
+NEAR_OPTIMAL = 2e-4  # stop refining a row this close (relative) to its lower bound
 
 
 def replicate_experts(weight: torch.Tensor, num_physical: int
@@ -48,15 +50,24 @@ def replicate_experts(weight: torch.Tensor, num_physical: int
     if num_physical < num_logical:
         raise ValueError(f"{num_physical} physical experts cannot hold {num_logical} logical "
                          "ones; give at least one replica per expert.")
+    extra = num_physical - num_logical
     phy2log = torch.arange(num_physical, dtype=torch.int64).repeat(rows, 1)
     rank = torch.zeros(rows, num_physical, dtype=torch.int64)
     count = torch.ones(rows, num_logical, dtype=torch.int64)
-    row_ids = torch.arange(rows)
-    for slot in range(num_logical, num_physical):
-        hottest = (weight / count).argmax(dim=-1)
-        phy2log[:, slot] = hottest
-        rank[:, slot] = count[row_ids, hottest]
-        count[row_ids, hottest] += 1
+    if extra == 0:
+        return phy2log, rank, count
+    # The greedy gives expert e its (c+1)-th replica when w_e / c is the largest load per
+    # replica left; w_e / c falls with c, so its picks are the `extra` largest of all
+    # {w_e / c : c = 1..extra} at once (ties: lower expert first, as the greedy's argmax).
+    per_replica = weight[:, :, None] / torch.arange(1, extra + 1, dtype=weight.dtype)
+    picks = per_replica.view(rows, -1).topk(extra, dim=-1, sorted=True).indices
+    experts = picks // extra                                          # [rows, extra]
+    count += torch.zeros_like(count).scatter_add_(1, experts, torch.ones_like(experts))
+    experts = experts.sort(dim=-1, stable=True).values               # replicas by expert
+    phy2log[:, num_logical:] = experts
+    first = torch.cumsum(count - 1, dim=-1) - (count - 1)            # start of e's extras
+    rank[:, num_logical:] = (torch.arange(extra).expand(rows, extra) - first.gather(1, experts)
+                             + 1)
     return phy2log, rank, count
 
 
@@ -79,6 +90,40 @@ def _round_pack(weight: torch.Tensor, num_packs: int) -> torch.Tensor:
     return members
 
 
+def _pair_swaps(weight_members: torch.Tensor, members: torch.Tensor) -> None:
+    """Fast phase of the refinement, in place: each round pairs the i-th heaviest pack with the
+    i-th lightest (disjoint pairs) and makes, in every pair, the one exchange of an item that
+    lowers the pair's larger load most (if any). No pack's load rises above its pair's old
+    maximum, so the heaviest pack never gets heavier."""
+    rows, num_packs, per_pack = members.shape
+    half = num_packs // 2
+    m, mw = members.view(rows, -1), weight_members.view(rows, -1)
+    offsets = torch.arange(per_pack)
+    for _ in range(PAIR_ROUNDS):
+        load = weight_members.sum(dim=-1)                               # [rows, P]
+        order = load.argsort(dim=-1, descending=True)
+        hi, lo = order[:, :half], order[:, num_packs - half:].flip(-1)  # [rows, half]
+        pos_hi = (hi[..., None] * per_pack + offsets).view(rows, -1)    # [rows, half * k]
+        pos_lo = (lo[..., None] * per_pack + offsets).view(rows, -1)
+        w_hi = mw.gather(1, pos_hi).view(rows, half, per_pack)
+        w_lo = mw.gather(1, pos_lo).view(rows, half, per_pack)
+        load_hi, load_lo = load.gather(1, hi), load.gather(1, lo)
+        delta = w_hi[..., :, None] - w_lo[..., None, :]                 # [rows, half, k, k]
+        new_max = torch.maximum(load_hi[..., None, None] - delta, load_lo[..., None, None] + delta)
+        best, flat = new_max.view(rows, half, -1).min(dim=-1)
+        ok = best < load_hi * (1 - 1e-6)
+        if not bool(ok.any()):
+            return
+        pos_a = (hi * per_pack + flat // per_pack)                      # [rows, half]
+        pos_b = (lo * per_pack + flat % per_pack)
+        item_a, item_b = m.gather(1, pos_a), m.gather(1, pos_b)
+        w_a, w_b = mw.gather(1, pos_a), mw.gather(1, pos_b)
+        m.scatter_(1, pos_a, torch.where(ok, item_b, item_a))
+        m.scatter_(1, pos_b, torch.where(ok, item_a, item_b))
+        mw.scatter_(1, pos_a, torch.where(ok, w_b, w_a))
+        mw.scatter_(1, pos_b, torch.where(ok, w_a, w_b))
+
+
 def _refine_by_swaps(weight: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
     """Lower each row's heaviest pack by single item exchanges with other packs: each round,
     every row still improving makes the exchange between its heaviest pack and any other pack
@@ -90,6 +135,10 @@ def _refine_by_swaps(weight: torch.Tensor, members: torch.Tensor) -> torch.Tenso
     if per_pack == 1 or num_packs == 1:
         return members
     member_w = weight.gather(1, members.view(rows, -1)).view(rows, num_packs, per_pack)
+    _pair_swaps(member_w, members)
+    # a row whose heaviest pack is within NEAR_OPTIMAL of the lower bound (the mean pack
+    # load, or the heaviest item) is done
+    bound = torch.maximum(weight.sum(-1) / num_packs, weight.max(-1).values) * (1 + NEAR_OPTIMAL)
     active = torch.arange(rows)
     for _ in range(SWAP_ROUNDS):
         idx = torch.arange(active.numel())
@@ -102,7 +151,7 @@ def _refine_by_swaps(weight: torch.Tensor, members: torch.Tensor) -> torch.Tenso
                                 load[:, :, None, None] + delta)     # [a, P, k, k]
         new_max[idx, heavy] = float("inf")
         best, flat = new_max.view(active.numel(), -1).min(dim=-1)
-        keep = best < heavy_load * (1 - 1e-6)
+        keep = (best < heavy_load * (1 - 1e-6)) & (heavy_load > bound[active])
         active, flat, heavy = active[keep], flat[keep], heavy[keep]
         if active.numel() == 0:
             break
