@@ -88,7 +88,7 @@ class MultiProcExecutor:
         port = parallel.master_port or free_port(parallel.master_addr)
         world = parallel.data_parallel_size
         ctx = mp.get_context("spawn")
-        self.processes, self.conns = [], []
+        self.processes, self.conns, self.dead = [], [], False
         for rank in range(world):
             parent, child = ctx.Pipe()
             args = WorkerArgs(config, str(model_dir), device.type, str(dtype).split(".")[-1],
@@ -113,6 +113,13 @@ class MultiProcExecutor:
 
     def _collect(self, what: str) -> list:
         """Each rank's answer; EngineDeadError when a rank dies, fails or is late."""
+        try:
+            return self._answers(what)
+        except EngineDeadError:
+            self.dead = True   # the others may sit in a collective: shutdown kills them
+            raise
+
+    def _answers(self, what: str) -> list:
         answers: dict[int, object] = {}
         deadline = time.monotonic() + self.timeout_s
         while len(answers) < len(self.conns):
@@ -149,6 +156,7 @@ class MultiProcExecutor:
             try:
                 conn.send(message)
             except (BrokenPipeError, ConnectionError, EOFError):
+                self.dead = True
                 raise EngineDeadError(f"rank {rank} (pid {self.processes[rank].pid}) is gone "
                                       f"(exit code {self.processes[rank].exitcode}); the engine "
                                       "stops.") from None
@@ -179,7 +187,7 @@ class MultiProcExecutor:
             except (OSError, ValueError):
                 pass
         for process in self.processes:
-            process.join(5)
+            process.join(0 if self.dead else 5)
             if process.is_alive():
                 process.kill()
                 process.join(5)

@@ -118,9 +118,14 @@ class ExpertParallelMoE:
 
     def forward(self, moe, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size] -> the routed experts' weighted sum [T, hidden_size]."""
-        router_logits = hidden.float() @ moe.gate_weight.T
-        topk_weights, topk_ids = select_experts(router_logits, moe.routing,
-                                                moe.e_score_correction_bias)
+        if hidden.shape[0] == 0:   # an idle rank: no routing (grouped top-k needs rows)
+            top_k = moe.routing.top_k
+            topk_weights = torch.empty(0, top_k, dtype=torch.float32, device=hidden.device)
+            topk_ids = torch.empty(0, top_k, dtype=torch.int64, device=hidden.device)
+        else:
+            router_logits = hidden.float() @ moe.gate_weight.T
+            topk_weights, topk_ids = select_experts(router_logits, moe.routing,
+                                                    moe.e_score_correction_bias)
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         self.load.index_add_(0, flat_ids, torch.ones_like(flat_ids))

@@ -25,8 +25,8 @@ from deepinfer.engine.moe.gating import select_experts
 from deepinfer.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-PROMPTS = [list(range(300, 300 + n)) for n in (3, 11, 6, 17, 1, 8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [list(range(300 + 7 * n, 300 + 8 * n)) for n in (3, 11, 6, 17, 1)]
 BASE = dict(dtype="float32", device="cpu", block_size=4, num_blocks=64, max_num_seqs=4,
             max_num_batched_tokens=24)
 
@@ -114,7 +114,7 @@ def test_two_ranks_dp_ep_match_one_process_and_a_dead_rank_stops_the_engine(
     try:
         tokens, ranks = _generate_on_core(core, PROMPTS, GREEDY)
         assert tokens == reference_tokens
-        assert sorted(set(ranks)) == [0, 1] and ranks.count(0) == 3   # least-loaded spread
+        assert ranks == [0, 1, 0, 1, 0]   # the least loaded (then the lowest) rank
         placements = core.executor.call("expert_placement")
         assert torch.equal(placements[0], placements[1])             # one placement
         assert min(core.executor.call("num_rebalances")) >= 2
