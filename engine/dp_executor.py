@@ -42,6 +42,7 @@ from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 # NVLink multicast / symmetric memory stay off in every rank (the lent machines' rule)
+STARTUP_TIMEOUT_S = 1800.0   # loading a large checkpoint on every rank takes minutes
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
              "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -100,7 +101,7 @@ class MultiProcExecutor:
             self.processes.append(process)
             self.conns.append(parent)
         try:
-            ready = self._collect("start")
+            ready = self._collect("start", STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
@@ -111,24 +112,24 @@ class MultiProcExecutor:
         logger.info("%d ranks up (pids %s), KV blocks per rank %s", world,
                     [p.pid for p in self.processes], self.num_blocks_per_rank)
 
-    def _collect(self, what: str) -> list:
-        """Each rank's answer; EngineDeadError when a rank dies, fails or is late."""
+    def _collect(self, what: str, timeout_s: float | None = None) -> list:
+        """Each rank's answer; EngineDeadError when a rank dies, fails or is late (after
+        `timeout_s`, default rank_timeout_s)."""
         try:
-            return self._answers(what)
+            return self._answers(what, timeout_s or self.timeout_s)
         except EngineDeadError:
             self.dead = True   # the others may sit in a collective: shutdown kills them
             raise
 
-    def _answers(self, what: str) -> list:
+    def _answers(self, what: str, timeout_s: float) -> list:
         answers: dict[int, object] = {}
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(answers) < len(self.conns):
             pending = [r for r in range(len(self.conns)) if r not in answers]
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineDeadError(f"rank {pending[0]} did not finish {what} within "
-                                      f"{self.timeout_s:.0f} s (rank_timeout_s); the engine "
-                                      "stops.")
+                                      f"{timeout_s:.0f} s; the engine stops.")
             ready = wait([self.conns[r] for r in pending]
                          + [self.processes[r].sentinel for r in pending], timeout=left)
             for rank in pending:
@@ -139,6 +140,7 @@ class MultiProcExecutor:
                     except EOFError:
                         status, payload = "died", None
                     if status == "error":
+                        self._raise_if_a_rank_died(what, grace_s=2.0)   # the likely cause
                         raise EngineDeadError(f"rank {rank} failed during {what}: {payload}")
                     if status == "ok":
                         answers[rank] = payload
@@ -150,6 +152,16 @@ class MultiProcExecutor:
                         f"rank {rank} (pid {process.pid}) exited with code {process.exitcode} "
                         f"during {what}; the engine stops (restart it).")
         return [answers[r] for r in range(len(self.conns))]
+
+    def _raise_if_a_rank_died(self, what: str, grace_s: float) -> None:
+        """A collective fails on the surviving ranks when a peer dies: name the dead one."""
+        wait([p.sentinel for p in self.processes], timeout=grace_s)
+        for rank, process in enumerate(self.processes):
+            if not process.is_alive():
+                process.join(1)
+                raise EngineDeadError(
+                    f"rank {rank} (pid {process.pid}) exited with code {process.exitcode} "
+                    f"during {what}; the engine stops (restart it).")
 
     def _send(self, messages: list) -> None:
         for rank, (conn, message) in enumerate(zip(self.conns, messages)):
