@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from deepinfer.kernels.settings import KernelConfig
 
 __all__ = ["CacheConfig", "ConfigError", "EngineConfig", "KVTransferConfig", "KernelConfig",
-           "ModelConfig", "ParallelConfig", "SchedulerConfig", "apply_blas_determinism", "config_from",
-           "engine_flags", "env_overrides", "server_env"]
+           "ModelConfig", "ParallelConfig", "SchedulerConfig", "apply_blas_determinism",
+           "config_from", "engine_flags", "env_overrides", "server_env"]
 
 
 def _field(default, *, env: str | None = None, flag: str | None = None,
@@ -304,8 +304,7 @@ class EngineConfig:
                 raise TypeError(f"unknown engine option {name!r}; options are the fields of "
                                 "ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, "
                                 "KernelConfig and ParallelConfig (engine/config.py), e.g. "
-                                "max_model_len, "
-                                "block_size, max_num_seqs")
+                                "max_model_len, block_size, max_num_seqs")
             sections.setdefault(section, {})[name] = value
         return self.replace(**sections)
 
