@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from deepinfer.kernels.settings import KernelConfig
 
 __all__ = ["CacheConfig", "ConfigError", "EngineConfig", "KVTransferConfig", "KernelConfig",
-           "ModelConfig", "MultiModalConfig", "SchedulerConfig", "apply_blas_determinism", "config_from",
-           "engine_flags", "env_overrides", "server_env"]
+           "ModelConfig", "MultiModalConfig", "ParallelConfig", "SchedulerConfig",
+           "apply_blas_determinism", "config_from", "engine_flags", "env_overrides", "server_env"]
 
 
 def _field(default, *, env: str | None = None, flag: str | None = None,
@@ -248,6 +248,69 @@ class MultiModalConfig:
     def domains(self) -> tuple[str, ...]:
         return tuple(d.strip().lower() for d in self.allowed_media_domains.split(",")
                      if d.strip())
+class ParallelConfig:
+    """Attention data parallelism, expert parallelism and EPLB (engine/dp_executor.py,
+    engine/moe/expert_parallel.py, engine/moe/eplb.py).
+
+    data_parallel_size: worker processes (ranks); each attends for its own requests with its
+        own KV cache and scheduler state. 1 runs the model in the engine's process.
+    enable_expert_parallel: split the routed experts of MoE layers over the ranks (tokens
+        travel to the rank holding their expert and back, all_to_all); with 1 rank the same
+        code path runs locally (placement, replicas, load counters).
+    enable_eplb: rebalance the experts' physical placement from recent routing loads every
+        `eplb_interval_steps` steps (needs enable_expert_parallel).
+    num_redundant_experts: extra physical expert slots per MoE layer (replicas of hot
+        experts); num_experts + this must divide by the number of ranks.
+    eplb_window_steps: steps of routing load the balancer looks at (sliding window).
+    eplb_interval_steps: steps between rebalances.
+    master_addr, master_port: the rendezvous of the ranks' process group (as torchrun's
+        MASTER_ADDR/PORT); port 0 picks a free one (one node only).
+    num_nodes, node_rank: several nodes join the same rendezvous; each node runs
+        data_parallel_size / num_nodes ranks (global ranks node_rank * that + local rank).
+    rank_timeout_s: a rank that does not answer (or a collective that does not finish) in
+        this many seconds ends the engine with an error.
+    """
+
+    data_parallel_size: int = _field(1, env="DEEPINFER_DATA_PARALLEL_SIZE",
+                                     flag="data_parallel_size")
+    enable_expert_parallel: bool = _field(False, env="DEEPINFER_ENABLE_EXPERT_PARALLEL",
+                                          flag="enable_expert_parallel")
+    enable_eplb: bool = _field(False, env="DEEPINFER_ENABLE_EPLB", flag="enable_eplb")
+    num_redundant_experts: int = _field(0, env="DEEPINFER_NUM_REDUNDANT_EXPERTS",
+                                        flag="num_redundant_experts")
+    eplb_window_steps: int = _field(1000, env="DEEPINFER_EPLB_WINDOW_STEPS")
+    eplb_interval_steps: int = _field(3000, env="DEEPINFER_EPLB_INTERVAL_STEPS")
+    master_addr: str = _field("127.0.0.1", env="DEEPINFER_MASTER_ADDR")
+    master_port: int = _field(0, env="DEEPINFER_MASTER_PORT")
+    num_nodes: int = _field(1, env="DEEPINFER_NUM_NODES")
+    node_rank: int = _field(0, env="DEEPINFER_NODE_RANK")
+    rank_timeout_s: float = _field(120.0, env="DEEPINFER_RANK_TIMEOUT_S")
+
+    def __post_init__(self) -> None:
+        _check("data_parallel_size", self.data_parallel_size >= 1,
+               f"data_parallel_size={self.data_parallel_size} must be >= 1.")
+        _check("num_redundant_experts", self.num_redundant_experts >= 0,
+               f"num_redundant_experts={self.num_redundant_experts} must be >= 0.")
+        _check("enable_eplb", not self.enable_eplb or self.enable_expert_parallel,
+               "enable_eplb moves experts between EP ranks; also give "
+               "--enable-expert-parallel.")
+        _check("num_redundant_experts",
+               self.num_redundant_experts == 0 or self.enable_expert_parallel,
+               "num_redundant_experts places expert replicas on EP ranks; also give "
+               "--enable-expert-parallel.")
+        _check("eplb_window_steps", self.eplb_window_steps >= 1,
+               "eplb_window_steps must be >= 1.")
+        _check("eplb_interval_steps", self.eplb_interval_steps >= 1,
+               "eplb_interval_steps must be >= 1.")
+        _check("num_nodes", self.num_nodes >= 1 and self.data_parallel_size % self.num_nodes
+               == 0, f"num_nodes={self.num_nodes} must be >= 1 and divide "
+               f"data_parallel_size={self.data_parallel_size}.")
+        _check("node_rank", 0 <= self.node_rank < self.num_nodes,
+               f"node_rank={self.node_rank} must be in [0, num_nodes={self.num_nodes}).")
+        _check("master_port", 0 <= self.master_port < 65536 and (
+            self.master_port or self.num_nodes == 1),
+            "master_port must be a port number, and fixed (not 0) with several nodes.")
+        _check("rank_timeout_s", self.rank_timeout_s > 0, "rank_timeout_s must be > 0.")
 
 
 @dataclass(frozen=True)
@@ -260,6 +323,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def replace(self, **sections: dict) -> "EngineConfig":
         """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""
@@ -281,9 +345,9 @@ class EngineConfig:
                            None)
             if section is None:
                 raise TypeError(f"unknown engine option {name!r}; options are the fields of "
-                                "ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig "
-                                "and KernelConfig (engine/config.py), e.g. max_model_len, "
-                                "block_size, max_num_seqs")
+                                "ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, "
+                                "KernelConfig and ParallelConfig (engine/config.py), e.g. "
+                                "max_model_len, block_size, max_num_seqs")
             sections.setdefault(section, {})[name] = value
         return self.replace(**sections)
 

@@ -23,8 +23,10 @@ import torch
 from deepinfer.engine import loader
 from deepinfer.engine.async_step import needs_sync_steps
 from deepinfer.engine.config import EngineConfig, ModelConfig
-from deepinfer.engine.errors import PromptTooLongError, outside_vocabulary
-from deepinfer.engine.executor import Executor, RunnerOutputFuture, UniProcExecutor
+from deepinfer.engine.dp_executor import build_executor
+from deepinfer.engine.dp_scheduler import DPScheduler
+from deepinfer.engine.errors import EngineDeadError, PromptTooLongError, outside_vocabulary
+from deepinfer.engine.executor import Executor, RunnerOutputFuture
 from deepinfer.engine.fault_isolation import FaultIsolation
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
@@ -104,13 +106,14 @@ class EngineCore:
         hf_config = hf_config.get_text_config()
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
-        if model is None:
+        data_parallel = config.parallel.data_parallel_size > 1
+        if model is None and not data_parallel:   # with DP each rank loads its own
             model = loader.load_model(self.model_dir, dtype, device)
         self.structured_output = grammar_manager(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             config.model.structured_outputs_backend)
-        self.executor: Executor = UniProcExecutor(config, model, device, dtype,
-                                                  self.eos_token_ids, self.structured_output)
+        self.executor: Executor = build_executor(config, model, self.model_dir, device, dtype,
+                                                 self.eos_token_ids, self.structured_output)
         cache, num_blocks = config.cache, self.executor.num_blocks
         self.max_model_len = self._max_model_len(hf_config, num_blocks * cache.block_size)
         self.executor.warm_up(config.scheduler.max_num_seqs, self.max_model_len)
@@ -121,10 +124,15 @@ class EngineCore:
             num_blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint),
             save_kv_blocks=isinstance(self.kv_transfer, KVTransfer)
             and config.kv_transfer.role != "decode")
+        if data_parallel:   # one scheduler and KV cache manager per rank (dp_scheduler.py)
+            self.scheduler = DPScheduler([Scheduler(config.scheduler, KVCacheManager(
+                blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint))
+                for blocks in self.executor.num_blocks_per_rank])
         self.output_processor = OutputProcessor(self.tokenizer)
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:  # default: on where the device runs apart from the host
             async_scheduling = device.type == "cuda"
+        async_scheduling = async_scheduling and not data_parallel   # ranks step blocking
         self.async_scheduling = async_scheduling
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
@@ -139,6 +147,11 @@ class EngineCore:
         """The KV store bridge, or a stand-in when there is no store (or no prefix caching:
         block hashes are the store's keys)."""
         config = self.config.kv_transfer
+        if self.config.parallel.data_parallel_size > 1:
+            if config.role != "both":
+                raise ValueError("prefill/decode roles need the KV store bridge, which data "
+                                 "parallelism does not support; use data_parallel_size=1.")
+            return NoKVTransfer()   # no KV store with DP (each rank its own cache)
         if not config.enabled:
             return NoKVTransfer()
         if not self.config.cache.enable_prefix_caching:
@@ -287,6 +300,8 @@ class EngineCore:
                 self._launch(scheduler_output)
             overlapping = scheduler_output is not None and self._in_flight[-1].non_block
             resolved = self._resolve(keep=1 if overlapping else 0)
+        except EngineDeadError:
+            raise   # a worker rank is gone: nothing to retry
         except Exception as error:   # noqa: BLE001 - one request's failure, not the engine's
             resolved, outputs = [], self._step_failed(error)
         else:

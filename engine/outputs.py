@@ -190,6 +190,8 @@ class SchedulerStats:
     num_preemptions: int = 0              # counter
     kv_store: "KVStoreStats | None" = None  # None when no KV store is configured
     mm_encoder: "MMEncoderStats | None" = None  # None for a text-only model
+    # attention data parallelism: each rank's own (engine/dp_scheduler.py); None with one rank
+    per_rank: "list[SchedulerStats] | None" = None
 
 
 @dataclass

@@ -115,6 +115,15 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "(default: on for CUDA, off for CPU)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
+    serve.add_argument("--data-parallel-size", type=int, default=keep, metavar="N",
+                       help="attention data parallelism: N worker processes, each with its own "
+                            "requests and KV cache (default 1)")
+    serve.add_argument("--enable-expert-parallel", action="store_true", default=keep,
+                       help="split MoE routed experts over the ranks (all-to-all dispatch)")
+    serve.add_argument("--enable-eplb", action="store_true", default=keep,
+                       help="rebalance expert placement from recent routing loads (EPLB)")
+    serve.add_argument("--num-redundant-experts", type=int, default=keep, metavar="R",
+                       help="extra physical expert slots per MoE layer for EPLB (default 0)")
     serve.add_argument("--role", choices=["both", "prefill", "decode", "encoder"], default=keep,
                        help="prefill/decode disaggregation: 'prefill' stores prompt KV blocks for "
                             "a decode worker, 'decode' loads them; 'encoder' runs only a "

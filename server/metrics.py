@@ -107,6 +107,22 @@ class _EngineStatsCollector:
             yield self._counter(f"deepinfer:mm_encoder_{name}", doc, value)
         yield self._gauge("deepinfer:mm_encoder_cache_bytes",
                           "Bytes held by the encoder cache.", mm.cache_bytes)
+        if stats.per_rank:
+            yield from self._per_rank_metrics(stats.per_rank)
+
+    def _per_rank_metrics(self, per_rank: list[SchedulerStats]) -> Iterator[Metric]:
+        """Attention data parallelism: each rank's own requests and KV cache (label dp_rank)."""
+        for name, doc, attr in (
+                ("num_requests_running", "Requests in the running batch of one DP rank.",
+                 "num_running_reqs"),
+                ("num_requests_waiting", "Requests waiting on one DP rank.", "num_waiting_reqs"),
+                ("kv_cache_usage_perc", "Fraction of one DP rank's KV cache blocks in use "
+                                        "(0..1).", "kv_cache_usage")):
+            family = GaugeMetricFamily(f"deepinfer:dp_rank_{name}", doc,
+                                       labels=["model_name", "dp_rank"])
+            for rank, stats in enumerate(per_rank):
+                family.add_metric(self._labels + [str(rank)], getattr(stats, attr))
+            yield family
 
     def _kv_store_metrics(self, kv: KVStoreStats) -> Iterator[Metric]:
         """The KV block store's traffic (engine/kv_transfer.py), when a store is configured."""

@@ -1,2 +1,3 @@
-"""Mixture-of-Experts routing (gating: top-k and grouped top-k); dispatch/combine across EP
-ranks and EPLB land here later. Light: importing the package imports nothing heavy."""
+"""Mixture-of-Experts: routing (gating.py: top-k and grouped top-k), expert parallelism
+(expert_parallel.py: placement, all-to-all dispatch/combine, load counters) and the load
+balancer (eplb.py: `rebalance_experts`). Light: importing the package imports nothing heavy."""

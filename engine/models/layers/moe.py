@@ -54,6 +54,9 @@ class MoE(nn.Module):
         # FP8 experts (`quantize_experts_fp8`): [E, rows / 128, cols / 128] float32 block scales
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
+        # engine/moe/expert_parallel.py: this layer's slice of the experts over the EP ranks,
+        # its replicas and load counter (None: all experts here, no EP)
+        self.expert_parallel = None
 
     @torch.no_grad()
     def quantize_experts_fp8(self, block: int = 128) -> None:
@@ -96,6 +99,8 @@ class MoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum, same shape/dtype."""
+        if self.expert_parallel is not None:
+            return self.expert_parallel.forward(self, hidden)
         router_logits = hidden.float() @ self.gate_weight.T  # [T, num_experts] float32
         topk_weights, physical_ids = select_experts(  # [T, top_k] each
             router_logits, self.routing, self.e_score_correction_bias,

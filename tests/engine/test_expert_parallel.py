@@ -1,0 +1,153 @@
+"""Expert parallelism, EPLB and attention data parallelism on CPU (gloo), on a tiny random
+DeepSeek-V3 (tests/engine/deepseek_configs.py: 8 routed experts, top-2, noaux_tc routing with 4
+groups, a dense first layer, shared experts), float32, greedy.
+
+Every configuration must give the tokens of the plain one-process engine: one process with the
+EP code path (redundant experts, a rebalance mid-generation); 2 ranks and 4 ranks with attention
+DP + EP (redundant experts, rebalances mid-generation). The multi-process tests spawn once per
+world size and check several things each (requests spread over the ranks, all ranks agree on
+the placement, the load counters saw the tokens, a killed rank ends the engine in bounded time).
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from test_deepseek_parity import save_tiny_deepseek
+
+from deepinfer.engine.errors import EngineDeadError
+from deepinfer.engine.llm import LLM
+from deepinfer.engine.loader import load_model
+from deepinfer.engine.moe.expert_parallel import EPGroup, enable_expert_parallel
+from deepinfer.engine.moe.gating import select_experts
+from deepinfer.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [list(range(300 + 7 * n, 300 + 8 * n)) for n in (3, 11, 6, 17, 1)]
+BASE = dict(dtype="float32", device="cpu", block_size=4, num_blocks=64, max_num_seqs=4,
+            max_num_batched_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def tiny_v3(tmp_path_factory, smollm2_tokenizer):
+    path = tmp_path_factory.mktemp("tiny-v3-ep")
+    tokenizer = smollm2_tokenizer
+    save_tiny_deepseek(path, "v3_qlora_noaux_tc_yarn", vocab_size=len(tokenizer),
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       num_nextn_predict_layers=0)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_v3):
+    llm = LLM(str(tiny_v3), **BASE)
+    try:
+        return _tokens(llm.generate(PROMPTS, GREEDY))
+    finally:
+        llm.engine_core.close()
+
+
+def _tokens(outputs):
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def test_load_counters_equal_the_routing_decisions(tiny_v3):
+    model = load_model(tiny_v3, torch.float32, "cpu")
+    ep = enable_expert_parallel(model, EPGroup(), num_redundant=4, window_steps=3)
+    gen = torch.Generator().manual_seed(0)
+    history = []
+    with torch.inference_mode():
+        for step in range(5):
+            expected = torch.zeros(len(ep.moes), 8, dtype=torch.int64)
+            for i, moe in enumerate(ep.moes):
+                hidden = torch.randn(7 + step, 64, generator=gen)
+                _, ids = select_experts(hidden @ moe.gate_weight.T, moe.routing,
+                                        moe.e_score_correction_bias)
+                expected[i] = torch.bincount(ids.flatten(), minlength=8)
+                moe(hidden)
+            assert torch.equal(ep.loads.step_load, expected)
+            ep.end_step()
+            history.append(expected)
+            assert torch.equal(ep.loads.window_load(), sum(history[-3:]))
+    assert not bool(ep.loads.step_load.any())
+
+
+def test_one_process_ep_with_replicas_and_rebalances_gives_the_same_tokens(
+        tiny_v3, reference_tokens):
+    llm = LLM(str(tiny_v3), **BASE, enable_expert_parallel=True, num_redundant_experts=4,
+              enable_eplb=True, eplb_interval_steps=3, eplb_window_steps=4)
+    try:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference_tokens
+        ep = llm.engine_core.executor.expert_parallel
+        assert ep.num_rebalances >= 3
+        initial = torch.arange(12) % 8
+        assert any(not torch.equal(layer, initial) for layer in ep.placement())
+    finally:
+        llm.engine_core.close()
+
+
+def _generate_on_core(core, prompts, params):
+    """Queue every prompt, then step until all finish; (tokens in prompt order, the DP rank
+    each request was placed on)."""
+    requests = [core.make_request(p, params, f"r{i}") for i, p in enumerate(prompts)]
+    for request in requests:
+        core.add_request(request)
+    ranks = [core.scheduler.rank_of(r.request_id) for r in requests]
+    finished = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    return [finished[r.request_id] for r in requests], ranks
+
+
+def test_two_ranks_dp_ep_match_one_process_and_a_dead_rank_stops_the_engine(
+        tiny_v3, reference_tokens):
+    llm = LLM(str(tiny_v3), **BASE, data_parallel_size=2, enable_expert_parallel=True,
+              num_redundant_experts=2, enable_eplb=True, eplb_interval_steps=4,
+              rank_timeout_s=60)
+    core = llm.engine_core
+    try:
+        tokens, ranks = _generate_on_core(core, PROMPTS, GREEDY)
+        assert tokens == reference_tokens
+        assert ranks == [0, 1, 0, 1, 0]   # the least loaded (then the lowest) rank
+        placements = core.executor.call("expert_placement")
+        assert torch.equal(placements[0], placements[1])             # one placement
+        assert min(core.executor.call("num_rebalances")) >= 2
+        stats = core.get_stats()
+        assert len(stats.per_rank) == 2 and stats.num_running_reqs == 0
+        # kill rank 1 in the middle of a generation: an error naming it, no hang
+        for i, prompt in enumerate(PROMPTS[:2]):
+            core.add_request(core.make_request(prompt, GREEDY, f"late{i}"))
+        core.step()
+        os.kill(core.executor.processes[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            for _ in range(100):
+                core.step()
+        assert time.monotonic() - start < 30
+    finally:
+        core.close()
+    assert not any(p.is_alive() for p in core.executor.processes)
+
+
+def test_four_ranks_dp_ep_with_replicas_match_one_process(tiny_v3, reference_tokens):
+    llm = LLM(str(tiny_v3), **BASE, data_parallel_size=4, enable_expert_parallel=True,
+              num_redundant_experts=4, enable_eplb=True, eplb_interval_steps=5)
+    core = llm.engine_core
+    try:
+        tokens, ranks = _generate_on_core(core, PROMPTS, GREEDY)
+        assert tokens == reference_tokens
+        assert sorted(set(ranks)) == [0, 1, 2, 3]
+        assert min(core.executor.call("num_rebalances")) >= 1
+        # every forwarded token (prompt + all but the last sampled one) chose top-2 experts in
+        # each of the 2 MoE layers, counted once on the rank that routed it
+        forwarded = sum(len(p) + GREEDY.max_tokens - 1 for p in PROMPTS)
+        loads = core.executor.call("window_load")
+        assert sum(int(load.sum()) for load in loads) == forwarded * 2 * 2
+    finally:
+        core.close()
