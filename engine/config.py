@@ -248,6 +248,9 @@ class MultiModalConfig:
     def domains(self) -> tuple[str, ...]:
         return tuple(d.strip().lower() for d in self.allowed_media_domains.split(",")
                      if d.strip())
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Attention data parallelism, expert parallelism and EPLB (engine/dp_executor.py,
     engine/moe/expert_parallel.py, engine/moe/eplb.py).
