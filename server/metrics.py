@@ -91,6 +91,8 @@ class _EngineStatsCollector:
         mm = getattr(stats, "mm_encoder", None)
         if mm is not None:
             yield from self._mm_encoder_metrics(mm)
+        if stats.per_rank:
+            yield from self._per_rank_metrics(stats.per_rank)
 
     def _mm_encoder_metrics(self, mm) -> Iterator[Metric]:
         """A vision-language model's image encoder (engine/mm_encoder.py)."""
@@ -107,8 +109,6 @@ class _EngineStatsCollector:
             yield self._counter(f"deepinfer:mm_encoder_{name}", doc, value)
         yield self._gauge("deepinfer:mm_encoder_cache_bytes",
                           "Bytes held by the encoder cache.", mm.cache_bytes)
-        if stats.per_rank:
-            yield from self._per_rank_metrics(stats.per_rank)
 
     def _per_rank_metrics(self, per_rank: list[SchedulerStats]) -> Iterator[Metric]:
         """Attention data parallelism: each rank's own requests and KV cache (label dp_rank)."""
