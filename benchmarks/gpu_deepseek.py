@@ -108,19 +108,21 @@ def hf_state_as_checkpoint(hf_model):
             yield name, tensor
 
 
-def build_models(hf_config, with_hf: bool):
-    """(HF model or None, deepinfer model) on CUDA in bf16 with the same random weights."""
+def build_models(hf_config, with_hf: bool, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16):
+    """(HF model or None, deepinfer model) on `device` in `dtype` (default CUDA, bf16) with the
+    same random weights (seed 0)."""
     from transformers import DeepseekV2ForCausalLM as HFDeepseek
 
     from deepinfer.engine.models.deepseek import DeepseekV2ForCausalLM
 
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             hf_model = HFDeepseek(hf_config).eval()
-            ours = DeepseekV2ForCausalLM(hf_config, torch.bfloat16)
+            ours = DeepseekV2ForCausalLM(hf_config, dtype)
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():

@@ -139,7 +139,20 @@ class ExpertParallelMoE:
 
     def _dispatch_combine(self, moe, hidden: torch.Tensor, topk_weights: torch.Tensor,
                           physical: torch.Tensor) -> torch.Tensor:
-        ep, top_k = self.ep, topk_weights.shape[1]
+        x, slot, route = self.dispatch(hidden, physical, topk_weights.shape[1])
+        if x.shape[0]:
+            y = moe_experts(x, moe.w13, moe.w2, torch.ones(x.shape[0], 1, device=x.device),
+                            slot[:, None], backend=moe.backend, settings=moe.kernel_config)
+        else:
+            y = x
+        return self.combine(y, route, topk_weights, hidden.dtype)
+
+    def dispatch(self, hidden: torch.Tensor, physical: torch.Tensor, top_k: int):
+        """Send each (token, k) pair's row to the rank holding its physical slot (steps 2 of
+        the module doc). hidden [T, H], physical [T * top_k] int64 slots -> (x [R, H] the rows
+        this rank received, slot [R] int64 their local slot, route: what `combine` needs).
+        Collective over the EP group (host sync on the split sizes)."""
+        ep = self.ep
         dest = physical // self.per_rank
         order = torch.sort(dest, stable=True).indices
         send_counts = torch.bincount(dest, minlength=ep.world)
@@ -148,16 +161,20 @@ class ExpertParallelMoE:
         send, recv = send_counts.tolist(), recv_counts.tolist()
         x = _all_to_all(hidden[order // top_k], send, recv, ep)
         slot = _all_to_all((physical % self.per_rank)[order], send, recv, ep)
-        if x.shape[0]:
-            y = moe_experts(x, moe.w13, moe.w2, torch.ones(x.shape[0], 1, device=x.device),
-                            slot[:, None], backend=moe.backend, settings=moe.kernel_config)
-        else:
-            y = x
-        back = _all_to_all(y, recv, send, ep)
+        return x, slot, (order, send, recv)
+
+    def combine(self, y: torch.Tensor, route, topk_weights: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Send the expert outputs y [R, H] back (reversed splits), restore pair order, weight
+        by topk_weights [T, top_k] float32 and sum per token (float32) -> [T, H] `dtype`.
+        Collective over the EP group."""
+        order, send, recv = route
+        top_k = topk_weights.shape[1]
+        back = _all_to_all(y, recv, send, self.ep)
         pairs = torch.empty(back.shape, dtype=torch.float32, device=back.device)
         pairs[order] = back.float()
         out = (pairs.view(-1, top_k, pairs.shape[-1]) * topk_weights[..., None]).sum(dim=1)
-        return out.to(hidden.dtype)
+        return out.to(dtype)
 
     def idle(self, moe) -> None:
         """Take part in this layer's collectives with no tokens (an idle attention-DP rank)."""
