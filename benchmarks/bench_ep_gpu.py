@@ -231,27 +231,34 @@ class Lockstep:
     def anyone(self, mine: bool) -> bool:
         return bool(self.me.reduce(int(mine))) if self.collective else mine
 
-    def run(self, prompts, new_tokens: int) -> tuple[float, int, int]:
+    def run(self, prompts, new_tokens: int) -> tuple[float, int, int, list]:
         """(seconds after every rank's requests have their first token, tokens this rank made
-        in that window, steps)."""
+        in that window, steps, each request's token ids in prompt order)."""
         from deepinfer.engine.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        for prompt in prompts:
-            self.core.add_request(self.core.make_request(prompt, params))
-        started, total = set(), 0
-        while self.anyone(len(started) < len(prompts)):
-            for out in self._one_step():
-                started.add(out.request_id)
-                total += len(out.new_token_ids)
+        requests = [self.core.make_request(prompt, params) for prompt in prompts]
+        for request in requests:
+            self.core.add_request(request)
+        tokens = {r.request_id: [] for r in requests}
+        total = 0
+        while self.anyone(any(not t for t in tokens.values())):
+            total += self._collect(self._one_step(), tokens)
         dist.barrier()
         self.me.sync()
         start, before, steps = time.perf_counter(), total, 0
         while self.anyone(self.core.has_unfinished_requests()):
-            total += sum(len(out.new_token_ids) for out in self._one_step())
+            total += self._collect(self._one_step(), tokens)
             steps += 1
         self.me.sync()
-        return time.perf_counter() - start, total - before, steps
+        seconds = time.perf_counter() - start
+        return seconds, total - before, steps, [tokens[r.request_id] for r in requests]
+
+    @staticmethod
+    def _collect(outputs, tokens: dict) -> int:
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+        return sum(len(out.new_token_ids) for out in outputs)
 
     def _one_step(self) -> list:
         if self.core.has_unfinished_requests():
@@ -265,14 +272,22 @@ class Lockstep:
         return outputs
 
 
-def decode_run(args, me: Rank, core, ep, vocab: int, seed: int) -> dict:
-    prompts = _random_prompts(args.batch, args.prompt, vocab, seed + me.rank)
-    seconds, tokens, steps = Lockstep(me, core, ep).run(prompts, args.new_tokens)
+def decode_run(args, me: Rank, core, ep, vocab: int, reference: list | None = None
+               ) -> tuple[dict, list]:
+    """One timed decode workload (module doc, stage 3) -> (results, this rank's token ids per
+    request). With `reference` (the independent engines' ids): the share of requests, over all
+    ranks, whose greedy tokens are the same (float32 on CPU: all; bf16: rounding may differ)."""
+    prompts = _random_prompts(args.batch, args.prompt, vocab, 1000 + me.rank)
+    seconds, tokens, steps, ids = Lockstep(me, core, ep).run(prompts, args.new_tokens)
     slowest = me.reduce(seconds)
     all_tokens = me.reduce(tokens, dist.ReduceOp.SUM)
-    return {"tok_s": all_tokens / slowest, "tok_s_per_rank": all_tokens / slowest / me.world,
-            "step_ms": 1e3 * slowest / max(steps, 1), "tokens": int(all_tokens),
-            "steps": steps}
+    out = {"tok_s": all_tokens / slowest, "tok_s_per_rank": all_tokens / slowest / me.world,
+           "step_ms": 1e3 * slowest / max(steps, 1), "tokens": int(all_tokens), "steps": steps}
+    if reference is not None:
+        same = sum(a == b for a, b in zip(ids, reference))
+        out["same_tokens_as_independent"] = me.reduce(same, dist.ReduceOp.SUM) / (
+            len(ids) * me.world)
+    return out, ids
 
 
 def eplb_balance(me: Rank, ep) -> dict:
@@ -311,7 +326,9 @@ def decode_stages(args, me: Rank, results: dict, save) -> None:
                                "redundant": args.redundant,
                                "model_build_s": time.perf_counter() - start}
     core, ready_s = build_engine(args, me, model_dir, model, ep_ranks=1)
-    results["independent"] = {**decode_run(args, me, core, None, hf_config.vocab_size, 1000), "engine_ready_s": ready_s}
+    vocab = hf_config.vocab_size
+    run, reference = decode_run(args, me, core, None, vocab)
+    results["independent"] = {**run, "engine_ready_s": ready_s}
     _show(me, "independent engines", results["independent"])
     save()
     core.close()
@@ -323,8 +340,8 @@ def decode_stages(args, me: Rank, results: dict, save) -> None:
     core, ready_s = build_engine(args, me, model_dir, model, ep_ranks=me.world)
     ep.loads.window.zero_()   # the warm-up's forwards are no routing of the workload
     ep.loads.step_load.zero_()
-    results["dp_ep"] = {**decode_run(args, me, core, ep, hf_config.vocab_size, 1000), "engine_ready_s": ready_s,
-                        "eager": me.world > 1}
+    run, _ = decode_run(args, me, core, ep, vocab, reference)
+    results["dp_ep"] = {**run, "engine_ready_s": ready_s, "eager": me.world > 1}
     _show(me, "DP=EP", results["dp_ep"])
     results["eplb"] = eplb_balance(me, ep)
     _show(me, "EPLB balancedness", results["eplb"])
@@ -335,7 +352,7 @@ def decode_stages(args, me: Rank, results: dict, save) -> None:
     ep.rebalance()
     me.sync()
     results["eplb"]["rebalance_s"] = me.reduce(time.perf_counter() - moved)
-    results["dp_ep_after_eplb"] = decode_run(args, me, core, ep, hf_config.vocab_size, 1000)
+    results["dp_ep_after_eplb"], _ = decode_run(args, me, core, ep, vocab, reference)
     _show(me, "DP=EP after EPLB", results["dp_ep_after_eplb"])
     results["dp_ep_vs_independent"] = results["dp_ep"]["tok_s"] / results["independent"]["tok_s"]
     save()
