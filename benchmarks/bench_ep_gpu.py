@@ -17,7 +17,8 @@ after each stage, so a cut-short run keeps what it has). Stages:
    back, reordered, weighted and summed in float32) on T tokens per rank x hidden H (bf16)
    x top-k, uniformly random distinct experts of 256 (no replicas): T = 128 (decode) and
    4,096 (prefill), H = 2048 and 7168, k = 6 and 8. Per call: milliseconds (max over ranks,
-   median of repeats) and GB/s = bytes each rank sends to other ranks / time. Our payload is
+   median of repeats) and GB/s = bytes each rank sends to other ranks / time (`_moved_GBps`:
+   all rows, those staying on the rank too; the only rate at N=1). Our payload is
    one row per (token, k) pair; DeepEP sends a token once per destination rank (FP8 dispatch,
    bf16 combine); its published intranode anchor, ~153 (dispatch) / ~158 (combine) GB/s per
    rank at EP8 on H800 NVLink, is printed beside ours: an anchor, not our hardware.
@@ -179,11 +180,14 @@ def dispatch_combine(me: Rank, tokens: int, hidden: int, top_k: int, repeats: in
     dest = physical // layer.per_rank
     remote_rows = me.reduce(int((dest != me.rank).sum()), dist.ReduceOp.SUM) / me.world
     remote_bytes = remote_rows * hidden * 2
+    moved_bytes = tokens * top_k * hidden * 2   # with the rows that stay on this rank
     return {"tokens": tokens, "hidden": hidden, "top_k": top_k,
             "dispatch_ms": 1e3 * dispatch_s, "combine_ms": 1e3 * combine_s,
             "remote_MB_per_rank": remote_bytes / 1e6,
             "dispatch_GBps": remote_bytes / dispatch_s / 1e9,
             "combine_GBps": remote_bytes / combine_s / 1e9,
+            "dispatch_moved_GBps": moved_bytes / dispatch_s / 1e9,
+            "combine_moved_GBps": moved_bytes / combine_s / 1e9,
             "max_abs_error_vs_local": me.reduce(error)}
 
 
@@ -207,7 +211,7 @@ def build_engine(args, me: Rank, model_dir: Path, model, *, ep_ranks: int):
     lockstep = ep_ranks > 1   # split sizes are host syncs: eager, blocking steps
     blocks = args.batch * (-(-(args.prompt + args.new_tokens + 16) // 16)) + 16
     config = EngineConfig().with_fields(
-        model=str(model_dir), device=me.device.type,
+        model=str(model_dir), device=str(me.device),
         dtype="float32" if args.cpu else "bfloat16",
         max_model_len=args.prompt + args.new_tokens + 16, enforce_eager=lockstep or args.cpu,
         enable_prefix_caching=False, num_blocks=blocks, block_size=16,
@@ -411,10 +415,11 @@ def print_table(results: dict) -> None:
           f"DeepEP anchor (H800, EP8): dispatch {DEEPEP_ANCHOR['dispatch_GBps']} / combine "
           f"{DEEPEP_ANCHOR['combine_GBps']} GB/s")
     print("| tokens/rank | hidden | top-k | dispatch ms | combine ms | dispatch GB/s | "
-          "combine GB/s |\n|---|---|---|---|---|---|---|")
+          "combine GB/s | moved GB/s d/c |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['tokens']} | {r['hidden']} | {r['top_k']} | {r['dispatch_ms']:.3f} | "
-              f"{r['combine_ms']:.3f} | {r['dispatch_GBps']:.1f} | {r['combine_GBps']:.1f} |")
+              f"{r['combine_ms']:.3f} | {r['dispatch_GBps']:.1f} | {r['combine_GBps']:.1f} | "
+              f"{r['dispatch_moved_GBps']:.1f}/{r['combine_moved_GBps']:.1f} |")
     if "dp_ep" in results:
         print(f"decode tok/s: {results['ranks']} independent engines "
               f"{results['independent']['tok_s']:.1f}, DP=EP {results['dp_ep']['tok_s']:.1f} "
