@@ -403,8 +403,22 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
         save()
         if rank == 0:
             print_table(results)
+            if args.cpu:
+                smoke_checks(results)
     finally:
         dist.destroy_process_group()
+
+
+def smoke_checks(results: dict) -> None:
+    """The smoke mode's correctness: combine(dispatch(x)) == sum_k w_k x up to bf16 rounding;
+    the EP engine's float32 greedy tokens == the independent engines'; EPLB no worse."""
+    errors = [r["max_abs_error_vs_local"] for r in results.get("dispatch_combine", [])]
+    assert all(e <= 0.05 for e in errors), f"dispatch/combine differs from local: {errors}"
+    if "dp_ep" in results:
+        for key in ("dp_ep", "dp_ep_after_eplb"):
+            assert results[key]["same_tokens_as_independent"] == 1.0, (key, results[key])
+        assert results["eplb"]["eplb_mean"] <= results["eplb"]["before_mean"] + 1e-6
+    print("smoke checks passed", flush=True)
 
 
 def print_table(results: dict) -> None:

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call: the GPU test suite (-m gpu), then the H200 benchmark. Logs under $OUT (or ./out).
-# Usage: bash benchmarks/gpu_suite.sh [tests|bench|sweep|all]  (sweep: benchmarks/gemv_sweep.py)
+# Usage: bash benchmarks/gpu_suite.sh [tests|bench|sweep|ep|all]  (sweep: benchmarks/gemv_sweep.py)
+# ep: on a host with several GPUs (nvidia-h200-x2/x4/x8), the expert/data-parallel GPU tests,
+#   then benchmarks/bench_ep_gpu.py over every visible GPU (EP_LAYERS V2-Lite layers, default 8);
+#   under ~8 minutes; logs ep_tests.log, bench_ep.log, bench_ep.json
 # tests: under ~8 minutes (timeout 450 s); bench: benchmarks/gpu_decode.py (~5 minutes)
 # tests/e2e/test_gpu_server.py needs fastapi, starlette, uvicorn and pydantic: where they are
 # missing, install them first (the device image lacks them; carry wheels, see the device README).
@@ -11,6 +14,15 @@ what=${1:-all}
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.log"
+if [ "$what" = ep ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout 210 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=10 \
+    tests/engine/test_expert_parallel_multigpu.py tests/engine/test_expert_parallel_gpu.py \
+    2>&1 | tee "$OUT/ep_tests.log"
+  timeout 270 python3 benchmarks/bench_ep_gpu.py --layers "${EP_LAYERS:-8}" \
+    --json "$OUT/bench_ep.json" 2>&1 | tee "$OUT/bench_ep.log"
+  exit
+fi
 if [ "$what" = sweep ]; then
   timeout 240 python3 benchmarks/gemv_sweep.py --write-configs --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log"
   cp kernels/configs/skinny_linear_*.json "$OUT/" 2>/dev/null
