@@ -90,7 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--redundant", type=int, default=None,
-                        help="redundant expert slots per MoE layer (default: N)")
+                        help="redundant expert slots per MoE layer (default: N, or what "
+                        "makes the slots split evenly over the ranks)")
     parser.add_argument("--repeats", type=int, default=20, help="timed dispatch/combine calls")
     parser.add_argument("--skip", default="", help="comma list of stages to skip: "
                         "link,a2a,decode")
@@ -98,8 +99,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.gpus is None:
         args.gpus = 2 if args.cpu else max(torch.cuda.device_count(), 1)
-    if args.redundant is None:
-        args.redundant = args.gpus
     if args.cpu:   # tiny sizes: the smoke mode checks the code runs and the numbers are sane
         args.layers, args.batch = min(args.layers, 3), min(args.batch, 4)
         args.prompt, args.new_tokens = min(args.prompt, 8), min(args.new_tokens, 6)
@@ -163,13 +162,14 @@ def dispatch_combine(me: Rank, tokens: int, hidden: int, top_k: int, repeats: in
     from deepinfer.engine.moe.expert_parallel import EPGroup, ExpertParallelMoE
 
     ep = EPGroup(me.rank, me.world, dist.group.WORLD)
-    module = SimpleNamespace(gate_weight=torch.empty(NUM_EXPERTS, 1, device=me.device),
-                             routing=SimpleNamespace(num_experts=NUM_EXPERTS, top_k=top_k))
-    layer = ExpertParallelMoE(module, ep, torch.arange(NUM_EXPERTS),
-                              torch.zeros(NUM_EXPERTS, dtype=torch.int64, device=me.device), 1)
+    experts = NUM_EXPERTS // me.world * me.world   # 256 on 1, 2, 4, 8 ranks
+    module = SimpleNamespace(gate_weight=torch.empty(experts, 1, device=me.device),
+                             routing=SimpleNamespace(num_experts=experts, top_k=top_k))
+    layer = ExpertParallelMoE(module, ep, torch.arange(experts),
+                              torch.zeros(experts, dtype=torch.int64, device=me.device), 1)
     gen = torch.Generator(device=me.device).manual_seed(1000 + me.rank)
     x = torch.randn(tokens, hidden, device=me.device, generator=gen).to(torch.bfloat16)
-    weights, ids = torch.rand(tokens, NUM_EXPERTS, device=me.device, generator=gen).topk(top_k)
+    weights, ids = torch.rand(tokens, experts, device=me.device, generator=gen).topk(top_k)
     physical = layer.log2phy[ids.reshape(-1), 0]
     received, _, route = layer.dispatch(x, physical, top_k)
     dispatch_s = me.timed(lambda: layer.dispatch(x, physical, top_k), repeats)
@@ -325,9 +325,11 @@ def decode_stages(args, me: Rank, results: dict, save) -> None:
 
     start = time.perf_counter()
     hf_config, model, model_dir = build_v2_lite(args, me)
+    experts = hf_config.n_routed_experts
+    redundant = args.redundant if args.redundant is not None else (-experts) % me.world or me.world
     results["decode_setup"] = {"layers": args.layers, "batch_per_rank": args.batch,
                                "prompt": args.prompt, "new_tokens": args.new_tokens,
-                               "redundant": args.redundant,
+                               "redundant": redundant,
                                "model_build_s": time.perf_counter() - start}
     core, ready_s = build_engine(args, me, model_dir, model, ep_ranks=1)
     vocab = hf_config.vocab_size
@@ -339,7 +341,7 @@ def decode_stages(args, me: Rank, results: dict, save) -> None:
     core = None
     free()
     ep = enable_expert_parallel(model, EPGroup(me.rank, me.world, dist.group.WORLD),
-                                args.redundant, window_steps=1 << 16)
+                                redundant, window_steps=1 << 16)
     free()
     core, ready_s = build_engine(args, me, model_dir, model, ep_ranks=me.world)
     ep.loads.window.zero_()   # the warm-up's forwards are no routing of the workload
