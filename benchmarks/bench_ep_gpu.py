@@ -32,7 +32,9 @@ after each stage, so a cut-short run keeps what it has). Stages:
    whether anyone has work, a rank without any runs the idle MoE pass. With N > 1 the EP
    engine runs eager and without async scheduling (the split sizes are host syncs, as the
    engine's DP workers do); with N = 1 it keeps CUDA graphs (the one-GPU EP code path vs the
-   plain engine). Total tokens/s = tokens of all ranks / the slowest rank's time.
+   plain engine); with N > 1 the independent engines also run eager and blocking
+   (`independent_eager`), which separates the graphs' gain from the exchange's cost. Total
+   tokens/s = tokens of all ranks / the slowest rank's time.
 4. EPLB: the loads the EP run counted (summed over ranks) -> balancedness (max / mean rank
    load, 1.0 = even, mean over MoE layers) of the initial placement and of
    `rebalance_experts`' placement; then the weights really move (`ExpertParallel.rebalance`,
@@ -204,11 +206,12 @@ def build_v2_lite(args, me: Rank):
     return hf_config, model, model_dir
 
 
-def build_engine(args, me: Rank, model_dir: Path, model, *, ep_ranks: int):
+def build_engine(args, me: Rank, model_dir: Path, model, *, lockstep: bool):
+    """A rank's EngineCore over `model`; lockstep (EP over several ranks, whose split sizes
+    are host syncs): eager and blocking steps, as the engine's DP workers run."""
     from deepinfer.engine.config import EngineConfig
     from deepinfer.engine.engine_core import EngineCore
 
-    lockstep = ep_ranks > 1   # split sizes are host syncs: eager, blocking steps
     blocks = args.batch * (-(-(args.prompt + args.new_tokens + 16) // 16)) + 16
     config = EngineConfig().with_fields(
         model=str(model_dir), device=str(me.device),
@@ -331,19 +334,25 @@ def decode_stages(args, me: Rank, results: dict, save) -> None:
                                "prompt": args.prompt, "new_tokens": args.new_tokens,
                                "redundant": redundant,
                                "model_build_s": time.perf_counter() - start}
-    core, ready_s = build_engine(args, me, model_dir, model, ep_ranks=1)
-    vocab = hf_config.vocab_size
-    run, reference = decode_run(args, me, core, None, vocab)
-    results["independent"] = {**run, "engine_ready_s": ready_s}
-    _show(me, "independent engines", results["independent"])
-    save()
-    core.close()
-    core = None
-    free()
+    vocab, reference = hf_config.vocab_size, None
+    # N independent engines as deployed (CUDA graphs, async scheduling); with N > 1 on CUDA
+    # also eager and blocking, the EP engine's mode, to tell graphs from the exchange's cost
+    for name, lockstep in (("independent", False), ("independent_eager", True)):
+        if lockstep and (me.world == 1 or args.cpu):
+            continue
+        core, ready_s = build_engine(args, me, model_dir, model, lockstep=lockstep)
+        run, ids = decode_run(args, me, core, None, vocab, reference)
+        reference = reference or ids
+        results[name] = {**run, "engine_ready_s": ready_s}
+        _show(me, name, results[name])
+        save()
+        core.close()
+        core = None
+        free()
     ep = enable_expert_parallel(model, EPGroup(me.rank, me.world, dist.group.WORLD),
                                 redundant, window_steps=1 << 16)
     free()
-    core, ready_s = build_engine(args, me, model_dir, model, ep_ranks=me.world)
+    core, ready_s = build_engine(args, me, model_dir, model, lockstep=me.world > 1)
     ep.loads.window.zero_()   # the warm-up's forwards are no routing of the workload
     ep.loads.step_load.zero_()
     run, _ = decode_run(args, me, core, ep, vocab, reference)
@@ -437,8 +446,11 @@ def print_table(results: dict) -> None:
               f"{r['combine_ms']:.3f} | {r['dispatch_GBps']:.1f} | {r['combine_GBps']:.1f} | "
               f"{r['dispatch_moved_GBps']:.1f}/{r['combine_moved_GBps']:.1f} |")
     if "dp_ep" in results:
+        eager = results.get("independent_eager", {}).get("tok_s")
         print(f"decode tok/s: {results['ranks']} independent engines "
-              f"{results['independent']['tok_s']:.1f}, DP=EP {results['dp_ep']['tok_s']:.1f} "
+              f"{results['independent']['tok_s']:.1f}"
+              + (f" (eager {eager:.1f})" if eager else "")
+              + f", DP=EP {results['dp_ep']['tok_s']:.1f} "
               f"(x{results['dp_ep_vs_independent']:.2f}), after EPLB "
               f"{results['dp_ep_after_eplb']['tok_s']:.1f}; balancedness "
               f"{results['eplb']['before_mean']:.3f} -> {results['eplb']['eplb_mean']:.3f}",
