@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from deepinfer.kernels.settings import KernelConfig
 
-__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "KVTransferConfig", "KernelConfig",
-           "ModelConfig", "SchedulerConfig", "apply_blas_determinism", "config_from",
+__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "FrontendConfig", "KVTransferConfig",
+           "KernelConfig", "ModelConfig", "SchedulerConfig", "apply_blas_determinism", "config_from",
            "engine_flags", "env_overrides", "server_env"]
 
 
@@ -206,14 +206,35 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class FrontendConfig:
+    """How `AsyncLLM` (the online engine) runs beside the HTTP server.
+
+    engine_process: run `EngineCore` + executor in their own process, fed over ZeroMQ; the
+        API server process keeps HTTP, detokenization and SSE (engine/core_client.py). None =
+        on for CUDA (the host's serving work would otherwise share one interpreter with the
+        step loop), off for CPU (where the model's own compute needs the cores and an extra
+        process only adds hand-off cost; benchmarks/RESULTS.md has the measurements).
+    """
+
+    engine_process: bool | None = _field(None, env="DEEPINFER_ENGINE_PROCESS",
+                                         flag="engine_process")
+
+    def resolve_engine_process(self, on_cuda: bool) -> bool:
+        """`engine_process`, None resolved for a model on CUDA (`on_cuda`) or on the CPU."""
+        return on_cuda if self.engine_process is None else self.engine_process
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """The engine's sub-configs; `kernel` goes to the model runner (GPU kernel choices)."""
+    """The engine's sub-configs; `kernel` goes to the model runner (GPU kernel choices),
+    `frontend` to `AsyncLLM`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)
 
     def replace(self, **sections: dict) -> "EngineConfig":
         """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""
@@ -235,8 +256,9 @@ class EngineConfig:
                            None)
             if section is None:
                 raise TypeError(f"unknown engine option {name!r}; options are the fields of "
-                                "ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig "
-                                "and KernelConfig (engine/config.py), e.g. max_model_len, "
+                                "ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, "
+                                "KernelConfig and FrontendConfig (engine/config.py), e.g. "
+                                "max_model_len, "
                                 "block_size, max_num_seqs")
             sections.setdefault(section, {})[name] = value
         return self.replace(**sections)

@@ -28,7 +28,7 @@ from deepinfer.engine.executor import Executor, RunnerOutputFuture, UniProcExecu
 from deepinfer.engine.fault_isolation import FaultIsolation
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
-from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.output_processor import OutputProcessor, TokenOutputProcessor
 from deepinfer.engine.outputs import (EngineCoreOutput, ModelRunnerOutput, RequestOutput,
                                       SchedulerOutput, SchedulerStats)
 from deepinfer.engine.request import Request, RequestStatus
@@ -88,7 +88,8 @@ class EngineCore:
             still provides config.json and the tokenizer.
     """
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, *,
+                 detokenize: bool = True):
         self.config = config
         self.model_dir = loader.resolve_model_dir(config.model.model, config.model.cache_dir)
         self.model_name = served_model_name(config.model)
@@ -113,7 +114,8 @@ class EngineCore:
             num_blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint),
             save_kv_blocks=isinstance(self.kv_transfer, KVTransfer)
             and config.kv_transfer.role != "decode")
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = (OutputProcessor(self.tokenizer) if detokenize
+                                 else TokenOutputProcessor())
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:  # default: on where the device runs apart from the host
             async_scheduling = device.type == "cuda"
