@@ -18,6 +18,7 @@ idle poll (its parent is gone).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -62,12 +63,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.setsockopt(zmq.LINGER, 2000)
     outputs.connect(output_address)
     try:
-        from deepinfer.engine.async_llm import freeze_startup_heap
         from deepinfer.engine.engine_core import EngineCore
 
         core = EngineCore(config, model_factory() if model_factory else None,
                           detokenize=False)
-        freeze_startup_heap()
+        gc.collect()   # as async_llm.freeze_startup_heap (not imported: no import cycle)
+        gc.freeze()
     except BaseException as error:  # noqa: BLE001 - reported to the API server, which raises
         logger.exception("engine core failed to start")
         outputs.send(OUTPUT_ENCODER.encode(EngineOutputs(

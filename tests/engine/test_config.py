@@ -109,12 +109,13 @@ def test_each_field_s_variable_and_flag_are_declared_once_on_the_field():
 
     assert ENV_VARS["DEEPINFER_HF_MODEL_DIR"] == ("model", "model")
     assert ENV_VARS["DEEPINFER_KV_STORE_TIMEOUT_S"] == ("kv_transfer", "timeout_s")
-    assert len(ENV_VARS) == 23
+    assert ENV_VARS["DEEPINFER_ENGINE_PROCESS"] == ("frontend", "engine_process")
+    assert len(ENV_VARS) == 24
     flags = engine_flags()
     assert flags["num_kv_blocks"][:2] == ("cache", "num_blocks")
     assert flags["kv_cache_memory_gb"][2](1.5) == 3 << 29           # GiB -> bytes
     assert flags["max_num_seqs"][2](8) == 8
-    assert "cache_dir" not in flags and len(flags) == 20
+    assert "cache_dir" not in flags and len(flags) == 21
     assert "tokenizer" not in {f for f in ModelConfig.__dataclass_fields__}
 
 
