@@ -164,8 +164,9 @@ def test_refusals_are_the_engine_s_own_errors(mp_engine):
     mp_engine.check_health()
 
 
-def test_a_killed_core_process_fails_streams_and_calls_with_engine_dead(tiny_llama_dir):
-    engine = _start(tiny_llama_dir)
+def test_a_killed_core_process_fails_streams_and_calls_with_engine_dead(mp_engine):
+    """Last in the module: it kills the shared engine's core (the fixture's shutdown copes)."""
+    engine = mp_engine
 
     async def run():
         stream = engine.generate(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
@@ -178,9 +179,6 @@ def test_a_killed_core_process_fails_streams_and_calls_with_engine_dead(tiny_lla
         with pytest.raises(EngineDeadError):
             await anext(engine.generate(PROMPTS[1], SamplingParams(max_tokens=2)))
 
-    try:
-        asyncio.run(run())
-        with pytest.raises(EngineDeadError):
-            engine.check_health()
-    finally:
-        engine.shutdown()
+    asyncio.run(run())
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
