@@ -161,8 +161,9 @@ def _gpu_config(model_dir: Path, engine_process: bool, device: str):
     return EngineConfig().replace(
         model={"model": str(model_dir), "device": device,
                "dtype": "bfloat16" if device == "cuda" else "float32"},
-        cache={"enable_prefix_caching": False, "gpu_memory_utilization": 0.85,
-               **({} if device == "cuda" else {"num_blocks": 4096})},
+        # a fixed KV cache (256 x 384 tokens fit 1.3 times over): the same for the offline
+        # and the served engine, whatever memory the other left behind
+        cache={"enable_prefix_caching": False, "num_blocks": 8192},
         scheduler={"max_num_seqs": 256, "max_num_batched_tokens": 8192,
                    "max_waiting_requests": 4096},
         kv_transfer={"kv_store": "none"}, frontend={"engine_process": engine_process})
@@ -210,9 +211,9 @@ async def _timed_stream(client, model: str, prompt: list[int], new_tokens: int) 
             "chunks": len(times), "start": start, "end": times[-1]}
 
 
-def _client_process(url: str, model: str, prompts: list[list[int]], new_tokens: int,
-                    start_at: float, results) -> None:
-    """One of the client processes: its share of the streams, all at `start_at` (epoch s)."""
+def _client_task(url: str, model: str, prompts: list[list[int]], new_tokens: int,
+                 start_at: float) -> list[dict]:
+    """One client process's share of the streams, all sent at `start_at` (epoch seconds)."""
     async def run():
         limits = httpx.Limits(max_connections=len(prompts) + 2)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -222,24 +223,17 @@ def _client_process(url: str, model: str, prompts: list[list[int]], new_tokens: 
 
     out = asyncio.run(run())
     offset = time.time() - time.perf_counter()      # to epoch seconds, comparable across
-    results.put([{**r, "start": r["start"] + offset, "end": r["end"] + offset} for r in out])
+    return [{**r, "start": r["start"] + offset, "end": r["end"] + offset} for r in out]
 
 
-def serve_run(url: str, model: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    import multiprocessing
+def serve_run(pool, url: str, model: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """`prompts` streamed at once from the `pool`'s CLIENT_PROCESSES processes."""
     import statistics
 
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    start_at = time.time() + 3.0
-    procs = [context.Process(target=_client_process, args=(
-        url, model, prompts[i::CLIENT_PROCESSES], new_tokens, start_at, results))
-        for i in range(CLIENT_PROCESSES)]
-    for proc in procs:
-        proc.start()
-    streams = [r for _ in procs for r in results.get(timeout=600)]
-    for proc in procs:
-        proc.join(60)
+    start_at = time.time() + 0.5
+    parts = pool.starmap(_client_task, [(url, model, prompts[i::CLIENT_PROCESSES], new_tokens,
+                                         start_at) for i in range(CLIENT_PROCESSES)])
+    streams = [r for part in parts for r in part]
     tokens = sum(s["chunks"] for s in streams)
     elapsed = max(s["end"] for s in streams) - min(s["start"] for s in streams)
     itl = sorted(x for s in streams for x in s["itl"])
@@ -286,9 +280,11 @@ def _serve_in_thread(engine):
 
 def gpu_main(args) -> dict:
     """Per shape: offline runs (EngineCore in this process), then the server with the engine
-    core in this process (--no-engine-process) and in its own (--engine-process), each at
-    every stream count; prints share of offline tok/s, TTFT and ITL percentiles."""
+    core in its own process (--engine-process) and in this one, each at every stream count;
+    prints share of offline tok/s, TTFT and ITL percentiles. Results are printed (and written
+    to --json) as they come, so a run cut short keeps what it measured."""
     import functools
+    import multiprocessing
 
     from transformers import LlamaConfig
 
@@ -300,14 +296,15 @@ def gpu_main(args) -> dict:
 
     report = {}
     streams_list = [int(s) for s in args.streams.split(",")]
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.engine_process]
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.engine_process]
+    pool = multiprocessing.get_context("spawn").Pool(CLIENT_PROCESSES)
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         model_dir = write_model_dir(Path(tempfile.mkdtemp()) / shape_name, LlamaConfig(**shape))
         prompts = {n: _prompts(n, args.prompt_tokens, shape["vocab_size"], n)
                    for n in streams_list}
-        model = random_llama(shape, args.device)
-        core = EngineCore(_gpu_config(model_dir, False, args.device), model=model)
+        factory = functools.partial(random_llama, shape, args.device)
+        core = EngineCore(_gpu_config(model_dir, False, args.device), model=factory())
         offline_run(core, prompts[streams_list[0]][:8], 8)   # warm-up
         offline = {n: offline_run(core, prompts[n], args.new_tokens) for n in streams_list}
         core.close()
@@ -316,25 +313,20 @@ def gpu_main(args) -> dict:
         for n in streams_list:
             print(f"{shape_name} offline {n:4d} streams: {offline[n]['tok_s']:9.0f} tok/s, "
                   f"prefill {offline[n]['prefill_s'] * 1e3:.0f} ms", flush=True)
+            report[f"{shape_name}/offline/{n}"] = offline[n]
         for engine_process in modes:
-            if engine_process and model is not None:
-                model = None       # the core process builds its own
-                _empty_cache()
-            factory = (functools.partial(random_llama, shape, args.device) if engine_process
-                       else functools.partial(_same, model))
             engine = AsyncLLM(_gpu_config(model_dir, engine_process, args.device),
                               model_factory=factory)
             freeze_startup_heap()
             url, stop = _serve_in_thread(engine)
             try:
                 model_id = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-                serve_run(url, model_id, prompts[streams_list[0]][:8], 8)   # warm-up
+                serve_run(pool, url, model_id, prompts[streams_list[0]][:8], 8)   # warm-up
                 for n in streams_list:
-                    result = serve_run(url, model_id, prompts[n], args.new_tokens)
+                    result = serve_run(pool, url, model_id, prompts[n], args.new_tokens)
                     result["share"] = result["tok_s"] / offline[n]["tok_s"]
                     result["ttft_over_prefill"] = (result["ttft_ms"][0] / 1e3
                                                    / offline[n]["prefill_s"])
-                    result["offline"] = offline[n]
                     key = f"{shape_name}/{'proc' if engine_process else 'thread'}/{n}"
                     report[key] = result
                     print(f"{key:18} {result['tok_s']:9.0f} tok/s  share {result['share']:.2f}"
@@ -342,17 +334,14 @@ def gpu_main(args) -> dict:
                           f" ms ({result['ttft_over_prefill']:.2f}x offline prefill)  ITL "
                           f"p50/p99 {result['itl_ms'][0]:.1f}/{result['itl_ms'][1]:.1f} ms",
                           flush=True)
+                    if args.json:
+                        Path(args.json).write_text(json.dumps(report, indent=1))
             finally:
                 stop()
                 engine.shutdown()
             _empty_cache()
-        model = None
-        _empty_cache()
+    pool.terminate()
     return report
-
-
-def _same(model):
-    return model
 
 
 def main() -> None:
