@@ -35,6 +35,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import deepinfer as _package  # noqa: E402,F401  (moves the checkout root behind site-packages)
 from tests.processes import ServerProcess, deepinfer  # noqa: E402
 
 PROMPTS = [
