@@ -80,8 +80,10 @@ class MPAsyncLLM:
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.bind(f"ipc://{self._dir}/input")
+        self._input.setsockopt(zmq.SNDHWM, 0)
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
+        self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(f"ipc://{self._dir}/output")
         self._proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="deepinfer-engine-core", daemon=True,

@@ -12,8 +12,8 @@ detokenizer split; the code is our own.
 Failure: an exception out of the loop (e.g. `EngineDeadError` after failed steps in a row) is
 sent as `EngineOutputs.dead`, then the process exits 1; a process killed outright is noticed by
 the API server's reader (process sentinel). SIGINT/SIGTERM are ignored here: the API server
-drains first and then sends `shutdown`; when the API server dies, the core exits at its next
-idle poll (its parent is gone).
+drains first and then sends `shutdown`; when the API server dies, the core exits within a step
+(its parent is gone), so an orphan never holds the device.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     inputs.connect(input_address)
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.setsockopt(zmq.SNDHWM, 0)   # never block a step on a slow reader (no drops)
     outputs.connect(output_address)
     try:
         from deepinfer.engine.engine_core import EngineCore
@@ -113,7 +114,7 @@ class _CoreLoop:
             timeout = 0 if busy else COMPILE_POLL_MS if self.compiling else IDLE_POLL_MS
             if self.poller.poll(timeout):
                 self._take_inputs()
-            elif not busy and os.getppid() != self.parent:
+            if os.getppid() != self.parent:    # a cheap syscall; an orphan frees the device
                 logger.error("the API server process is gone; stopping the engine core")
                 return
             self._take_compiled()
