@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.processes import ServerProcess, deepinfer, metric
+from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +30,14 @@ def _core_pid(server_pid: int) -> int:
     raise AssertionError(f"no engine core process among {children}")
 
 
-def test_engine_process_serves_reports_metrics_and_fails_fast_when_killed(tmp_path):
-    server = ServerProcess("server", deepinfer("serve", "--engine-process", "--max-num-seqs",
-                                               "4"), tmp_path / "server.log")
+def test_engine_process_serves_reports_metrics_and_fails_fast_when_killed(tmp_path,
+                                                                           smollm2_tokenizer):
+    model_dir = save_tiny_llama(tmp_path / "tiny", smollm2_tokenizer)   # quick to load
+    server = ServerProcess("server", deepinfer(
+        "serve", str(model_dir), "--device", "cpu", "--engine-process", "--max-num-seqs", "4",
+        "--num-kv-blocks", "256"), tmp_path / "server.log")
     try:
-        server.wait_ready(900)
+        server.wait_ready(300)
         body = {"model": httpx.get(server.url + "/v1/models").json()["data"][0]["id"],
                 "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
