@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +183,47 @@ def test_a_killed_core_process_fails_streams_and_calls_with_engine_dead(mp_engin
     asyncio.run(run())
     with pytest.raises(EngineDeadError):
         engine.check_health()
+
+
+ORPHAN_SCRIPT = """
+import sys, time
+from deepinfer.engine.async_llm import AsyncLLM
+from deepinfer.engine.config import EngineConfig
+if __name__ == "__main__":
+    config = EngineConfig().replace(
+        model={"model": sys.argv[1], "device": "cpu", "dtype": "float32"},
+        cache={"block_size": 4, "num_blocks": 64}, frontend={"engine_process": True})
+    engine = AsyncLLM(config)
+    print(engine._proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_core_process_whose_api_server_died_exits(tiny_llama_dir, tmp_path):
+    """An orphaned core frees its device memory: it exits within a poll of its parent's
+    death (here the API server is SIGKILLed, so it could not send `shutdown`)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "api_server.py"
+    script.write_text(ORPHAN_SCRIPT)
+    api = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(api.stdout.readline())
+        api.kill()
+        api.wait(10)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{core_pid}").exists() and b"Z" not in _state(core_pid):
+            assert time.monotonic() < deadline, "the orphaned core process is still running"
+            time.sleep(0.1)
+    finally:
+        api.kill()
+
+
+def _state(pid: int) -> bytes:
+    """The process's state letter from /proc (Z: a zombie, i.e. exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1][:3]
+    except OSError:
+        return b"Z"
