@@ -14,7 +14,8 @@ streaming /v1/completions from 8 client processes (httpx). Per shape: the offlin
 (`LLM.generate`'s: submit all, step to the end) with the same engine settings, then the server
 (uvicorn in this process) with the engine core in this process and in its own process
 (`--engine-process`), at 64 and 256 streams. Prints tok/s and its share of offline, TTFT p50/p99
-(and p50 over the offline prefill time) and ITL p50/p99 (gaps between a stream's chunks).
+(and p50 over the offline prefill time) and ITL p50/p99 (gaps between a stream's chunks; a
+chunk holds several tokens when the server coalesced the steps a lagging stream had queued).
 
     python benchmarks/bench_serving.py --gpu [--shapes 1b,8b] [--streams 64,256]
         [--engine-process both|on|off] [--json PATH]
@@ -200,16 +201,19 @@ def offline_run(core, prompts: list[list[int]], new_tokens: int) -> dict:
 
 async def _timed_stream(client, model: str, prompt: list[int], new_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    times = []
+    times, tokens = [], 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith('data: {"id"'):
-                times.append(time.perf_counter())
+                if '"choices":[]' in line:     # the usage chunk: the tokens (a chunk may
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]   # hold more
+                else:                                                              # than one)
+                    times.append(time.perf_counter())
     return {"ttft": times[0] - start, "itl": [b - a for a, b in zip(times, times[1:])],
-            "chunks": len(times), "start": start, "end": times[-1]}
+            "chunks": tokens, "start": start, "end": times[-1]}
 
 
 def _client_task(url: str, model: str, prompts: list[list[int]], new_tokens: int,

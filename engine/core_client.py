@@ -6,8 +6,9 @@ the per-request asyncio queues. Messages are msgspec msgpack over two ZeroMQ IPC
 (engine/core_wire.py): requests, aborts and grammar compiles go down; one message per engine
 step comes up with every request's new tokens. A reader thread receives each step's message,
 detokenizes it and hands each event loop its outputs in one `call_soon_threadsafe` (one wake-up
-per step, not one per token per request). A request a stop string ended here is aborted in the
-core (its extra tokens, if any, are dropped).
+per step, not one per token per request); a stream whose consumer lags gets what has queued as
+one output. A request a stop string ended here is aborted in the core (its extra tokens, if any,
+are dropped).
 
 Choice: `FrontendConfig.engine_process` (engine/config.py); `AsyncLLM(config)` returns an
 `MPAsyncLLM` when it resolves to True. Failure: the core process dying (killed, or its loop
@@ -18,6 +19,7 @@ no call hangs on a dead core.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -149,12 +151,21 @@ class MPAsyncLLM:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._send(EngineInput(adds=[AddRequest(request_id, list(prompt_token_ids),
                                                 sampling_params, kv_transfer_params)]))
-        finished = False
+        finished, pending = False, None
         try:
             while not finished:
-                item = await stream.get()
+                item = pending if pending is not None else await stream.get()
+                pending = None
                 if isinstance(item, BaseException):
                     raise item
+                # the consumer lags (several steps queued): one output of them all, as vLLM's
+                # RequestOutputCollector, so a slow event loop writes fewer, larger chunks
+                while not item.finished and not stream.empty():
+                    later = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        pending = later
+                        break
+                    item = coalesce(item, later)
                 finished = item.finished
                 yield item
         finally:
@@ -312,6 +323,16 @@ class MPAsyncLLM:
             _call(loop, stream.put_nowait, self._error)
         for loop, future in compiles:
             _call(loop, _settle, future, self._error)
+
+
+def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the deltas joined, the rest the later's."""
+    logprobs = None
+    if earlier.new_logprobs is not None or later.new_logprobs is not None:
+        logprobs = (earlier.new_logprobs or []) + (later.new_logprobs or [])
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                               new_text=earlier.new_text + later.new_text,
+                               new_logprobs=logprobs)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

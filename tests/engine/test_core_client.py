@@ -6,6 +6,7 @@ process as `EngineDeadError` (never a hang)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -149,6 +150,26 @@ def test_abort_frees_the_request_in_the_core(mp_engine, offline):
     outputs, again, stats = asyncio.run(run())
     assert outputs[-1].token_ids == again[-1].token_ids == want
     assert stats.num_running_reqs == 0 and stats.num_free_kv_blocks == NUM_BLOCKS
+
+
+def test_a_lagging_consumer_gets_the_queued_steps_as_one_output(mp_engine, offline):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    want = offline.generate([PROMPTS[2]], params)[0]
+
+    async def slow_reader():
+        outputs = []
+        async for out in mp_engine.generate(PROMPTS[2], params):
+            outputs.append(out)
+            await asyncio.sleep(0.05)     # a busy event loop: steps queue up meanwhile
+        return outputs
+
+    outputs = asyncio.run(slow_reader())
+    assert len(outputs) < 40 and max(len(o.new_token_ids) for o in outputs) > 1
+    assert [t for o in outputs for t in o.new_token_ids] == want.token_ids
+    assert "".join(o.new_text for o in outputs) == outputs[-1].text == want.text
+    assert [lp.token_id for o in outputs for lp in o.new_logprobs] == want.token_ids
+    assert [o.num_output_tokens for o in outputs] == list(
+        itertools.accumulate(len(o.new_token_ids) for o in outputs))
 
 
 def test_refusals_are_the_engine_s_own_errors(mp_engine):
