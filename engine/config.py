@@ -212,8 +212,8 @@ class FrontendConfig:
     engine_process: run `EngineCore` + executor in their own process, fed over ZeroMQ; the
         API server process keeps HTTP, detokenization and SSE (engine/core_client.py). None =
         on for CUDA (the host's serving work would otherwise share one interpreter with the
-        step loop), off for CPU (where the model's own compute needs the cores and an extra
-        process only adds hand-off cost; benchmarks/RESULTS.md has the measurements).
+        step loop), off for CPU (the model's own compute needs the cores: on a busy 2-core
+        machine a second process was several times slower; benchmarks/RESULTS.md).
     """
 
     engine_process: bool | None = _field(None, env="DEEPINFER_ENGINE_PROCESS",
