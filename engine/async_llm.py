@@ -1,5 +1,9 @@
 """`AsyncLLM`: the online engine — a background step-loop thread plus per-request queues.
 
+This is the in-process engine (the CPU default); with `FrontendConfig.engine_process` the
+engine core runs in its own process instead and `AsyncLLM(config)` returns the same API from
+engine/core_client.py.
+
 Handlers never touch scheduler state: they post `add` / `abort` commands on a thread-safe queue;
 the loop thread (the single owner) applies them between steps and delivers each `RequestOutput`
 to its request's asyncio queue on the caller's event loop. Torch releases the GIL inside ops, so
@@ -14,11 +18,11 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.engine_core import EngineCore
+from deepinfer.engine.engine_core import EngineCore, resolve_device_dtype
 from deepinfer.engine.errors import (EngineDeadError, EngineShuttingDownError, QueueFullError,
                                      RequestFailedError)
 from deepinfer.engine.outputs import RequestOutput, SchedulerStats
@@ -51,12 +55,25 @@ def freeze_startup_heap() -> int:
 
 class AsyncLLM:
     """Args:
-        config: the engine configuration (model, cache, scheduler).
-    Building it loads the model (blocking) and starts the step loop.
+        config: the engine configuration (model, cache, scheduler, frontend).
+        model_factory: a picklable callable that builds the model (benchmarks: random
+            weights); None loads `config.model.model`.
+    Building it loads the model (blocking) and starts the step loop. When
+    `config.frontend.engine_process` resolves to True (default: on CUDA), it returns an
+    `MPAsyncLLM` instead (engine/core_client.py): the same API, the engine core in its own
+    process.
     """
 
-    def __init__(self, config: EngineConfig):
-        self.engine_core = EngineCore(config)
+    def __new__(cls, config: EngineConfig, model_factory: Callable | None = None):
+        if cls is AsyncLLM and config.frontend.resolve_engine_process(
+                resolve_device_dtype(config.model)[0].type == "cuda"):
+            from deepinfer.engine.core_client import MPAsyncLLM
+
+            return MPAsyncLLM(config, model_factory)
+        return super().__new__(cls)
+
+    def __init__(self, config: EngineConfig, model_factory: Callable | None = None):
+        self.engine_core = EngineCore(config, model_factory() if model_factory else None)
         self.tokenizer = self.engine_core.tokenizer
         self.mm_processor = self.engine_core.mm_processor   # None for a text-only model
         self.model_name = self.engine_core.model_name

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from deepinfer.kernels.settings import KernelConfig
 
-__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "KVTransferConfig", "KernelConfig",
-           "ModelConfig", "MultiModalConfig", "ParallelConfig", "SchedulerConfig",
+__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "FrontendConfig", "KVTransferConfig",
+           "KernelConfig", "ModelConfig", "MultiModalConfig", "ParallelConfig", "SchedulerConfig",
            "apply_blas_determinism", "config_from", "engine_flags", "env_overrides", "server_env"]
 
 
@@ -317,8 +317,28 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class FrontendConfig:
+    """How `AsyncLLM` (the online engine) runs beside the HTTP server.
+
+    engine_process: run `EngineCore` + executor in their own process, fed over ZeroMQ; the
+        API server process keeps HTTP, detokenization and SSE (engine/core_client.py). None =
+        on for CUDA (the host's serving work would otherwise share one interpreter with the
+        step loop), off for CPU (the model's own compute needs the cores: on a busy 2-core
+        machine a second process was several times slower; benchmarks/RESULTS.md).
+    """
+
+    engine_process: bool | None = _field(None, env="DEEPINFER_ENGINE_PROCESS",
+                                         flag="engine_process")
+
+    def resolve_engine_process(self, on_cuda: bool) -> bool:
+        """`engine_process`, None resolved for a model on CUDA (`on_cuda`) or on the CPU."""
+        return on_cuda if self.engine_process is None else self.engine_process
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """The engine's sub-configs; `kernel` goes to the model runner (GPU kernel choices)."""
+    """The engine's sub-configs; `kernel` goes to the model runner (GPU kernel choices),
+    `frontend` to `AsyncLLM`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -327,6 +347,7 @@ class EngineConfig:
     kernel: KernelConfig = field(default_factory=KernelConfig)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)
 
     def replace(self, **sections: dict) -> "EngineConfig":
         """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""
@@ -349,8 +370,8 @@ class EngineConfig:
             if section is None:
                 raise TypeError(f"unknown engine option {name!r}; options are the fields of "
                                 "ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, "
-                                "KernelConfig and ParallelConfig (engine/config.py), e.g. "
-                                "max_model_len, block_size, max_num_seqs")
+                                "KernelConfig, ParallelConfig and FrontendConfig (engine/config.py), "
+                                "e.g. max_model_len, block_size, max_num_seqs")
             sections.setdefault(section, {})[name] = value
         return self.replace(**sections)
 

@@ -31,7 +31,7 @@ from deepinfer.engine.fault_isolation import FaultIsolation
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
 from deepinfer.engine.mm_processor import load_mm_processor
-from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.output_processor import OutputProcessor, TokenOutputProcessor
 from deepinfer.engine.outputs import (EngineCoreOutput, ModelRunnerOutput, RequestOutput,
                                       SchedulerOutput, SchedulerStats)
 from deepinfer.engine.request import Request, RequestStatus
@@ -91,7 +91,8 @@ class EngineCore:
             still provides config.json and the tokenizer.
     """
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, *,
+                 detokenize: bool = True):
         self.config = config
         self.model_dir = loader.resolve_model_dir(config.model.model, config.model.cache_dir)
         self.model_name = served_model_name(config.model)
@@ -128,7 +129,8 @@ class EngineCore:
             self.scheduler = DPScheduler([Scheduler(config.scheduler, KVCacheManager(
                 blocks, cache.block_size, cache.enable_prefix_caching, hash_extra=fingerprint))
                 for blocks in self.executor.num_blocks_per_rank])
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = (OutputProcessor(self.tokenizer) if detokenize
+                                 else TokenOutputProcessor())
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:  # default: on where the device runs apart from the host
             async_scheduling = device.type == "cuda"

@@ -177,3 +177,48 @@ class OutputProcessor:
             text=state.text if finished else None,
             token_ids=state.output_token_ids if finished else None,
             logprobs=state.logprobs if finished else None)
+
+
+class TokenOutputProcessor:
+    """`OutputProcessor`'s stand-in in an engine core process: token ids, finish reasons and
+    logprobs pass through as `RequestOutput`s without text (`new_text` is ""; `text`,
+    `token_ids` and `prompt_token_ids` stay empty). The API server process detokenizes and
+    applies stop strings (engine/core_client.py), then aborts a request a stop string ended.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[str, list] = {}     # id -> [num output tokens, RequestMetrics]
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, arrival_time: float) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running; give each "
+                             "request a unique id.")
+        self._requests[request_id] = [0, RequestMetrics(arrival_time=arrival_time)]
+
+    def abort_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def process(self, outputs: list[EngineCoreOutput],
+                now: float) -> tuple[list[RequestOutput], list[str]]:
+        request_outputs = []
+        for output in outputs:
+            state = self._requests.get(output.request_id)
+            if state is None:                      # aborted while the step ran
+                continue
+            state[0] += len(output.new_token_ids)
+            finished = output.finish_reason is not None
+            if finished:
+                del self._requests[output.request_id]
+            request_outputs.append(RequestOutput(
+                request_id=output.request_id, prompt_token_ids=[],
+                new_token_ids=output.new_token_ids, new_text="",
+                new_logprobs=output.new_logprobs, num_output_tokens=state[0],
+                num_cached_tokens=output.num_cached_tokens, finished=finished,
+                finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                metrics=state[1]))
+        return request_outputs, []

@@ -113,6 +113,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=keep,
                        help="prepare the next step on the host while the device runs this one "
                             "(default: on for CUDA, off for CPU)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=keep,
+                       help="run the engine core (scheduler, model) in its own process, apart "
+                            "from the HTTP server's event loop (default: on for CUDA, off for "
+                            "CPU)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
     serve.add_argument("--data-parallel-size", type=int, default=keep, metavar="N",

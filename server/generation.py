@@ -115,6 +115,10 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
     An error in any sub-request is raised here (and the others are cancelled). Use inside
     `contextlib.aclosing` so an early exit cancels the pumps at once.
     """
+    if len(subs) == 1:   # the common case: no pump task, no second queue hop per token
+        async for item in _single_outputs(engine, metrics, request_id, subs[0]):
+            yield item
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(sub: SubRequest) -> None:
@@ -152,6 +156,27 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _single_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
+                          sub: SubRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`merged_outputs` of one sub-request, inline: the same metrics and errors as a pump."""
+    tracker, failed = metrics.tracker(), False
+    client_hit = _prompt_cached_tokens(sub.kv_transfer_params)
+    try:
+        stream = engine.generate(sub.prompt_token_ids, sub.params, f"{request_id}-{sub.index}",
+                                 kv_transfer_params=sub.kv_transfer_params)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                tracker.observe(out)
+                if client_hit is not None and out.num_cached_tokens > client_hit:
+                    out = dataclasses.replace(out, num_cached_tokens=client_hit)
+                yield sub.index, out
+    except Exception:
+        failed = True
+        raise
+    finally:   # closed early (client gone): counted as an abort
+        tracker.close(count_unstarted=not failed)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

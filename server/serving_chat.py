@@ -25,7 +25,7 @@ from deepinfer.server.prompts import chat_prompt_ids
 from deepinfer.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              DeltaMessage)
-from deepinfer.server.sse import sse_event
+from deepinfer.server.sse import ChunkHead, sse_event
 from deepinfer.server.structured import check_compiles, so_args_from_request, with_backend
 from deepinfer.server.tools import ToolConfig, tool_config, tool_so_args, tool_streamer
 from deepinfer.server.validation import (build_params, chat_kwargs, check_kv_transfer_params, check_model,
@@ -141,6 +141,8 @@ class ChatServing:
                                                  model=self.engine.model_name,
                                                  choices=choices, **extra), exclude=exclude)
 
+        fast = ChunkHead(request_id, created, self.engine.model_name, "chat.completion.chunk",
+                         include_usage)
         for i in range(n):
             role = DeltaMessage(role="assistant", content="")
             yield chunk([ChatChunkChoice(index=i, delta=role)])
@@ -148,6 +150,16 @@ class ChatServing:
             async for index, out in outputs:
                 states[index].update(out)
                 streamer = streamers[index]
+                if streamer is None and not req.logprobs:   # the hot path: orjson, no models
+                    if out.new_text or out.finished:
+                        finished = out.finished
+                        yield fast.event({
+                            "index": index,
+                            "delta": {"content": out.new_text} if out.new_text else {},
+                            "logprobs": None,
+                            "finish_reason": out.finish_reason if finished else None,
+                            "stop_reason": out.stop_reason if finished else None})
+                    continue
                 if streamer is None:
                     deltas = [DeltaMessage(content=out.new_text)] if out.new_text else []
                 else:

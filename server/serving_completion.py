@@ -17,7 +17,7 @@ from deepinfer.server.logprobs import CompletionLogprobsBuilder, TokenDecoder
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.prompts import Prompt, completion_prompts
 from deepinfer.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from deepinfer.server.sse import sse_event
+from deepinfer.server.sse import ChunkHead, sse_event
 from deepinfer.server.structured import check_compiles, so_args_from_request
 from deepinfer.server.validation import (COMPLETIONS_DEFAULT_MAX_TOKENS, build_params,
                                         check_completion_fields, check_kv_transfer_params,
@@ -91,6 +91,8 @@ class CompletionServing:
                                                 model=self.engine.model_name, choices=choices,
                                                 **extra), exclude=exclude)
 
+        fast = ChunkHead(request_id, created, self.engine.model_name, "text_completion",
+                         include_usage)
         for index, echo in enumerate(echoes):
             if echo:
                 yield chunk([CompletionChoice(index=index, text=echo, finish_reason=None)])
@@ -99,8 +101,13 @@ class CompletionServing:
                 states[index].update(out)
                 if not (out.new_text or out.new_logprobs or out.finished):
                     continue
-                logprobs = (builders[index].add(out.new_logprobs or [])
-                            if req.logprobs is not None else None)
+                if req.logprobs is None:   # the hot path: no pydantic model per token
+                    finished = out.finished
+                    yield fast.event({"index": index, "text": out.new_text, "logprobs": None,
+                                      "finish_reason": out.finish_reason if finished else None,
+                                      "stop_reason": out.stop_reason if finished else None})
+                    continue
+                logprobs = builders[index].add(out.new_logprobs or [])
                 yield chunk([CompletionChoice(
                     index=index, text=out.new_text, logprobs=logprobs,
                     finish_reason=out.finish_reason if out.finished else None,

@@ -111,6 +111,20 @@ def test_served_model_name_from_the_environment():
     assert config.model.served_model_name == "prod-llm"
 
 
+def test_engine_process_flag_and_variable_and_their_default():
+    assert build_engine_config(parse(), environ={}).frontend.engine_process is None
+    assert build_engine_config(parse(), environ={"DEEPINFER_ENGINE_PROCESS": "1"}
+                               ).frontend.engine_process is True
+    assert build_engine_config(parse("--no-engine-process"),
+                               environ={"DEEPINFER_ENGINE_PROCESS": "1"}
+                               ).frontend.engine_process is False
+    frontend = build_engine_config(parse("--engine-process"), environ={}).frontend
+    assert frontend.engine_process is True and frontend.resolve_engine_process(on_cuda=False)
+    default = build_engine_config(parse(), environ={}).frontend    # None: by the device
+    assert default.resolve_engine_process(on_cuda=True)
+    assert not default.resolve_engine_process(on_cuda=False)
+
+
 def test_an_out_of_range_variable_is_named_unless_a_flag_overrides_it():
     """deploy/README promises the variable is named (found by a docs check: only values that
     did not parse were)."""

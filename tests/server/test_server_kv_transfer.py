@@ -1,14 +1,15 @@
 """`kv_transfer_params` through the HTTP API: a prefill worker hands a prompt's KV to a decode
 worker over a private Redis, and the decode worker answers exactly as one monolithic server.
-Real AsyncLLMs on a tiny random Llama, in-process through httpx's ASGI transport."""
+Real AsyncLLMs on a tiny random Llama, in-process through httpx's ASGI transport (the prefill
+and decode workers' engine cores in their own processes, the monolithic one's on a thread)."""
 
 import asyncio
 
 import httpx
 import pytest
 
-from deepinfer.engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
-                           SchedulerConfig)
+from deepinfer.engine.config import (CacheConfig, EngineConfig, FrontendConfig, KVTransferConfig,
+                                     ModelConfig, SchedulerConfig)
 from deepinfer.server.app import build_app
 from tests.tiny_models import save_tiny_llama
 
@@ -20,10 +21,10 @@ def tiny_dir(tmp_path_factory, smollm2_tokenizer):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-server"), smollm2_tokenizer)
 
 
-def engine(model_dir, role: str, kv_store: str):
+def engine(model_dir, role: str, kv_store: str, engine_process: bool = False):
     from deepinfer.engine.async_llm import AsyncLLM
 
-    return AsyncLLM(EngineConfig(
+    return AsyncLLM(EngineConfig(frontend=FrontendConfig(engine_process=engine_process),
         model=ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
         cache=CacheConfig(block_size=8, num_blocks=128),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
@@ -33,8 +34,9 @@ def engine(model_dir, role: str, kv_store: str):
 @pytest.fixture(scope="module")
 def workers(tiny_dir, redis_url):
     started = {"mono": engine(tiny_dir, "both", "none"),
-               "prefill": engine(tiny_dir, "prefill", redis_url),
-               "decode": engine(tiny_dir, "decode", redis_url)}
+               # the hand-off also crosses engine core processes (engine/core_client.py)
+               "prefill": engine(tiny_dir, "prefill", redis_url, engine_process=True),
+               "decode": engine(tiny_dir, "decode", redis_url, engine_process=True)}
     yield started
     for llm in started.values():
         llm.shutdown()

@@ -1,0 +1,108 @@
+"""The messages between the API server process and the engine core process (msgspec msgpack).
+
+API server -> engine core: one `EngineInput` per send (requests to add, ids to abort, grammars
+to compile, shutdown). Engine core -> API server: one `EngineOutputs` per step that produced
+anything (every request's new token ids, finish reasons, logprobs, hand-off answers together),
+plus the scheduler's stats, replies to compiles and per-request errors. Text is not sent: the
+API server detokenizes (engine/core_client.py), off the engine's critical path. The first
+message of the engine core carries an `EngineReady` (or a `dead` that says why it could not
+start).
+
+Encoding: msgspec structs as msgpack arrays (`array_like`: no field names on the wire); the
+dataclasses `SamplingParams`, `TokenLogprobs`, `SchedulerStats` are encoded by msgspec as they
+are. Errors cross as (kind, message, param) and are rebuilt as the engine's own exception
+classes, so the server maps them to the same HTTP statuses as in one process.
+
+Pure module: no torch import.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from deepinfer.engine.errors import PromptTooLongError, QueueFullError
+from deepinfer.engine.outputs import SchedulerStats, TokenLogprobs
+from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
+from deepinfer.engine.structured.backend import GrammarError
+
+
+class AddRequest(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: dict | None = None
+
+
+class EngineInput(msgspec.Struct, array_like=True, gc=False):
+    adds: list[AddRequest] = []
+    aborts: list[str] = []
+    compiles: list[tuple[int, dict]] = []     # (ticket, so_args): reply in `compiled`
+    shutdown: bool = False
+
+
+class WireOutput(msgspec.Struct, array_like=True, gc=False):
+    """One request's tokens of one step (an `EngineCoreOutput` plus what the core adds)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None   # a hand-off's answer (last output only)
+    error: str | None = None                 # finish_reason "error": what failed
+
+
+class WireError(msgspec.Struct, array_like=True, gc=False):
+    """A request refused by the engine core (`kind`: see `ERROR_KINDS`) or a compile that
+    failed (request_id = "#compile-{ticket}")."""
+
+    request_id: str
+    kind: str
+    message: str
+    param: str | None = None
+
+
+class EngineReady(msgspec.Struct, array_like=True, gc=False):
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+class EngineOutputs(msgspec.Struct, array_like=True, gc=False):
+    outputs: list[WireOutput] = []
+    errors: list[WireError] = []
+    compiled: list[int] = []                 # tickets whose grammar compiled
+    stats: SchedulerStats | None = None
+    dead: str | None = None                  # the engine core stopped: why
+    ready: EngineReady | None = None         # the first message after a good start
+
+
+# exception class -> wire kind; the first matching class wins (subclasses first)
+ERROR_KINDS: list[tuple[type[BaseException], str]] = [
+    (QueueFullError, "queue_full"), (PromptTooLongError, "prompt_too_long"),
+    (SamplingParamsError, "sampling_params"), (GrammarError, "grammar"), (ValueError, "value")]
+
+
+def error_to_wire(request_id: str, error: BaseException) -> WireError:
+    kind = next((name for cls, name in ERROR_KINDS if isinstance(error, cls)), "value")
+    return WireError(request_id, kind, str(error), getattr(error, "param", None))
+
+
+def error_from_wire(error: WireError) -> Exception:
+    """The engine's exception that `error` stands for (same class, message, param)."""
+    if error.kind == "queue_full":
+        return QueueFullError(error.message)
+    if error.kind == "prompt_too_long":
+        return PromptTooLongError(error.message)
+    if error.kind == "sampling_params":
+        return SamplingParamsError(error.message, error.param or "")
+    if error.kind == "grammar":
+        return GrammarError(error.message)
+    return ValueError(error.message)
+
+
+INPUT_ENCODER = msgspec.msgpack.Encoder()
+INPUT_DECODER = msgspec.msgpack.Decoder(EngineInput)
+OUTPUT_ENCODER = msgspec.msgpack.Encoder()
+OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineOutputs)
