@@ -122,24 +122,12 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(sub: SubRequest) -> None:
-        tracker, failed = metrics.tracker(), False
-        client_hit = _prompt_cached_tokens(sub.kv_transfer_params)
         try:
-            images = {"mm_inputs": sub.mm_inputs} if sub.mm_inputs else {}
-            stream = engine.generate(sub.prompt_token_ids, sub.params,
-                                     f"{request_id}-{sub.index}",
-                                     kv_transfer_params=sub.kv_transfer_params, **images)
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    tracker.observe(out)
-                    if client_hit is not None and out.num_cached_tokens > client_hit:
-                        out = dataclasses.replace(out, num_cached_tokens=client_hit)
-                    queue.put_nowait((sub.index, out))
+            async for item in _single_outputs(engine, metrics, request_id, sub):
+                queue.put_nowait(item)
         except Exception as exc:  # handed to the consumer, which maps or logs it
-            failed = True
             queue.put_nowait((sub.index, exc))
         finally:   # cancelled (client gone, another choice failed): counted as an abort
-            tracker.close(count_unstarted=not failed)
             queue.put_nowait((sub.index, _END))
 
     tasks = [asyncio.create_task(pump(sub)) for sub in subs]
@@ -160,12 +148,14 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
 
 async def _single_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
                           sub: SubRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """`merged_outputs` of one sub-request, inline: the same metrics and errors as a pump."""
+    """One sub-request's outputs (metrics tracked, the client's cached-token count kept):
+    inline for one choice, inside a pump task for several."""
     tracker, failed = metrics.tracker(), False
     client_hit = _prompt_cached_tokens(sub.kv_transfer_params)
     try:
+        images = {"mm_inputs": sub.mm_inputs} if sub.mm_inputs else {}
         stream = engine.generate(sub.prompt_token_ids, sub.params, f"{request_id}-{sub.index}",
-                                 kv_transfer_params=sub.kv_transfer_params)
+                                 kv_transfer_params=sub.kv_transfer_params, **images)
         async with contextlib.aclosing(stream):
             async for out in stream:
                 tracker.observe(out)
