@@ -219,7 +219,11 @@ class MultiModalConfig:
     allow_remote_media: fetch http(s) image URLs (off: only data URLs are accepted).
     allowed_media_domains: comma-separated host names remote images may come from ("" = any);
         a host matches itself and its subdomains.
-    media_fetch_timeout_s: a remote image's download limit, seconds (connect + read).
+    media_fetch_timeout_s: a remote image's download limit, seconds (DNS, redirects, connect
+        and read together).
+    allow_private_media_hosts: also fetch from hosts that resolve to loopback, private,
+        link-local, multicast or reserved addresses (off: such URLs, and redirects to them, are
+        a 400; SSRF protection).
     """
 
     encoder_cache_bytes: int = _field(256 << 20, env="DEEPINFER_MM_ENCODER_CACHE_BYTES",
@@ -235,6 +239,8 @@ class MultiModalConfig:
                                         flag="allowed_media_domains")
     media_fetch_timeout_s: float = _field(10.0, env="DEEPINFER_MEDIA_FETCH_TIMEOUT_S",
                                           flag="media_fetch_timeout_s")
+    allow_private_media_hosts: bool = _field(False, env="DEEPINFER_ALLOW_PRIVATE_MEDIA_HOSTS",
+                                             flag="allow_private_media_hosts")
 
     def __post_init__(self) -> None:
         _check("encoder_cache_bytes", self.encoder_cache_bytes >= 0,

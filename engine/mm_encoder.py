@@ -7,7 +7,9 @@ and putting the rows in place of the image tokens.
 - `EmbeddingStore`: the KV store's embedding namespace, `mm:{fingerprint}:{content_hash}`,
   values in `kvstore.codec`'s block format (versioned header + raw bytes + CRC, bound to the key;
   never pickle). An encoder-only worker (`--role encoder`) writes there; a prefill / both worker
-  reads there before encoding, and encodes when the value is missing, corrupt or the store down.
+  reads there before encoding, and encodes when the value is missing, corrupt or the store down;
+  what it encodes itself it also writes there, in the background (off the step's critical path,
+  as KV block saves are), so the next worker or prefill finds it.
 - `MultiModalEmbedder`: per step, the input embeddings of the scheduled tokens with the image
   rows put in place of the image tokens, slicing each image's rows by position so a chunked
   prefill may split an image across steps. Like vLLM's encoder cache + `gather_mm_embeddings`.
@@ -16,6 +18,7 @@ and putting the rows in place of the image tokens.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import threading
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 EMBED_LAYOUT = "mm_embedding:v1"
 STORE_DOWN_BACKOFF_S = 1.0   # after a store failure, encode locally this long without asking
+MAX_PENDING_SAVES = 16       # background embedding writes in flight; more are dropped (a cache)
 
 
 def embedding_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
@@ -106,6 +110,7 @@ class EmbeddingStore:
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self._down_until = 0.0
+        self._saves: set[concurrent.futures.Future] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="deepinfer-mm-store")
@@ -150,21 +155,52 @@ class EmbeddingStore:
             return None, True
         return array, False
 
+    def _value(self, key: str, embedding: torch.Tensor) -> bytes:
+        array, dtype = _to_numpy(embedding)
+        return encode_block(BlockHeader(EMBED_LAYOUT, dtype, tuple(array.shape)),
+                            array.tobytes(), key=key)
+
     def put(self, content_hash: str, embedding: torch.Tensor) -> bool:
         """Store an embedding [num_embeds, hidden] in its own dtype (bfloat16 as its int16
         bits); False when the store failed (the reader then encodes itself)."""
         key = self.key(content_hash)
-        array, dtype = _to_numpy(embedding)
-        value = encode_block(BlockHeader(EMBED_LAYOUT, dtype, tuple(array.shape)),
-                             array.tobytes(), key=key)
         try:
-            self._run(self.store.put_many({key: value}))
+            self._run(self.store.put_many({key: self._value(key, embedding)}))
         except Exception as exc:
             self._failed("put", exc)
             return False
         return True
 
+    def put_later(self, content_hash: str, embedding: torch.Tensor
+                  ) -> concurrent.futures.Future | None:
+        """`put` without waiting: the device->host copy, encoding and write run on the
+        store's background thread (`embedding` must not be modified afterwards; cached
+        embeddings never are). None (nothing written) while the store is backing off or
+        MAX_PENDING_SAVES writes are in flight. The future's result is whether it was stored."""
+        if self._down() or len(self._saves) >= MAX_PENDING_SAVES:
+            return None
+        key = self.key(content_hash)
+
+        async def save() -> bool:
+            try:
+                value = await asyncio.to_thread(self._value, key, embedding)
+                await asyncio.wait_for(self.store.put_many({key: value}), self.timeout_s)
+            except Exception as exc:
+                self._failed("put", exc)
+                return False
+            return True
+
+        future = asyncio.run_coroutine_threadsafe(save(), self._loop)
+        self._saves.add(future)
+        future.add_done_callback(self._saves.discard)
+        return future
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for the background writes in flight (`put_later`)."""
+        concurrent.futures.wait(list(self._saves), timeout=timeout_s or self.timeout_s + 5)
+
     def close(self) -> None:
+        self.flush()
         try:
             self._run(self.store.close())
         except Exception:   # closing a dead store: nothing to release
@@ -212,7 +248,7 @@ class MultiModalEmbedder:
 
     def embedding(self, image: ImageInput, *, use_store: bool = True) -> torch.Tensor:
         """[num_embeds, hidden] for the image: from the cache, else the store, else encoded
-        (and then kept in the cache)."""
+        (and then kept in the cache, and written to the store in the background)."""
         key = image.content_hash
         cached = self.cache.get(key)
         if cached is not None:
@@ -221,12 +257,21 @@ class MultiModalEmbedder:
         embedding = self._from_store(key) if (use_store and self.store is not None) else None
         if embedding is None:
             embedding = self.encode(image)
+            if embedding.shape[0] == image.num_embeds and use_store and self.store is not None:
+                saving = self.store.put_later(key, embedding)
+                if saving is not None:
+                    saving.add_done_callback(self._saved)
         if embedding.shape[0] != image.num_embeds:
             raise ValueError(f"image {key}: {embedding.shape[0]} embeddings for "
                              f"{image.num_embeds} image tokens")
         self.cache.put(key, embedding)
         self.stats.cache_bytes = self.cache.num_bytes
         return embedding
+
+    def _saved(self, future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is None and future.result():
+            with self._lock:
+                self.stats.store_saves += 1
 
     def encode(self, image: ImageInput) -> torch.Tensor:
         """Run the vision tower on one image (counted in the stats)."""

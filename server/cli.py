@@ -147,6 +147,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "included (default: any)")
     serve.add_argument("--media-fetch-timeout-s", type=float, default=keep,
                        help="a remote image's download limit in seconds (default 10)")
+    serve.add_argument("--allow-private-media-hosts", action=argparse.BooleanOptionalAction,
+                       default=keep, help="also fetch images from hosts that resolve to "
+                                          "loopback/private/link-local addresses (default off: "
+                                          "SSRF protection)")
     serve.add_argument("--kv-store", default=keep, metavar="URL",
                        help="KV block store shared as a prefix cache: memory (in-process, the "
                             "default), none, redis://[:password@]host:port/db or rediss://... "

@@ -15,8 +15,9 @@ import time
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
-                      model_serializer)
+                      field_validator, model_serializer)
 from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 
 
 class _Request(BaseModel):
@@ -153,6 +154,23 @@ class CompletionRequest(SamplingFields):
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompts_only(cls, prompt: Any) -> Any:
+        """Content parts or vLLM's {"prompt", "multi_modal_data"} objects are a 400 saying
+        where images go, not pydantic's "should be a valid string; or ..." union list."""
+        items = prompt if isinstance(prompt, list) else [prompt]
+        part = next((item for item in items if isinstance(item, dict)), None)
+        if part is None:
+            return prompt
+        what = (f"a content part of type '{part['type']}'" if isinstance(part.get("type"), str)
+                else "an object")
+        raise PydanticCustomError(
+            "text_prompt_only",
+            f"the prompt holds {what}; /v1/completions takes text prompts only (a string, a "
+            "list of strings, token ids or lists of token ids). Send images to "
+            "/v1/chat/completions as 'image_url' parts of a message's content")
 
 
 class KVTransferParams(_Open):

@@ -151,3 +151,4 @@ def test_four_ranks_dp_ep_with_replicas_match_one_process(tiny_v3, reference_tok
         assert sum(int(load.sum()) for load in loads) == forwarded * 2 * 2
     finally:
         core.close()
+    assert [p.exitcode for p in core.executor.processes] == [0] * 4   # a clean stop

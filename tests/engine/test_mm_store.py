@@ -113,3 +113,24 @@ def test_encoder_endpoint_needs_the_key_and_names_bad_parts(vlm_dir, redis_serve
     assert invalid.status_code == 400
     assert invalid.json()["error"]["param"] == "messages.0.content.0"
     assert "deepinfer:mm_encoder_images_encoded_total" in metrics
+
+
+def test_an_image_encoded_locally_is_saved_for_the_next_worker(vlm_dir, redis_server):
+    """No encoder worker: the first `both` worker encodes the image itself and writes the
+    embedding to the store in the background; a second worker loads it instead of encoding."""
+    image = png_bytes(40, 60, seed=23)
+    first = EngineCore(config(vlm_dir, redis_server.url))
+    try:
+        reference = generate(first, image, "a")
+        first.executor.runner.mm.store.flush()
+        stats = first.get_stats().mm_encoder
+        assert (stats.images_encoded, stats.store_misses, stats.store_saves) == (1, 1, 1)
+    finally:
+        first.close()
+    second = EngineCore(config(vlm_dir, redis_server.url))
+    try:
+        assert generate(second, image, "b") == reference
+        stats = second.get_stats().mm_encoder
+        assert (stats.store_hits, stats.images_encoded, stats.store_saves) == (1, 0, 0)
+    finally:
+        second.close()

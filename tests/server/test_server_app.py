@@ -224,6 +224,21 @@ def test_malformed_and_missing_bodies_are_openai_400s(client):
                  "invalid_type", "valid integer")
 
 
+@pytest.mark.parametrize("prompt, what", [
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+     "a content part of type 'image_url'"),
+    (["describe", {"type": "image_url", "image_url": {"url": "https://x/y.png"}}],
+     "a content part of type 'image_url'"),
+    ([{"type": "text", "text": "hi"}], "a content part of type 'text'"),
+    ({"prompt": "hi", "multi_modal_data": {"image": "x"}}, "an object"),   # vLLM's offline form
+])
+def test_completions_with_images_or_parts_say_where_images_go(client, prompt, what):
+    error = assert_error(client.post("/v1/completions", json={"prompt": prompt}), 400,
+                         "prompt", "invalid_type", f"the prompt holds {what}")
+    assert "takes text prompts only" in error["message"]
+    assert "/v1/chat/completions as 'image_url' parts" in error["message"]
+
+
 def test_bad_kv_transfer_params_are_400_with_a_code(client):
     def post(**fields):
         return client.post("/v1/completions", json={"prompt": "hi", **fields})

@@ -14,6 +14,7 @@ import pytest
 from deepinfer.engine.config import EngineConfig, MultiModalConfig
 from deepinfer.server.app import build_app
 from deepinfer.server.errors import APIError
+from deepinfer.server.media import load_images
 from deepinfer.server.prompts import chat_prompt_ids
 from deepinfer.server.protocol import ChatMessage
 from tests.tiny_models import png_bytes, save_tiny_idefics3
@@ -35,6 +36,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
         if self.path == "/slow.png":
             time.sleep(1.0)
+        if self.path in ("/redirect", "/loop"):   # one hop to the image; a redirect cycle
+            self.send_response(302)
+            self.send_header("Location", "/a.png" if self.path == "/redirect" else "/loop")
+            self.end_headers()
+            return
         body, kind = {"/text": (b"hello", "text/plain")}.get(self.path, (PNG, "image/png"))
         if self.path == "/missing.png":
             self.send_response(404)
@@ -78,7 +84,10 @@ def engine(tmp_path_factory, smollm2_tokenizer):
     llm.shutdown()
 
 
-def call(engine, *bodies, media=MultiModalConfig(), path="/v1/chat/completions"):
+LOCAL = MultiModalConfig(allow_private_media_hosts=True)   # the test server is on 127.0.0.1
+
+
+def call(engine, *bodies, media=LOCAL, path="/v1/chat/completions"):
     async def run():
         app = build_app(engine, media=media)
         transport = httpx.ASGITransport(app=app)
@@ -135,22 +144,39 @@ BAD = {
     "unreachable": (lambda s: "http://127.0.0.1:9/x.png", "failed"),
     "remote off": (lambda s: f"{s}/a.png", "does not fetch remote images"),
     "domain not allowed": (lambda s: f"{s}/a.png", "not allowed"),
+    "redirect cycle": (lambda s: f"{s}/loop", "redirected more than 5"),
+    # SSRF (the default config): IP literals and names resolving to non-public addresses
+    "loopback server": (lambda s: f"{s}/a.png", "127.0.0.1, a loopback address"),
+    "localhost name": (lambda s: s.replace("127.0.0.1", "localhost") + "/a.png",
+                       "localhost resolves to"),
+    "private IP": (lambda s: "http://10.1.2.3/a.png", "10.1.2.3, a private address, is refused"),
+    "metadata IP": (lambda s: "http://169.254.169.254/latest", "a link-local address"),
+    "IPv6 loopback": (lambda s: "http://[::1]:9/a.png", "a loopback address"),
+    "mapped IPv6": (lambda s: "http://[::ffff:10.0.0.1]/a.png", "a private address"),
+    "multicast": (lambda s: "http://224.0.0.251/a.png", "a multicast address"),
+    "reserved": (lambda s: "http://240.0.0.1/a.png", "a reserved address"),
 }
-MEDIA = {"too large": MultiModalConfig(max_image_bytes=len(PNG) // 2),
-         "timeout": MultiModalConfig(media_fetch_timeout_s=0.3),
+MEDIA = {"too large": MultiModalConfig(max_image_bytes=len(PNG) // 2,
+                                       allow_private_media_hosts=True),
+         "timeout": MultiModalConfig(media_fetch_timeout_s=0.3, allow_private_media_hosts=True),
          "remote off": MultiModalConfig(allow_remote_media=False),
          "domain not allowed": MultiModalConfig(allowed_media_domains="example.com")}
+SSRF = ("loopback server", "localhost name", "private IP", "metadata IP", "IPv6 loopback",
+        "mapped IPv6", "multicast", "reserved")
 
 
 def test_bad_images_are_400s_naming_the_part(engine, media_server):
     for case, (url, words) in BAD.items():
         body = {"messages": image_message(data_url(SMALL), url(media_server)),
                 "max_tokens": 2}
-        (response,), _ = call(engine, body, media=MEDIA.get(case, MultiModalConfig()))
+        default = MultiModalConfig() if case in SSRF else LOCAL
+        (response,), _ = call(engine, body, media=MEDIA.get(case, default))
         error = response.json()["error"]
         assert response.status_code == 400, (case, response.text)
         assert error["param"] == "messages.0.content.1", (case, error)
         assert words in error["message"], (case, error)
+        if case in SSRF:
+            assert "--allow-private-media-hosts" in error["message"], error
     too_many = {"messages": image_message(*[data_url(PNG)] * 3), "max_tokens": 2}
     (response,), _ = call(engine, too_many, media=MultiModalConfig(max_images_per_request=2))
     assert response.status_code == 400 and "more than the 2" in response.json()["error"]["message"]
@@ -164,3 +190,39 @@ def test_text_only_model_refuses_image_parts(smollm2_tokenizer):
     with pytest.raises(APIError, match="accepts text only") as caught:
         chat_prompt_ids(smollm2_tokenizer, [message], 512)
     assert caught.value.param == "messages.0.content.0"
+
+
+def fetch(url: str, media: MultiModalConfig, client: httpx.AsyncClient | None = None) -> bytes:
+    messages = [ChatMessage(**image_message(url)[0])]
+    return asyncio.run(load_images(messages, media, client))[0][1]
+
+
+def test_redirects_are_followed_and_every_hop_is_checked(media_server):
+    # allowed: a private host when the operator turns the option on, through a redirect and by
+    # name (localhost may resolve to ::1 first: the next checked address is tried)
+    assert fetch(f"{media_server}/redirect", LOCAL) == PNG
+    assert fetch(media_server.replace("127.0.0.1", "localhost") + "/a.png", LOCAL) == PNG
+    # a public first hop (an IP literal, no DNS here) that redirects to the private server:
+    # the second hop is refused before any connection is made to it
+    seen = []
+
+    def internet(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.headers["host"]))
+        if request.url.host == "93.184.215.14":
+            return httpx.Response(302, headers={"Location": f"{media_server}/a.png"})
+        return httpx.Response(200, headers={"Content-Type": "image/png"}, content=PNG)
+
+    async def run(media):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(internet)) as client:
+            messages = [ChatMessage(**image_message("http://93.184.215.14/cat.png")[0])]
+            return await load_images(messages, media, client)
+
+    with pytest.raises(APIError, match="127.0.0.1, a loopback address") as caught:
+        asyncio.run(run(MultiModalConfig()))
+    assert caught.value.param == "messages.0.content.0"
+    assert seen == [("http://93.184.215.14/cat.png", "93.184.215.14")]
+    # the same chain with private hosts allowed: followed, the connection pinned to the address
+    seen.clear()
+    assert asyncio.run(run(LOCAL))[0][1] == PNG
+    host = media_server.removeprefix("http://")
+    assert seen[1] == (f"{media_server}/a.png", host)
