@@ -5,6 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def word_level_tokenizer(vocab_size: int):
+    """A tokenizer of words "t0".."t{vocab_size-1}" (bos "t1", eos "t2"): for GPU tests, whose
+    machine lacks the embedded SmolLM2 GGUF."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="t1", eos_token="t2")
+
+
 def save_tiny_llama(path: Path, tokenizer, seed: int = 0) -> Path:
     """A 2-layer random Llama (hidden 64, GQA 4:2) with `tokenizer`, saved by HF into `path`.
 

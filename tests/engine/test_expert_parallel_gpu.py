@@ -5,6 +5,7 @@ DeepSeek-V3 gives the tokens of the plain engine, float32 with TF32 off, greedy.
 import pytest
 import torch
 from test_deepseek_parity import save_tiny_deepseek
+from tests.tiny_models import word_level_tokenizer
 
 from deepinfer.engine.llm import LLM
 from deepinfer.engine.sampling_params import SamplingParams
@@ -13,9 +14,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_ep_code_path_with_rebalances_matches_the_plain_engine_on_cuda(tmp_path,
-                                                                       smollm2_tokenizer):
-    tokenizer = smollm2_tokenizer
+def test_ep_code_path_with_rebalances_matches_the_plain_engine_on_cuda(tmp_path):
+    tokenizer = word_level_tokenizer(512)   # the GPU machine has no SmolLM2 GGUF
     save_tiny_deepseek(tmp_path, "v3_qlora_noaux_tc_yarn", vocab_size=len(tokenizer),
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        num_nextn_predict_layers=0)

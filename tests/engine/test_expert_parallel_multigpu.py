@@ -8,6 +8,7 @@ saw every routed token. Skipped below 2 GPUs; `bash benchmarks/gpu_suite.sh ep` 
 import pytest
 import torch
 from test_deepseek_parity import save_tiny_deepseek
+from tests.tiny_models import word_level_tokenizer
 from test_expert_parallel import PROMPTS, _generate_on_core
 
 from deepinfer.engine.llm import LLM
@@ -21,9 +22,9 @@ BASE = dict(dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
-def tiny_v3_cuda(tmp_path_factory, smollm2_tokenizer):
+def tiny_v3_cuda(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-v3-ep-gpu")
-    tokenizer = smollm2_tokenizer
+    tokenizer = word_level_tokenizer(512)   # the GPU machine has no SmolLM2 GGUF
     save_tiny_deepseek(path, "v3_qlora_noaux_tc_yarn", vocab_size=len(tokenizer),
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        num_nextn_predict_layers=0)
