@@ -117,6 +117,11 @@ class EngineCore:
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:  # default: on where the device runs apart from the host
             async_scheduling = device.type == "cuda"
+        self.spec = self._build_spec_decoder(model)
+        if self.spec is not None and async_scheduling:
+            logger.info("speculative decoding: async scheduling is off (accepting drafts needs "
+                        "each step's sampled tokens on the host)")
+            async_scheduling = False
         self.async_scheduling = async_scheduling
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
@@ -144,6 +149,38 @@ class EngineCore:
                     re.sub(r"//[^@/]*@", "//***@", config.kv_store), config.role,
                     fingerprint.hex())
         return KVTransfer(config, self.executor, fingerprint, self.config.cache.block_size)
+
+    def _build_spec_decoder(self, model: torch.nn.Module):
+        """The speculative decoder of `config.speculative` (None when off): its drafter and,
+        for varlen admission, the verify path's step-rate table profiled now."""
+        config = self.config.speculative
+        if not config.enabled:
+            return None
+        from deepinfer.engine.spec.manager import SpecDecoder
+        from deepinfer.engine.spec.profile import profile_step_rate
+
+        if config.speculative_method == "ngram":
+            from deepinfer.engine.spec.ngram import NgramDrafter
+            drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min,
+                                   config.prompt_lookup_max)
+        elif config.speculative_method == "mtp":
+            from deepinfer.engine.spec.mtp import MTPDrafter
+            drafter = MTPDrafter(model, self.executor.runner, config.num_speculative_tokens)
+        else:
+            raise NotImplementedError(
+                "speculative_method=draft_model is not implemented yet; use ngram (any model) "
+                "or mtp (DeepSeek checkpoints with num_nextn_predict_layers >= 1).")
+        scheduler = self.config.scheduler
+        step_rate = None
+        if config.spec_varlen:
+            step_rate = profile_step_rate(
+                self.executor.runner, max_num_seqs=scheduler.max_num_seqs,
+                num_speculative_tokens=config.num_speculative_tokens,
+                max_num_batched_tokens=scheduler.max_num_batched_tokens)
+            logger.info("speculative decoding (%s, varlen): verify steps/s by batch tokens %s",
+                        config.speculative_method,
+                        {b: round(r, 1) for b, r in step_rate.as_steps_per_second().items()})
+        return SpecDecoder(config, drafter, step_rate, scheduler.max_num_batched_tokens)
 
     def close(self) -> None:
         """Release the KV store connection and its thread, and the worker side."""
@@ -265,7 +302,11 @@ class EngineCore:
             return None
         isolated = self.faults.current(self.scheduler.requests)
         self.scheduler.isolated_request_id = isolated
+        if self.spec is not None and isolated is None:
+            self.spec.propose(self.scheduler)
         scheduler_output = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.forget(scheduler_output.finished_req_ids)
         if isolated is not None and scheduler_output.is_empty and (
                 self.scheduler.requests[isolated].status != RequestStatus.WAITING_FOR_REMOTE_KV):
             self.faults.skip_current()   # no blocks for it alone: back among the others
@@ -285,7 +326,9 @@ class EngineCore:
                 step.placeholders[request_id] = request.num_computed_tokens - num_known + 1
                 request.num_output_placeholders += step.placeholders[request_id]
         self._in_flight.append(step)
+        start = time.perf_counter()
         step.output = self.executor.execute(scheduler_output, non_block=step.non_block)
+        step.seconds = None if step.non_block else time.perf_counter() - start
 
     def _resolve(self, keep: int) -> list[tuple[_Step, ModelRunnerOutput]]:
         """Wait for the outputs of the steps in flight but the last `keep` (the one just
@@ -319,6 +362,8 @@ class EngineCore:
                                     + num_scheduled[request_id]
                                     for request_id in runner_output.req_ids})
         core_outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        if self.spec is not None:
+            self.spec.observe(step.scheduler_output, runner_output, step.seconds)
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
@@ -359,6 +404,8 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()
         stats.kv_store = self.kv_transfer.get_stats()
+        if self.spec is not None:
+            stats.spec_decode = self.spec.stats
         return stats
 
 
@@ -373,6 +420,7 @@ class _Step:
     requests: dict[str, Request] = field(default_factory=dict)  # ids may be reused later
     num_valid_tokens: dict[str, int] = field(default_factory=dict)  # computed before the step
     placeholders: dict[str, int] = field(default_factory=dict)      # tokens in flight per row
+    seconds: float | None = None   # the executor's time for a blocking step (step-rate table)
 
     def result(self) -> ModelRunnerOutput:
         if isinstance(self.output, ModelRunnerOutput):
