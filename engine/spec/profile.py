@@ -18,7 +18,7 @@ import torch
 
 from deepinfer.engine.input_batch import CachedRequestState, build_step_inputs
 from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.spec.step_rate import StepRateTable
+from deepinfer.engine.spec.step_rate import StepRateTable, nondecreasing
 
 
 def token_grid(max_tokens: int) -> list[int]:

@@ -1,0 +1,112 @@
+"""Speculative decoding end to end (issue 30): greedy and seeded outputs (tokens and logprobs)
+are the same with and without n-gram drafts, alone and in batches, varlen and fixed; abort and
+preemption with drafts in flight leak no KV block.
+
+SmolLM2 (the embedded default, float32 on CPU) on an input-grounded prompt, where n-gram drafts
+are accepted; a tiny random Llama (tests/tiny_models.py) for preemption and abort.
+"""
+
+import pytest
+
+from deepinfer.engine.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                                     SpeculativeConfig)
+from deepinfer.engine.llm import LLM
+from deepinfer.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+CODE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=24, logprobs=2),
+    SamplingParams(temperature=0.8, seed=1234, max_tokens=24),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=7, max_tokens=24,
+                   repetition_penalty=1.05, min_tokens=10, logprobs=1),
+]
+
+
+def make_llm(model_dir, spec: SpeculativeConfig | None = None, num_blocks=512, block_size=16,
+             max_num_seqs=4, caching=True) -> LLM:
+    return LLM(config=EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                          enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256),
+        speculative=spec or SpeculativeConfig()))
+
+
+def grounded_prompt(llm: LLM, instruction: str) -> str:
+    messages = [{"role": "user", "content": f"{instruction}\n\n{CODE}"}]
+    return llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def same_outputs(expected, actual):
+    for want, got in zip(expected, actual):
+        assert got.token_ids == want.token_ids
+        if want.logprobs is not None:
+            assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in want.logprobs]
+            assert [lp.logprob for lp in got.logprobs] == pytest.approx(
+                [lp.logprob for lp in want.logprobs], abs=1e-4)   # a 1 + k row vs 1-token rows
+            assert [[t for t, _ in lp.top] for lp in got.logprobs] == [
+                [t for t, _ in lp.top] for lp in want.logprobs]
+
+
+@pytest.fixture(scope="module")
+def smollm2_runs(smollm2_dir):
+    plain = make_llm(smollm2_dir)
+    prompts = [grounded_prompt(plain, "Repeat this code exactly."),
+               grounded_prompt(plain, "Copy the code below without changes."),
+               grounded_prompt(plain, "Rewrite this code.")]
+    expected = plain.generate(prompts, PARAMS)
+    del plain
+    spec = make_llm(smollm2_dir, SpeculativeConfig(speculative_method="ngram",
+                                                   num_speculative_tokens=4))
+    return prompts, expected, spec
+
+
+def test_ngram_batch_outputs_equal_plain_decoding(smollm2_runs):
+    prompts, expected, spec = smollm2_runs
+    outputs = spec.generate(prompts, PARAMS)
+    same_outputs(expected, outputs)
+    stats = spec.engine_core.spec.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0   # drafts were accepted
+    assert stats.num_accepted_tokens_per_pos[0] >= stats.num_accepted_tokens_per_pos[1]
+    assert spec.engine_core.get_stats().spec_decode is stats
+
+
+def test_ngram_alone_equals_plain_decoding(smollm2_runs):
+    prompts, expected, spec = smollm2_runs
+    same_outputs(expected[1:2], spec.generate(prompts[1:2], PARAMS[1:2]))
+
+
+@pytest.mark.parametrize("varlen", [True, False])
+def test_tiny_llama_with_preemption_and_abort_leaks_no_block(tiny_llama_dir, varlen):
+    """40 blocks of 4 tokens cannot hold 6 requests at once: preemptions with drafts in
+    flight; outputs equal plain decoding's; every block comes back, after aborts too."""
+    prompts = [[7] * 9, list(range(100, 112)) * 2, [3, 4, 5] * 5, list(range(300, 321)),
+               [42, 43] * 6, list(range(900, 930))]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)] * 3
+    expected = make_llm(tiny_llama_dir, num_blocks=256, block_size=4,
+                        caching=False).generate(prompts, params)
+    spec_config = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=3,
+                                    spec_varlen=varlen)
+    llm = make_llm(tiny_llama_dir, spec_config, num_blocks=40, block_size=4, caching=False)
+    pool = llm.engine_core.scheduler.kv_cache_manager.block_pool
+    same_outputs(expected, llm.generate(prompts, params))
+    assert llm.engine_core.scheduler.num_preemptions > 0
+    assert llm.engine_core.spec.stats.num_draft_tokens > 0
+    assert pool.num_free_blocks == 40
+    # abort with drafts just verified and rolled back
+    core = llm.engine_core
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        core.add_request(core.make_request(prompt, p, f"abort-{i}"))
+    drafts_before = core.spec.stats.num_drafts
+    for _ in range(40):
+        core.step()
+        if core.spec.stats.num_drafts > drafts_before + 3:
+            break
+    assert core.spec.stats.num_drafts > drafts_before
+    core.abort_requests([f"abort-{i}" for i in range(len(prompts))])
+    core.step()
+    assert not core.has_unfinished_requests()
+    assert pool.num_free_blocks == 40
