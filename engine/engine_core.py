@@ -165,7 +165,8 @@ class EngineCore:
                                    config.prompt_lookup_max)
         elif config.speculative_method == "mtp":
             from deepinfer.engine.spec.mtp import MTPDrafter
-            drafter = MTPDrafter(model, self.executor.runner, config.num_speculative_tokens)
+            drafter = MTPDrafter(model, self.executor.runner, config.num_speculative_tokens,
+                                 self.config.scheduler.max_num_seqs)
         else:
             raise NotImplementedError(
                 "speculative_method=draft_model is not implemented yet; use ngram (any model) "

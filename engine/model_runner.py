@@ -121,6 +121,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.cuda_graphs = None  # engine.cuda_graphs.CudaGraphRunner after capture_cuda_graphs
+        # a drafter that runs on each step's hidden states (engine/spec/mtp.py), or None
+        self.drafter = None
         # [S] int64: the last async step's sampled ids, where the next step's fed tokens are
         # read (engine/async_step.py); sized for max_num_seqs once graphs bake its address in
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
@@ -201,6 +203,8 @@ class ModelRunner:
             logits = self._logits(inputs, hidden, graph_outputs)
             sampled = self._sample(inputs, logits)
             step_logits = StepLogits(logits, inputs.sampling_states, inputs.draft_token_ids)
+        if self.drafter is not None:   # after the commit: it drafts after the newest tokens
+            self.drafter.after_step(inputs, hidden, states)
         for state, num_tokens in zip(states, num_scheduled):
             state.num_computed_tokens += num_tokens
         output = ModelRunnerOutput(
