@@ -1,7 +1,7 @@
 """`SpecDecoder`: the step loop's speculative decoding, between the drafter and the scheduler.
 
 Before each schedule, `propose` asks the drafter for drafts of every running request that
-decodes next (one known token behind, nothing in flight, no grammar), decides how many of each
+decodes next (one known token behind, nothing in flight), decides how many of each
 to verify (varlen: DSpark's admission over the step-rate table, counting the prefill tokens the
 step will carry; fixed: num_speculative_tokens) and hands them to the scheduler
 (`Scheduler.update_draft_token_ids`). After the step, `observe` tells the drafter how many drafts
@@ -27,10 +27,10 @@ GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
 
 
 def decodes_next(request: Request) -> bool:
-    """True for a running request whose next step is a plain decode that may carry drafts."""
+    """True for a running request whose next step is a plain decode that may carry drafts
+    (structured outputs too: the runner masks each draft position by its grammar)."""
     return (request.num_output_placeholders == 0
-            and request.num_computed_tokens == request.num_tokens - 1
-            and request.sampling_params.so_args is None)
+            and request.num_computed_tokens == request.num_tokens - 1)
 
 
 def prefill_tokens_next(scheduler: Scheduler) -> int:
