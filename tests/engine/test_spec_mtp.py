@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from test_deepseek_mtp import _mtp_weights
+from test_deepseek_mtp import _mtp_weights, _prefill_metadata
 from test_deepseek_parity import save_tiny_deepseek
 
 from deepinfer.engine.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
@@ -61,6 +61,41 @@ def test_mtp_drafts_leave_outputs_unchanged(tiny_v3_mtp_dir):
             assert llm.engine_core.spec.stats.num_draft_tokens > 0
         pool = llm.engine_core.scheduler.kv_cache_manager.block_pool
         assert pool.num_free_blocks == 96
+
+
+def test_mtp_drafts_are_the_module_chained_over_the_whole_sequence(tiny_v3_mtp_dir):
+    """After the prefill step the drafter holds gamma drafts after the first sampled token:
+    the same as the module run over the whole sequence without a cache, row p fed (h_p,
+    t_{p+1}) for the known tokens and (its own hidden at p - 1, draft) for the drafts."""
+    gamma = 3
+    llm = make_llm(tiny_v3_mtp_dir, SpeculativeConfig(speculative_method="mtp",
+                                                      num_speculative_tokens=gamma))
+    core = llm.engine_core
+    prompt = list(range(500, 520))
+    core.add_request(core.make_request(prompt, SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True), "r"))
+    core.step()
+    runner = core.executor.runner
+    tokens = prompt + core.scheduler.requests["r"].output_token_ids
+    length, drafts, probs = runner.drafter._drafts["r"]
+    assert length == len(tokens) == len(prompt) + 1 and len(drafts) == gamma
+    n = len(prompt)
+    model = runner.model
+    caches = [torch.zeros((16, *c.shape[1:]), dtype=c.dtype) for c in runner.kv_caches]
+    with torch.inference_mode():
+        hidden = model(torch.tensor(tokens[:n]), torch.arange(n), caches,
+                       _prefill_metadata(n, 4))
+        rows_hidden, next_ids, expected = hidden, tokens[1:n + 1], []
+        for j in range(gamma):
+            rows = n + j
+            logits, mtp_hidden = model.mtp_forward(rows_hidden, torch.tensor(next_ids),
+                                                   torch.arange(rows), caches,
+                                                   _prefill_metadata(rows, 4))
+            expected.append(int(logits[-1].argmax()))
+            assert probs[j] == pytest.approx(float(logits[-1].softmax(-1).max()), abs=1e-4)
+            rows_hidden = torch.cat([hidden, mtp_hidden[n - 1:]])
+            next_ids = next_ids + [expected[-1]]
+    assert drafts == expected
 
 
 def test_per_position_temperature_scaling_recovers_a_known_temperature():
