@@ -99,8 +99,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's; 1 on an oversubscribed box)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     llms = {name: LLM(args.model, max_num_seqs=16, num_speculative_tokens=args.num_speculative_tokens,
                       **options) for name, options in ENGINES.items()}
     any_llm = llms["off"]
@@ -124,15 +129,18 @@ def main() -> None:
         base = best[(workload, "off")]
         for name in llms:
             row = best[(workload, name)]
-            row.update(workload=workload, engine=name, tok_s=round(row["tokens"] / row["seconds"], 1),
-                       speedup=round(base["seconds"] / row["seconds"] * row["tokens"] / base["tokens"], 3),
+            tok_s = row["tokens"] / row["seconds"]
+            row.update(workload=workload, engine=name, tok_s=round(tok_s, 2),
+                       speedup=round(tok_s / (base["tokens"] / base["seconds"]), 3),
                        same_tokens_as_off=row["ids"] == base["ids"])
-            del row["ids"]
             results.append(row)
-            print(json.dumps(row))
+    for row in results:
+        del row["ids"]
+        print(json.dumps(row))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"max_tokens": args.max_tokens, "repeats": args.repeats,
+                       "threads": args.threads,
                        "num_speculative_tokens": args.num_speculative_tokens,
                        "results": results}, f, indent=1)
 

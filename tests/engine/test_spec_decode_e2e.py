@@ -25,12 +25,12 @@ PARAMS = [
 
 
 def make_llm(model_dir, spec: SpeculativeConfig | None = None, num_blocks=512, block_size=16,
-             max_num_seqs=4, caching=True) -> LLM:
+             max_num_seqs=4, caching=True, budget=256) -> LLM:
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                           enable_prefix_caching=caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         speculative=spec or SpeculativeConfig()))
 
 
@@ -138,3 +138,58 @@ def test_structured_outputs_with_drafts_equal_plain_decoding(tiny_llama_dir, bac
     for out in outputs[:2]:   # (the tiny random model's first tokens may decode to no text)
         assert re.search(pattern + "$", out.text), out.text
     assert llm.engine_core.spec.stats.num_accepted_tokens > 0
+
+
+def chi_square_pvalue_even_df(observed, expected) -> float:
+    """Pearson's chi-square test; the survival function for even df = 2m is
+    exp(-x/2) * sum_{i<m} (x/2)^i / i! (categories - 1 must be even)."""
+    import math
+
+    df = len(observed) - 1
+    assert df % 2 == 0
+    x = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    return math.exp(-x / 2) * sum((x / 2) ** i / math.factorial(i) for i in range(df // 2))
+
+
+def test_unseeded_sampling_with_drafts_keeps_the_model_distribution(tiny_llama_dir):
+    """N unseeded requests sample (t1, t2) at temperature 1 among the top 3 tokens; after the
+    prefill step each gets drafts [likeliest t2 given t1, anything], so t2 comes out of a verify
+    row. The 9 (t1, t2) pair counts must follow the model's exact pair probabilities (from its
+    logprobs): chi-square, df 8, significance 1e-3 (false alarm < 1e-3; random seeds, so the
+    test may fail spuriously once in a thousand runs)."""
+    import math
+
+    prompt, n = [11, 12, 13, 14, 15, 16], 900
+    llm = make_llm(tiny_llama_dir, num_blocks=4096, block_size=4, max_num_seqs=n,
+                   budget=len(prompt) * n)
+    core = llm.engine_core
+
+    def top3(tokens):   # [(token, prob)] of the top 3 renormalised (temperature 1, top_k 3)
+        out = llm.generate([tokens], SamplingParams(temperature=0.0, max_tokens=1,
+                                                    logprobs=3))[0]
+        top = out.logprobs[0].top
+        total = sum(math.exp(lp) for _, lp in top)
+        return [(t, math.exp(lp) / total) for t, lp in top]
+
+    first = top3(prompt)
+    second = {t1: top3(prompt + [t1]) for t1, _ in first}
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
+    for i in range(n):
+        core.add_request(core.make_request(prompt, params, f"u{i}"))
+    core.step()                                  # prefill: t1 of every request
+    requests = core.scheduler.requests
+    core.scheduler.update_draft_token_ids({
+        rid: [second[r.output_token_ids[0]][0][0], 3] for rid, r in requests.items()})
+    verified = core.step()   # rows that reached 3+ tokens accepted their first draft
+    assert sum(out.num_output_tokens >= 3 for out in verified) > n // 5
+    outputs = {out.request_id: tuple(out.token_ids[:2]) for out in verified if out.finished}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                outputs[out.request_id] = tuple(out.token_ids[:2])
+    assert len(outputs) == n
+    pairs = [(t1, t2) for t1, _ in first for t2, _ in second[t1]]
+    probs = {(t1, t2): p1 * p2 for t1, p1 in first for t2, p2 in second[t1]}
+    counts = [sum(o == pair for o in outputs.values()) for pair in pairs]
+    assert sum(counts) == n
+    assert chi_square_pvalue_even_df(counts, [probs[p] * n for p in pairs]) > 1e-3
