@@ -168,9 +168,13 @@ class EngineCore:
             drafter = MTPDrafter(model, self.executor.runner, config.num_speculative_tokens,
                                  self.config.scheduler.max_num_seqs)
         else:
-            raise NotImplementedError(
-                "speculative_method=draft_model is not implemented yet; use ngram (any model) "
-                "or mtp (DeepSeek checkpoints with num_nextn_predict_layers >= 1).")
+            from deepinfer.engine.spec.draft_model import DraftModelDrafter
+            runner = self.executor.runner
+            draft_dir = loader.resolve_model_dir(config.speculative_model,
+                                                 self.config.model.cache_dir)
+            drafter = DraftModelDrafter(
+                loader.load_model(draft_dir, runner.kv_caches[0].dtype, runner.device),
+                runner, config.num_speculative_tokens, self.config.scheduler.max_num_seqs)
         scheduler = self.config.scheduler
         step_rate = None
         if config.spec_varlen:

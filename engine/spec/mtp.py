@@ -196,15 +196,21 @@ class MTPDrafter:
 
     def _chain_inputs(self, states: list[CachedRequestState], positions: list[int],
                       token_ids: list[int]) -> StepInputs:
-        """One-token rows at `positions`, block tables extended with scratch blocks."""
-        block_size = self.runner.block_size
-        fake = []
-        for r, (state, position) in enumerate(zip(states, positions)):
-            needed = position // block_size + 1
-            scratch = [self._first_scratch + r * self._scratch_per_row + i
-                       for i in range(self._scratch_per_row)]
-            table = (list(state.block_ids) + scratch)[:needed]   # scratch past its own
-            fake.append(CachedRequestState(state.request_id, [0] * position + [token_ids[r]],
-                                           position, table, position, state.sampling_params,
-                                           state.seed))
-        return build_step_inputs(fake, [1] * len(fake), block_size, self.runner.device)
+        return chain_inputs(states, positions, token_ids, self.runner.block_size,
+                            self.runner.device, self._first_scratch, self._scratch_per_row)
+
+
+def chain_inputs(states: list[CachedRequestState], positions: list[int], token_ids: list[int],
+                 block_size: int, device: torch.device, first_scratch: int,
+                 scratch_per_row: int) -> StepInputs:
+    """One-token rows (token_ids[r] at positions[r]) over each request's block table, extended
+    past its end with row r's scratch blocks (ids first_scratch + r * scratch_per_row + i), so
+    a draft chain can write KV past the blocks the scheduler allocated."""
+    fake = []
+    for r, (state, position) in enumerate(zip(states, positions)):
+        scratch = [first_scratch + r * scratch_per_row + i for i in range(scratch_per_row)]
+        table = (list(state.block_ids) + scratch)[:position // block_size + 1]
+        fake.append(CachedRequestState(state.request_id, [0] * position + [token_ids[r]],
+                                       position, table, position, state.sampling_params,
+                                       state.seed))
+    return build_step_inputs(fake, [1] * len(fake), block_size, device)
