@@ -24,7 +24,8 @@ from deepinfer.kernels.settings import KernelConfig
 
 __all__ = ["CacheConfig", "ConfigError", "EngineConfig", "FrontendConfig", "KVTransferConfig",
            "KernelConfig", "ModelConfig", "MultiModalConfig", "ParallelConfig", "SchedulerConfig",
-           "apply_blas_determinism", "config_from", "engine_flags", "env_overrides", "server_env"]
+           "SpeculativeConfig", "apply_blas_determinism", "config_from", "engine_flags",
+           "env_overrides", "server_env"]
 
 
 def _field(default, *, env: str | None = None, flag: str | None = None,
@@ -207,6 +208,57 @@ class KVTransferConfig:
         return self.kv_store != "none"
 
 
+SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec/): off unless `speculative_method` is set.
+
+    speculative_method: "ngram" (prompt/context lookup), "mtp" (a DeepSeek checkpoint's MTP
+        module reused for each draft) or "draft_model" (a small model with the same tokenizer);
+        None = off.
+    num_speculative_tokens: the most drafts one request verifies in a step (gamma);
+        DeepInfer's `DEEPINFER_USE_NEXTN_DECODE`.
+    spec_varlen: DSpark's confidence-scheduled verification (engine/spec/admission.py): each
+        step admits the (request, position) drafts whose expected committed tokens pay for the
+        slower step, by a steps/s table profiled at start-up; False verifies
+        `num_speculative_tokens` for every request. DeepInfer's `DEEPINFER_ENABLE_MTP_VARLEN`.
+    speculative_model: the draft model directory (draft_model only).
+    prompt_lookup_min, prompt_lookup_max: n-gram drafter's shortest and longest suffix matched
+        (vLLM's names).
+    """
+
+    speculative_method: str | None = _field(None, env="DEEPINFER_SPECULATIVE_METHOD",
+                                            flag="speculative_method")
+    num_speculative_tokens: int = _field(5, env="DEEPINFER_USE_NEXTN_DECODE",
+                                         flag="num_speculative_tokens")
+    spec_varlen: bool = _field(True, env="DEEPINFER_ENABLE_MTP_VARLEN", flag="spec_varlen")
+    speculative_model: str | None = _field(None, env="DEEPINFER_SPECULATIVE_MODEL",
+                                           flag="speculative_model")
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        method = self.speculative_method
+        _check("speculative_method", method is None or method in SPECULATIVE_METHODS,
+               f"speculative_method={method!r} is not supported; use ngram, mtp or "
+               "draft_model (or leave it unset: no speculation).")
+        _check("num_speculative_tokens", 1 <= self.num_speculative_tokens <= 64,
+               f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 64].")
+        _check("speculative_model", method != "draft_model" or bool(self.speculative_model),
+               "speculative_method=draft_model needs speculative_model (--speculative-model "
+               "DIR): a small model with the target's tokenizer.")
+        _check("prompt_lookup_min",
+               1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"prompt_lookup_min={self.prompt_lookup_min} must be in [1, prompt_lookup_max="
+               f"{self.prompt_lookup_max}].")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+
 @dataclass(frozen=True)
 class MultiModalConfig:
     """Images (vision-language models such as SmolVLM; engine/mm_*.py, server/media.py).
@@ -354,6 +406,7 @@ class EngineConfig:
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def replace(self, **sections: dict) -> "EngineConfig":
         """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""
@@ -376,8 +429,8 @@ class EngineConfig:
             if section is None:
                 raise TypeError(f"unknown engine option {name!r}; options are the fields of "
                                 "ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, "
-                                "KernelConfig, ParallelConfig and FrontendConfig (engine/config.py), "
-                                "e.g. max_model_len, block_size, max_num_seqs")
+                                "KernelConfig, ParallelConfig, FrontendConfig and SpeculativeConfig "
+                                "(engine/config.py), e.g. max_model_len, block_size, max_num_seqs")
             sections.setdefault(section, {})[name] = value
         return self.replace(**sections)
 

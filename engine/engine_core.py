@@ -135,6 +135,11 @@ class EngineCore:
         if async_scheduling is None:  # default: on where the device runs apart from the host
             async_scheduling = device.type == "cuda"
         async_scheduling = async_scheduling and not data_parallel   # ranks step blocking
+        self.spec = self._build_spec_decoder(model)
+        if self.spec is not None and async_scheduling:
+            logger.info("speculative decoding: async scheduling is off (accepting drafts needs "
+                        "each step's sampled tokens on the host)")
+            async_scheduling = False
         self.async_scheduling = async_scheduling
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
@@ -183,6 +188,47 @@ class EngineCore:
 
         embedder.store = EmbeddingStore(store_url, embedding_fingerprint(self.model_dir, dtype),
                                         self.config.kv_transfer.timeout_s)
+
+    def _build_spec_decoder(self, model: torch.nn.Module):
+        """The speculative decoder of `config.speculative` (None when off): its drafter and,
+        for varlen admission, the verify path's step-rate table profiled now."""
+        config = self.config.speculative
+        if not config.enabled:
+            return None
+        if self.config.parallel.data_parallel_size > 1:
+            raise ValueError(f"speculative_method={config.speculative_method!r} runs its drafter "
+                             "beside the in-process model runner, which data parallelism does "
+                             "not have; use data_parallel_size=1 or turn speculation off.")
+        from deepinfer.engine.spec.manager import SpecDecoder
+        from deepinfer.engine.spec.profile import profile_step_rate
+
+        if config.speculative_method == "ngram":
+            from deepinfer.engine.spec.ngram import NgramDrafter
+            drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min,
+                                   config.prompt_lookup_max)
+        elif config.speculative_method == "mtp":
+            from deepinfer.engine.spec.mtp import MTPDrafter
+            drafter = MTPDrafter(model, self.executor.runner, config.num_speculative_tokens,
+                                 self.config.scheduler.max_num_seqs)
+        else:
+            from deepinfer.engine.spec.draft_model import DraftModelDrafter
+            runner = self.executor.runner
+            draft_dir = loader.resolve_model_dir(config.speculative_model,
+                                                 self.config.model.cache_dir)
+            drafter = DraftModelDrafter(
+                loader.load_model(draft_dir, runner.kv_caches[0].dtype, runner.device),
+                runner, config.num_speculative_tokens, self.config.scheduler.max_num_seqs)
+        scheduler = self.config.scheduler
+        step_rate = None
+        if config.spec_varlen:
+            step_rate = profile_step_rate(
+                self.executor.runner, max_num_seqs=scheduler.max_num_seqs,
+                num_speculative_tokens=config.num_speculative_tokens,
+                max_num_batched_tokens=scheduler.max_num_batched_tokens)
+            logger.info("speculative decoding (%s, varlen): verify steps/s by batch tokens %s",
+                        config.speculative_method,
+                        {b: round(r, 1) for b, r in step_rate.as_steps_per_second().items()})
+        return SpecDecoder(config, drafter, step_rate, scheduler.max_num_batched_tokens)
 
     def close(self) -> None:
         """Release the KV store connection and its thread, and the worker side."""
@@ -329,7 +375,11 @@ class EngineCore:
             return None
         isolated = self.faults.current(self.scheduler.requests)
         self.scheduler.isolated_request_id = isolated
+        if self.spec is not None and isolated is None:
+            self.spec.propose(self.scheduler)
         scheduler_output = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.forget(scheduler_output.finished_req_ids)
         if isolated is not None and scheduler_output.is_empty and (
                 self.scheduler.requests[isolated].status != RequestStatus.WAITING_FOR_REMOTE_KV):
             self.faults.skip_current()   # no blocks for it alone: back among the others
@@ -349,7 +399,9 @@ class EngineCore:
                 step.placeholders[request_id] = request.num_computed_tokens - num_known + 1
                 request.num_output_placeholders += step.placeholders[request_id]
         self._in_flight.append(step)
+        start = time.perf_counter()
         step.output = self.executor.execute(scheduler_output, non_block=step.non_block)
+        step.seconds = None if step.non_block else time.perf_counter() - start
 
     def _resolve(self, keep: int) -> list[tuple[_Step, ModelRunnerOutput]]:
         """Wait for the outputs of the steps in flight but the last `keep` (the one just
@@ -383,6 +435,8 @@ class EngineCore:
                                     + num_scheduled[request_id]
                                     for request_id in runner_output.req_ids})
         core_outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        if self.spec is not None:
+            self.spec.observe(step.scheduler_output, runner_output, step.seconds)
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
@@ -425,6 +479,8 @@ class EngineCore:
         stats.kv_store = self.kv_transfer.get_stats()
         if (embedder := self._mm_embedder()) is not None:
             stats.mm_encoder = embedder.snapshot()
+        if self.spec is not None:
+            stats.spec_decode = self.spec.stats
         return stats
 
 
@@ -439,6 +495,7 @@ class _Step:
     requests: dict[str, Request] = field(default_factory=dict)  # ids may be reused later
     num_valid_tokens: dict[str, int] = field(default_factory=dict)  # computed before the step
     placeholders: dict[str, int] = field(default_factory=dict)      # tokens in flight per row
+    seconds: float | None = None   # the executor's time for a blocking step (step-rate table)
 
     def result(self) -> ModelRunnerOutput:
         if isinstance(self.output, ModelRunnerOutput):

@@ -129,6 +129,8 @@ class ModelRunner:
 
             self.mm = MultiModalEmbedder(model.encode_image, device, dtype, mm_cache_bytes)
         self.cuda_graphs = None  # engine.cuda_graphs.CudaGraphRunner after capture_cuda_graphs
+        # a drafter that runs on each step's hidden states (engine/spec/mtp.py), or None
+        self.drafter = None
         # [S] int64: the last async step's sampled ids, where the next step's fed tokens are
         # read (engine/async_step.py); sized for max_num_seqs once graphs bake its address in
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
@@ -211,6 +213,8 @@ class ModelRunner:
             logits = self._logits(inputs, hidden, graph_outputs)
             sampled = self._sample(inputs, logits)
             step_logits = StepLogits(logits, inputs.sampling_states, inputs.draft_token_ids)
+        if self.drafter is not None:   # after the commit: it drafts after the newest tokens
+            self.drafter.after_step(inputs, hidden, states)
         for state, num_tokens in zip(states, num_scheduled):
             state.num_computed_tokens += num_tokens
         output = ModelRunnerOutput(
@@ -229,7 +233,13 @@ class ModelRunner:
         row_states = self._row_states(inputs.sampling_states, inputs.draft_token_ids)
         metadata = build_sampling_metadata(row_states, self.device,
                                            eos_token_ids=self.eos_token_ids)
-        if any(s.grammar is not None for s in row_states):
+        if inputs.draft_token_ids is not None and any(
+                s.grammar is not None for s in inputs.sampling_states):
+            bitmask, grammar_rows = self._draft_bitmask(inputs.sampling_states,
+                                                        inputs.draft_token_ids)
+            metadata = dataclasses.replace(metadata, grammar_bitmask=bitmask,
+                                           grammar_rows=grammar_rows)
+        elif any(s.grammar is not None for s in row_states):
             bitmask, grammar_rows = self.structured_output.fill_bitmask(
                 [s.grammar for s in row_states])
             metadata = dataclasses.replace(metadata, grammar_bitmask=bitmask,
@@ -248,13 +258,42 @@ class ModelRunner:
             sampled[state.request_id] = ([token_id], logprobs)
         return sampled
 
+    def _draft_bitmask(self, states: list[CachedRequestState], drafts: list[list[int]]
+                       ) -> tuple[Any, list[int]]:
+        """The grammar bitmask of a step whose rows score drafts: a grammar request's row j
+        allows what its grammar allows after its drafts before j (the matcher advanced over
+        them, then rolled back). Rows after a draft the grammar refuses stay unmasked: that
+        draft never equals the target's masked sample before it, so nothing from them is
+        committed.
+
+        Returns:
+            ([num_rows, ceil(V / 32)] int32 bitmask, the masked rows).
+        """
+        bitmask = self.structured_output.backend.allocate_bitmask(
+            sum(1 + len(d) for d in drafts))
+        masked, row = [], 0
+        for state, draft_ids in zip(states, drafts):
+            matcher = state.grammar
+            if matcher is not None:
+                advanced = 0
+                for j in range(len(draft_ids) + 1):
+                    matcher.fill_bitmask(bitmask, row + j)
+                    masked.append(row + j)
+                    if (j == len(draft_ids) or matcher.is_terminated()
+                            or not matcher.accept_token(draft_ids[j])):
+                        break
+                    advanced += 1
+                matcher.rollback(advanced)
+            row += 1 + len(draft_ids)
+        return bitmask, masked
+
     @staticmethod
     def _commit_drafts(inputs: StepInputs, result: SamplerOutput
                        ) -> dict[str, tuple[list[int], list | None]]:
         """`_sample`'s commit when rows scored drafts: a request's first m drafts are accepted
         while each equals the target's sample before it; it commits those samples and the next
-        one (the correction, or the bonus token when all k drafts pass). No grammar here
-        (`_row_states` refuses drafts under one)."""
+        one (the correction, or the bonus token when all k drafts pass), and advances its
+        grammar matcher over them."""
         sampled, row = {}, 0
         for state, draft_ids in zip(inputs.sampling_states, inputs.draft_token_ids):
             scored = result.sampled_token_ids[row:row + 1 + len(draft_ids)]
@@ -264,6 +303,11 @@ class ModelRunner:
                 num_accepted += 1
             committed = scored[:num_accepted + 1]
             state.token_ids.extend(committed)
+            for token_id in committed if state.grammar is not None else ():
+                if not state.grammar.accept_token(token_id):
+                    logger.warning("request %s: committed token %d outside its grammar",
+                                   state.request_id, token_id)
+                    break
             logprobs = (result.logprobs[row:row + num_accepted + 1]
                         if result.logprobs is not None else None)
             sampled[state.request_id] = (committed, logprobs)
@@ -279,11 +323,6 @@ class ModelRunner:
         rows: list = []
         for state, draft_ids in zip(states, drafts):
             rows.append(state)
-            if draft_ids and state.grammar is not None:
-                raise NotImplementedError(
-                    f"request {state.request_id}: draft tokens under a structured-output "
-                    "grammar need a bitmask per position, which is not supported yet; do not "
-                    "draft for requests with so_args.")
             rows.extend(_DraftPosition(state.sampling_params, state.seed,
                                        _WithDrafts(state.token_ids, draft_ids[:j]),
                                        state.num_prompt_tokens)

@@ -192,6 +192,7 @@ class SchedulerStats:
     mm_encoder: "MMEncoderStats | None" = None  # None for a text-only model
     # attention data parallelism: each rank's own (engine/dp_scheduler.py); None with one rank
     per_rank: "list[SchedulerStats] | None" = None
+    spec_decode: "SpecDecodeStats | None" = None  # None when speculative decoding is off
 
 
 @dataclass
@@ -228,3 +229,22 @@ class KVStoreStats:
     load_latency_sum_s: float = 0.0
     save_latency_counts: tuple[int, ...] = ()
     save_latency_sum_s: float = 0.0
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters of speculative decoding (engine/spec/manager.py), for /metrics (vLLM's names).
+
+    num_drafts: verify rows with at least one draft; num_draft_tokens: drafts verified;
+    num_accepted_tokens: drafts accepted; num_accepted_tokens_per_pos[j]: rows whose draft at
+    0-based position j was accepted (so [0] / num_drafts is the first draft's acceptance)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify row: 1 + accepted drafts per row (0 before any row)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -160,6 +161,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="byte cap of the memory KV store in GiB (default 1)")
     serve.add_argument("--kv-store-ttl-s", type=int, default=keep,
                        help="expiry of blocks stored in Redis, seconds; 0 = never (default 86400)")
+    _add_speculative_flags(serve, keep)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes and the API "
                             "docs (default: $DEEPINFER_API_KEY; unset = no authentication; "
@@ -184,6 +186,56 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     add_limit_flags(serve)
 
 
+def _add_speculative_flags(serve: argparse.ArgumentParser, keep: Any) -> None:
+    """Speculative decoding (engine/spec/, SpeculativeConfig)."""
+    serve.add_argument("--speculative-method", choices=["ngram", "mtp", "draft_model"],
+                       default=keep, help="draft tokens and verify them in one step: ngram "
+                       "(prompt lookup, any model), mtp (DeepSeek MTP module) or draft_model "
+                       "(default: off)")
+    serve.add_argument("--num-speculative-tokens", type=int, default=keep,
+                       help="the most drafts a request verifies per step (default 5)")
+    serve.add_argument("--spec-varlen", action=argparse.BooleanOptionalAction, default=keep,
+                       help="DSpark confidence-scheduled verification: verify the drafts whose "
+                       "expected acceptance pays for the slower step (default on); "
+                       "--no-spec-varlen verifies --num-speculative-tokens per request")
+    serve.add_argument("--speculative-model", default=keep, metavar="DIR",
+                       help="the draft model of --speculative-method draft_model")
+    serve.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="vLLM's spelling: '{\"method\": \"ngram\", "
+                       "\"num_speculative_tokens\": 5}' (also model, prompt_lookup_min, "
+                       "prompt_lookup_max); explicit --speculative-* flags win")
+
+
+# --speculative-config JSON key -> SpeculativeConfig field
+_SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method",
+                            "num_speculative_tokens": "num_speculative_tokens",
+                            "model": "speculative_model", "prompt_lookup_min": "prompt_lookup_min",
+                            "prompt_lookup_max": "prompt_lookup_max",
+                            "spec_varlen": "spec_varlen"}
+
+
+def speculative_config_fields(text: str) -> dict:
+    """SpeculativeConfig fields of a --speculative-config JSON object.
+
+    Raises:
+        ValueError: not a JSON object, or a key it does not know (the message lists them).
+    """
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not valid JSON ({exc.msg}); give an object "
+                         "such as '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'"
+                         ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError("--speculative-config must be a JSON object, e.g. "
+                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'")
+    unknown = sorted(set(parsed) - set(_SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown key(s) {unknown}; known: "
+                         f"{sorted(_SPECULATIVE_CONFIG_KEYS)}")
+    return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in parsed.items()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer",
                                      description="deepinfer: an OpenAI-compatible LLM server.")
@@ -202,6 +254,9 @@ def engine_sections(args: argparse.Namespace,
     from deepinfer.engine.config import engine_flags, env_overrides
 
     sections = env_overrides(environ)
+    if getattr(args, "speculative_config", None):
+        sections.setdefault("speculative", {}).update(
+            speculative_config_fields(args.speculative_config))
     for dest, (section, field, convert) in engine_flags().items():
         if dest in args:
             sections.setdefault(section, {})[field] = convert(getattr(args, dest))

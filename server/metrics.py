@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 
-from deepinfer.engine.outputs import KVStoreStats, RequestOutput, SchedulerStats
+from deepinfer.engine.outputs import KVStoreStats, RequestOutput, SchedulerStats, SpecDecodeStats
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -93,6 +93,8 @@ class _EngineStatsCollector:
             yield from self._mm_encoder_metrics(mm)
         if stats.per_rank:
             yield from self._per_rank_metrics(stats.per_rank)
+        # exported at zero when speculative decoding is off, so dashboards never go blank
+        yield from self._spec_decode_metrics(stats.spec_decode or SpecDecodeStats())
 
     def _mm_encoder_metrics(self, mm) -> Iterator[Metric]:
         """A vision-language model's image encoder (engine/mm_encoder.py)."""
@@ -123,6 +125,23 @@ class _EngineStatsCollector:
             for rank, stats in enumerate(per_rank):
                 family.add_metric(self._labels + [str(rank)], getattr(stats, attr))
             yield family
+
+    def _spec_decode_metrics(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """Speculative decoding (engine/spec/), vLLM's names: acceptance rate =
+        accepted / draft tokens; mean accepted length = 1 + accepted / drafts."""
+        for name, doc, value in (
+                ("num_drafts", "Verify rows that carried at least one draft token.",
+                 spec.num_drafts),
+                ("num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+                ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+            yield self._counter(f"deepinfer:spec_decode_{name}", doc, value)
+        family = CounterMetricFamily(
+            "deepinfer:spec_decode_num_accepted_tokens_per_pos",
+            "Verify rows whose draft at this 0-based position was accepted.",
+            labels=["model_name", "position"])
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            family.add_metric(self._labels + [str(position)], count)
+        yield family
 
     def _kv_store_metrics(self, kv: KVStoreStats) -> Iterator[Metric]:
         """The KV block store's traffic (engine/kv_transfer.py), when a store is configured."""

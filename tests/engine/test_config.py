@@ -110,14 +110,16 @@ def test_each_field_s_variable_and_flag_are_declared_once_on_the_field():
     assert ENV_VARS["DEEPINFER_HF_MODEL_DIR"] == ("model", "model")
     assert ENV_VARS["DEEPINFER_KV_STORE_TIMEOUT_S"] == ("kv_transfer", "timeout_s")
     assert ENV_VARS["DEEPINFER_ENGINE_PROCESS"] == ("frontend", "engine_process")
-    # 23 + 8 of MultiModalConfig + 11 of ParallelConfig + 1 of FrontendConfig
-    assert len(ENV_VARS) == 43
+    # 23 + 8 of MultiModalConfig + 11 of ParallelConfig + 1 of FrontendConfig + 4 of
+    # SpeculativeConfig
+    assert len(ENV_VARS) == 47
     flags = engine_flags()
     assert flags["num_kv_blocks"][:2] == ("cache", "num_blocks")
     assert flags["kv_cache_memory_gb"][2](1.5) == 3 << 29           # GiB -> bytes
     assert flags["max_num_seqs"][2](8) == 8
-    # 20 + 7 of MultiModalConfig + 4 of ParallelConfig + 1 of FrontendConfig
-    assert "cache_dir" not in flags and len(flags) == 32
+    # 20 + 7 of MultiModalConfig + 4 of ParallelConfig + 1 of FrontendConfig + 4 of
+    # SpeculativeConfig
+    assert "cache_dir" not in flags and len(flags) == 36
     assert "tokenizer" not in {f for f in ModelConfig.__dataclass_fields__}
 
 
@@ -130,3 +132,21 @@ def test_blas_determinism_default_leaves_an_explicit_setting():
     environ = {"MKL_DYNAMIC": "TRUE"}
     apply_blas_determinism(environ)
     assert environ == {"MKL_DYNAMIC": "TRUE"}
+
+
+def test_speculative_config_from_the_environment_and_its_checks():
+    from deepinfer.engine.config import SpeculativeConfig, config_from
+
+    config = config_from(env_overrides({"DEEPINFER_SPECULATIVE_METHOD": "ngram",
+                                        "DEEPINFER_USE_NEXTN_DECODE": "3",
+                                        "DEEPINFER_ENABLE_MTP_VARLEN": "0"}))
+    assert config.speculative == SpeculativeConfig("ngram", 3, False)
+    assert not EngineConfig().speculative.enabled          # off by default
+    with pytest.raises(ValueError, match="speculative_method='eagle'"):
+        SpeculativeConfig(speculative_method="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="needs speculative_model"):
+        SpeculativeConfig(speculative_method="draft_model")
+    assert EngineConfig().with_fields(speculative_method="mtp").speculative.speculative_method \
+        == "mtp"

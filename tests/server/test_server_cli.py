@@ -200,3 +200,19 @@ def test_api_keys_come_from_a_file_too(tmp_path):
     for path, message in ((tmp_path / "empty", "holds no key"), (tmp_path / "nope", "nope")):
         with pytest.raises(ValueError, match=message):
             api_keys(parse("--api-key-file", str(path)), environ={})
+
+
+def test_speculative_flags_and_vllm_speculative_config():
+    config = build_engine_config(parse("--speculative-config",
+                                       '{"method": "ngram", "num_speculative_tokens": 3}',
+                                       "--no-spec-varlen"), environ={})
+    assert (config.speculative.speculative_method, config.speculative.num_speculative_tokens,
+            config.speculative.spec_varlen) == ("ngram", 3, False)
+    config = build_engine_config(parse("--speculative-method", "ngram",
+                                       "--num-speculative-tokens", "7"),
+                                 environ={"DEEPINFER_USE_NEXTN_DECODE": "2"})
+    assert config.speculative.num_speculative_tokens == 7 and config.speculative.spec_varlen
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['methd'\]"):
+        build_engine_config(parse("--speculative-config", '{"methd": "ngram"}'), environ={})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        build_engine_config(parse("--speculative-config", "{method"), environ={})

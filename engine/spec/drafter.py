@@ -1,0 +1,95 @@
+"""The drafter interface of speculative decoding (DSpark's contract, see engine/spec/__init__.py).
+
+A drafter proposes, for each running request that decodes next step, up to gamma draft token ids
+and one confidence per draft: c_j = P(draft j is accepted | drafts 1..j-1 were accepted). c_j may
+depend on the context and on drafts before j, never on draft j itself; that is what lets the
+admission (engine/spec/admission.py) cut a request's drafts by confidence without biasing what
+it commits (DSpark paper, Appendix A). After each verify step the drafter is told how many of
+the drafts it proposed were verified and accepted, so it can calibrate its confidences online.
+
+Pure module: no torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter sees of one request that decodes in the next step.
+
+    request_id: the engine's id.
+    token_ids: prompt + output tokens so far (read only; the drafter must not keep it).
+    num_prompt_tokens: how many of them are the prompt.
+    max_drafts: the most drafts the request can use (gamma, capped by its token limit).
+    greedy: temperature 0 (acceptance statistics differ between greedy and sampled requests).
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    max_drafts: int
+    greedy: bool = True
+
+
+@dataclass
+class DraftProposal:
+    """token_ids[j] is draft j + 1; confidences[j] its conditional acceptance probability in
+    [0, 1] (same length). Empty lists: no draft for this request."""
+
+    token_ids: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+
+
+class Drafter(Protocol):
+    """One drafter per engine; only the step loop calls it."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, DraftProposal]:
+        """Drafts for each request (requests without a draft may be left out)."""
+        ...
+
+    def observe(self, request_id: str, num_verified: int, num_accepted: int) -> None:
+        """The request's last proposal: its first `num_verified` drafts were verified and the
+        first `num_accepted` of those accepted (0 <= num_accepted <= num_verified)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted: drop what is kept for it."""
+        ...
+
+
+class BetaCounter:
+    """Online posterior of a Bernoulli rate with a Beta(prior_accepted, prior_rejected) prior.
+
+    `mean` is the posterior mean (accepted + a) / (trials + a + b): a calibrated estimate of
+    the rate as soon as observations accumulate, the prior's mean before any."""
+
+    __slots__ = ("accepted", "trials", "prior_accepted", "prior_rejected")
+
+    def __init__(self, prior_accepted: float = 1.0, prior_rejected: float = 1.0):
+        self.accepted = 0
+        self.trials = 0
+        self.prior_accepted = prior_accepted
+        self.prior_rejected = prior_rejected
+
+    def add(self, accepted: bool) -> None:
+        self.trials += 1
+        self.accepted += int(accepted)
+
+    @property
+    def mean(self) -> float:
+        return ((self.accepted + self.prior_accepted)
+                / (self.trials + self.prior_accepted + self.prior_rejected))
+
+
+def observed_positions(num_verified: int, num_accepted: int) -> list[tuple[int, bool]]:
+    """(0-based position, accepted) of each draft whose conditional acceptance was observed:
+    positions 0..m-1 accepted, position m rejected when m < verified, later ones unobserved
+    (their condition, all earlier drafts accepted, did not hold)."""
+    observed = [(j, True) for j in range(num_accepted)]
+    if num_accepted < num_verified:
+        observed.append((num_accepted, False))
+    return observed

@@ -1,0 +1,78 @@
+"""Start-up profile of the verify path: seconds per step at a grid of batch-token counts, for
+the varlen admission's `StepRateTable` (engine/spec/step_rate.py).
+
+Each point runs the runner's own step path (input building, forward, LM head over every scored
+position, greedy argmax) on synthetic decode rows of 1 + drafts tokens against a context of
+`context_len` tokens, the rows spread as evenly as the batch allows; the fastest of 3 runs per
+point, then the least non-decreasing fit over the grid (a bigger batch is not faster: what says
+otherwise is timing noise). It runs before any request
+is admitted, so the KV blocks it writes hold nothing yet; nothing it does enters the prefix
+cache or the KV store (no block hashes are made).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deepinfer.engine.input_batch import CachedRequestState, build_step_inputs
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.spec.step_rate import StepRateTable, nondecreasing
+
+
+def token_grid(max_tokens: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to and including max_tokens."""
+    grid, value = {1}, 1
+    while value < max_tokens:
+        grid.update((value, min(value + value // 2, max_tokens), min(2 * value, max_tokens)))
+        value *= 2
+    return sorted(b for b in grid if b <= max_tokens)
+
+
+@torch.inference_mode()
+def time_verify_step(runner, num_rows: int, num_tokens: int, context_len: int,
+                     repeats: int = 2) -> float:
+    """Fastest of `repeats` verify steps of `num_tokens` tokens over `num_rows` rows (seconds).
+
+    Args:
+        runner: a ModelRunner (engine/model_runner.py).
+        num_rows: decode rows, 1 <= num_rows <= num_tokens.
+        num_tokens: tokens of the step (each row 1 + its drafts).
+        context_len: tokens already in each row's KV cache.
+    """
+    per_row = [num_tokens // num_rows + (r < num_tokens % num_rows) for r in range(num_rows)]
+    num_blocks = -(-(context_len + max(per_row)) // runner.block_size)
+    num_blocks = min(num_blocks, runner.kv_caches[0].shape[runner.kv_block_dim])
+    params = SamplingParams(temperature=0.0)
+    states = [CachedRequestState(f"profile-{r}", [0] * (context_len + 1), context_len + 1,
+                                 list(range(num_blocks)), context_len, params, 0)
+              for r in range(num_rows)]
+    drafts = {s.request_id: [0] * (n - 1) for s, n in zip(states, per_row)}
+    best = float("inf")
+    for _ in range(repeats):
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        start = time.perf_counter()
+        inputs = build_step_inputs(states, per_row, runner.block_size, runner.device,
+                                   draft_token_ids=drafts)
+        hidden, graph_outputs = runner._forward(inputs)
+        runner._logits(inputs, hidden, graph_outputs).argmax(dim=-1).tolist()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def profile_step_rate(runner, *, max_num_seqs: int, num_speculative_tokens: int,
+                      max_num_batched_tokens: int, context_len: int = 64,
+                      smoothing: float = 0.1) -> StepRateTable:
+    """The step-rate table of the verify path from 1 to the largest verify batch (every
+    running request with all its drafts, within the token budget)."""
+    max_tokens = min(max_num_seqs * (1 + num_speculative_tokens), max_num_batched_tokens)
+    grid = token_grid(max_tokens)
+    time_verify_step(runner, 1, max_tokens, context_len, repeats=1)   # warm-up, not kept
+    seconds = []
+    for num_tokens in grid:
+        num_rows = min(max_num_seqs, max(1, -(-num_tokens // (1 + num_speculative_tokens))))
+        seconds.append(time_verify_step(runner, min(num_rows, num_tokens), num_tokens,
+                                        context_len, repeats=3))
+    return StepRateTable(dict(zip(grid, nondecreasing(seconds))), smoothing)
