@@ -213,7 +213,8 @@ from deepinfer.engine.config import EngineConfig
 if __name__ == "__main__":
     config = EngineConfig().replace(
         model={"model": sys.argv[1], "device": "cpu", "dtype": "float32"},
-        cache={"block_size": 4, "num_blocks": 64}, frontend={"engine_process": True})
+        cache={"block_size": 4, "num_blocks": 64}, frontend={"engine_process": True},
+        parallel={"data_parallel_size": 2})   # the core spawns a worker per rank
     engine = AsyncLLM(config)
     print(engine._proc.pid, flush=True)
     time.sleep(600)
@@ -222,7 +223,8 @@ if __name__ == "__main__":
 
 def test_a_core_process_whose_api_server_died_exits(tiny_llama_dir, tmp_path):
     """An orphaned core frees its device memory: it exits within a poll of its parent's
-    death (here the API server is SIGKILLed, so it could not send `shutdown`)."""
+    death (here the API server is SIGKILLed, so it could not send `shutdown`), and so do
+    the rank workers it spawned (data_parallel_size=2: the core is not daemonic)."""
     import subprocess
     import sys
 
@@ -232,12 +234,15 @@ def test_a_core_process_whose_api_server_died_exits(tiny_llama_dir, tmp_path):
                            stdout=subprocess.PIPE, text=True)
     try:
         core_pid = int(api.stdout.readline())
+        ranks = _children(core_pid)
+        assert len(ranks) == 2, ranks
         api.kill()
         api.wait(10)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{core_pid}").exists() and b"Z" not in _state(core_pid):
-            assert time.monotonic() < deadline, "the orphaned core process is still running"
-            time.sleep(0.1)
+        deadline = time.monotonic() + 15
+        for pid in [core_pid, *ranks]:
+            while Path(f"/proc/{pid}").exists() and b"Z" not in _state(pid):
+                assert time.monotonic() < deadline, f"orphaned process {pid} is still running"
+                time.sleep(0.1)
     finally:
         api.kill()
 
@@ -248,3 +253,17 @@ def _state(pid: int) -> bytes:
         return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1][:3]
     except OSError:
         return b"Z"
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of `pid`'s child processes (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
