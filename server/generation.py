@@ -108,6 +108,13 @@ def _prompt_cached_tokens(kv_transfer_params: dict | None) -> int | None:
         else None
 
 
+def _generate(engine: Any, request_id: str, sub: SubRequest) -> AsyncIterator[RequestOutput]:
+    """The engine's stream of one sub-request (its images, if any, go along)."""
+    images = {"mm_inputs": sub.mm_inputs} if sub.mm_inputs else {}
+    return engine.generate(sub.prompt_token_ids, sub.params, f"{request_id}-{sub.index}",
+                           kv_transfer_params=sub.kv_transfer_params, **images)
+
+
 async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
                          subs: list[SubRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield `(choice_index, output)` from all sub-requests until each has finished.
@@ -125,10 +132,7 @@ async def merged_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
         tracker, failed = metrics.tracker(), False
         client_hit = _prompt_cached_tokens(sub.kv_transfer_params)
         try:
-            images = {"mm_inputs": sub.mm_inputs} if sub.mm_inputs else {}
-            stream = engine.generate(sub.prompt_token_ids, sub.params,
-                                     f"{request_id}-{sub.index}",
-                                     kv_transfer_params=sub.kv_transfer_params, **images)
+            stream = _generate(engine, request_id, sub)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     tracker.observe(out)
@@ -164,8 +168,7 @@ async def _single_outputs(engine: Any, metrics: ServerMetrics, request_id: str,
     tracker, failed = metrics.tracker(), False
     client_hit = _prompt_cached_tokens(sub.kv_transfer_params)
     try:
-        stream = engine.generate(sub.prompt_token_ids, sub.params, f"{request_id}-{sub.index}",
-                                 kv_transfer_params=sub.kv_transfer_params)
+        stream = _generate(engine, request_id, sub)
         async with contextlib.aclosing(stream):
             async for out in stream:
                 tracker.observe(out)
