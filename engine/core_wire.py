@@ -11,8 +11,9 @@ start).
 Encoding: msgspec structs as msgpack arrays (`array_like`: no field names on the wire); the
 dataclasses `SamplingParams`, `TokenLogprobs`, `SchedulerStats` (with its `kv_store`,
 `mm_encoder` and data-parallel `per_rank` parts) and `ImageInput` (a request's images: pixel
-bytes, shape, content hash, placeholder span) are encoded by msgspec as they are. Errors cross as (kind, message, param) and are rebuilt as the engine's own exception
-classes, so the server maps them to the same HTTP statuses as in one process.
+bytes, shape, content hash, placeholder span) are encoded by msgspec as they are. Errors
+cross as (kind, message, param) and are rebuilt as the engine's own exception classes, so the
+server maps them to the same HTTP statuses as in one process.
 
 Pure module: no torch import.
 """
