@@ -14,11 +14,24 @@ Choice: `FrontendConfig.engine_process` (engine/config.py); `AsyncLLM(config)` r
 `MPAsyncLLM` when it resolves to True. Failure: the core process dying (killed, or its loop
 raising) fails every waiting request and every later call with `EngineDeadError` (HTTP 503);
 no call hangs on a dead core.
+
+Process lifetime: the core is a non-daemonic child (a daemonic process may not start children,
+and with data parallelism the core spawns one worker per rank, engine/dp_executor.py). So it
+never outlives this process: `shutdown()` (also run at interpreter exit, before
+multiprocessing joins its children) stops it and joins it, killing it after a timeout; a core
+whose API server process died outright notices within a step (engine/core_proc.py) and shuts
+its workers down; a core killed outright is reaped by the reader's liveness check, and its
+workers exit on their closed pipes.
+
+Images: the API server process holds the model's `mm_processor` (engine/mm_processor.py,
+None for a text-only model) to expand prompts and preprocess images; a request's images
+travel to the core as plain data (`ImageInput`: pixel bytes, shape, hash, span).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import itertools
 import logging
@@ -39,6 +52,7 @@ from deepinfer.engine.core_wire import (INPUT_ENCODER, OUTPUT_DECODER, AddReques
                                         EngineOutputs, error_from_wire)
 from deepinfer.engine.errors import (EngineDeadError, EngineShuttingDownError, QueueFullError,
                                      RequestFailedError)
+from deepinfer.engine.mm_processor import adopt_chat_template, load_mm_processor
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.outputs import EngineCoreOutput, RequestOutput, SchedulerStats
 from deepinfer.engine.sampling_params import SamplingParams
@@ -88,7 +102,7 @@ class MPAsyncLLM:
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(f"ipc://{self._dir}/output")
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="deepinfer-engine-core", daemon=True,
+            target=run_engine_core, name="deepinfer-engine-core", daemon=False,
             args=(config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
                   model_factory))
         self._proc.start()
@@ -99,11 +113,18 @@ class MPAsyncLLM:
         self._tickets = itertools.count()
         self._error: EngineDeadError | None = None
         self._closed = False
+        atexit.register(self.shutdown)   # runs before multiprocessing joins its children
         try:
             self.tokenizer = loader.load_tokenizer(model_dir)
+            # a vision-language model's processor, here where prompts are built (None: text)
+            self.mm_processor = load_mm_processor(model_dir, loader.load_hf_config(model_dir),
+                                                  config.multimodal)
+            adopt_chat_template(self.tokenizer, self.mm_processor)
             first = self._wait_ready(startup_timeout_s)
         except BaseException:
-            self._stop_process(0)
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            self._stop_process(5)   # a core that failed to start stops its rank workers
             self._close_sockets()
             raise
         ready = first.ready
@@ -131,10 +152,15 @@ class MPAsyncLLM:
     # ---- caller side (any event loop) -----------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None, *,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None,
+                       mm_inputs: list | None = None) -> AsyncIterator[RequestOutput]:
         """As `AsyncLLM.generate`; a refusal by the core (queue full, prompt too long, bad
-        values) is raised at the first output instead of at the call."""
+        values) is raised at the first output instead of at the call. `mm_inputs`: the
+        prompt's images (`engine.multimodal.ImageInput`, placed), sent to the core as data."""
         self.check_health()
+        if mm_inputs and self.mm_processor is None:
+            raise ValueError(f"{self.model_name} is a text-only model and accepts no images; "
+                             "send text only, or serve a vision-language model.")
         if sampling_params.so_args is not None:
             await self.compile_grammar(sampling_params.so_args)
         request_id = request_id or uuid.uuid4().hex
@@ -150,7 +176,8 @@ class MPAsyncLLM:
                                         time.monotonic())
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._send(EngineInput(adds=[AddRequest(request_id, list(prompt_token_ids),
-                                                sampling_params, kv_transfer_params)]))
+                                                sampling_params, kv_transfer_params,
+                                                list(mm_inputs) if mm_inputs else None)]))
         finished, pending = False, None
         try:
             while not finished:
@@ -221,9 +248,12 @@ class MPAsyncLLM:
                                   "; restart the server.")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core (it stops its rank workers) and wait for it; kill it after
+        `timeout_s`. Idempotent; also run at interpreter exit."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         self._stop_process(timeout_s)
         self._reader.join(timeout_s)
         self._close_sockets()

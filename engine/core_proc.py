@@ -137,7 +137,7 @@ class _CoreLoop:
                 try:
                     core.add_request(core.make_request(
                         add.prompt_token_ids, add.params, add.request_id,
-                        kv_transfer_params=add.kv_transfer_params))
+                        kv_transfer_params=add.kv_transfer_params, mm_inputs=add.mm_inputs))
                 except Exception as error:  # noqa: BLE001 - refused alone: full, too long
                     self.pending.errors.append(error_to_wire(add.request_id, error))
             if message.aborts:

@@ -9,9 +9,11 @@ message of the engine core carries an `EngineReady` (or a `dead` that says why i
 start).
 
 Encoding: msgspec structs as msgpack arrays (`array_like`: no field names on the wire); the
-dataclasses `SamplingParams`, `TokenLogprobs`, `SchedulerStats` are encoded by msgspec as they
-are. Errors cross as (kind, message, param) and are rebuilt as the engine's own exception
-classes, so the server maps them to the same HTTP statuses as in one process.
+dataclasses `SamplingParams`, `TokenLogprobs`, `SchedulerStats` (with its `kv_store`,
+`mm_encoder` and data-parallel `per_rank` parts) and `ImageInput` (a request's images: pixel
+bytes, shape, content hash, placeholder span) are encoded by msgspec as they are. Errors
+cross as (kind, message, param) and are rebuilt as the engine's own exception classes, so the
+server maps them to the same HTTP statuses as in one process.
 
 Pure module: no torch import.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import msgspec
 
 from deepinfer.engine.errors import PromptTooLongError, QueueFullError
+from deepinfer.engine.multimodal import ImageInput
 from deepinfer.engine.outputs import SchedulerStats, TokenLogprobs
 from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 from deepinfer.engine.structured.backend import GrammarError
@@ -31,6 +34,8 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_transfer_params: dict | None = None
+    # the prompt's images, placed (pixel bytes, shape, hash, span): plain data, no pickle
+    mm_inputs: list[ImageInput] | None = None
 
 
 class EngineInput(msgspec.Struct, array_like=True, gc=False):

@@ -30,7 +30,7 @@ from deepinfer.engine.executor import Executor, RunnerOutputFuture
 from deepinfer.engine.fault_isolation import FaultIsolation
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
-from deepinfer.engine.mm_processor import load_mm_processor
+from deepinfer.engine.mm_processor import adopt_chat_template, load_mm_processor
 from deepinfer.engine.output_processor import OutputProcessor, TokenOutputProcessor
 from deepinfer.engine.outputs import (EngineCoreOutput, ModelRunnerOutput, RequestOutput,
                                       SchedulerOutput, SchedulerStats)
@@ -101,9 +101,7 @@ class EngineCore:
         self.tokenizer = loader.load_tokenizer(self.model_dir)
         # a vision-language model's processor (images -> pixel values, placeholder expansion)
         self.mm_processor = load_mm_processor(self.model_dir, hf_config, config.multimodal)
-        template = getattr(getattr(self.mm_processor, "processor", None), "chat_template", None)
-        if template and not getattr(self.tokenizer, "chat_template", None):
-            self.tokenizer.chat_template = template   # SmolVLM ships it with the processor
+        adopt_chat_template(self.tokenizer, self.mm_processor)
         hf_config = hf_config.get_text_config()
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

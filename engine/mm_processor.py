@@ -178,3 +178,12 @@ def load_mm_processor(model_dir: str | Path, hf_config, config=None
         return None
     max_pixels = config.max_image_pixels if config is not None else 64_000_000
     return MultiModalProcessor(model_dir, hf_config, max_image_pixels=max_pixels)
+
+
+def adopt_chat_template(tokenizer, mm_processor: MultiModalProcessor | None) -> None:
+    """Give `tokenizer` the processor's chat template when it has none of its own (SmolVLM
+    ships its template with the processor). Called wherever a tokenizer renders chat prompts:
+    the engine core, and the API server process of an engine core process."""
+    template = getattr(getattr(mm_processor, "processor", None), "chat_template", None)
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template

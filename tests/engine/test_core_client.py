@@ -95,6 +95,42 @@ def test_wire_carries_a_step_of_many_requests_in_one_message():
         assert getattr(rebuilt, "param", None) == getattr(error, "param", None)
 
 
+def test_wire_carries_images_and_per_rank_and_encoder_stats_to_metrics():
+    """A request's images cross as plain data (equal after decoding, bytes intact); the step's
+    stats keep their data-parallel `per_rank` and image-encoder parts, which /metrics shows."""
+    from prometheus_client import generate_latest
+
+    from deepinfer.engine.core_wire import (INPUT_DECODER, INPUT_ENCODER, OUTPUT_DECODER,
+                                            OUTPUT_ENCODER, AddRequest, EngineInput,
+                                            EngineOutputs)
+    from deepinfer.engine.multimodal import ImageInput, pixel_hash
+    from deepinfer.engine.outputs import MMEncoderStats
+    from deepinfer.server.metrics import ServerMetrics
+
+    pixels = bytes(range(256)) * 6          # [1, 3, 4, 32] float32: 1536 bytes
+    image = ImageInput(pixel_hash(pixels, (1, 3, 4, 32)), pixels, (1, 3, 4, 32), b"\x01" * 128,
+                       offset=3, length=10, num_embeds=8)
+    add = AddRequest("img", [1, 2, 3], SamplingParams(max_tokens=2), None, [image])
+    decoded = INPUT_DECODER.decode(INPUT_ENCODER.encode(EngineInput(adds=[add])))
+    got = decoded.adds[0].mm_inputs[0]
+    assert got == image and type(got) is ImageInput and got.pixel_shape == (1, 3, 4, 32)
+    assert got.end == 13 and decoded.adds[0].params == add.params
+
+    per_rank = [SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25),
+                SchedulerStats(num_running_reqs=1, num_waiting_reqs=3, kv_cache_usage=0.5)]
+    stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=4, per_rank=per_rank,
+                           mm_encoder=MMEncoderStats(images_encoded=5, cache_hits=2,
+                                                     encode_seconds=0.75))
+    arrived = OUTPUT_DECODER.decode(OUTPUT_ENCODER.encode(EngineOutputs(stats=stats))).stats
+    assert arrived == stats and type(arrived.per_rank[1]) is SchedulerStats
+    text = generate_latest(ServerMetrics(lambda: arrived, "m", 64).registry).decode()
+    assert 'deepinfer:dp_rank_num_requests_waiting{dp_rank="1",model_name="m"} 3.0' in text
+    assert 'deepinfer:dp_rank_kv_cache_usage_perc{dp_rank="0",model_name="m"} 0.25' in text
+    assert "deepinfer:mm_encoder_images_encoded_total" in text
+    assert [line for line in text.splitlines()
+            if line.startswith("deepinfer:mm_encoder_images_encoded_total")][0].endswith(" 5.0")
+
+
 def test_streams_equal_the_in_process_engine_token_for_token(mp_engine, offline):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
@@ -183,6 +219,10 @@ def test_refusals_are_the_engine_s_own_errors(mp_engine):
     with pytest.raises(GrammarError):
         asyncio.run(mp_engine.compile_grammar({"schema_type": "regex", "schema": "(unclosed"}))
     asyncio.run(mp_engine.compile_grammar({"schema_type": "regex", "schema": "[ab]{3}"}))
+    assert mp_engine.mm_processor is None      # a text-only model: no images
+    with pytest.raises(ValueError, match="text-only"):
+        asyncio.run(mp_engine.generate(PROMPTS[0], SamplingParams(max_tokens=2),
+                                       mm_inputs=[object()]).__anext__())
     mp_engine.check_health()
 
 
@@ -213,7 +253,8 @@ from deepinfer.engine.config import EngineConfig
 if __name__ == "__main__":
     config = EngineConfig().replace(
         model={"model": sys.argv[1], "device": "cpu", "dtype": "float32"},
-        cache={"block_size": 4, "num_blocks": 64}, frontend={"engine_process": True})
+        cache={"block_size": 4, "num_blocks": 64}, frontend={"engine_process": True},
+        parallel={"data_parallel_size": 2})   # the core spawns a worker per rank
     engine = AsyncLLM(config)
     print(engine._proc.pid, flush=True)
     time.sleep(600)
@@ -222,7 +263,8 @@ if __name__ == "__main__":
 
 def test_a_core_process_whose_api_server_died_exits(tiny_llama_dir, tmp_path):
     """An orphaned core frees its device memory: it exits within a poll of its parent's
-    death (here the API server is SIGKILLed, so it could not send `shutdown`)."""
+    death (here the API server is SIGKILLed, so it could not send `shutdown`), and so do
+    the rank workers it spawned (data_parallel_size=2: the core is not daemonic)."""
     import subprocess
     import sys
 
@@ -232,12 +274,15 @@ def test_a_core_process_whose_api_server_died_exits(tiny_llama_dir, tmp_path):
                            stdout=subprocess.PIPE, text=True)
     try:
         core_pid = int(api.stdout.readline())
+        ranks = _children(core_pid)
+        assert len(ranks) == 2, ranks
         api.kill()
         api.wait(10)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{core_pid}").exists() and b"Z" not in _state(core_pid):
-            assert time.monotonic() < deadline, "the orphaned core process is still running"
-            time.sleep(0.1)
+        deadline = time.monotonic() + 15
+        for pid in [core_pid, *ranks]:
+            while Path(f"/proc/{pid}").exists() and b"Z" not in _state(pid):
+                assert time.monotonic() < deadline, f"orphaned process {pid} is still running"
+                time.sleep(0.1)
     finally:
         api.kill()
 
@@ -248,3 +293,17 @@ def _state(pid: int) -> bytes:
         return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1][:3]
     except OSError:
         return b"Z"
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of `pid`'s child processes (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid:
+                kids.append(int(entry.name))
+    return kids

@@ -26,14 +26,17 @@ def vlm_dir(tmp_path_factory, smollm2_tokenizer):
     return save_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), smollm2_tokenizer)
 
 
-@pytest.fixture(scope="module")
-def core(vlm_dir):
-    config = EngineConfig(
+def _config(vlm_dir) -> EngineConfig:
+    return EngineConfig(
         model=ModelConfig(model=str(vlm_dir), dtype="float32", device="cpu"),
         cache=CacheConfig(block_size=16, num_blocks=128),
         # 24-token chunks: every image's 20-100 placeholder tokens span several steps
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24))
-    engine = EngineCore(config)
+
+
+@pytest.fixture(scope="module")
+def core(vlm_dir):
+    engine = EngineCore(_config(vlm_dir))
     yield engine
     engine.close()
 
@@ -153,3 +156,31 @@ def test_image_tokens_without_images_are_refused(core):
         core.make_request(ids, GREEDY, "typed")          # image tokens, no image
     with pytest.raises(ValueError, match="image tokens"):
         core.make_request(ids[:-30], GREEDY, "cut", mm_inputs=mm)   # span cut off
+
+
+def test_engine_process_carries_the_image_and_gives_the_in_process_tokens(core, vlm_dir):
+    """The engine core in its own process (`MPAsyncLLM`): the API process builds the prompt
+    with its own `mm_processor`, the image crosses the msgspec wire as data, and the greedy
+    tokens equal the in-process engine's; the encoder's stats come back for /metrics."""
+    import asyncio
+
+    from deepinfer.engine.async_llm import AsyncLLM
+
+    text, images = CASES["one image"]
+    engine = AsyncLLM(_config(vlm_dir).replace(frontend={"engine_process": True}))
+    try:
+        assert type(engine).__name__ == "MPAsyncLLM" and engine.mm_processor is not None
+        assert engine.tokenizer.chat_template == core.tokenizer.chat_template
+        ids, mm = prompt_for(engine, text, images)
+        assert (ids, mm) == prompt_for(core, text, images)
+        want = run(core, [(ids, mm)])[0]
+
+        async def generate():
+            tokens = []
+            async for out in engine.generate(ids, GREEDY, "img", mm_inputs=mm):
+                tokens += out.new_token_ids
+            return tokens
+        assert asyncio.run(generate()) == want
+        assert engine.get_stats().mm_encoder.images_encoded == 1
+    finally:
+        engine.shutdown()
