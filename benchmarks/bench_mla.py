@@ -30,6 +30,8 @@ from deepinfer.kernels.mla_attention import mla_attention
 from deepinfer.kernels.mla_decode_triton import latent_attention
 from deepinfer.kernels.settings import KernelConfig
 
+FP8_GEMM = KernelConfig(fp8_block_gemm=True)   # the Triton FP8 GEMM (off by default)
+
 LORA, ROPE, NOPE, VDIM = 512, 64, 128, 128
 
 
@@ -158,12 +160,14 @@ def bench_fp8(copy_bw, results):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             if rows <= 64:
                 ms8 = graph_us([lambda c=c: fp8_block_linear(x, c[0], c[1],
-                                                             block_size=(128, 128))
+                                                             block_size=(128, 128),
+                                                             settings=FP8_GEMM)
                                 for c in copies]) * 1e-3
                 ms16 = graph_us([lambda c=c: x @ c[2].T for c in copies]) * 1e-3
             else:
                 codes, scale, w_bf16 = copies[0]
-                ms8 = do_bench(lambda: fp8_block_linear(x, codes, scale, block_size=(128, 128)),
+                ms8 = do_bench(lambda: fp8_block_linear(x, codes, scale, block_size=(128, 128),
+                                                        settings=FP8_GEMM),
                                warmup=5, rep=30)
                 ms16 = do_bench(lambda: x @ w_bf16.T, warmup=5, rep=30)
             row = {"kind": "fp8_gemm", "shape": name, "rows": rows, "n": n, "k": k,

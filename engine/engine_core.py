@@ -107,7 +107,7 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         data_parallel = config.parallel.data_parallel_size > 1
         if model is None and not data_parallel:   # with DP each rank loads its own
-            model = loader.load_model(self.model_dir, dtype, device)
+            model = loader.load_model(self.model_dir, dtype, device, config.kernel)
         self.structured_output = grammar_manager(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             config.model.structured_outputs_backend)

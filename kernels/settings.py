@@ -108,9 +108,13 @@ class KernelConfig:
         a hit through the Triton expanded kernel (SDPA would need a [q_len, seq_len] mask);
         "expanded": every chunk through the Triton expanded kernel; "absorbed": every chunk
         through the absorbed decode kernel tiled over query tokens.
-    fp8_block_gemm: True (default): FP8 block-scaled checkpoints keep their linears in FP8 on
-        CUDA devices of compute capability >= 8.9 and run the Triton block-scaled GEMM
-        (`kernels/fp8_gemm_triton.py`); False dequantizes at load as on CPU.
+    fp8_block_gemm: True: FP8 block-scaled checkpoints keep their linears in FP8 on CUDA
+        devices of compute capability >= 8.9 and run the Triton block-scaled GEMM
+        (`kernels/fp8_gemm_triton.py`); False (default) dequantizes at load as on CPU. Off
+        by default: on the H200 (2026-12-04) a tiny FP8 DeepSeek-V3 through this GEMM left
+        HF's bf16 greedy choice by up to 0.94 of the logit RMS (0.2 with the same weights
+        dequantized), and the GEMM was slower than cuBLAS bf16 at decode sizes
+        (tests/engine/test_gpu_deepseek_bf16.py; benchmarks/RESULTS.md).
     fp8_gemm_block_m: rows per program of the FP8 GEMM at most (16..128); default 64.
     """
 
@@ -138,7 +142,7 @@ class KernelConfig:
     mla_prefill_block_m: int = 64
     mla_prefill_block_n: int = 64
     mla_prefill: str = "auto"
-    fp8_block_gemm: bool = True
+    fp8_block_gemm: bool = False
     fp8_gemm_block_m: int = 64
 
     def __post_init__(self) -> None:

@@ -279,6 +279,9 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
     # decode reads nothing back to the host on CUDA (MoE: routing and the Triton experts on the
     # device; MLA: the torch decode path's graph-safe write and masks), so graphs capture it
     supports_cuda_graphs = True
+    # `layers.set_kernel_config` (engine/loader.py, before the weights load): fp8_block_gemm
+    # decides whether FP8 checkpoints keep their linears in FP8
+    kernel_config: KernelConfig = DEFAULT
 
     default_scoring_func = "softmax"
     default_topk_method = "greedy"
@@ -412,8 +415,9 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         checkpoint has none, then prepare the linears and MLA's W_UK / W_UV.
 
         FP8 block-scaled tensors are dequantized to the model dtype; with `keep_fp8` (default:
-        where `kernels.fp8.fp8_supported` says the device runs the FP8 GEMM) the linears that
-        can stay FP8 get their codes and scales back afterwards (`Fp8LinearStaging`).
+        `kernel_config.fp8_block_gemm` where `kernels.fp8.fp8_supported` says the device runs
+        the FP8 GEMM) the linears that can stay FP8 get their codes and scales back afterwards
+        (`Fp8LinearStaging`).
 
         Raises:
             ValueError: an unknown name, a shape mismatch, or a tensor left unfilled.
@@ -423,7 +427,8 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         staging = None
         if block_size is not None:
             if keep_fp8 is None:
-                keep_fp8 = fp8_supported(self.embed_tokens.weight.device)
+                keep_fp8 = (self.kernel_config.fp8_block_gemm
+                            and fp8_supported(self.embed_tokens.weight.device))
             if keep_fp8:
                 exclude = [self.lm_head] + [m.kv_b_proj for m in self.modules()
                                             if isinstance(m, MLAAttention)]
