@@ -16,16 +16,13 @@ Confidence: the draft probability calibrated online per position by temperature 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from deepinfer.engine.input_batch import CachedRequestState, StepInputs
-from deepinfer.engine.spec.drafter import DraftProposal, DraftRequest, observed_positions
-from deepinfer.engine.spec.mtp import PositionTemperatures, chain_inputs
+from deepinfer.engine.spec.mtp import CalibratedModelDrafter, chain_inputs
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(CalibratedModelDrafter):
     """Args:
         draft_model: a deepinfer model (engine/models) on the runner's device and dtype.
         runner: the target's ModelRunner (the drafter registers itself as `runner.drafter`).
@@ -41,11 +38,9 @@ class DraftModelDrafter:
             raise ValueError(f"the draft model's vocabulary ({draft_model.vocab_size} ids) differs "
                              f"from the target's ({target_vocab}); speculative_model must share "
                              "the target's tokenizer.")
+        super().__init__(num_speculative_tokens)
         self.model, self.runner = draft_model, runner
         self.gamma = num_speculative_tokens
-        self.calibration = PositionTemperatures(num_speculative_tokens)
-        self._drafts: dict[str, tuple[int, list[int], list[float]]] = {}
-        self._last: dict[str, list[float]] = {}
         block_size = runner.block_size
         self._scratch_per_row = -(-(num_speculative_tokens + 1) // block_size) + 1
         self._first_scratch = runner.kv_caches[0].shape[runner.kv_block_dim]
@@ -56,33 +51,6 @@ class DraftModelDrafter:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=runner.device)
                           for _ in range(spec.num_layers)]
         runner.drafter = self
-
-    # ---- the engine side -------------------------------------------------------------------
-    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, DraftProposal]:
-        proposals = {}
-        for request in requests:
-            stored = self._drafts.pop(request.request_id, None)
-            if stored is None or stored[0] != len(request.token_ids):
-                continue
-            _, ids, probs = stored
-            count = min(len(ids), request.max_drafts)
-            if count <= 0:
-                continue
-            self._last[request.request_id] = probs[:count]
-            proposals[request.request_id] = DraftProposal(ids[:count], [
-                self.calibration.confidence(j, q) for j, q in enumerate(probs[:count])])
-        return proposals
-
-    def observe(self, request_id: str, num_verified: int, num_accepted: int) -> None:
-        probs = self._last.pop(request_id, None)
-        if probs is None:
-            return
-        for position, accepted in observed_positions(num_verified, num_accepted):
-            self.calibration.add(position, probs[position], accepted)
-
-    def forget(self, request_id: str) -> None:
-        self._drafts.pop(request_id, None)
-        self._last.pop(request_id, None)
 
     # ---- the runner side -------------------------------------------------------------------
     @torch.inference_mode()

@@ -77,35 +77,21 @@ class PositionTemperatures:
         return best
 
 
-class MTPDrafter:
-    """Args:
-        model: a `DeepseekForCausalLM` with at least one MTP module.
-        runner: its ModelRunner (the drafter registers itself as `runner.drafter`).
-        num_speculative_tokens: gamma.
-        max_num_seqs: requests per step (sizes the scratch blocks).
+class CalibratedModelDrafter:
+    """The engine side of the drafters that run a model after each step (MTP, draft model;
+    engine/spec/drafter.py's interface): the drafts `after_step` stored per request (`_drafts`:
+    id -> (the request's token count then, draft ids, their probabilities q)) are proposed with
+    calibrated confidences, and the verify outcomes refit the per-position temperatures.
+
+    Args:
+        num_speculative_tokens: gamma (positions calibrated).
     """
 
-    def __init__(self, model, runner, num_speculative_tokens: int, max_num_seqs: int = 256):
-        if getattr(model, "num_mtp_layers", 0) < 1:
-            raise ValueError("speculative_method=mtp needs a checkpoint with an MTP module "
-                             "(num_nextn_predict_layers >= 1 and its weights); this model has "
-                             "none. Use speculative_method=ngram.")
-        self.model, self.runner = model, runner
-        self.gamma = num_speculative_tokens
-        self.layer = model.num_hidden_layers
+    def __init__(self, num_speculative_tokens: int):
         self.calibration = PositionTemperatures(num_speculative_tokens)
         self._drafts: dict[str, tuple[int, list[int], list[float]]] = {}  # id -> (len, ids, q)
         self._last: dict[str, list[float]] = {}   # id -> q of the drafts last proposed
-        block_size = runner.block_size
-        self._scratch_per_row = -(-(num_speculative_tokens + 1) // block_size) + 1
-        cache = runner.kv_caches[self.layer]
-        self._first_scratch = cache.shape[0]
-        extra = torch.zeros((self._scratch_per_row * max_num_seqs, *cache.shape[1:]),
-                            dtype=cache.dtype, device=cache.device)
-        runner.kv_caches[self.layer] = torch.cat([cache, extra])   # blocks first (MLA layout)
-        runner.drafter = self
 
-    # ---- the engine side (engine/spec/drafter.py's interface) -----------------------------
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, DraftProposal]:
         proposals = {}
         for request in requests:
@@ -131,6 +117,33 @@ class MTPDrafter:
     def forget(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)
         self._last.pop(request_id, None)
+
+
+class MTPDrafter(CalibratedModelDrafter):
+    """Args:
+        model: a `DeepseekForCausalLM` with at least one MTP module.
+        runner: its ModelRunner (the drafter registers itself as `runner.drafter`).
+        num_speculative_tokens: gamma.
+        max_num_seqs: requests per step (sizes the scratch blocks).
+    """
+
+    def __init__(self, model, runner, num_speculative_tokens: int, max_num_seqs: int = 256):
+        if getattr(model, "num_mtp_layers", 0) < 1:
+            raise ValueError("speculative_method=mtp needs a checkpoint with an MTP module "
+                             "(num_nextn_predict_layers >= 1 and its weights); this model has "
+                             "none. Use speculative_method=ngram.")
+        super().__init__(num_speculative_tokens)
+        self.model, self.runner = model, runner
+        self.gamma = num_speculative_tokens
+        self.layer = model.num_hidden_layers
+        block_size = runner.block_size
+        self._scratch_per_row = -(-(num_speculative_tokens + 1) // block_size) + 1
+        cache = runner.kv_caches[self.layer]
+        self._first_scratch = cache.shape[0]
+        extra = torch.zeros((self._scratch_per_row * max_num_seqs, *cache.shape[1:]),
+                            dtype=cache.dtype, device=cache.device)
+        runner.kv_caches[self.layer] = torch.cat([cache, extra])   # blocks first (MLA layout)
+        runner.drafter = self
 
     # ---- the runner side -------------------------------------------------------------------
     @torch.inference_mode()
