@@ -37,7 +37,8 @@ METRIC_NAME = re.compile(r"\bdeepinfer(?:_router)?:[A-Za-z0-9_]+")
 GRAFANA_VARS = {"$namespace": ".*", "$model_name": ".*", "$__rate_interval": "10s"}
 # series that exist only once the event happened (per-backend labels): may come back empty
 EVENT_ONLY = ("deepinfer_router:retries_total", "deepinfer_router:ejections_total",
-              "deepinfer_router:discovery_failures_total")
+              "deepinfer_router:discovery_failures_total",
+              "deepinfer_router:encoder_steps_total")   # labelled by outcome: none until a step
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum"),
             "gauge": ("",)}
 
