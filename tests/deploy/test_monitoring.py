@@ -38,7 +38,10 @@ GRAFANA_VARS = {"$namespace": ".*", "$model_name": ".*", "$__rate_interval": "10
 # series that exist only once the event happened (per-backend labels): may come back empty
 EVENT_ONLY = ("deepinfer_router:retries_total", "deepinfer_router:ejections_total",
               "deepinfer_router:discovery_failures_total",
-              "deepinfer_router:encoder_steps_total")   # labelled by outcome: none until a step
+              # labelled series that exist only once their event happened: an encoder step
+              # (by outcome), a verified draft (by position; speculation is off by default)
+              "deepinfer_router:encoder_steps_total",
+              "deepinfer:spec_decode_num_accepted_tokens_per_pos_total")
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum"),
             "gauge": ("",)}
 
