@@ -73,24 +73,31 @@ class Idefics3VisionEncoder(nn.Module):
         Raises:
             ValueError: a shape mismatch or a parameter left unfilled.
         """
-        params = dict(self.named_parameters())
-        filled = set()
-        for hf_name, tensor in weights:
-            if not hf_name.startswith(_VISION_PREFIXES):
-                continue
-            name = hf_name.removeprefix("model.")
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the vision "
-                                 "encoder; is the checkpoint an Idefics3 / SmolVLM one?")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has shape "
-                                 f"{tuple(tensor.shape)}; expected {tuple(params[name].shape)}.")
-            params[name].data.copy_(tensor)
-            filled.add(name)
-        missing = sorted(set(params) - filled)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} vision tensors, e.g. "
-                             f"{missing[:4]}.")
+        ours = ((hf_name.removeprefix("model."), tensor) for hf_name, tensor in weights
+                if hf_name.startswith(_VISION_PREFIXES))
+        fill_vision_parameters(self, ours, "an Idefics3 / SmolVLM vision encoder")
+
+
+def fill_vision_parameters(encoder: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                           what: str) -> None:
+    """Copy (parameter name, tensor) pairs into `encoder`'s parameters, every one exactly once.
+
+    Raises:
+        ValueError: a name `encoder` lacks, a shape mismatch, or a parameter left unfilled.
+    """
+    params = dict(encoder.named_parameters())
+    filled = set()
+    for name, tensor in weights:
+        if name not in params or params[name].shape != tensor.shape:
+            expected = tuple(params[name].shape) if name in params else "no such parameter"
+            raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit "
+                             f"{what} (expected: {expected}); is the checkpoint for this "
+                             "model?")
+        params[name].data.copy_(tensor)
+        filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:4]}.")
 
 
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):

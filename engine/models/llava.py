@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from deepinfer.engine.models.idefics3 import fill_vision_parameters
 from deepinfer.engine.models.llama import LlamaForCausalLM
 
 _RENAMES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model."),
@@ -69,18 +70,7 @@ class LlavaVisionEncoder(nn.Module):
         Raises:
             ValueError: an unknown name, a shape mismatch or a parameter left unfilled.
         """
-        params = dict(self.named_parameters())
-        filled = set()
-        for name, tensor in weights:
-            if name not in params or params[name].shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not "
-                                 "fit the LLaVA vision tower / projector (config mismatch?).")
-            params[name].data.copy_(tensor)
-            filled.add(name)
-        missing = sorted(set(params) - filled)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} vision tensors, e.g. "
-                             f"{missing[:4]}.")
+        fill_vision_parameters(self, weights, "the LLaVA vision tower / projector")
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
