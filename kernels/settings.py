@@ -83,6 +83,9 @@ class KernelConfig:
         weight runs the AVX2 block-quantized kernel.
     moe_tiles: the Triton fused MoE's tile sizes by mean rows per expert (`MoETile`), in
         increasing max_rows; default `MOE_TILES`.
+    moe_align_one_program_max_pairs: up to this many (token, k) pairs (default 256) the Triton
+        MoE aligns pairs to experts in one program (`moe_triton.align`); above, an atomic rank
+        kernel and a parallel layout kernel.
     moe_deep_gemm_min_rows: from this many mean rows per expert (default 128: prefill) a bf16
         MoE call on backend "auto" runs DeepGEMM's grouped GEMM where `deep_gemm` is installed
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
@@ -130,6 +133,7 @@ class KernelConfig:
     norm_by_dot_rows: int = 32
     quantized_max_rows: int = 64
     moe_tiles: tuple[MoETile, ...] = MOE_TILES
+    moe_align_one_program_max_pairs: int = 256
     moe_deep_gemm_min_rows: int = 128
     batch_invariant: bool = False
     mla_decode_block_h: int = 64
@@ -168,6 +172,9 @@ class KernelConfig:
         _check("moe_tiles", bool(self.moe_tiles) and all(
             t.block_m >= 16 and t.block_k >= 16 and t.block_n >= 16 and t.down_block_n >= 16
             for t in self.moe_tiles), "needs at least one tile, each block >= 16 (tl.dot).")
+        _check("moe_align_one_program_max_pairs", 0 <= self.moe_align_one_program_max_pairs
+               <= 4096, f"{self.moe_align_one_program_max_pairs} must be in [0, 4096] (its "
+               "[pairs, experts] one-hot matrix lives in registers); 0: never one program.")
         for name in ("mla_decode_block_h", "mla_decode_block_n", "mla_decode_max_splits",
                      "mla_prefill_block_m", "mla_prefill_block_n"):
             value = getattr(self, name)

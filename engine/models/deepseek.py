@@ -187,11 +187,10 @@ class DeepseekMoEBlock(nn.Module):
         return targets
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, hidden_size] -> [T, hidden_size]."""
-        out = self.moe(hidden)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
-        return out
+        """hidden: [T, hidden_size] -> [T, hidden_size]. The shared experts run first; their
+        output is added in the routed experts' combine (no separate add kernel)."""
+        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        return self.moe(hidden, shared)
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
