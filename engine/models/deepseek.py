@@ -38,12 +38,12 @@ from deepinfer.engine.models.layers.lm_head import CausalLMLogits
 from deepinfer.engine.models.layers.mlp import GatedMLP
 from deepinfer.engine.models.layers.moe import MoE
 from deepinfer.engine.models.layers.rms_norm import RMSNorm
-from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, apply_rotary, rope_parameters,
+from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, rope_parameters,
                                          yarn_get_mscale)
 from deepinfer.engine.moe.gating import RoutingConfig
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.fp8 import fp8_supported
-from deepinfer.kernels.mla_attention import mla_attention, write_latent
+from deepinfer.kernels.mla_attention import mla_attention, rotate_and_write_latent
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 # checkpoint name -> (destination tensor, optional transform applied to the checkpoint tensor)
@@ -150,11 +150,11 @@ class MLAAttention(nn.Module):
         else:
             query = self.q_proj(hidden)
         query = query.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        q_pe = apply_rotary(query[..., self.nope_dim:], *rope)  # [T, H, R]
         kv_a = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
-        c_kv = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank].contiguous())  # [T, L]
-        k_pe = apply_rotary(kv_a[:, None, self.kv_lora_rank:], *rope)[:, 0]  # [T, R]
-        write_latent(torch.cat([c_kv, k_pe], dim=-1), kv_cache, attn_metadata.slot_mapping)
+        norm = self.kv_a_layernorm
+        q_pe = rotate_and_write_latent(  # [T, H, R], query's rope dims rotated in place
+            query, kv_a, norm.weight, norm.eps, *rope, kv_cache, attn_metadata.slot_mapping,
+            settings=self.kernel_config)
         out = mla_attention(query[..., :self.nope_dim], q_pe, kv_cache, attn_metadata,
                             self.w_uk, self.w_uv, self.scale,
                             settings=self.kernel_config)  # [T, H, Dv]
