@@ -144,13 +144,27 @@ def _fp8_block_dot(a8, a_scale, w, w_scale, acc):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, N,
-                    K, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-                    TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_ids(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program: groups of GROUP_M row tiles (0: all of them),
+    a group's row tiles side by side for one column tile, then the next column tile."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_m = GROUP_M if GROUP_M > 0 else num_blocks
+    first_m = pid // (group_m * num_n) * group_m
+    size_m = tl.minimum(num_blocks - first_m, group_m)
+    within = pid % (group_m * num_n)
+    return first_m + within % size_m, within // size_m
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                    num_blocks, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                    stride_om, TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr):
     """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots.
     FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -193,12 +207,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
 
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
-                 num_pairs, N, K, stride_am, stride_we, stride_wn, stride_se, stride_sn,
-                 stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 num_pairs, num_blocks, N, K, stride_am, stride_we, stride_wn, stride_se,
+                 stride_sn, stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
     for the tile's real slots."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -342,22 +357,23 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                                    settings.moe_align_one_program_max_pairs)
     act = torch.empty(num_blocks * tile.block_m, inter, dtype=hidden.dtype, device=hidden.device)
     s13 = w13_scale if fp8 else w13
-    grid = (num_blocks, triton.cdiv(inter, tile.block_n))
-    _gate_up_kernel[grid](hidden, w13, s13, act, sorted_pairs, block_expert, num_pairs, inter,
-                          hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
-                          s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
-                          act.stride(0), TOP_K=top_k, PRECISION=precision, FP8=fp8,
-                          BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+    grid = (num_blocks * triton.cdiv(inter, tile.block_n),)
+    _gate_up_kernel[grid](hidden, w13, s13, act, sorted_pairs, block_expert, num_pairs,
+                          num_blocks, inter, hidden_size, hidden.stride(0), w13.stride(0),
+                          w13.stride(1), s13.stride(0) if fp8 else 0,
+                          s13.stride(1) if fp8 else 0, act.stride(0), TOP_K=top_k,
+                          PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                           num_warps=tile.num_warps, num_stages=tile.num_stages)
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     s2 = w2_scale if fp8 else w2
-    grid = (num_blocks, triton.cdiv(hidden_size, tile.down_block_n))
+    grid = (num_blocks * triton.cdiv(hidden_size, tile.down_block_n),)
     _down_kernel[grid](act, w2, s2, y, weights, sorted_pairs, block_expert, num_pairs,
-                       hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1),
-                       s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0, y.stride(0),
-                       PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
-                       BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k,
+                       num_blocks, hidden_size, inter, act.stride(0), w2.stride(0),
+                       w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+                       y.stride(0), PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
+                       BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                        num_warps=tile.num_warps, num_stages=tile.num_stages)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     block_n = min(1024, triton.next_power_of_2(hidden_size))

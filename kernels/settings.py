@@ -30,6 +30,9 @@ class MoETile:
     block_m: rows per tile (each expert's rows are padded to a multiple of it; >= 16).
     block_n: gate_up columns per program (the gate and the up tile each); down_block_n: down
         columns per program; block_k: the K step of both GEMMs.
+    group_m: launch order: groups of group_m row tiles, a group's row tiles side by side for
+        one column tile before the next column tile (Triton's grouped ordering); 0 (default):
+        one group of all row tiles.
     """
 
     max_rows: int
@@ -39,6 +42,7 @@ class MoETile:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 0
 
 
 # decode (a few rows per expert) to prefill (hundreds): measured on the H200, RESULTS.md
@@ -171,7 +175,8 @@ class KernelConfig:
             t if isinstance(t, MoETile) else MoETile(**t) for t in self.moe_tiles))
         _check("moe_tiles", bool(self.moe_tiles) and all(
             t.block_m >= 16 and t.block_k >= 16 and t.block_n >= 16 and t.down_block_n >= 16
-            for t in self.moe_tiles), "needs at least one tile, each block >= 16 (tl.dot).")
+            and t.group_m >= 0 for t in self.moe_tiles),
+               "needs at least one tile, each block >= 16 (tl.dot), group_m >= 0.")
         _check("moe_align_one_program_max_pairs", 0 <= self.moe_align_one_program_max_pairs
                <= 4096, f"{self.moe_align_one_program_max_pairs} must be in [0, 4096] (its "
                "[pairs, experts] one-hot matrix lives in registers); 0: never one program.")

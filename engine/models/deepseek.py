@@ -43,6 +43,7 @@ from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, rope_paramet
 from deepinfer.engine.moe.gating import RoutingConfig
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.fp8 import fp8_supported
+from deepinfer.kernels.linear import linear
 from deepinfer.kernels.mla_attention import mla_attention, rotate_and_write_latent
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
@@ -108,6 +109,9 @@ class MLAAttention(nn.Module):
         self.interleaved_rope = interleaved_rope
         self.w_uk: torch.Tensor | None = None  # [H, Dn, L], set by finish_loading
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L]
+        # [Q + L + R, hidden_size]: q_proj's (or q_a_proj's) rows then kv_a_proj_with_mqa's,
+        # one GEMM for both on CUDA (finish_loading); the two Linears' weights are its views
+        self.q_kv_a_weight: torch.Tensor | None = None
 
     def _permute_q_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         heads = tensor.view(self.num_heads, self.nope_dim + self.rope_dim, -1)
@@ -139,18 +143,43 @@ class MLAAttention(nn.Module):
         self.w_uk = per_head[:, :self.nope_dim]
         self.w_uv = per_head[:, self.nope_dim:]
         self.kv_b_proj.packed_weight = self.kv_b_proj.quantized_weight = None
+        self._merge_q_kv_a()
+
+    def _merge_q_kv_a(self) -> None:
+        """On CUDA, put the query projection's (q_proj, or q_a_proj with q_lora) and
+        kv_a_proj_with_mqa's weights in one tensor (both read the same hidden rows: one GEMM,
+        one launch less per layer at decode) and make the two weights views of it. Not for
+        biases, FP8 weights or CPU (whose packed copies are per Linear)."""
+        first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        second = self.kv_a_proj_with_mqa
+        if (not first.weight.is_cuda or first.bias is not None or second.bias is not None
+                or first.weight_scale_inv is not None or second.weight_scale_inv is not None):
+            return
+        merged = torch.cat([first.weight.data, second.weight.data])
+        first.weight.data = merged[:first.out_features]
+        second.weight.data = merged[first.out_features:]
+        self.q_kv_a_weight = merged
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden_size] -> (query [T, H * (Dn + R)], kv_a [T, L + R]), views of one
+        GEMM's output where the weights are merged."""
+        if self.q_kv_a_weight is not None:
+            fused = linear(hidden, self.q_kv_a_weight, settings=self.kernel_config)
+            first, kv_a = fused.split([fused.shape[1] - self.kv_a_proj_with_mqa.out_features,
+                                       self.kv_a_proj_with_mqa.out_features], dim=1)
+        else:
+            first = self.q_a_proj(hidden) if self.q_lora_rank else self.q_proj(hidden)
+            kv_a = self.kv_a_proj_with_mqa(hidden)
+        query = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora_rank else first
+        return query, kv_a
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]. kv_cache: [num_blocks, block_size,
         L + R], this step's latents written at attn_metadata.slot_mapping."""
         num_tokens = hidden.shape[0]
-        if self.q_lora_rank:
-            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        else:
-            query = self.q_proj(hidden)
+        query, kv_a = self._project(hidden)  # [T, H * (Dn + R)], [T, L + R]
         query = query.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        kv_a = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
         norm = self.kv_a_layernorm
         q_pe = rotate_and_write_latent(  # [T, H, R], query's rope dims rotated in place
             query, kv_a, norm.weight, norm.eps, *rope, kv_cache, attn_metadata.slot_mapping,

@@ -58,12 +58,15 @@ def test_experts_no_token_picked():
     check(make_moe(9, 16, 2, scores=scores))
 
 
-@pytest.mark.parametrize("tile_rows", [16, 32, 64])
-def test_one_expert_picked_by_every_token(tile_rows):
-    """Expert 5 takes all 70 tokens: several row tiles of one expert (and a partial last one)."""
+@pytest.mark.parametrize("tile_rows,group_m", [(16, 0), (32, 0), (64, 0), (16, 2), (32, 3)])
+def test_one_expert_picked_by_every_token(tile_rows, group_m):
+    """Expert 5 takes all 70 tokens: several row tiles of one expert (and a partial last one),
+    in either launch order (group_m 0: all row tiles per column tile; 2, 3: grouped, the last
+    group partial)."""
     scores = torch.rand(70, 8, generator=torch.Generator().manual_seed(4))
     scores[:, 5] = 2.0
-    settings = KernelConfig(moe_tiles=(MoETile(1 << 30, tile_rows, 32, 32, 32),))
+    settings = KernelConfig(moe_tiles=(MoETile(1 << 30, tile_rows, 32, 32, 32,
+                                               group_m=group_m),))
     check(make_moe(70, 8, 3, scores=scores), settings)
 
 
