@@ -114,6 +114,38 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
     return topk_weights, topk_ids
 
 
+def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: RoutingConfig,
+                 e_score_correction_bias: torch.Tensor | None = None, *,
+                 logical_to_physical: torch.Tensor | None = None, fused_max_tokens: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router GEMM (`hidden.float() @ gate_weight.T`, float32 as in transformers) then
+    `select_experts`. Up to `fused_max_tokens` tokens on CUDA with Triton, one kernel does
+    both (`kernels/moe_routing_triton.py`, `gate_weight`); otherwise the GEMM runs on its own.
+
+    Args:
+        hidden: [num_tokens, hidden_size], any float dtype.
+        gate_weight: [num_experts, hidden_size] float32.
+        config, e_score_correction_bias, logical_to_physical: as for `select_experts`.
+        fused_max_tokens: `KernelConfig.moe_fused_router_max_tokens` (0: never fused).
+    Returns:
+        as `select_experts`.
+    """
+    if (hidden.shape[0] <= fused_max_tokens and hidden.is_cuda and triton_available()
+            and hidden.stride(-1) == 1 and gate_weight.is_contiguous()):
+        from deepinfer.kernels.moe_routing_triton import route
+
+        mapping = (logical_to_physical if logical_to_physical is not None else
+                   torch.arange(config.num_experts, device=hidden.device))
+        return route(hidden, top_k=config.top_k, scoring_func=config.scoring_func,
+                     topk_method=config.topk_method, n_group=config.n_group,
+                     topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
+                     routed_scaling_factor=config.routed_scaling_factor,
+                     e_score_correction_bias=e_score_correction_bias,
+                     logical_to_physical=mapping, gate_weight=gate_weight.float())
+    return select_experts(hidden.float() @ gate_weight.float().T, config,
+                          e_score_correction_bias, logical_to_physical=logical_to_physical)
+
+
 def _select_experts_torch(router_logits: torch.Tensor, config: RoutingConfig,
                           e_score_correction_bias: torch.Tensor | None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
