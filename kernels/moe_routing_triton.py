@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
+
 METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
@@ -28,9 +31,10 @@ def _route_kernel(logits_ptr, gate_ptr, bias_ptr, map_ptr, weights_ptr, ids_ptr,
                   METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_HIDDEN: tl.constexpr,
                   E_PAD: tl.constexpr, G_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One token's routing. FROM_HIDDEN: logits_ptr is the token's hidden row and the logits
     are its float32 products with the [E, hidden_size] float32 gate (the router GEMM)."""
+    pdl.wait_and_release(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < num_experts
@@ -105,7 +109,8 @@ def _route_kernel(logits_ptr, gate_ptr, bias_ptr, map_ptr, weights_ptr, ids_ptr,
 def route(router_logits: torch.Tensor, *, top_k: int, scoring_func: str, topk_method: str,
           n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
           e_score_correction_bias: torch.Tensor | None, logical_to_physical: torch.Tensor,
-          gate_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          gate_weight: torch.Tensor | None = None, settings: KernelConfig = DEFAULT
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `engine.moe.gating.select_experts` (arguments spelled out, since kernels/
     imports nothing of engine/), plus the logical -> physical map.
 
@@ -117,6 +122,7 @@ def route(router_logits: torch.Tensor, *, top_k: int, scoring_func: str, topk_me
             launch (one program per token reads the whole gate: for decode-sized T).
         logical_to_physical: [E] int64.
         gate_weight: [E, hidden_size] float32, contiguous, or None.
+        settings: kernel choices (`KernelConfig.pdl`: launched with PDL on Hopper).
     Returns:
         (topk_weights [T, top_k] float32, physical ids [T, top_k] int64), sorted by choice.
     """
@@ -130,6 +136,7 @@ def route(router_logits: torch.Tensor, *, top_k: int, scoring_func: str, topk_me
         bias = e_score_correction_bias if e_score_correction_bias is not None else logits
         e_pad = triton.next_power_of_2(num_experts)
         from_hidden = gate_weight is not None
+        options = pdl.launch_options(router_logits.device, settings)
         _route_kernel[(num_tokens,)](
             logits, gate_weight if from_hidden else logits, bias, logical_to_physical, weights,
             ids, num_experts, logits.shape[1], logits.stride(0), float(routed_scaling_factor),
@@ -138,6 +145,6 @@ def route(router_logits: torch.Tensor, *, top_k: int, scoring_func: str, topk_me
             N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob,
             HAS_BIAS=topk_method == "noaux_tc" and e_score_correction_bias is not None,
             FROM_HIDDEN=from_hidden, E_PAD=e_pad, G_PAD=triton.next_power_of_2(n_group),
-            BLOCK_K=max(32, 8192 // e_pad),
-            num_warps=8 if from_hidden else (4 if num_experts > 128 else 1))
+            BLOCK_K=max(32, 8192 // e_pad), PDL=bool(options),
+            num_warps=8 if from_hidden else (4 if num_experts > 128 else 1), **options)
     return weights, ids

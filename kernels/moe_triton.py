@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.settings import DEFAULT, KernelConfig, MoETile
 
 MAX_EXPERTS = 1024   # the alignment holds one count per expert in registers
@@ -76,9 +77,10 @@ def _write_layout(sorted_ptr, block_expert_ptr, counts, padded_start, padded_end
 @triton.jit
 def _align_one_program_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
                               num_slots, num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                              P_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                              P_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """The whole alignment of a few pairs in one program: counts and ranks (in pair order)
     from the [pairs, experts] one-hot matrix, no atomics, no counters."""
+    pdl.wait_and_release(PDL, True)
     p = tl.arange(0, P_PAD)
     p_ok = p < num_pairs
     e_offs = tl.arange(0, E_PAD)
@@ -97,7 +99,9 @@ def _align_one_program_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, 
 
 
 @triton.jit
-def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl.wait_and_release(PDL, True)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
@@ -108,9 +112,10 @@ def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
 @triton.jit
 def _layout_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                    num_experts, num_slots, num_blocks, BLOCK_M: tl.constexpr,
-                   E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                   E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program i: row tiles, slots and pairs [i * CHUNK, (i + 1) * CHUNK), from the counts
     `_rank_kernel` completed."""
+    pdl.wait_and_release(PDL, True)
     first = tl.program_id(0) * CHUNK
     e_offs = tl.arange(0, E_PAD)
     e_mask = e_offs < num_experts
@@ -161,9 +166,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
                     num_blocks, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                     stride_om, TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots.
     FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128)."""
+    pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -200,6 +206,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    pdl.launch_dependents(PDL)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -210,9 +217,10 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
                  num_pairs, num_blocks, N, K, stride_am, stride_we, stride_wn, stride_se,
                  stride_sn, stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+                 GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
     for the tile's real slots."""
+    pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -240,6 +248,7 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    pdl.launch_dependents(PDL)
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -248,8 +257,9 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
 
 @triton.jit
 def _combine_kernel(y_ptr, add_ptr, out_ptr, N, stride_add, TOP_K: tl.constexpr,
-                    HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = add[t, n] (HAS_ADD) + sum over k in order of y[t * TOP_K + k, n]."""
+    pdl.wait_and_release(PDL, True)
     token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -272,11 +282,10 @@ def pick_tile(num_pairs: int, num_experts: int, settings: KernelConfig) -> MoETi
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-          one_program_max_pairs: int = DEFAULT.moe_align_one_program_max_pairs
-          ) -> tuple[torch.Tensor, torch.Tensor, int]:
+          settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sort (token, k) pairs by expert, each expert's run padded to a multiple of block_m.
 
-    Up to `one_program_max_pairs` pairs: one program, pairs of an expert in pair order
+    Up to `settings.moe_align_one_program_max_pairs` pairs: one program, pairs of an expert in pair order
     (`_align_one_program_kernel`); above: a zeroed count per expert, `_rank_kernel` (atomic
     ranks, order inside an expert varies run to run) and the parallel `_layout_kernel`.
 
@@ -301,19 +310,22 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(num_experts)
     chunk = max(16, min(256, 8192 // e_pad))
-    if num_pairs <= one_program_max_pairs:
+    options = pdl.launch_options(device, settings)
+    if num_pairs <= settings.moe_align_one_program_max_pairs:
         p_pad = max(16, triton.next_power_of_2(num_pairs))
         _align_one_program_kernel[(1,)](
             ids, sorted_pairs, block_expert, num_pairs, num_experts, num_slots, num_blocks,
-            BLOCK_M=block_m, E_PAD=e_pad, P_PAD=p_pad, CHUNK=chunk,
-            num_warps=4 if p_pad * e_pad <= 8192 else 8)
+            BLOCK_M=block_m, E_PAD=e_pad, P_PAD=p_pad, CHUNK=chunk, PDL=bool(options),
+            num_warps=4 if p_pad * e_pad <= 8192 else 8, **options)
         return sorted_pairs, block_expert, num_blocks
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    _rank_kernel[(triton.cdiv(num_pairs, 1024),)](ids, counts, rank, num_pairs, BLOCK=1024)
+    _rank_kernel[(triton.cdiv(num_pairs, 1024),)](ids, counts, rank, num_pairs, BLOCK=1024,
+                                                  PDL=bool(options), **options)
     _layout_kernel[(triton.cdiv(num_slots, chunk),)](
         ids, counts, rank, sorted_pairs, block_expert, num_pairs, num_experts, num_slots,
-        num_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+        num_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, PDL=bool(options),
+        num_warps=4, **options)
     return sorted_pairs, block_expert, num_blocks
 
 
@@ -354,7 +366,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # float32 models (the parity tests) multiply in full precision, not TF32
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     sorted_pairs, block_expert, num_blocks = align(topk_ids, num_experts, tile.block_m,
-                                                   settings.moe_align_one_program_max_pairs)
+                                                   settings)
+    options = pdl.launch_options(hidden.device, settings)
     act = torch.empty(num_blocks * tile.block_m, inter, dtype=hidden.dtype, device=hidden.device)
     s13 = w13_scale if fp8 else w13
     grid = (num_blocks * triton.cdiv(inter, tile.block_n),)
@@ -364,7 +377,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           s13.stride(1) if fp8 else 0, act.stride(0), TOP_K=top_k,
                           PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                          num_warps=tile.num_warps, num_stages=tile.num_stages)
+                          PDL=bool(options), num_warps=tile.num_warps,
+                          num_stages=tile.num_stages, **options)
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     s2 = w2_scale if fp8 else w2
@@ -374,11 +388,13 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
                        y.stride(0), PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
                        BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                       num_warps=tile.num_warps, num_stages=tile.num_stages)
+                       PDL=bool(options), num_warps=tile.num_warps,
+                       num_stages=tile.num_stages, **options)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     block_n = min(1024, triton.next_power_of_2(hidden_size))
     add = shared_output if shared_output is not None else out
     _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         y, add, out, hidden_size, add.stride(0), TOP_K=top_k,
-        HAS_ADD=shared_output is not None, BLOCK_N=block_n, num_warps=4)
+        HAS_ADD=shared_output is not None, BLOCK_N=block_n, PDL=bool(options), num_warps=4,
+        **options)
     return out

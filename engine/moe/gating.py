@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels.backends import triton_available
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -116,21 +117,23 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
 
 def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: RoutingConfig,
                  e_score_correction_bias: torch.Tensor | None = None, *,
-                 logical_to_physical: torch.Tensor | None = None, fused_max_tokens: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 logical_to_physical: torch.Tensor | None = None,
+                 settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """The router GEMM (`hidden.float() @ gate_weight.T`, float32 as in transformers) then
-    `select_experts`. Up to `fused_max_tokens` tokens on CUDA with Triton, one kernel does
-    both (`kernels/moe_routing_triton.py`, `gate_weight`); otherwise the GEMM runs on its own.
+    `select_experts`. Up to `settings.moe_fused_router_max_tokens` tokens on CUDA with
+    Triton, one kernel does both (`kernels/moe_routing_triton.py`, `gate_weight`); otherwise
+    the GEMM runs on its own.
 
     Args:
         hidden: [num_tokens, hidden_size], any float dtype.
         gate_weight: [num_experts, hidden_size] float32.
         config, e_score_correction_bias, logical_to_physical: as for `select_experts`.
-        fused_max_tokens: `KernelConfig.moe_fused_router_max_tokens` (0: never fused).
+        settings: the kernel choices (`KernelConfig`).
     Returns:
         as `select_experts`.
     """
-    if (hidden.shape[0] <= fused_max_tokens and hidden.is_cuda and triton_available()
+    if (hidden.shape[0] <= settings.moe_fused_router_max_tokens and hidden.is_cuda
+            and triton_available()
             and hidden.stride(-1) == 1 and gate_weight.is_contiguous()):
         from deepinfer.kernels.moe_routing_triton import route
 
@@ -141,7 +144,8 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: Routin
                      topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
                      routed_scaling_factor=config.routed_scaling_factor,
                      e_score_correction_bias=e_score_correction_bias,
-                     logical_to_physical=mapping, gate_weight=gate_weight.float())
+                     logical_to_physical=mapping, gate_weight=gate_weight.float(),
+                     settings=settings)
     return select_experts(hidden.float() @ gate_weight.float().T, config,
                           e_score_correction_bias, logical_to_physical=logical_to_physical)
 

@@ -75,7 +75,8 @@ def test_alignment_layout(one_program_max_pairs):
     from deepinfer.kernels.moe_triton import align
 
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 3]], device=DEVICE)
-    sorted_pairs, block_expert, num_blocks = align(ids, 6, 16, one_program_max_pairs)
+    sorted_pairs, block_expert, num_blocks = align(ids, 6, 16, KernelConfig(
+        moe_align_one_program_max_pairs=one_program_max_pairs))
     assert num_blocks == 7  # cdiv(10 pairs + min(6 experts, 10 pairs) * 15, 16): static
     sorted_pairs, block_expert = sorted_pairs.cpu().view(num_blocks, 16), block_expert.cpu()
     assert block_expert.tolist() == [0, 1, 2, 3, -1, -1, -1]  # 4 and 5 got no pair
@@ -98,8 +99,8 @@ def test_one_program_and_parallel_alignment_agree(num_pairs):
     ids = torch.randint(0, 64, (num_pairs // 6, 6), generator=gen)
     ids[0] = 7   # one expert several times
     ids = ids.to(DEVICE)
-    one = align(ids, 64, 16, one_program_max_pairs=4096)
-    parallel = align(ids, 64, 16, one_program_max_pairs=0)
+    one = align(ids, 64, 16, KernelConfig(moe_align_one_program_max_pairs=4096))
+    parallel = align(ids, 64, 16, KernelConfig(moe_align_one_program_max_pairs=0))
     assert one[2] == parallel[2]
     assert torch.equal(one[1], parallel[1])
     flat = ids.reshape(-1).cpu()
@@ -229,7 +230,7 @@ def test_router_gemm_inside_the_routing_kernel(name, dtype):
                   routed_scaling_factor=routing.routed_scaling_factor,
                   e_score_correction_bias=bias, logical_to_physical=mapping, gate_weight=gate)
     entry = route_hidden(hidden, gate, routing, bias, logical_to_physical=mapping,
-                         fused_max_tokens=64)
+                         settings=KernelConfig(moe_fused_router_max_tokens=64))
     for w_got, i_got in (fused, entry):
         order_ref, order_got = i_ref.argsort(dim=1), i_got.argsort(dim=1)
         assert torch.equal(i_got.gather(1, order_got), i_ref.gather(1, order_ref))

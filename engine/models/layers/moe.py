@@ -108,7 +108,7 @@ class MoE(nn.Module):
         topk_weights, physical_ids = route_hidden(  # [T, top_k] each
             hidden, self.gate_weight, self.routing, self.e_score_correction_bias,
             logical_to_physical=self.logical_to_physical,
-            fused_max_tokens=self.kernel_config.moe_fused_router_max_tokens)
+            settings=self.kernel_config)
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
                            backend=self.backend, settings=self.kernel_config,
                            w13_scale=self.w13_scale, w2_scale=self.w2_scale,
