@@ -1,8 +1,5 @@
 """Fused MoE routing in Triton: router logits -> scores -> (grouped) top-k -> weights, one
-program per token, one launch per layer (the torch ops take ~8 per layer at decode). At decode
-sizes the router GEMM joins it (`gate_weight`): the program reads the token's hidden row and the
-float32 gate itself, instead of a cast, cuBLAS's two-kernel GEMV and this kernel (8.4 us per
-layer at batch 1 on the H200, benchmarks/RESULTS.md).
+program per token, one launch per layer (the torch ops take ~8 per layer at decode).
 
 Same arithmetic as `engine.moe.gating.select_experts` (transformers' DeepseekV2/V3 routers):
 scores = softmax or sigmoid of the float32 logits; "noaux_tc" adds the correction bias for the
@@ -26,31 +23,16 @@ METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
 @triton.jit
-def _route_kernel(logits_ptr, gate_ptr, bias_ptr, map_ptr, weights_ptr, ids_ptr, num_experts,
-                  hidden_size, stride_l, scaling, TOP_K: tl.constexpr, SIGMOID: tl.constexpr,
-                  METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  NORM: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_HIDDEN: tl.constexpr,
-                  E_PAD: tl.constexpr, G_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """One token's routing. FROM_HIDDEN: logits_ptr is the token's hidden row and the logits
-    are its float32 products with the [E, hidden_size] float32 gate (the router GEMM)."""
+def _route_kernel(logits_ptr, bias_ptr, map_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  scaling, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                  K_PAD: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_and_release(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < num_experts
-    if FROM_HIDDEN:
-        acc = tl.zeros([E_PAD], tl.float32)
-        for k in range(0, hidden_size, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            c_ok = cols < hidden_size
-            h = tl.load(logits_ptr + row * stride_l + cols, mask=c_ok, other=0.0).to(tl.float32)
-            w = tl.load(gate_ptr + offs[:, None] * hidden_size + cols[None, :],
-                        mask=valid[:, None] & c_ok[None, :], other=0.0)
-            acc += tl.sum(w * h[None, :], axis=1)
-        x = tl.where(valid, acc, -float("inf"))
-    else:
-        x = tl.load(logits_ptr + row * stride_l + offs, mask=valid,
-                    other=-float("inf")).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -109,42 +91,32 @@ def _route_kernel(logits_ptr, gate_ptr, bias_ptr, map_ptr, weights_ptr, ids_ptr,
 def route(router_logits: torch.Tensor, *, top_k: int, scoring_func: str, topk_method: str,
           n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
           e_score_correction_bias: torch.Tensor | None, logical_to_physical: torch.Tensor,
-          gate_weight: torch.Tensor | None = None, settings: KernelConfig = DEFAULT
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `engine.moe.gating.select_experts` (arguments spelled out, since kernels/
     imports nothing of engine/), plus the logical -> physical map.
 
     Args:
-        router_logits: [T, E] float32 (or any float dtype; read as float32); with
-            `gate_weight`, the hidden states [T, hidden_size] instead (any float dtype, unit
-            last stride), and the kernel computes the logits `hidden.float() @ gate.T` itself
-            (float32, its own summation order): the router GEMM and its cast in the same
-            launch (one program per token reads the whole gate: for decode-sized T).
+        router_logits: [T, E] float32 (or any float dtype; read as float32).
         logical_to_physical: [E] int64.
-        gate_weight: [E, hidden_size] float32, contiguous, or None.
         settings: kernel choices (`KernelConfig.pdl`: launched with PDL on Hopper).
     Returns:
         (topk_weights [T, top_k] float32, physical ids [T, top_k] int64), sorted by choice.
     """
-    num_tokens = router_logits.shape[0]
-    num_experts = logical_to_physical.shape[0]
+    num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=logical_to_physical.dtype,
                       device=router_logits.device)
     if num_tokens:
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         bias = e_score_correction_bias if e_score_correction_bias is not None else logits
-        e_pad = triton.next_power_of_2(num_experts)
-        from_hidden = gate_weight is not None
         options = pdl.launch_options(router_logits.device, settings)
         _route_kernel[(num_tokens,)](
-            logits, gate_weight if from_hidden else logits, bias, logical_to_physical, weights,
-            ids, num_experts, logits.shape[1], logits.stride(0), float(routed_scaling_factor),
-            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+            logits, bias, logical_to_physical, weights, ids, num_experts, logits.stride(0),
+            float(routed_scaling_factor), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
             SIGMOID=scoring_func == "sigmoid", METHOD=METHODS[topk_method],
             N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob,
             HAS_BIAS=topk_method == "noaux_tc" and e_score_correction_bias is not None,
-            FROM_HIDDEN=from_hidden, E_PAD=e_pad, G_PAD=triton.next_power_of_2(n_group),
-            BLOCK_K=max(32, 8192 // e_pad), PDL=bool(options),
-            num_warps=8 if from_hidden else (4 if num_experts > 128 else 1), **options)
+            E_PAD=triton.next_power_of_2(num_experts),
+            G_PAD=triton.next_power_of_2(n_group), PDL=bool(options),
+            num_warps=4 if num_experts > 128 else 1, **options)
     return weights, ids

@@ -93,9 +93,6 @@ class KernelConfig:
     moe_align_one_program_max_pairs: up to this many (token, k) pairs (default 256) the Triton
         MoE aligns pairs to experts in one program (`moe_triton.align`); above, an atomic rank
         kernel and a parallel layout kernel.
-    moe_fused_router_max_tokens: up to this many tokens (default 64) a CUDA MoE layer computes
-        its router logits inside the Triton routing kernel (`kernels/moe_routing_triton.py`);
-        above, a float32 GEMM then the routing kernel. 0: never.
     moe_deep_gemm_min_rows: from this many mean rows per expert (default 128: prefill) a bf16
         MoE call on backend "auto" runs DeepGEMM's grouped GEMM where `deep_gemm` is installed
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
@@ -144,7 +141,6 @@ class KernelConfig:
     quantized_max_rows: int = 64
     moe_tiles: tuple[MoETile, ...] = MOE_TILES
     moe_align_one_program_max_pairs: int = 256
-    moe_fused_router_max_tokens: int = 64
     moe_deep_gemm_min_rows: int = 128
     batch_invariant: bool = False
     mla_decode_block_h: int = 64
@@ -187,8 +183,6 @@ class KernelConfig:
         _check("moe_align_one_program_max_pairs", 0 <= self.moe_align_one_program_max_pairs
                <= 4096, f"{self.moe_align_one_program_max_pairs} must be in [0, 4096] (its "
                "[pairs, experts] one-hot matrix lives in registers); 0: never one program.")
-        _check("moe_fused_router_max_tokens", self.moe_fused_router_max_tokens >= 0,
-               f"{self.moe_fused_router_max_tokens} must be >= 0; 0 turns the fused router off.")
         for name in ("mla_decode_block_h", "mla_decode_block_n", "mla_decode_max_splits",
                      "mla_prefill_block_m", "mla_prefill_block_n"):
             value = getattr(self, name)

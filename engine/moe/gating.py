@@ -80,8 +80,8 @@ def _group_mask(choice_scores: torch.Tensor, config: RoutingConfig, *,
 
 def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
                    e_score_correction_bias: torch.Tensor | None = None, *,
-                   logical_to_physical: torch.Tensor | None = None, backend: str = "auto"
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   logical_to_physical: torch.Tensor | None = None, backend: str = "auto",
+                   settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick each token's top-k experts. Device ops only, never a host sync (CUDA-graph safe).
 
     Args:
@@ -91,6 +91,7 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
         logical_to_physical: [num_experts] int64: return physical ids (`map[logical]`).
         backend: "auto" (the one-launch Triton kernel `kernels/moe_routing_triton.py` on CUDA
             where Triton is installed, else torch ops), "torch" or "triton".
+        settings: kernel choices (`KernelConfig.pdl`: the Triton kernel's PDL launch).
     Returns:
         (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64 logical
         expert ids, physical with `logical_to_physical`). The order of the k columns is
@@ -107,47 +108,12 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
                      topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
                      routed_scaling_factor=config.routed_scaling_factor,
                      e_score_correction_bias=e_score_correction_bias,
-                     logical_to_physical=mapping)
+                     logical_to_physical=mapping, settings=settings)
     topk_weights, topk_ids = _select_experts_torch(router_logits, config,
                                                    e_score_correction_bias)
     if logical_to_physical is not None:
         topk_ids = logical_to_physical[topk_ids]
     return topk_weights, topk_ids
-
-
-def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: RoutingConfig,
-                 e_score_correction_bias: torch.Tensor | None = None, *,
-                 logical_to_physical: torch.Tensor | None = None,
-                 settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router GEMM (`hidden.float() @ gate_weight.T`, float32 as in transformers) then
-    `select_experts`. Up to `settings.moe_fused_router_max_tokens` tokens on CUDA with
-    Triton, one kernel does both (`kernels/moe_routing_triton.py`, `gate_weight`); otherwise
-    the GEMM runs on its own.
-
-    Args:
-        hidden: [num_tokens, hidden_size], any float dtype.
-        gate_weight: [num_experts, hidden_size] float32.
-        config, e_score_correction_bias, logical_to_physical: as for `select_experts`.
-        settings: the kernel choices (`KernelConfig`).
-    Returns:
-        as `select_experts`.
-    """
-    if (hidden.shape[0] <= settings.moe_fused_router_max_tokens and hidden.is_cuda
-            and triton_available()
-            and hidden.stride(-1) == 1 and gate_weight.is_contiguous()):
-        from deepinfer.kernels.moe_routing_triton import route
-
-        mapping = (logical_to_physical if logical_to_physical is not None else
-                   torch.arange(config.num_experts, device=hidden.device))
-        return route(hidden, top_k=config.top_k, scoring_func=config.scoring_func,
-                     topk_method=config.topk_method, n_group=config.n_group,
-                     topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
-                     routed_scaling_factor=config.routed_scaling_factor,
-                     e_score_correction_bias=e_score_correction_bias,
-                     logical_to_physical=mapping, gate_weight=gate_weight.float(),
-                     settings=settings)
-    return select_experts(hidden.float() @ gate_weight.float().T, config,
-                          e_score_correction_bias, logical_to_physical=logical_to_physical)
 
 
 def _select_experts_torch(router_logits: torch.Tensor, config: RoutingConfig,

@@ -206,38 +206,6 @@ def test_fused_routing_matches_torch_routing(name):
                                atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ROUTINGS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_router_gemm_inside_the_routing_kernel(name, dtype):
-    """`gate_weight` given: the kernel computes the float32 logits `hidden.float() @ gate.T`
-    itself (its own summation order: logits within 1e-5 relative) and routes as the torch ops
-    on torch's logits: same expert set per token, weights within 1e-5. Also through
-    `route_hidden` (the MoE layer's entry; on CUDA it takes the fused kernel)."""
-    from deepinfer.engine.moe.gating import route_hidden
-    from deepinfer.kernels.moe_routing_triton import route
-
-    routing = RoutingConfig(**ROUTINGS[name])
-    gen = torch.Generator().manual_seed(9)
-    hidden = torch.randn(19, 200, generator=gen).to(DEVICE, dtype)   # K not a tile multiple
-    gate = (torch.randn(routing.num_experts, 200, generator=gen) * 0.1).to(DEVICE)
-    bias = (torch.rand(routing.num_experts, generator=gen) * 0.5).to(DEVICE)
-    mapping = torch.randperm(routing.num_experts, generator=gen).to(DEVICE)
-    w_ref, i_ref = select_experts(hidden.float() @ gate.T, routing, bias,
-                                  logical_to_physical=mapping, backend="torch")
-    fused = route(hidden, top_k=routing.top_k, scoring_func=routing.scoring_func,
-                  topk_method=routing.topk_method, n_group=routing.n_group,
-                  topk_group=routing.topk_group, norm_topk_prob=routing.norm_topk_prob,
-                  routed_scaling_factor=routing.routed_scaling_factor,
-                  e_score_correction_bias=bias, logical_to_physical=mapping, gate_weight=gate)
-    entry = route_hidden(hidden, gate, routing, bias, logical_to_physical=mapping,
-                         settings=KernelConfig(moe_fused_router_max_tokens=64))
-    for w_got, i_got in (fused, entry):
-        order_ref, order_got = i_ref.argsort(dim=1), i_got.argsort(dim=1)
-        assert torch.equal(i_got.gather(1, order_got), i_ref.gather(1, order_ref))
-        torch.testing.assert_close(w_got.gather(1, order_got), w_ref.gather(1, order_ref),
-                                   atol=1e-5, rtol=1e-5)
-
-
 class _FakeDeepGemm:
     """Stands in for an installed `deep_gemm` (it does not build here): its contiguous grouped
     GEMM computed with torch, honouring m_indices (-1 rows skipped), and a call counter."""
