@@ -109,8 +109,7 @@ class MLAAttention(nn.Module):
         self.interleaved_rope = interleaved_rope
         self.w_uk: torch.Tensor | None = None  # [H, Dn, L], set by finish_loading
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L]
-        # [Q + L + R, hidden_size]: q_proj's (or q_a_proj's) rows then kv_a_proj_with_mqa's,
-        # one GEMM for both on CUDA (finish_loading); the two Linears' weights are its views
+        # [Q + L + R, hidden]: q_proj's (q_a_proj's) rows, kv_a's; CUDA only (_merge_q_kv_a)
         self.q_kv_a_weight: torch.Tensor | None = None
 
     def _permute_q_rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -146,9 +145,8 @@ class MLAAttention(nn.Module):
         self._merge_q_kv_a()
 
     def _merge_q_kv_a(self) -> None:
-        """On CUDA, put the query projection's (q_proj, or q_a_proj with q_lora) and
-        kv_a_proj_with_mqa's weights in one tensor (both read the same hidden rows: one GEMM,
-        one launch less per layer at decode) and make the two weights views of it. Not for
+        """On CUDA, q_proj's (q_a_proj's) and kv_a_proj_with_mqa's weights in one tensor, the
+        two Linears' weights its views: one GEMM, one launch less per layer at decode. Not for
         biases, FP8 weights or CPU (whose packed copies are per Linear)."""
         first = self.q_a_proj if self.q_lora_rank else self.q_proj
         second = self.kv_a_proj_with_mqa
