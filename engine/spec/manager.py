@@ -123,13 +123,14 @@ class SpecDecoder:
         admitted = {i: d[:n] for i, d, n in zip(ids, drafts, lengths) if n > 0}
         for request_id in proposals.keys() - admitted.keys():
             self.drafter.observe(request_id, 0, 0)   # proposed, none verified
-        return self._hand_over(scheduler, ids, admitted, skipped=False)
+        return self._hand_over(scheduler, ids, admitted, skipped=False, probed=probe)
 
     def _hand_over(self, scheduler: Scheduler, ids: list[str], admitted: dict[str, list[int]],
-                   *, skipped: bool) -> dict[str, list[int]]:
+                   *, skipped: bool, probed: bool = False) -> dict[str, list[int]]:
         """The step's drafts to the scheduler (none for the other decode rows)."""
         self.num_skipped_steps += skipped
-        self._steps_without_drafts = 0 if admitted else self._steps_without_drafts + 1
+        self._steps_without_drafts = (0 if admitted or probed
+                                      else self._steps_without_drafts + 1)
         scheduler.update_draft_token_ids({i: admitted.get(i, []) for i in ids})
         self._proposed = admitted
         return admitted
@@ -145,7 +146,8 @@ class SpecDecoder:
                 continue
             num_accepted = min(len(sampled) - 1, len(drafts))
             self.drafter.observe(request_id, len(drafts), num_accepted)
-            self._back_off(request_id, num_accepted)
+            if self.step_rate is not None:   # varlen's policy; fixed verifies every request
+                self._back_off(request_id, num_accepted)
             stats = self.stats
             stats.num_drafts += 1
             stats.num_draft_tokens += len(drafts)

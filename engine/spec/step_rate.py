@@ -9,12 +9,22 @@ decode-only attention kernel (SmolLM2, 2 cores: 16 decode rows 50 ms, the same p
 Each curve starts from the start-up profile (engine/spec/profile.py) and is re-measured online
 from the engine's own step times (`observe`, B counting prefill tokens of the step): per B the
 median of the last `window` step times (robust to the odd step slowed by another process), the
-start-up value counting as one observation until `window` real ones replaced it. Reads fit the
+start-up value counting as `window // 2` observations (so the median leaves it after about that
+many real ones, and the load factor below moves first). Reads fit the
 medians with a weighted non-decreasing least-squares fit (a bigger batch is not faster: what says
 otherwise is timing noise), interpolate linearly between measured B (flat before the first,
 along the last segment's slope after the last) and never let a verify step cost less than the
 plain step of the same B. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured
 points keep their own B, so the steps stay.
+
+Load. On a shared machine every step slows down together when another process takes the cores,
+but a B that is rarely run (the verify step while nothing pays) keeps the times of the last
+time it ran: the two curves would then compare times of different loads. So the curves hold
+times divided by a load factor, the geometric moving average (weight `load_smoothing`, default 1/2: a doubled load is priced in after a few steps, before the windows move) of
+observed / predicted over the steps whose B the curve had measured before (a guessed B, say a
+prefill chunk of a new size, would move it by the guess's error), and reads multiply it back. The admission compares step
+times with each other, so the factor itself cancels there; what it buys is that a plain curve
+re-measured under today's load and a verify point measured under yesterday's stay comparable.
 
 Pure module: no torch import.
 """
@@ -46,12 +56,16 @@ class _Curve:
 
     def __init__(self, step_seconds: Mapping[int, float], window: int):
         self.window = window
+        seeds = max(window // 2, 1)   # the start-up value's weight, in observations
         self._times: dict[int, deque[float]] = {
-            int(b): deque([float(s)], maxlen=window) for b, s in step_seconds.items()}
+            int(b): deque([float(s)] * seeds, maxlen=window) for b, s in step_seconds.items()}
         self._fitted: tuple[list[int], list[float]] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._times)
+
+    def __contains__(self, num_tokens: int) -> bool:
+        return num_tokens in self._times
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self._times.setdefault(num_tokens, deque(maxlen=self.window)).append(seconds)
@@ -86,15 +100,22 @@ class StepRateTable:
         plain_seconds: batch tokens -> seconds of one step without drafts (None or empty: plain
             steps cost what verify steps of the same B cost, until some are observed).
         window: recent step times kept per B and kind (0: never re-measure).
+        load_smoothing: weight of one step in the load factor's moving average, in [0, 1]
+            (0: no load factor).
     """
 
     def __init__(self, step_seconds: Mapping[int, float],
-                 plain_seconds: Mapping[int, float] | None = None, window: int = 8):
+                 plain_seconds: Mapping[int, float] | None = None, window: int = 8,
+                 load_smoothing: float = 0.5):
         if not step_seconds:
             raise ValueError("a step-rate table needs at least one measured token count")
         if window < 0:
             raise ValueError(f"window={window} must be >= 0 (0: never re-measure)")
+        if not 0.0 <= load_smoothing <= 1.0:
+            raise ValueError(f"load_smoothing={load_smoothing} must be in [0, 1]")
         self.window = window
+        self.load_smoothing = load_smoothing
+        self.load = 1.0     # observed / start-up-scale step times, moving geometric average
         self._verify = _Curve(step_seconds, max(window, 1))
         self._plain = _Curve(plain_seconds or {}, max(window, 1))
 
@@ -107,8 +128,11 @@ class StepRateTable:
                    {b: 1.0 / rate for b, rate in (plain_sps or {}).items()}, window)
 
     def seconds(self, num_tokens: int, *, verify: bool = True) -> float:
-        """Step time at `num_tokens` batch tokens, of a verify step (default) or a plain one; a
-        verify step never costs less than the plain step of the same B."""
+        """Step time at `num_tokens` batch tokens, of a verify step (default) or a plain one, at
+        the current load; a verify step never costs less than the plain step of the same B."""
+        return self.load * self._unloaded(num_tokens, verify)
+
+    def _unloaded(self, num_tokens: int, verify: bool) -> float:
         plain = self._plain.seconds(num_tokens) if self._plain else None
         if not verify and plain is not None:
             return plain
@@ -128,7 +152,11 @@ class StepRateTable:
         none); `verify`: the step scored drafts."""
         if self.window <= 0 or num_tokens <= 0 or seconds <= 0.0:
             return
-        (self._verify if verify else self._plain).observe(int(num_tokens), float(seconds))
+        curve = self._verify if verify else self._plain
+        if num_tokens in curve:   # the load moves only by B measured before (not guessed)
+            predicted = self._unloaded(int(num_tokens), verify)
+            self.load *= (seconds / (self.load * predicted)) ** self.load_smoothing
+        curve.observe(int(num_tokens), seconds / self.load)
 
     def as_steps_per_second(self, *, verify: bool = True) -> dict[int, float]:
         """{B: steps per second} of the measured points (fitted), of one kind of step."""

@@ -107,7 +107,7 @@ def test_fixed_admission():
 
 
 def test_step_rate_table_interpolates_and_re_measures():
-    table = StepRateTable({1: 0.010, 4: 0.013, 8: 0.021}, window=3)
+    table = StepRateTable({1: 0.010, 4: 0.013, 8: 0.021}, window=3, load_smoothing=0.0)
     assert table.seconds(2) == pytest.approx(0.011)
     assert table.seconds(16) == pytest.approx(0.037)         # last slope extended
     assert table.seconds(0) == pytest.approx(0.010)

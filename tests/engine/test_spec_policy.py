@@ -28,8 +28,8 @@ VERIFY = {2: 20.1 * MS, 3: 21.0 * MS, 5: 27.9 * MS, 9: 34.4 * MS,
 GROUNDED = [0.864, 0.682 / 0.864, 1.0, 1.0, 0.591 / 0.682]
 
 
-def measured_table(window=8):
-    return StepRateTable(VERIFY, PLAIN, window)
+def measured_table(window=8, load_smoothing=0.5):
+    return StepRateTable(VERIFY, PLAIN, window, load_smoothing)
 
 
 def test_a_verify_step_costs_at_least_the_plain_step_and_plain_has_its_own_curve():
@@ -63,18 +63,42 @@ def test_online_steps_replace_a_wrong_start_up_profile():
     """A start-up profile taken while another process held the cores made the verify step at
     17 tokens look cheap; the engine's own steps take over within a few steps, and an outlier
     step (a 300 ms stall) moves nothing."""
-    table = StepRateTable({17: 0.040, 32: 0.080}, {16: 0.050}, window=8)
+    table = StepRateTable({17: 0.040, 32: 0.080}, {16: 0.050}, window=8, load_smoothing=0.0)
     chat = [[0.85]] * 4 + [[]] * 12
     rate = table.plain_rate(16)
     assert admit_varlen(chat, table, base_tokens=16, plain_steps_per_second=rate) == [1] * 4 + [0] * 12
-    for seconds in (0.0623, 0.300, 0.0621):
+    for seconds in (0.0623, 0.300, 0.0621, 0.0622, 0.0624, 0.0622):
         table.observe(17, seconds)
-    assert table.seconds(17) == pytest.approx(0.0622)           # median of 4, stall ignored
+    # the window: 2 of the 4 start-up copies and the 6 steps; median 0.0622, stall ignored
+    assert table.seconds(17) == pytest.approx(0.0622)
     assert admit_varlen(chat, table, base_tokens=16, plain_steps_per_second=rate) == [0] * 16
     for _ in range(8):                                          # plain steps slow down (load)
         table.observe(16, 0.100, verify=False)
     assert table.seconds(16, verify=False) == pytest.approx(0.100)
     assert table.seconds(17) == pytest.approx(0.100)            # never below plain
+
+
+def test_the_load_factor_keeps_a_stale_verify_point_comparable():
+    """Another process takes the cores: plain steps at batch 16 take twice as long, while the
+    verify point at 17 tokens keeps its idle-box time (nothing was verified since). Through the
+    load factor the verify step is still 24 % dearer than the plain one, and nothing is
+    admitted; with absolute times (no load factor) the jump is gone: what is left is the plain
+    curve's slope, 5 %."""
+    chat = [[0.85]] * 4 + [[]] * 12
+    for load_smoothing in (0.0, 0.5):
+        table = measured_table(load_smoothing=load_smoothing)
+        for _ in range(8):
+            table.observe(16, 0.1004, verify=False)
+        assert table.seconds(16, verify=False) == pytest.approx(0.1004, rel=0.02)
+        jump = table.seconds(17) / table.seconds(16, verify=False)
+        if load_smoothing:
+            assert jump == pytest.approx(62.3 / 50.2, rel=0.05)
+        else:   # only the plain curve's slope is left (no draft-row kernel switch)
+            assert jump < 1.06
+    assert admit_varlen(chat, table, base_tokens=16,
+                        plain_steps_per_second=table.plain_rate(16)) == [0] * 16
+    with pytest.raises(ValueError, match="load_smoothing"):
+        StepRateTable({2: 0.02}, load_smoothing=1.5)
 
 
 def test_a_window_of_zero_never_re_measures():
@@ -161,7 +185,7 @@ def test_batch_16_never_calls_the_drafter_when_no_draft_can_pay():
 def test_a_probe_re_measures_the_verify_step_every_interval():
     scheduler = decoding_scheduler(16)
     drafter = CountingDrafter([1, 2, 3], [0.9, 0.9, 0.9])
-    table = measured_table()
+    table = measured_table(window=2, load_smoothing=0.0)
     spec = spec_decoder(drafter, table, probe_interval=4)
     run(spec, scheduler)
     verified = []
@@ -171,9 +195,9 @@ def test_a_probe_re_measures_the_verify_step_every_interval():
     # one draft every 4th step without drafts (the prefill step was the first)
     assert verified == [0, 0, 1, 0, 0, 0, 1, 0]
     assert len(drafter.asked) == 2
-    # re-measured: median 0.070 of (0.0623, 0.070, 0.070), pooled with 18 and 20 tokens by the
-    # monotone fit
-    assert table.seconds(17) == pytest.approx((3 * 0.0700 + 0.0629 + 0.0643) / 5)
+    # re-measured: the window (2) holds the two probes, 0.070, pooled with 18 and 20 tokens
+    # (start-up values, one observation each) by the monotone fit
+    assert table.seconds(17) == pytest.approx((2 * 0.0700 + 0.0629 + 0.0643) / 4)
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off_then_probes_again():
