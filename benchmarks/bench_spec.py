@@ -118,8 +118,9 @@ def main() -> None:
         import torch
         torch.set_num_threads(args.threads)
     load_start = list(os.getloadavg())
-    llms = {name: LLM(args.model, max_num_seqs=16, num_speculative_tokens=args.num_speculative_tokens,
-                      **options) for name, options in ENGINES.items()}
+    llms = {name: LLM(args.model, max_num_seqs=16,
+                      num_speculative_tokens=args.num_speculative_tokens, **options)
+            for name, options in ENGINES.items()}
     any_llm = llms["off"]
     workloads = {"grounded-b1": ([chat_prompt(any_llm, p) for p in GROUNDED], 1),
                  "chat-b16": ([chat_prompt(any_llm, p) for p in CHAT], 16)}

@@ -6,9 +6,10 @@ acceptance probabilities) and prefix-survival probabilities a_{r,j} = c_{r,1} ..
 tokens (B0 = R decode tokens plus the step's prefill tokens) and commits, in expectation,
 tau = tau0 + sum_r sum_{j <= l_r} a_{r,j} tokens (tau0 = R: each decode row commits at least its
 correction or bonus token). Throughput is Theta = tau * SPS(B), SPS the verify steps per second at
-B tokens; the step without drafts runs at its own rate (a plain step: on CPU the first draft row
-leaves the decode-only attention kernel, so verifying one draft costs far more than one token). All (r, j) candidates are sorted by a (ties: smaller j, then earlier r) and admitted one
-at a time while Theta rises; the first candidate that does not raise it stops the search. Since a
+B tokens; the step without drafts runs at its own rate, the plain step's (the first draft row
+costs a jump: on CPU 7 ms on a 51 ms step of 16 decode rows), which is the Theta to beat. All
+(r, j) candidates are sorted by a (ties: smaller j, then earlier r) and admitted one at a time
+while Theta rises; the first candidate that does not raise it stops the search. Since a
 is non-increasing in j, the order respects each request's prefix order, so what is admitted is
 a prefix of each request's drafts. The stop at the first non-improvement is what keeps the
 admission of (r, j) a function of candidates with a >= a_{r,j} only, none of which may depend on

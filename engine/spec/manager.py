@@ -12,12 +12,15 @@ When drafting cannot pay, the step is a plain decode step and costs what one cos
 if even a sure draft would not raise the admission's Theta over the plain step
 (`drafting_can_pay`), the drafter is not called at all; and a request whose last
 `MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their first draft is not
-proposed for for 1, 2, 4, ... up to `max_backoff_steps` steps (then proposed again: a probe).
-Every `probe_interval` steps without drafting (varlen), the best first draft (confidence at
-least 1/2) is verified anyway, so the verify curve of the table is re-measured at today's load
-rather than frozen at the value that stopped drafting. Acceptance itself happens in the model runner: a draft is accepted
-iff it equals the target's own sample at that position (greedy argmax, or the seeded
-exponential race), so outputs are those of plain decoding (engine/model_runner.py).
+proposed for 1, 2, 4, ... up to `max_backoff_steps` steps (then proposed again; varlen only:
+fixed length verifies every request, the baseline it is). Every `probe_interval` steps without
+drafting (varlen), the best first draft (confidence at least 1/2) is verified anyway, so the
+table's verify curve is re-measured at today's load rather than frozen at the value that
+stopped drafting.
+
+Acceptance itself happens in the model runner: a draft is accepted iff it equals the target's own
+sample at that position (greedy argmax, or the seeded exponential race), so outputs are those of
+plain decoding (engine/model_runner.py).
 
 Pure module: no torch import.
 """

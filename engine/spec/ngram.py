@@ -13,9 +13,10 @@ A bucket's prior is the pooled posterior of its (greedy, outcome, position) over
 with `prior_strength` pseudo-trials; only the pooled counters start from `prior` (mean 1/2, so
 that the first drafts of a fresh engine get verified and measured). A match length never seen
 yet thus borrows what the others showed (on free chat, soon ~0.1) instead of the over-confident
-1/2 a fresh counter of its own would say, and its own counts take over as they accumulate. The posterior mean is
-calibrated on the served traffic by construction. The key is fixed before any draft is read
-(match length and past outcomes are properties of the context), so c_j never depends on draft j.
+1/2 a fresh counter of its own would say, and its own counts take over as they accumulate. The
+posterior mean is calibrated on the served traffic by construction. The key is fixed before any
+draft is read (match length and past outcomes are properties of the context), so c_j never
+depends on draft j.
 
 Pure module: no torch import.
 """

@@ -2,29 +2,30 @@
 
 DSpark's scheduler (engine/spec/admission.py) compares the step without drafts (plain: every
 row one token, plus the step's prefill chunks) with the step that verifies k more draft tokens.
-The two are different kernels paths, not one curve: on CPU a step with any draft row leaves the
-decode-only attention kernel (SmolLM2, 2 cores: 16 decode rows 50 ms, the same plus one draft
-62 ms), so the table keeps one curve per kind of step.
+The two are different kernel paths, not one curve: the first draft row costs a jump (SmolLM2 on
+the 2-core CPU box: 16 decode rows 51 ms, the same with one draft 58 ms), so the table keeps one
+curve per kind of step.
 
 Each curve starts from the start-up profile (engine/spec/profile.py) and is re-measured online
-from the engine's own step times (`observe`, B counting prefill tokens of the step): per B the
+from the engine's own step times (`observe`, B counting the step's prefill tokens): per B the
 median of the last `window` step times (robust to the odd step slowed by another process), the
-start-up value counting as `window // 2` observations (so the median leaves it after about that
-many real ones, and the load factor below moves first). Reads fit the
-medians with a weighted non-decreasing least-squares fit (a bigger batch is not faster: what says
-otherwise is timing noise), interpolate linearly between measured B (flat before the first,
-along the last segment's slope after the last) and never let a verify step cost less than the
-plain step of the same B. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured
-points keep their own B, so the steps stay.
+start-up value counting as `window // 2` observations (the median leaves it after about that
+many real ones, and the load factor below moves first). Reads fit the medians with a weighted
+non-decreasing least-squares fit (a bigger batch is not faster: what says otherwise is timing
+noise), interpolate linearly between measured B (flat before the first, along the last
+segment's slope after the last), and never let a verify step cost less than the plain step of
+the same B. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured points keep
+their own B, so the steps stay.
 
 Load. On a shared machine every step slows down together when another process takes the cores,
-but a B that is rarely run (the verify step while nothing pays) keeps the times of the last
-time it ran: the two curves would then compare times of different loads. So the curves hold
-times divided by a load factor, the geometric moving average (weight `load_smoothing`, default 1/2: a doubled load is priced in after a few steps, before the windows move) of
-observed / predicted over the steps whose B the curve had measured before (a guessed B, say a
-prefill chunk of a new size, would move it by the guess's error), and reads multiply it back. The admission compares step
-times with each other, so the factor itself cancels there; what it buys is that a plain curve
-re-measured under today's load and a verify point measured under yesterday's stay comparable.
+but a B that is rarely run (the verify step, while nothing pays) keeps the times of the last
+time it ran: the curves would compare times of different loads. So they hold times divided by a
+load factor, the geometric moving average (weight `load_smoothing`; 1/2 prices a doubled load in
+within a few steps, before the windows move) of observed / predicted over the steps whose B the
+curve had measured before (a guessed B, say a prefill chunk of a new size, would move it by the
+guess's error); reads multiply it back. The admission compares step times with each other, so
+the factor cancels there; what it buys is that a plain curve re-measured under today's load and
+a verify point measured under yesterday's stay comparable.
 
 Pure module: no torch import.
 """

@@ -66,7 +66,8 @@ def test_online_steps_replace_a_wrong_start_up_profile():
     table = StepRateTable({17: 0.040, 32: 0.080}, {16: 0.050}, window=8, load_smoothing=0.0)
     chat = [[0.85]] * 4 + [[]] * 12
     rate = table.plain_rate(16)
-    assert admit_varlen(chat, table, base_tokens=16, plain_steps_per_second=rate) == [1] * 4 + [0] * 12
+    admitted = admit_varlen(chat, table, base_tokens=16, plain_steps_per_second=rate)
+    assert admitted == [1] * 4 + [0] * 12
     for seconds in (0.0623, 0.300, 0.0621, 0.0622, 0.0624, 0.0622):
         table.observe(17, seconds)
     # the window: 2 of the 4 start-up copies and the 6 steps; median 0.0622, stall ignored
