@@ -7,10 +7,10 @@ position, greedy argmax) on synthetic decode rows against a context of `context_
 plain point of B tokens is B decode rows without drafts; a verify point of B tokens is one row
 with B - 1 drafts while B <= 1 + num_speculative_tokens, then B - 1 decode rows with one draft
 (the batch a first admitted draft makes) up to max_num_seqs rows, then max_num_seqs rows with the
-drafts spread evenly. The fastest of 3 runs per point, then the least non-decreasing fit over the
-grid (a bigger batch is not faster: what says otherwise is timing noise). It runs before any request
-is admitted, so the KV blocks it writes hold nothing yet; nothing it does enters the prefix
-cache or the KV store (no block hashes are made).
+drafts spread evenly. The fastest of 5 runs per point (taken round the grid), then the least
+non-decreasing fit over the grid (a bigger batch is not faster: what says otherwise is timing
+noise). It runs before any request is admitted, so the KV blocks it writes hold nothing yet;
+nothing it does enters the prefix cache or the KV store (no block hashes are made).
 """
 
 from __future__ import annotations
@@ -75,21 +75,24 @@ def verify_rows(num_tokens: int, *, max_num_seqs: int, num_speculative_tokens: i
 
 def profile_step_rate(runner, *, max_num_seqs: int, num_speculative_tokens: int,
                       max_num_batched_tokens: int, context_len: int = 64,
-                      window: int = 8) -> StepRateTable:
+                      window: int = 8, repeats: int = 5) -> StepRateTable:
     """The step-rate table from 1 to the largest verify batch (every running request with all
     its drafts, within the token budget): verify points over that grid, plain points up to
     max_num_seqs tokens; `window` recent step times per point then re-measure it."""
     max_tokens = min(max_num_seqs * (1 + num_speculative_tokens), max_num_batched_tokens)
     grid = token_grid(max_tokens)
-    time_verify_step(runner, 1, max_tokens, context_len, repeats=1)   # warm-up, not kept
-    verify, plain = [], []
     plain_grid = [b for b in grid if b <= max_num_seqs]
-    for num_tokens in grid:
-        rows = verify_rows(num_tokens, max_num_seqs=max_num_seqs,
-                           num_speculative_tokens=num_speculative_tokens)
-        verify.append(time_verify_step(runner, min(rows, num_tokens - 1) or 1, num_tokens,
-                                       context_len, repeats=3))
-        if num_tokens in plain_grid:
-            plain.append(time_verify_step(runner, num_tokens, num_tokens, context_len, repeats=3))
+    time_verify_step(runner, 1, max_tokens, context_len, repeats=1)   # warm-up, not kept
+    # (rows, tokens) per point; the repeats go round the whole grid, so that a burst of load
+    # from another process spoils one run of many points, not every run of one point
+    points = [(min(verify_rows(b, max_num_seqs=max_num_seqs,
+                               num_speculative_tokens=num_speculative_tokens), b - 1) or 1, b)
+              for b in grid] + [(b, b) for b in plain_grid]
+    fastest = [float("inf")] * len(points)
+    for _ in range(repeats):
+        for index, (rows, num_tokens) in enumerate(points):
+            fastest[index] = min(fastest[index], time_verify_step(runner, rows, num_tokens,
+                                                                  context_len, repeats=1))
+    verify, plain = fastest[:len(grid)], fastest[len(grid):]
     return StepRateTable(dict(zip(grid, nondecreasing(verify))),
                          dict(zip(plain_grid, nondecreasing(plain))), window)

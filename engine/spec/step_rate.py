@@ -9,8 +9,8 @@ curve per kind of step.
 Each curve starts from the start-up profile (engine/spec/profile.py) and is re-measured online
 from the engine's own step times (`observe`, B counting the step's prefill tokens): per B the
 median of the last `window` step times (robust to the odd step slowed by another process), the
-start-up value counting as `window // 2` observations (the median leaves it after about that
-many real ones, and the load factor below moves first). Reads fit the medians with a weighted
+start-up value counting as one observation until `window` real ones replaced it (a profile taken
+while another process held the cores is gone after two steps at that B). Reads fit the medians with a weighted
 non-decreasing least-squares fit (a bigger batch is not faster: what says otherwise is timing
 noise), interpolate linearly between measured B (flat before the first, along the last
 segment's slope after the last), and never let a verify step cost less than the plain step of
@@ -21,7 +21,7 @@ Load. On a shared machine every step slows down together when another process ta
 but a B that is rarely run (the verify step, while nothing pays) keeps the times of the last
 time it ran: the curves would compare times of different loads. So they hold times divided by a
 load factor, the geometric moving average (weight `load_smoothing`; 1/2 prices a doubled load in
-within a few steps, before the windows move) of observed / predicted over the steps whose B the
+within a few steps, while the windows of measured B move only after half their size) of observed / predicted over the steps whose B the
 curve had measured before (a guessed B, say a prefill chunk of a new size, would move it by the
 guess's error); reads multiply it back. The admission compares step times with each other, so
 the factor cancels there; what it buys is that a plain curve re-measured under today's load and
@@ -57,9 +57,9 @@ class _Curve:
 
     def __init__(self, step_seconds: Mapping[int, float], window: int):
         self.window = window
-        seeds = max(window // 2, 1)   # the start-up value's weight, in observations
         self._times: dict[int, deque[float]] = {
-            int(b): deque([float(s)] * seeds, maxlen=window) for b, s in step_seconds.items()}
+            int(b): deque([float(s)], maxlen=window) for b, s in step_seconds.items()}
+        self._measured: dict[int, int] = {}   # B -> steps observed there (not start-up values)
         self._fitted: tuple[list[int], list[float]] | None = None
 
     def __bool__(self) -> bool:
@@ -70,7 +70,11 @@ class _Curve:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self._times.setdefault(num_tokens, deque(maxlen=self.window)).append(seconds)
+        self._measured[num_tokens] = self._measured.get(num_tokens, 0) + 1
         self._fitted = None
+
+    def measured(self, num_tokens: int) -> int:
+        return self._measured.get(num_tokens, 0)
 
     def fitted(self) -> tuple[list[int], list[float]]:
         if self._fitted is None:
@@ -158,6 +162,10 @@ class StepRateTable:
             predicted = self._unloaded(int(num_tokens), verify)
             self.load *= (seconds / (self.load * predicted)) ** self.load_smoothing
         curve.observe(int(num_tokens), seconds / self.load)
+
+    def measured(self, num_tokens: int, *, verify: bool = True) -> int:
+        """How many executed steps of this kind were observed at exactly `num_tokens`."""
+        return (self._verify if verify else self._plain).measured(num_tokens)
 
     def as_steps_per_second(self, *, verify: bool = True) -> dict[int, float]:
         """{B: steps per second} of the measured points (fitted), of one kind of step."""

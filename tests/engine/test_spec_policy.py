@@ -81,14 +81,19 @@ def test_online_steps_replace_a_wrong_start_up_profile():
 
 def test_the_load_factor_keeps_a_stale_verify_point_comparable():
     """Another process takes the cores: plain steps at batch 16 take twice as long, while the
-    verify point at 17 tokens keeps its idle-box time (nothing was verified since). Through the
+    verify point at 17 tokens keeps its idle-box time (nothing was verified since). (A load
+    change while a window still holds only its start-up value is absorbed by the window: that
+    point then simply re-measures.) Through the
     load factor the verify step is still 24 % dearer than the plain one, and nothing is
     admitted; with absolute times (no load factor) the jump is gone: what is left is the plain
     curve's slope, 5 %."""
     chat = [[0.85]] * 4 + [[]] * 12
     for load_smoothing in (0.0, 0.5):
         table = measured_table(load_smoothing=load_smoothing)
-        for _ in range(8):
+        for _ in range(8):                  # the idle box, as profiled
+            table.observe(16, 0.0502, verify=False)
+        table.observe(17, 0.0623)
+        for _ in range(8):                  # another process arrives
             table.observe(16, 0.1004, verify=False)
         assert table.seconds(16, verify=False) == pytest.approx(0.1004, rel=0.02)
         jump = table.seconds(17) / table.seconds(16, verify=False)
@@ -199,6 +204,10 @@ def test_a_probe_re_measures_the_verify_step_every_interval():
     # re-measured: the window (2) holds the two probes, 0.070, pooled with 18 and 20 tokens
     # (start-up values, one observation each) by the monotone fit
     assert table.seconds(17) == pytest.approx((2 * 0.0700 + 0.0629 + 0.0643) / 4)
+    # a third probe, then none: the verify step at 17 tokens was measured PROBES = 3 times
+    more = [sum(len(d) for d in run(spec, scheduler, accept=1)[1]
+                .scheduled_spec_decode_tokens.values()) for _ in range(16)]
+    assert more == [0, 0, 1] + [0] * 13 and table.measured(17) == 3
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off_then_probes_again():
