@@ -10,22 +10,23 @@ Each curve starts from the start-up profile (engine/spec/profile.py) and is re-m
 from the engine's own step times (`observe`, B counting the step's prefill tokens): per B the
 median of the last `window` step times (robust to the odd step slowed by another process), the
 start-up value counting as one observation until `window` real ones replaced it (a profile taken
-while another process held the cores is gone after two steps at that B). Reads fit the medians with a weighted
-non-decreasing least-squares fit (a bigger batch is not faster: what says otherwise is timing
-noise), interpolate linearly between measured B (flat before the first, along the last
-segment's slope after the last), and never let a verify step cost less than the plain step of
-the same B. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured points keep
-their own B, so the steps stay.
+while another process held the cores is gone after two steps at that B). Reads fit the medians
+with a weighted non-decreasing least-squares fit (a bigger batch is not faster: what says
+otherwise is timing noise), interpolate linearly between measured B (flat before the first,
+along the last segment's slope after the last), and never let a verify step cost less than the
+plain step of the same B. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured
+points keep their own B, so the steps stay.
 
 Load. On a shared machine every step slows down together when another process takes the cores,
 but a B that is rarely run (the verify step, while nothing pays) keeps the times of the last
 time it ran: the curves would compare times of different loads. So they hold times divided by a
 load factor, the geometric moving average (weight `load_smoothing`; 1/2 prices a doubled load in
-within a few steps, while the windows of measured B move only after half their size) of observed / predicted over the steps whose B the
-curve had measured before (a guessed B, say a prefill chunk of a new size, would move it by the
-guess's error); reads multiply it back. The admission compares step times with each other, so
-the factor cancels there; what it buys is that a plain curve re-measured under today's load and
-a verify point measured under yesterday's stay comparable.
+within a few steps, while the windows of measured B move only after half their size) of observed
+/ predicted over the steps whose B the curve had measured before (a guessed B, say a prefill
+chunk of a new size, would move it by the guess's error); reads multiply it back. The admission
+compares step times with each other, so the factor cancels there; what it buys is that a plain
+curve re-measured under today's load and a verify point measured under yesterday's stay
+comparable.
 
 Pure module: no torch import.
 """
