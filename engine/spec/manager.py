@@ -14,10 +14,10 @@ if even a sure draft would not raise the admission's Theta over the plain step
 `MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their first draft is not
 proposed for 1, 2, 4, ... up to `max_backoff_steps` steps (then proposed again; varlen only:
 fixed length verifies every request, the baseline it is). Every `probe_interval` steps without
-drafting (varlen), while the verify step of one draft more than the plain batch was measured
-fewer than `PROBES` times, the best first draft (confidence at least 1/2) is verified anyway:
-the decision to stop drafting then rests on this engine's steps, not on a start-up profile
-that another process may have slowed (the table's load factor keeps them current after).
+drafting (varlen; 4x as many once the verify step of one draft more than the plain batch was
+measured `PROBES` times), the best first draft (confidence at least 1/2) is verified anyway:
+the decision to stop drafting then rests on this engine's steps, not on a start-up profile or a
+verify step that another process slowed (the table's load factor keeps them comparable).
 
 Acceptance itself happens in the model runner: a draft is accepted iff it equals the target's own
 sample at that position (greedy argmax, or the seeded exponential race), so outputs are those of
@@ -38,7 +38,7 @@ from deepinfer.engine.spec.step_rate import StepRateTable
 
 GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
 MISSES_BEFORE_BACKOFF = 2   # verified proposals rejected at draft 1 in a row before a back-off
-PROBES = 3                  # verify steps measured at B0 + 1 before probing there stops
+PROBES = 3                  # verify steps measured at B0 + 1 before probes grow 4x rarer
 
 
 def decodes_next(request: Request) -> bool:
@@ -105,9 +105,10 @@ class SpecDecoder:
             if not drafting_can_pay(len(ids), self.step_rate, base_tokens=base_tokens,
                                     plain_steps_per_second=plain_rate,
                                     max_tokens=self.max_num_batched_tokens):
+                interval = self.probe_interval * (
+                    1 if self.step_rate.measured(base_tokens + 1) < PROBES else 4)
                 probe = (self.probe_interval > 0
-                         and self._steps_without_drafts + 1 >= self.probe_interval
-                         and self.step_rate.measured(base_tokens + 1) < PROBES)
+                         and self._steps_without_drafts + 1 >= interval)
                 if not probe:
                     return self._hand_over(scheduler, ids, {}, skipped=True)
         views = [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens,

@@ -10,8 +10,11 @@ Confidence (DSpark's c_j, engine/spec/drafter.py): online Beta-Bernoulli counter
 conditional acceptance at draft position j, bucketed by (match length, greedy or sampled, how the
 request's previous verification went: none yet, all verified drafts accepted, or one rejected).
 A bucket's prior is the pooled posterior of its (greedy, outcome, position) over all match lengths
-with `prior_strength` pseudo-trials; only the pooled counters start from `prior` (mean 1/2, so
-that the first drafts of a fresh engine get verified and measured). A match length never seen
+with `prior_strength` pseudo-trials; a pooled position's prior is in turn the pooled posterior of
+the position before it (copying text, a draft that followed accepted drafts is about as likely
+as they were; a fixed 1/2 there kept varlen from ever verifying a 4th draft, so it never learnt
+that on grounded prompts those pass 68 % of the time), and only position 0 starts from `prior`
+(mean 1/2, so that the first drafts of a fresh engine get verified and measured). A match length never seen
 yet thus borrows what the others showed (on free chat, soon ~0.1) instead of the over-confident
 1/2 a fresh counter of its own would say, and its own counts take over as they accumulate. The
 posterior mean is calibrated on the served traffic by construction. The key is fixed before any
@@ -94,11 +97,21 @@ class NgramDrafter:
             self._counters[key] = BetaCounter(0.0, 0.0)
         return self._counters[key]
 
+    def pooled_mean(self, greedy: bool, outcome: int, position: int) -> float:
+        """The pooled posterior mean at `position`: its counts, with the pooled mean of the
+        position before as prior (`prior_strength` pseudo-trials; position 0: `prior`)."""
+        mean = self.pooled(greedy, outcome, 0).mean
+        for j in range(1, position + 1):
+            counts = self.pooled(greedy, outcome, j)
+            mean = ((counts.accepted + self.prior_strength * mean)
+                    / (counts.trials + self.prior_strength))
+        return mean
+
     def confidence(self, match_len: int, greedy: bool, position: int,
                    outcome: int = NEW) -> float:
         """Posterior mean of the bucket, its prior the pooled mean with `prior_strength`."""
         own = self.counter(match_len, greedy, position, outcome)
-        pooled = self.pooled(greedy, outcome, position).mean
+        pooled = self.pooled_mean(greedy, outcome, position)
         return (own.accepted + self.prior_strength * pooled) / (own.trials + self.prior_strength)
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, DraftProposal]:

@@ -153,9 +153,13 @@ def test_ngram_drafts_and_their_confidences():
     both = drafter.propose([DraftRequest("a", text, 6, max_drafts=3),
                             DraftRequest("d", other, 6, 3)])
     conf = both["a"].confidences
-    # MISS bucket of match length 3: 8 trials + 2 pseudo-trials at the pooled mean
-    # (pooled MISS: 8 of 8 accepted + Beta(1, 1) = 0.9 at positions 0 and 1, 0.1 at 2)
-    assert conf == pytest.approx([(8 + 2 * 0.9) / 10, (8 + 2 * 0.9) / 10, (0 + 2 * 0.1) / 10])
+    # MISS bucket of match length 3: 8 trials + 2 pseudo-trials at the pooled mean; pooled
+    # MISS: position 0 8 of 8 + Beta(1, 1) = 0.9, position 1 8 of 8 + 2 at 0.9 = 0.98,
+    # position 2 0 of 8 + 2 at 0.98 = 0.196
+    assert conf == pytest.approx([(8 + 2 * 0.9) / 10, (8 + 2 * 0.98) / 10, (0 + 2 * 0.196) / 10])
+    # a position never verified borrows the one before it: with 3 drafts at most, position 3
+    # of a 4-draft proposal would say 0.196 (pooled, no counts) -> its bucket mean the same
+    assert drafter.pooled_mean(True, drafter.MISS, 3) == pytest.approx(0.196)
     # same match length, another continuation: the same confidences (c_j never reads draft j)
     assert both["d"].token_ids == [99, 98, 97] and both["d"].confidences == conf
 

@@ -204,10 +204,11 @@ def test_a_probe_re_measures_the_verify_step_every_interval():
     # re-measured: the window (2) holds the two probes, 0.070, pooled with 18 and 20 tokens
     # (start-up values, one observation each) by the monotone fit
     assert table.seconds(17) == pytest.approx((2 * 0.0700 + 0.0629 + 0.0643) / 4)
-    # a third probe, then none: the verify step at 17 tokens was measured PROBES = 3 times
+    # a third probe, then every 16th step: the verify step at 17 tokens was measured
+    # PROBES = 3 times
     more = [sum(len(d) for d in run(spec, scheduler, accept=1)[1]
-                .scheduled_spec_decode_tokens.values()) for _ in range(16)]
-    assert more == [0, 0, 1] + [0] * 13 and table.measured(17) == 3
+                .scheduled_spec_decode_tokens.values()) for _ in range(20)]
+    assert more == [0, 0, 1] + [0] * 15 + [1, 0] and table.measured(17) == 4
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off_then_probes_again():
