@@ -22,8 +22,10 @@ but a B that is rarely run (the verify step, while nothing pays) keeps the times
 time it ran: the curves would compare times of different loads. So they hold times divided by a
 load factor, the geometric moving average (weight `load_smoothing`; 1/2 prices a doubled load in
 within a few steps, while the windows of measured B move only after half their size) of observed
-/ predicted over the steps whose B the curve had measured before (a guessed B, say a prefill
-chunk of a new size, would move it by the guess's error); reads multiply it back. The admission
+/ predicted over the steps at a B whose window holds only this engine's steps (a start-up value,
+say a verify point profiled during a burst of load, a probe's first measurements or an
+interpolated B could be off by far more than the load: those steps only fill their window);
+reads multiply it back. The admission
 compares step times with each other, so the factor cancels there; what it buys is that a plain
 curve re-measured under today's load and a verify point measured under yesterday's stay
 comparable.
@@ -159,7 +161,7 @@ class StepRateTable:
         if self.window <= 0 or num_tokens <= 0 or seconds <= 0.0:
             return
         curve = self._verify if verify else self._plain
-        if num_tokens in curve:   # the load moves only by B measured before (not guessed)
+        if curve.measured(num_tokens) >= self.window:   # only settled B move the load
             predicted = self._unloaded(int(num_tokens), verify)
             self.load *= (seconds / (self.load * predicted)) ** self.load_smoothing
         curve.observe(int(num_tokens), seconds / self.load)

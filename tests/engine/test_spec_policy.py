@@ -232,3 +232,25 @@ def test_a_request_whose_drafts_keep_failing_backs_off_then_probes_again():
 
 def test_survival_of_the_grounded_confidences():
     assert survival(GROUNDED) == pytest.approx([0.864, 0.682, 0.682, 0.682, 0.591])
+
+
+def test_a_start_up_profile_spoiled_by_load_is_probed_away_at_batch_one():
+    """What a run at load 5-6 did before probes and round-robin profiling: the profile's verify
+    step at 2 tokens came out 3x the plain step at 1 (a burst of load during its repeats), so
+    drafting 'could not pay' and batch 1 grounded ran at 1.07x. Probes measure the real verify
+    step (20.1 ms) and drafting resumes after two of them. (A profile spoiled at every verify
+    point would recover only up to the points the engine runs: the walk does not try a B whose
+    start-up value says it does not pay.)"""
+    scheduler = decoding_scheduler(1)
+    drafter = CountingDrafter([1, 2, 3, 4, 5], GROUNDED)
+    table = StepRateTable({2: 0.060, 3: 0.0210, 4: 0.0245, 6: 0.0288}, {1: 0.0149})
+    spec = spec_decoder(drafter, table, probe_interval=8)
+    run(spec, scheduler)
+    scored = [sum(len(d) for d in run(spec, scheduler, accept=5, seconds=0.0149,
+                                      verify_seconds=0.0201)[1]
+                  .scheduled_spec_decode_tokens.values()) for _ in range(18)]
+    # skipped, probe (1 draft at 2 tokens), skipped, probe: the window at 2 tokens is now
+    # (0.060, 0.0201, 0.0201), median 0.0201, and every step verifies 4-5 drafts again (how
+    # many depends on the fake runner's times, 20.1 ms whatever the drafts)
+    assert scored[:15] == [0] * 6 + [1] + [0] * 7 + [1]
+    assert min(scored[15:]) >= 4 and table.measured(2) == 2
