@@ -15,9 +15,11 @@ if even a sure draft would not raise the admission's Theta over the plain step
 proposed for 1, 2, 4, ... up to `max_backoff_steps` steps (then proposed again; varlen only:
 fixed length verifies every request, the baseline it is). Every `probe_interval` steps without
 drafting (varlen; 4x as many once the verify step of one draft more than the plain batch was
-measured `PROBES` times), the best first draft (confidence at least 1/2) is verified anyway:
-the decision to stop drafting then rests on this engine's steps, not on a start-up profile or a
-verify step that another process slowed (the table's load factor keeps them comparable).
+measured `PROBES` times), the surest first draft is verified anyway, a little exploration that
+keeps two traps open: a decision to stop drafting that rests on a start-up profile or a verify
+step another process slowed (the table's load factor keeps measured points comparable), and a
+confidence bucket whose estimate fell below what pays after a few early misses, which nothing
+would ever verify (and so correct) again.
 
 Acceptance itself happens in the model runner: a draft is accepted iff it equals the target's own
 sample at that position (greedy argmax, or the seeded exponential race), so outputs are those of
@@ -102,15 +104,13 @@ class SpecDecoder:
         probe = False
         if self.step_rate is not None:
             plain_rate = self.step_rate.plain_rate(base_tokens)
-            if not drafting_can_pay(len(ids), self.step_rate, base_tokens=base_tokens,
-                                    plain_steps_per_second=plain_rate,
-                                    max_tokens=self.max_num_batched_tokens):
-                interval = self.probe_interval * (
-                    1 if self.step_rate.measured(base_tokens + 1) < PROBES else 4)
-                probe = (self.probe_interval > 0
-                         and self._steps_without_drafts + 1 >= interval)
-                if not probe:
-                    return self._hand_over(scheduler, ids, {}, skipped=True)
+            interval = self.probe_interval * (
+                1 if self.step_rate.measured(base_tokens + 1) < PROBES else 4)
+            probe = self.probe_interval > 0 and self._steps_without_drafts + 1 >= interval
+            if not probe and not drafting_can_pay(
+                    len(ids), self.step_rate, base_tokens=base_tokens,
+                    plain_steps_per_second=plain_rate, max_tokens=self.max_num_batched_tokens):
+                return self._hand_over(scheduler, ids, {}, skipped=True)
         views = [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens,
                               max_drafts=min(gamma, max(r.max_total_tokens - r.num_tokens - 1, 0)),
                               greedy=r.sampling_params.temperature < GREEDY_TEMPERATURE)
@@ -119,12 +119,12 @@ class SpecDecoder:
         proposals = self.drafter.propose(views) if views else {}
         drafts = [proposals[i].token_ids if i in proposals else [] for i in ids]
         confidences = [proposals[i].confidences if i in proposals else [] for i in ids]
-        if probe:
-            lengths = probe_lengths(confidences)
-        elif self.step_rate is not None:
+        if self.step_rate is not None:
             lengths = admit_varlen(confidences, self.step_rate, base_tokens=base_tokens,
                                    max_tokens=self.max_num_batched_tokens,
                                    plain_steps_per_second=plain_rate)
+            if probe and not any(lengths):
+                lengths = probe_lengths(confidences)
         else:
             lengths = admit_fixed([len(d) for d in drafts], gamma)
         admitted = {i: d[:n] for i, d, n in zip(ids, drafts, lengths) if n > 0}
@@ -190,10 +190,10 @@ class SpecDecoder:
 
 def probe_lengths(confidences: list[list[float]]) -> list[int]:
     """A probe step's admission: the one first draft with the highest confidence (ties: the
-    earlier request), if at least 1/2; nothing else. Draft-independent like `admit_varlen`."""
+    earlier request); nothing else. Draft-independent like `admit_varlen`."""
     lengths = [0] * len(confidences)
     best = max(range(len(confidences)), key=lambda r: confidences[r][0] if confidences[r]
                else -1.0, default=None)
-    if best is not None and confidences[best] and confidences[best][0] >= 0.5:
+    if best is not None and confidences[best]:
         lengths[best] = 1
     return lengths

@@ -117,7 +117,8 @@ def test_a_window_of_zero_never_re_measures():
 
 def test_probe_admits_the_single_surest_first_draft():
     assert probe_lengths([[0.4], [0.7, 0.9], [], [0.7]]) == [0, 1, 0, 0]
-    assert probe_lengths([[0.4], []]) == [0, 0]
+    assert probe_lengths([[0.1], []]) == [1, 0]
+    assert probe_lengths([[], []]) == [0, 0]
     assert probe_lengths([]) == []
 
 
@@ -254,3 +255,18 @@ def test_a_start_up_profile_spoiled_by_load_is_probed_away_at_batch_one():
     # many depends on the fake runner's times, 20.1 ms whatever the drafts)
     assert scored[:15] == [0] * 6 + [1] + [0] * 7 + [1]
     assert min(scored[15:]) >= 4 and table.measured(2) == 2
+
+
+def test_a_bucket_whose_confidence_fell_too_low_still_gets_verified_now_and_then():
+    """After a few early misses a confidence bucket can say 0.1, below what pays at batch 1
+    (a > 0.35 with these step times); without probes nothing would verify it again and its
+    estimate would never recover. Every 8th step without drafts verifies the surest draft."""
+    scheduler = decoding_scheduler(1)
+    drafter = CountingDrafter([1, 2, 3], [0.1, 0.9, 0.9])
+    spec = spec_decoder(drafter, measured_table(), probe_interval=8, max_backoff_steps=0)
+    run(spec, scheduler)
+    scored = [sum(len(d) for d in run(spec, scheduler, accept=3, seconds=0.0149,
+                                      verify_seconds=0.0201)[1]
+                  .scheduled_spec_decode_tokens.values()) for _ in range(16)]
+    assert scored == [0] * 6 + [1] + [0] * 7 + [1] + [0]
+    assert ("r0", 1, 1) in drafter.observed
