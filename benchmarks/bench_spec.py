@@ -6,12 +6,15 @@ Workloads, on the embedded default model (SmolLM2-135M-Instruct) unless --model:
 - chat, batch 16: free chat prompts all at once (where drafts rarely pay; DSpark's admission
   must stop drafting rather than slow the batch down).
 Engines: speculation off, n-gram with varlen (DSpark) admission, n-gram with fixed length; all
-built in one process on the same weights, workloads run interleaved `--repeats` times, best
-time kept. Greedy decoding, so every engine must give the same tokens (checked).
+built in one process on the same weights, workloads run interleaved `--repeats` times (engine
+order reversed every other repeat, so a load drift hits all alike), the 1-minute load average
+recorded next to each run. Greedy decoding, so every engine must give the same tokens (checked).
 
-Reports tok/s (output tokens / wall time of the workload), speedup against off, mean accepted
-length (1 + accepted / verify rows), and acceptance per draft position (rows whose draft j was
-accepted / rows with drafts).
+Reports tok/s (output tokens / wall time of the workload, best run), speedup against off (best
+against best, and the median over repeats of the ratio to the off run of the same repeat, which
+a shared box's load changes less), mean accepted length (1 + accepted / verify rows),
+acceptance per draft position (rows whose draft j was accepted / rows with drafts), and the
+share of varlen steps that skipped the drafter (drafting could not pay).
 
     python benchmarks/bench_spec.py [--max-tokens 128] [--repeats 2] [--json out.json]
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 
 from deepinfer.engine import LLM, SamplingParams
@@ -93,6 +98,12 @@ def snapshot(llm: LLM) -> SpecDecodeStats:
                            list(stats.num_accepted_tokens_per_pos))
 
 
+def skipped_steps(llm: LLM) -> tuple[int, int]:
+    """(steps that skipped the drafter, steps) of the engine's speculative decoder so far."""
+    spec = llm.engine_core.spec
+    return (getattr(spec, "num_skipped_steps", 0), getattr(spec, "num_steps", 0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model (default: embedded SmolLM2)")
@@ -106,8 +117,10 @@ def main() -> None:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    llms = {name: LLM(args.model, max_num_seqs=16, num_speculative_tokens=args.num_speculative_tokens,
-                      **options) for name, options in ENGINES.items()}
+    load_start = list(os.getloadavg())
+    llms = {name: LLM(args.model, max_num_seqs=16,
+                      num_speculative_tokens=args.num_speculative_tokens, **options)
+            for name, options in ENGINES.items()}
     any_llm = llms["off"]
     workloads = {"grounded-b1": ([chat_prompt(any_llm, p) for p in GROUNDED], 1),
                  "chat-b16": ([chat_prompt(any_llm, p) for p in CHAT], 16)}
@@ -115,12 +128,21 @@ def main() -> None:
     for llm in llms.values():   # warm-up: first-call costs out of the timings
         llm.generate([workloads["grounded-b1"][0][0]], SamplingParams(temperature=0, max_tokens=8))
     best: dict[tuple[str, str], dict] = {}
-    for _ in range(args.repeats):
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for repeat in range(args.repeats):
         for workload, (prompts, batch) in workloads.items():
-            for name, llm in llms.items():
-                before = snapshot(llm)
+            names = list(llms) if repeat % 2 == 0 else list(llms)[::-1]
+            for name in names:
+                llm = llms[name]
+                before, skipped = snapshot(llm), skipped_steps(llm)
+                load = os.getloadavg()[0]
                 seconds, tokens, ids = run_workload(llm, prompts, batch, params)
                 key = (workload, name)
+                after = skipped_steps(llm)
+                runs.setdefault(key, []).append({
+                    "seconds": round(seconds, 3), "load": round(load, 2),
+                    "skipped_steps": round((after[0] - skipped[0]) / max(after[1] - skipped[1], 1),
+                                           3)})
                 if key not in best or seconds < best[key]["seconds"]:
                     best[key] = {"seconds": seconds, "tokens": tokens, "ids": ids,
                                  **spec_delta(before, snapshot(llm))}
@@ -130,9 +152,13 @@ def main() -> None:
         for name in llms:
             row = best[(workload, name)]
             tok_s = row["tokens"] / row["seconds"]
+            paired = [off["seconds"] / run["seconds"]
+                      for off, run in zip(runs[(workload, "off")], runs[(workload, name)])]
             row.update(workload=workload, engine=name, tok_s=round(tok_s, 2),
                        speedup=round(tok_s / (base["tokens"] / base["seconds"]), 3),
-                       same_tokens_as_off=row["ids"] == base["ids"])
+                       median_paired_speedup=round(statistics.median(paired), 3),
+                       same_tokens_as_off=row["ids"] == base["ids"],
+                       runs=runs[(workload, name)])
             results.append(row)
     for row in results:
         del row["ids"]
@@ -140,6 +166,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"max_tokens": args.max_tokens, "repeats": args.repeats,
+                       "load_start_end": [load_start, list(os.getloadavg())],
                        "threads": args.threads,
                        "num_speculative_tokens": args.num_speculative_tokens,
                        "results": results}, f, indent=1)

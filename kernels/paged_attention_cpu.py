@@ -4,8 +4,11 @@ Decode-only batches (every sequence has one new token) of float32 run
 `kernels/csrc/paged_attention_cpu.cpp` (in the one CPU extension, kernels/cpu_extension.py): per
 (sequence, kv head) task, K and V are read in place from the paged cache through the block table
 (no gather copy), two-pass softmax in fp32, GQA by sharing each kv head across its query-head
-group; tasks are spread over torch's intra-op threads. Everything else (prefill chunks, mixed
-batches, other dtypes or devices) and the KV write go to the batched torch backend,
+group; tasks are spread over torch's intra-op threads. Batches of decode rows and short verify
+rows (speculative decoding: 1 + k new tokens per row, k <= VERIFY_MAX_QUERY_LEN - 1) run the same
+kernel with one task row per token: token j of a row of q new tokens and context length s is a
+decode query over the row's first s - q + j + 1 positions (causal), same block table. Everything
+else (prefill chunks, other dtypes or devices) and the KV write go to the batched torch backend,
 `kernels/paged_attention_torch.py`.
 
 KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`, contiguous.
@@ -19,6 +22,9 @@ from deepinfer.kernels import paged_attention_torch
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 
 write_kv = paged_attention_torch.write_kv
+# rows of up to this many new tokens run the decode kernel token by token (verify rows); longer
+# ones (prefill chunks) the torch backend, whose one SDPA per row is then cheaper
+VERIFY_MAX_QUERY_LEN = 16
 
 
 def _extension():
@@ -34,25 +40,38 @@ def kernel_available() -> bool:
 
 def _decode_kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor,
                            metadata: AttentionMetadata) -> bool:
-    return (metadata.is_decode_only and query.device.type == "cpu"
+    return (metadata.max_query_len <= VERIFY_MAX_QUERY_LEN and query.device.type == "cpu"
             and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
             and kv_cache.is_contiguous() and query.stride(-1) == 1)
 
 
+def _per_token_rows(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_tables [num_tokens, max_blocks] int32, seq_lens [num_tokens] int32): each query
+    token as a decode row of its own (its sequence's block table, the positions it sees)."""
+    query_lens = metadata.query_lens_cpu
+    seq_lens = torch.tensor([seq_len - query_len + 1 + j for query_len, seq_len
+                             in zip(query_lens, metadata.seq_lens_cpu) for j in range(query_len)],
+                            dtype=torch.int32)
+    counts = torch.tensor(query_lens, device=metadata.block_tables.device)
+    return metadata.block_tables.repeat_interleave(counts, dim=0), seq_lens
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """`kernels.paged_attention.paged_attention`'s contract (shapes there); decode-only CPU
-    float32 batches run the C++ kernel (float32 summation order vs the reference: atol 1e-5),
-    the rest the torch backend."""
+    """`kernels.paged_attention.paged_attention`'s contract (shapes there); CPU float32 batches
+    of decode and verify rows run the C++ kernel (float32 summation order vs the reference:
+    atol 1e-5), the rest the torch backend."""
     if _decode_kernel_applies(query, kv_cache, metadata):
         ext = _extension()
         if ext is None:
             raise RuntimeError("paged attention backend 'cpu' is unavailable here (see the logged "
                                "warning); use backend='torch' or 'auto'.")
-        seq_lens = metadata.seq_lens
+        if metadata.is_decode_only:
+            block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
+        else:
+            block_tables, seq_lens = _per_token_rows(metadata)
         if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
             seq_lens = seq_lens.to(torch.int32).contiguous()
-        block_tables = metadata.block_tables
         if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
             block_tables = block_tables.to(torch.int32).contiguous()
         return ext.paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)

@@ -107,17 +107,21 @@ def test_fixed_admission():
 
 
 def test_step_rate_table_interpolates_and_re_measures():
-    table = StepRateTable({1: 0.010, 4: 0.013, 8: 0.021}, smoothing=0.5)
+    table = StepRateTable({1: 0.010, 4: 0.013, 8: 0.021}, window=3, load_smoothing=0.0)
     assert table.seconds(2) == pytest.approx(0.011)
     assert table.seconds(16) == pytest.approx(0.037)         # last slope extended
     assert table.seconds(0) == pytest.approx(0.010)
     assert table(4) == pytest.approx(1 / 0.013)
-    table.observe(4, 0.017)
+    table.observe(4, 0.017)                                  # median of 0.013, 0.017
     assert table.seconds(4) == pytest.approx(0.015)
-    table.observe(6, 0.027)                                  # a new point: 0.018 -> 0.0225
-    assert table.seconds(6) == pytest.approx(0.0225)
+    table.observe(4, 0.017)
+    table.observe(4, 0.017)                                  # the start-up value is out
+    assert table.seconds(4) == pytest.approx(0.017)
+    table.observe(6, 0.027)             # a new point, pooled with 8 by the monotone fit
+    assert table.seconds(6) == pytest.approx(0.024) and table.seconds(8) == pytest.approx(0.024)
     assert StepRateTable.from_steps_per_second({1: 100.0})(1) == pytest.approx(100.0)
     assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert nondecreasing([1.0, 3.0, 2.0], [1.0, 1.0, 3.0]) == [1.0, 2.25, 2.25]
 
 
 def test_longest_suffix_match():
@@ -138,16 +142,26 @@ def test_ngram_drafts_and_their_confidences():
     assert proposals["a"].token_ids == [13, 14, 15]
     assert "b" not in proposals                                # no earlier match
     assert proposals["c"].token_ids == [13]
-    assert proposals["a"].confidences == [0.5, 0.5, 0.5]      # Beta(1, 1) prior
+    assert proposals["a"].confidences == [0.5, 0.5, 0.5]      # pooled Beta(1, 1) prior
+    drafter.observe("a", 3, 2)                                 # a's first: NEW bucket
     for _ in range(8):                                         # 2 of 3 accepted, 8 times
         drafter.propose([DraftRequest("a", text, 6, max_drafts=3)])
-        drafter.observe("a", 3, 2)
-    conf = drafter.propose([DraftRequest("a", text, 6, max_drafts=3)])["a"].confidences
-    assert conf == pytest.approx([9 / 10, 9 / 10, 1 / 10])
-    # same match length, another continuation: the same confidences (c_j never reads draft j)
+        drafter.observe("a", 3, 2)                             # ... after a MISS
     other = [10, 11, 12, 99, 98, 97, 10, 11, 12]
-    proposal = drafter.propose([DraftRequest("d", other, 6, 3)])["d"]
-    assert proposal.token_ids == [99, 98, 97] and proposal.confidences == conf
+    drafter.propose([DraftRequest("d", other, 6, 3)])
+    drafter.observe("d", 3, 2)                                 # d's first (NEW), now a MISS
+    both = drafter.propose([DraftRequest("a", text, 6, max_drafts=3),
+                            DraftRequest("d", other, 6, 3)])
+    conf = both["a"].confidences
+    # MISS bucket of match length 3: 8 trials + 2 pseudo-trials at the pooled mean; pooled
+    # MISS: position 0 8 of 8 + Beta(1, 1) = 0.9, position 1 8 of 8 + 2 at 0.9 = 0.98,
+    # position 2 0 of 8 + 2 at 0.98 = 0.196
+    assert conf == pytest.approx([(8 + 2 * 0.9) / 10, (8 + 2 * 0.98) / 10, (0 + 2 * 0.196) / 10])
+    # a position never verified borrows the one before it: with 3 drafts at most, position 3
+    # of a 4-draft proposal would say 0.196 (pooled, no counts) -> its bucket mean the same
+    assert drafter.pooled_mean(True, drafter.MISS, 3) == pytest.approx(0.196)
+    # same match length, another continuation: the same confidences (c_j never reads draft j)
+    assert both["d"].token_ids == [99, 98, 97] and both["d"].confidences == conf
 
 
 def test_observed_positions():

@@ -56,6 +56,7 @@ CASES = {
     "prefill_only": ([5, 16, 23], [5, 16, 23]),
     "chunked_prefill": ([7, 3], [20, 35]),
     "mixed": ([1, 9, 1, 4, 1], [40, 9, 2, 19, 16]),
+    "verify": ([6, 1, 3, 16], [40, 17, 3, 50]),   # speculative rows of 1 + k tokens
 }
 
 
