@@ -223,8 +223,9 @@ class MultiProcExecutor:
 
 class EPLBSchedule:
     """After each step of a rank with expert parallelism: the idle MoE pass when the rank had
-    no tokens (several ranks only), the load window's step, and EPLB every
-    eplb_interval_steps (all ranks run the same steps, so they rebalance together)."""
+    no tokens (several ranks only), the load window's step, the commit of a weight move in
+    flight once every rank received its weights, and EPLB every eplb_interval_steps (which
+    starts a move; all ranks run the same steps, so they rebalance and commit together)."""
 
     def __init__(self, ep, parallel):
         self.ep, self.parallel, self.num_steps = ep, parallel, 0
@@ -234,8 +235,13 @@ class EPLBSchedule:
             self.ep.run_idle_step()   # the other ranks' MoE collectives need this one
         self.ep.end_step()
         self.num_steps += 1
+        if self.ep.pending_move is not None:   # this step ran while the weights moved
+            stats = self.ep.pending_move.stats
+            stats["tokens_during_move"] = (stats.get("tokens_during_move", 0)
+                                           + scheduler_output.total_num_scheduled_tokens)
+        self.ep.commit_if_moved(self.num_steps)
         if self.parallel.enable_eplb and self.num_steps % self.parallel.eplb_interval_steps == 0:
-            self.ep.rebalance()
+            self.ep.start_rebalance(self.num_steps)
 
 
 class LocalEPExecutor(UniProcExecutor):
@@ -300,8 +306,11 @@ class Worker:
         model = loader.load_model(args.model_dir, dtype, device)
         self.ep = None
         if parallel.enable_expert_parallel:
+            # EPLB's background weight moves get a group of their own (module doc of
+            # engine/moe/weight_moves.py)
+            move_group = dist.new_group(list(range(args.world))) if args.world > 1 else None
             self.ep = enable_expert_parallel(
-                model, EPGroup(args.rank, args.world, dist.group.WORLD),
+                model, EPGroup(args.rank, args.world, dist.group.WORLD, move_group),
                 parallel.num_redundant_experts, parallel.eplb_window_steps, parallel.num_nodes)
         tokenizer = loader.load_tokenizer(args.model_dir)
         structured = grammar_manager(tokenizer, model.vocab_size, args.eos_token_ids,
@@ -332,6 +341,10 @@ class Worker:
 
     def num_rebalances(self) -> int:
         return 0 if self.ep is None else self.ep.num_rebalances
+
+    def move_stats(self) -> list[dict]:
+        """Per committed EPLB weight move: decision / commit step, bytes, seconds."""
+        return [] if self.ep is None else self.ep.move_stats
 
 
 def worker_main(args: WorkerArgs, conn) -> None:

@@ -1,7 +1,9 @@
 """Expert parallelism (EP) for the MoE layers of a model: routed experts split over the ranks of
 a process group by a physical placement, tokens dispatched to the ranks holding their experts
 and combined back with `all_to_all_single`; device-side expert load counters over a sliding
-window; EPLB rebalancing that moves expert weights between ranks at a step boundary.
+window; EPLB rebalancing: a new placement decided at a step boundary, the expert weights
+moved between ranks in the background while later steps run on the old placement, committed at
+a later step boundary (engine/moe/weight_moves.py).
 
 Placement (per MoE layer): P = num_experts + num_redundant physical slots, rank r holds slots
 [r * P / world, (r + 1) * P / world) (its `w13` / `w2` rows); `phys2log[p]` is the logical
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from deepinfer.engine.moe.eplb import rebalance_experts
 from deepinfer.engine.moe.gating import select_experts
+from deepinfer.engine.moe.weight_moves import PendingMove, start_move
 from deepinfer.kernels.moe import moe_experts
 
 __all__ = ["EPGroup", "ExpertLoadRecorder", "ExpertParallel", "enable_expert_parallel"]
@@ -42,11 +45,13 @@ __all__ = ["EPGroup", "ExpertLoadRecorder", "ExpertParallel", "enable_expert_par
 
 @dataclass(frozen=True)
 class EPGroup:
-    """The EP ranks: `group` None means one rank (no collectives)."""
+    """The EP ranks: `group` None means one rank (no collectives). `move_group`: the process
+    group EPLB's weight moves use (point-to-point, in the background); None = `group`."""
 
     rank: int = 0
     world: int = 1
     group: object | None = None
+    move_group: object | None = None
 
 
 class ExpertLoadRecorder:
@@ -182,35 +187,6 @@ class ExpertParallelMoE:
                              device=moe.w13.device)
         self.forward(moe, hidden)
 
-    def move_to(self, moe, new_phys2log: torch.Tensor) -> None:
-        """Apply a new placement [P]: every rank fetches the weights of its new slots from a
-        rank holding that expert now (the first replica in the old placement), in one
-        all_to_all of [w13 | w2] rows; then the maps change. Collective over the EP group."""
-        ep, per = self.ep, self.per_rank
-        old_first = self.log2phy[:, 0].cpu()                      # a current slot per expert
-        src_slot = old_first[new_phys2log]                        # [P] where each comes from
-        src_rank, dst_rank = src_slot // per, torch.arange(self.num_physical) // per
-        w13, w2 = moe.w13.data, moe.w2.data
-        rows = torch.cat([w13.reshape(w13.shape[0], -1), w2.reshape(w2.shape[0], -1)], dim=1)
-        # sent by me: slots whose source is me, ordered by (destination rank, new slot)
-        mine = torch.nonzero(src_rank == ep.rank).squeeze(1)      # already in new-slot order
-        mine = mine[torch.sort(dst_rank[mine], stable=True).indices]
-        send = torch.bincount(dst_rank[mine], minlength=ep.world).tolist()
-        incoming = torch.nonzero(dst_rank == ep.rank).squeeze(1)  # my new slots
-        incoming = incoming[torch.sort(src_rank[incoming], stable=True).indices]
-        recv = torch.bincount(src_rank[incoming], minlength=ep.world).tolist()
-        payload = rows[(src_slot[mine] % per).to(rows.device)]
-        if ep.world == 1:
-            got = payload
-        else:
-            got = _all_to_all(payload, send, recv, ep)
-        new_rows = torch.empty_like(rows)
-        new_rows[(incoming % per).to(rows.device)] = got
-        split = w13[0].numel()
-        w13.copy_(new_rows[:, :split].view_as(w13))
-        w2.copy_(new_rows[:, split:].view_as(w2))
-        self._set_maps(new_phys2log)
-
 
 class ExpertParallel:
     """EP over all decoder MoE layers of a model, plus the load counters and EPLB.
@@ -251,6 +227,8 @@ class ExpertParallel:
             moe.expert_parallel = ExpertParallelMoE(moe, ep, phys2log, self.loads.step_load[i],
                                                     num_redundant + 1)
         self.num_rebalances = 0
+        self.pending_move: PendingMove | None = None
+        self.move_stats: list[dict] = []   # per committed move: steps, bytes, seconds
 
     def placement(self) -> torch.Tensor:
         """[layers, P] int64: the current physical -> logical map."""
@@ -265,10 +243,18 @@ class ExpertParallel:
     def end_step(self) -> None:
         self.loads.end_step()
 
-    def rebalance(self) -> torch.Tensor:
+    @property
+    def move_pending(self) -> bool:
+        return self.pending_move is not None
+
+    def start_rebalance(self, step: int = 0) -> torch.Tensor:
         """EPLB: sum the window's loads over the ranks, compute a new placement
-        (`rebalance_experts`, the same on every rank), move the weights. Collective.
-        Returns the new placement [layers, P]."""
+        (`rebalance_experts`, the same on every rank) and start moving the weights
+        (engine/moe/weight_moves.py); the old placement serves until `commit_if_moved`
+        commits. One rank: the move commits at once. A move still in flight is finished
+        first. Collective. Returns the new placement [layers, P]."""
+        if self.pending_move is not None:
+            self._commit(step)
         load = self.loads.window_load()
         if self.ep.world > 1:
             dist.all_reduce(load, group=self.ep.group)
@@ -277,10 +263,45 @@ class ExpertParallel:
         phys2log, _, _ = rebalance_experts(load.cpu(), self.num_physical, groups, nodes,
                                            self.ep.world)
         with torch.inference_mode():
-            for moe, layer_map in zip(self.moes, phys2log):
-                moe.expert_parallel.move_to(moe, layer_map)
+            self.pending_move = start_move(
+                self.moes, [moe.expert_parallel.phys2log for moe in self.moes], phys2log,
+                self.ep.rank, self.ep.world, self.ep.move_group or self.ep.group, step)
         self.num_rebalances += 1
+        if self.ep.world == 1:
+            self._commit(step)
         return phys2log
+
+    def commit_if_moved(self, step: int) -> bool:
+        """At a step boundary with a move in flight: commit it when every rank's transfers
+        finished (all-reduce MIN of the ranks' flags over the EP group, so all commit at the
+        same boundary). Collective. Returns whether it committed."""
+        if self.pending_move is None:
+            return False
+        done = torch.tensor([int(self.pending_move.locally_done())],
+                            device=self.loads.step_load.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.ep.group)
+        if not bool(done.item()):
+            return False
+        self._commit(step)
+        return True
+
+    def _commit(self, step: int) -> None:
+        move, self.pending_move = self.pending_move, None
+        with torch.inference_mode():
+            move.commit(self.moes, _set_maps, in_place=self.ep.world == 1)
+        move.stats.update(decision_step=move.decision_step, commit_step=step)
+        self.move_stats.append(move.stats)
+
+    def rebalance(self) -> torch.Tensor:
+        """`start_rebalance` and wait for the move to commit (blocking; benchmarks)."""
+        phys2log = self.start_rebalance()
+        if self.pending_move is not None:
+            self._commit(0)
+        return phys2log
+
+
+def _set_maps(moe, phys2log: torch.Tensor) -> None:
+    moe.expert_parallel._set_maps(phys2log)
 
 
 def _decoder_moes(model: torch.nn.Module) -> list:

@@ -22,6 +22,7 @@ from deepinfer.engine.llm import LLM
 from deepinfer.engine.loader import load_model
 from deepinfer.engine.moe.expert_parallel import EPGroup, enable_expert_parallel
 from deepinfer.engine.moe.gating import select_experts
+from deepinfer.engine.moe.weight_moves import plan_sources
 from deepinfer.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -76,6 +77,33 @@ def test_load_counters_equal_the_routing_decisions(tiny_v3):
     assert not bool(ep.loads.step_load.any())
 
 
+def test_weight_move_sources_prefer_the_slot_then_the_rank_then_the_first_holder():
+    old = torch.tensor([0, 1, 2, 3, 4, 5])           # 2 ranks x 3 slots
+    new = torch.tensor([0, 4, 2, 1, 3, 4])
+    # slot 0 and 2 keep theirs; 1 (expert 4) is on rank 1 only; 3 and 4 (experts 1, 3): 3 is
+    # on rank 1 (slot 3), 1 only on rank 0; slot 5 (expert 4) is on its own rank (slot 4)
+    assert plan_sources(old, new, world=2).tolist() == [0, 4, 2, 1, 3, 4]
+    with pytest.raises(ValueError, match="every logical expert"):
+        plan_sources(old, torch.tensor([0, 1, 2, 3, 4, 6]), world=2)
+
+
+def _check_moves(moves: list[list[dict]]) -> None:
+    """Every rank committed the same moves at the same step boundaries, each after at least one
+    step that ran (with tokens) while the weights were in flight."""
+    assert len(moves[0]) >= 1 and all(len(m) == len(moves[0]) for m in moves)
+    for per_rank in zip(*moves):
+        steps = {(m["decision_step"], m["commit_step"]) for m in per_rank}
+        assert len(steps) == 1
+        decision, commit = steps.pop()
+        assert commit > decision
+    assert sum(m["tokens_during_move"] for m in moves_of(moves, 0)) > 0
+    assert sum(m["bytes_received"] for rank in moves for m in rank) > 0   # weights did move
+
+
+def moves_of(moves: list[list[dict]], index: int) -> list[dict]:
+    return [rank[index] for rank in moves]
+
+
 def test_one_process_ep_with_replicas_and_rebalances_gives_the_same_tokens(
         tiny_v3, reference_tokens):
     llm = LLM(str(tiny_v3), **BASE, enable_expert_parallel=True, num_redundant_experts=4,
@@ -86,6 +114,8 @@ def test_one_process_ep_with_replicas_and_rebalances_gives_the_same_tokens(
         assert ep.num_rebalances >= 3
         initial = torch.arange(12) % 8
         assert any(not torch.equal(layer, initial) for layer in ep.placement())
+        # one rank: each move commits at its decision (nothing to wait for)
+        assert all(m["commit_step"] == m["decision_step"] for m in ep.move_stats)
     finally:
         llm.engine_core.close()
 
@@ -118,6 +148,7 @@ def test_two_ranks_dp_ep_match_one_process_and_a_dead_rank_stops_the_engine(
         placements = core.executor.call("expert_placement")
         assert torch.equal(placements[0], placements[1])             # one placement
         assert min(core.executor.call("num_rebalances")) >= 2
+        _check_moves(core.executor.call("move_stats"))
         stats = core.get_stats()
         assert len(stats.per_rank) == 2 and stats.num_running_reqs == 0
         # kill rank 1 in the middle of a generation: an error naming it, no hang
@@ -144,6 +175,7 @@ def test_four_ranks_dp_ep_with_replicas_match_one_process(tiny_v3, reference_tok
         assert tokens == reference_tokens
         assert sorted(set(ranks)) == [0, 1, 2, 3]
         assert min(core.executor.call("num_rebalances")) >= 1
+        _check_moves(core.executor.call("move_stats"))
         # every forwarded token (prompt + all but the last sampled one) chose top-2 experts in
         # each of the 2 MoE layers, counted once on the rank that routed it
         forwarded = sum(len(p) + GREEDY.max_tokens - 1 for p in PROMPTS)
