@@ -65,6 +65,7 @@ class WorkerArgs:
     local_rank: int
     world: int
     master_port: int
+    ep_backend: str = "all_to_all"   # resolved on node 0 (engine/moe/ep_backends.py)
 
 
 def free_port(addr: str) -> int:
@@ -89,6 +90,7 @@ class MultiProcExecutor:
     def __init__(self, config: EngineConfig, model_dir, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int]):
         from deepinfer.engine.dp_node import RankListener
+        from deepinfer.engine.moe.ep_backends import resolve_ep_backend
 
         parallel = config.parallel
         self.timeout_s = parallel.rank_timeout_s
@@ -97,11 +99,13 @@ class MultiProcExecutor:
         ctx = mp.get_context("spawn")
         self.processes, self.conns, self.dead = [], [], False
         self.remote_pids: dict[int, int] = {}   # rank of another node -> its pid there
+        ep_backend = (resolve_ep_backend(parallel.ep_backend, device.type)
+                      if parallel.enable_expert_parallel else "all_to_all")
         listener = RankListener(parallel) if local < world else None
 
         def worker_args(rank: int, local_rank: int) -> WorkerArgs:
             return WorkerArgs(config, str(model_dir), device.type, str(dtype).split(".")[-1],
-                              eos_token_ids, rank, local_rank, world, port)
+                              eos_token_ids, rank, local_rank, world, port, ep_backend)
 
         for rank in range(local):
             parent, child = ctx.Pipe()
@@ -296,10 +300,12 @@ class LocalEPExecutor(UniProcExecutor):
                  structured_output=None):
         from deepinfer.engine.moe.expert_parallel import EPGroup, enable_expert_parallel
 
+        from deepinfer.engine.moe.ep_backends import resolve_ep_backend
+
         parallel = config.parallel
         self.expert_parallel = enable_expert_parallel(
             model, EPGroup(), parallel.num_redundant_experts, parallel.eplb_window_steps,
-            parallel.num_nodes)
+            parallel.num_nodes, resolve_ep_backend(parallel.ep_backend, device.type))
         self.eplb = EPLBSchedule(self.expert_parallel, parallel)
         super().__init__(config, model, device, dtype, eos_token_ids, structured_output)
 
@@ -355,7 +361,8 @@ class Worker:
             move_group = dist.new_group(list(range(args.world))) if args.world > 1 else None
             self.ep = enable_expert_parallel(
                 model, EPGroup(args.rank, args.world, dist.group.WORLD, move_group),
-                parallel.num_redundant_experts, parallel.eplb_window_steps, parallel.num_nodes)
+                parallel.num_redundant_experts, parallel.eplb_window_steps, parallel.num_nodes,
+                args.ep_backend)
         tokenizer = loader.load_tokenizer(args.model_dir)
         structured = grammar_manager(tokenizer, model.vocab_size, args.eos_token_ids,
                                      args.config.model.structured_outputs_backend)

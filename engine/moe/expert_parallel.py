@@ -107,6 +107,7 @@ class ExpertParallelMoE:
                                   dtype=torch.int64, device=device)
         self.count = torch.zeros(moe.routing.num_experts, dtype=torch.int64, device=device)
         self._set_maps(phys2log)
+        self.deep_ep = None   # a DeepEPDispatcher with ep_backend "deep_ep"
 
     def _set_maps(self, phys2log: torch.Tensor) -> None:
         """Rebuild log2phy / count from a placement [P] (replicas in slot order)."""
@@ -140,6 +141,9 @@ class ExpertParallelMoE:
             return moe_experts(hidden, moe.w13, moe.w2, topk_weights,
                                physical.view(num_tokens, top_k), backend=moe.backend,
                                settings=moe.kernel_config)
+        if self.deep_ep is not None:   # engine/moe/ep_backends.py
+            return self.deep_ep.forward(moe, hidden, topk_weights,
+                                        physical.view(num_tokens, top_k))
         return self._dispatch_combine(moe, hidden, topk_weights, physical)
 
     def _dispatch_combine(self, moe, hidden: torch.Tensor, topk_weights: torch.Tensor,
@@ -197,12 +201,14 @@ class ExpertParallel:
         num_redundant: extra physical slots per layer; num_experts + it must divide by world.
         window_steps: load counter window (steps).
         num_nodes: for EPLB's hierarchical policy.
+        ep_backend: the resolved dispatch/combine backend, "all_to_all" or "deep_ep"
+            (engine/moe/ep_backends.py `resolve_ep_backend`).
     The initial placement puts slot p on expert p % num_experts (replicas of the first
     experts); each rank keeps only its slots' weights.
     """
 
     def __init__(self, model: torch.nn.Module, ep: EPGroup, num_redundant: int = 0,
-                 window_steps: int = 1000, num_nodes: int = 1):
+                 window_steps: int = 1000, num_nodes: int = 1, ep_backend: str = "all_to_all"):
         self.ep, self.num_nodes = ep, num_nodes
         self.moes = _decoder_moes(model)
         if not self.moes:
@@ -226,6 +232,13 @@ class ExpertParallel:
             moe.w2 = torch.nn.Parameter(moe.w2.data[mine].clone(), requires_grad=False)
             moe.expert_parallel = ExpertParallelMoE(moe, ep, phys2log, self.loads.step_load[i],
                                                     num_redundant + 1)
+        if ep_backend == "deep_ep" and ep.world > 1:
+            from deepinfer.engine.moe.ep_backends import DeepEPDispatcher
+
+            dispatcher = DeepEPDispatcher(ep.group, self.moes[0].gate_weight.shape[1],
+                                          self.num_physical)
+            for moe in self.moes:
+                moe.expert_parallel.deep_ep = dispatcher
         self.num_rebalances = 0
         self.pending_move: PendingMove | None = None
         self.move_stats: list[dict] = []   # per committed move: steps, bytes, seconds
@@ -312,6 +325,7 @@ def _decoder_moes(model: torch.nn.Module) -> list:
 
 
 def enable_expert_parallel(model: torch.nn.Module, ep: EPGroup, num_redundant: int = 0,
-                           window_steps: int = 1000, num_nodes: int = 1) -> ExpertParallel:
+                           window_steps: int = 1000, num_nodes: int = 1,
+                           ep_backend: str = "all_to_all") -> ExpertParallel:
     """Split `model`'s routed experts over `ep` (see `ExpertParallel`)."""
-    return ExpertParallel(model, ep, num_redundant, window_steps, num_nodes)
+    return ExpertParallel(model, ep, num_redundant, window_steps, num_nodes, ep_backend)

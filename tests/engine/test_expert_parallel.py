@@ -238,3 +238,10 @@ def test_a_node_that_never_joins_fails_the_start_in_bounded_time(tiny_v3):
             data_parallel_rpc_port=ports[1], rpc_secret="s3cret", enable_expert_parallel=True,
             rendezvous_timeout_s=3)
     assert time.monotonic() - start < 20
+
+
+def test_deep_ep_backend_on_cpu_is_refused_before_serving(tiny_v3):
+    from deepinfer.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ep_backend=deep_ep runs DeepEP's CUDA kernels"):
+        LLM(str(tiny_v3), **BASE, enable_expert_parallel=True, ep_backend="deep_ep")
