@@ -12,17 +12,17 @@ Each rank (spawned with torch.multiprocessing's "spawn" context, supervised here
   through the MoE collectives — counts expert loads, runs EPLB every eplb_interval_steps, and
   sends back its `ModelRunnerOutput`.
 
-Several nodes (engine/dp_node.py): this executor runs on node 0 with its ranks [0, L0); the
-ranks of the other nodes (spawned there by `deepinfer serve --headless`) connect to it over
-TCP and are driven through those connections exactly like the local pipes.
+Several nodes (engine/dp_rpc.py, engine/dp_node.py): this executor runs on node 0 with its
+ranks [0, L0); the ranks of the other nodes (spawned there by `deepinfer serve --headless`)
+connect to it over TCP and are driven through those connections exactly like the local pipes.
 
 Supervision: the executor waits on the ranks' connections and the local processes' sentinels
 together; a rank that exits (a remote one: its connection closes), reports an error, or does
 not answer within rank_timeout_s raises `EngineDeadError` naming the rank (a failed collective
 leaves the ranks out of step, so no retry), and `shutdown()` ends the workers (the other
 nodes' launchers stop when their ranks do). A rank of another node that does not connect
-within rendezvous_timeout_s fails the start the same way. Steps run blocking (the core's async scheduling is
-off with this executor). The KV store bridge is not supported here.
+within rendezvous_timeout_s fails the start the same way. Steps run blocking (the core's async
+scheduling is off with this executor). The KV store bridge is not supported here.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class MultiProcExecutor:
 
     def __init__(self, config: EngineConfig, model_dir, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int]):
-        from deepinfer.engine.dp_node import RankListener
+        from deepinfer.engine.dp_rpc import RankListener
         from deepinfer.engine.moe.ep_backends import resolve_ep_backend
 
         parallel = config.parallel
