@@ -91,6 +91,7 @@ class PendingMove:
     recv: list
     decision_step: int
     background: bool
+    sending: list = field(default_factory=list)   # the send buffers, alive until the commit
     stats: dict = field(default_factory=dict)
     _done: threading.Event = field(default_factory=threading.Event)
     _error: list = field(default_factory=list)
@@ -204,17 +205,19 @@ def start_move(moes: list, old: list[torch.Tensor], new: torch.Tensor, rank: int
             elif dst_rank == rank:
                 recv_where.setdefault(src_rank, []).append((position, slot % per))
     device = moes[0].w13.device
-    ops, recv = [], []
+    ops, recv, sending = [], [], []
     for peer in range(world):
         if peer in send:
-            ops.append(dist.P2POp(dist.isend, torch.stack(send[peer]), peer, group))
+            sending.append(torch.stack(send[peer]))
+            ops.append(dist.P2POp(dist.isend, sending[-1], peer, group))
         if peer in recv_where:
             buffer = torch.empty(len(recv_where[peer]), row_bytes, dtype=torch.uint8,
                                  device=device)
             ops.append(dist.P2POp(dist.irecv, buffer, peer, group))
             recv.append((buffer, recv_where[peer]))
     works = dist.batch_isend_irecv(ops) if ops else []
-    move = PendingMove(layers, works, recv, decision_step, background=device.type != "cuda")
+    move = PendingMove(layers, works, recv, decision_step, background=device.type != "cuda",
+                       sending=sending)
     move.stats["bytes_sent"] = sum(len(rows) for rows in send.values()) * row_bytes
     move.stats["bytes_received"] = sum(len(w) for w in recv_where.values()) * row_bytes
     return move

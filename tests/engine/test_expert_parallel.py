@@ -172,14 +172,16 @@ def test_two_ranks_dp_ep_match_one_process_and_a_dead_rank_stops_the_engine(
     assert not any(p.is_alive() for p in core.executor.processes)
 
 
-def _headless_node(node_rank: int, ports: tuple[int, int], secret: str) -> subprocess.Popen:
+def _headless_node(node_rank: int, ports: tuple[int, int], secret: str,
+                   rendezvous_timeout_s: float = 60) -> subprocess.Popen:
     """`deepinfer serve --headless` for node `node_rank` of 2 (2 ranks each) on this machine."""
     master_port, rpc_port = ports
     command = [sys.executable, "-m", "deepinfer.server.cli", "serve", "--headless",
                "--data-parallel-size", "4", "--nnodes", "2", "--node-rank", str(node_rank),
                "--master-addr", "127.0.0.1", "--master-port", str(master_port),
                "--data-parallel-rpc-port", str(rpc_port), "--device", "cpu"]
-    env = {**os.environ, "DEEPINFER_DP_RPC_SECRET": secret, "DEEPINFER_RENDEZVOUS_TIMEOUT_S": "60"}
+    env = {**os.environ, "DEEPINFER_DP_RPC_SECRET": secret,
+           "DEEPINFER_RENDEZVOUS_TIMEOUT_S": str(rendezvous_timeout_s)}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -245,3 +247,13 @@ def test_deep_ep_backend_on_cpu_is_refused_before_serving(tiny_v3):
 
     with pytest.raises(ConfigError, match="ep_backend=deep_ep runs DeepEP's CUDA kernels"):
         LLM(str(tiny_v3), **BASE, enable_expert_parallel=True, ep_backend="deep_ep")
+
+
+def test_a_headless_node_without_node_0_exits_with_the_reason_in_bounded_time():
+    ports = (free_port("127.0.0.1"), free_port("127.0.0.1"))
+    start = time.monotonic()
+    node1 = _headless_node(1, ports, secret="s3cret", rendezvous_timeout_s=2)
+    output, _ = node1.communicate(timeout=60)
+    assert node1.returncode == 1
+    assert "did not listen within 2 s" in output and "rank 2" in output
+    assert time.monotonic() - start < 60
