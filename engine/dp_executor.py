@@ -359,6 +359,9 @@ class Worker:
             # EPLB's background weight moves get a group of their own (module doc of
             # engine/moe/weight_moves.py)
             move_group = dist.new_group(list(range(args.world))) if args.world > 1 else None
+            if move_group is not None:   # a first collective with every rank: NCCL then
+                # allows the later batched point-to-point calls that involve only some ranks
+                dist.all_reduce(torch.zeros(1, device=device), group=move_group)
             self.ep = enable_expert_parallel(
                 model, EPGroup(args.rank, args.world, dist.group.WORLD, move_group),
                 parallel.num_redundant_experts, parallel.eplb_window_steps, parallel.num_nodes,

@@ -431,17 +431,18 @@ def serve(args: argparse.Namespace) -> int:
         limits = limits_from_args(args)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
-        _check_listen_address(args.host, args.port)   # last: the flags' own errors come first
+        if not args.headless:   # a headless node serves no HTTP
+            _check_listen_address(args.host, args.port)   # last: the flags' own errors first
     except ValueError as exc:
         print(f"deepinfer: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if args.headless or config.parallel.node_rank > 0:
+        return _serve_headless(config, args)
     print(f"deepinfer: API key {'required on /v1 routes' if key else 'not set: the API is open'}",
           flush=True)
     # SIGTERM while loading (a pod deleted during a long load) exits at once with 143; the
     # default disposition would be ignored where the server runs as a container's PID 1.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    if args.headless or config.parallel.node_rank > 0:
-        return _serve_headless(config, args)
     print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
     if config.kv_transfer.role == "encoder":
         return _serve_encoder(config, args, key, limits)

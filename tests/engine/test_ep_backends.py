@@ -67,3 +67,21 @@ def test_several_nodes_need_fixed_ports_and_a_secret():
     with pytest.raises(ConfigError, match="node 0 .* starts at rank 0"):
         ParallelConfig(**nodes, data_parallel_rpc_port=29501, rpc_secret="k",
                        data_parallel_start_rank=2)
+
+
+def test_headless_flags_map_to_the_parallel_config():
+    from deepinfer.server.cli import build_engine_config, build_parser, main
+
+    args = build_parser().parse_args([
+        "serve", "--headless", "--data-parallel-size", "8", "--nnodes", "2", "--node-rank", "1",
+        "--data-parallel-address", "10.0.0.1", "--master-port", "29500",
+        "--data-parallel-rpc-port", "29501", "--data-parallel-size-local", "4",
+        "--data-parallel-start-rank", "4", "--ep-backend", "all_to_all"])
+    parallel = build_engine_config(args, environ={"DEEPINFER_DP_RPC_SECRET": "k"}).parallel
+    assert args.headless and parallel.master_addr == "10.0.0.1"
+    assert (parallel.num_nodes, parallel.node_rank, parallel.master_port,
+            parallel.data_parallel_rpc_port) == (2, 1, 29500, 29501)
+    assert (parallel.local_size, parallel.start_rank, parallel.rpc_secret,
+            parallel.ep_backend) == (4, 4, "k", "all_to_all")
+    # node 0 never runs headless, and other nodes only so
+    assert main(["serve", "--headless"]) == 2
