@@ -400,6 +400,24 @@ class Worker:
         """Per committed EPLB weight move: decision / commit step, bytes, seconds."""
         return [] if self.ep is None else self.ep.move_stats
 
+    def experts_match_checkpoint(self) -> bool:
+        """Whether every expert slot of this rank holds the checkpoint's weights of the
+        logical expert its placement names (loads the checkpoint again: tests)."""
+        from deepinfer.engine import loader
+        from deepinfer.engine.moe.expert_parallel import decoder_moes
+
+        if self.ep is None:
+            return True
+        full = loader.load_model(self.args.model_dir, getattr(torch, self.args.dtype), "cpu")
+        per = self.ep.num_physical // self.args.world
+        mine = slice(self.args.rank * per, (self.args.rank + 1) * per)
+        for moe, reference in zip(self.ep.moes, decoder_moes(full)):
+            experts = moe.expert_parallel.phys2log[mine]
+            if not (torch.equal(moe.w13.data.cpu(), reference.w13.data[experts])
+                    and torch.equal(moe.w2.data.cpu(), reference.w2.data[experts])):
+                return False
+        return True
+
 
 def worker_main(args: WorkerArgs, conn) -> None:
     """A rank's process: build the `Worker`, then answer the executor until "stop"."""

@@ -210,7 +210,7 @@ class ExpertParallel:
     def __init__(self, model: torch.nn.Module, ep: EPGroup, num_redundant: int = 0,
                  window_steps: int = 1000, num_nodes: int = 1, ep_backend: str = "all_to_all"):
         self.ep, self.num_nodes = ep, num_nodes
-        self.moes = _decoder_moes(model)
+        self.moes = decoder_moes(model)
         if not self.moes:
             raise ValueError("expert parallelism needs a model with MoE layers; this one has "
                              "none (drop --enable-expert-parallel).")
@@ -317,7 +317,7 @@ def _set_maps(moe, phys2log: torch.Tensor) -> None:
     moe.expert_parallel._set_maps(phys2log)
 
 
-def _decoder_moes(model: torch.nn.Module) -> list:
+def decoder_moes(model: torch.nn.Module) -> list:
     """The MoE modules of the decoder layers (not MTP), in forward order."""
     layers = getattr(model, "layers", [])
     return [layer.mlp.moe for layer in layers

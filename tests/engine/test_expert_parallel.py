@@ -155,6 +155,7 @@ def test_two_ranks_dp_ep_match_one_process_and_a_dead_rank_stops_the_engine(
         assert torch.equal(placements[0], placements[1])             # one placement
         assert min(core.executor.call("num_rebalances")) >= 2
         _check_moves(core.executor.call("move_stats"))
+        assert core.executor.call("experts_match_checkpoint") == [True, True]
         stats = core.get_stats()
         assert len(stats.per_rank) == 2 and stats.num_running_reqs == 0
         # kill rank 1 in the middle of a generation: an error naming it, no hang
@@ -206,6 +207,7 @@ def test_two_nodes_of_two_ranks_match_one_process_and_a_dead_remote_rank_stops_t
         assert sorted(set(ranks)) == [0, 1, 2, 3]
         assert min(executor.call("num_rebalances")) >= 1
         _check_moves(executor.call("move_stats"))
+        assert executor.call("experts_match_checkpoint") == [True] * 4
         placements = executor.call("expert_placement")
         assert all(torch.equal(placements[0], other) for other in placements[1:])
         # every forwarded token (prompt + all but the last sampled one) chose top-2 experts in
