@@ -364,8 +364,8 @@ class Worker:
                 dist.all_reduce(torch.zeros(1, device=device), group=move_group)
             self.ep = enable_expert_parallel(
                 model, EPGroup(args.rank, args.world, dist.group.WORLD, move_group),
-                parallel.num_redundant_experts, parallel.eplb_window_steps, parallel.num_nodes,
-                args.ep_backend)
+                parallel.num_redundant_experts, parallel.eplb_window_steps,
+                _eplb_nodes(parallel, args.world), args.ep_backend)
         tokenizer = loader.load_tokenizer(args.model_dir)
         structured = grammar_manager(tokenizer, model.vocab_size, args.eos_token_ids,
                                      args.config.model.structured_outputs_backend)
@@ -417,6 +417,13 @@ class Worker:
                     and torch.equal(moe.w2.data.cpu(), reference.w2.data[experts])):
                 return False
         return True
+
+
+def _eplb_nodes(parallel, world: int) -> int:
+    """Nodes for EPLB's hierarchical policy, which assumes the same ranks on every node: the
+    nodes when node 0 (whose config every rank runs with) holds world / num_nodes ranks, else 1
+    (uneven nodes: the global policy)."""
+    return parallel.num_nodes if parallel.local_size * parallel.num_nodes == world else 1
 
 
 def worker_main(args: WorkerArgs, conn) -> None:
