@@ -191,7 +191,8 @@ def start_move(moes: list, old: list[torch.Tensor], new: torch.Tensor, rank: int
             continue
         src = plan_sources(layer_old, layer_new, world).tolist()
         weights = _weights(moe)
-        staging = {name: torch.empty_like(t) for name, t in weights.items()}
+        staging = {name: torch.empty(t.shape, dtype=t.dtype, device=t.device)   # contiguous
+                   for name, t in weights.items()}
         position = len(layers)
         layers.append(LayerMove(index, layer_new.clone(), staging))
         row_bytes = sum(_rows(t[:1]).shape[1] for t in weights.values())
