@@ -10,7 +10,8 @@ process group). A "step" is a fixed matmul loop (`--step-ms` on an idle core). P
 - async: post the move, run steps, and at each step boundary agree (all-reduce MIN) whether all
   ranks' transfers finished; commit then (the engine's path). Reports the steps that ran during
   the move, the time blocked in the commit's wait, and the steps' slowdown while the transfer
-  runs beside them (gloo's transport threads share the cores);
+  runs beside them (gloo's transport threads and the unpacking share the cores) against the
+  same number of steps run right after the commit;
 overlap = 1 - (async blocked + extra step time during the move) / sync blocked; medians of
 --trials (sync, async) pairs after one warm-up move.
 """
@@ -68,8 +69,7 @@ def _sync_move(args, rank: int, old, new, group) -> dict:
             "bytes": move.stats["bytes_sent"] + move.stats["bytes_received"]}
 
 
-def _async_move(args, rank: int, old, new, group, a: torch.Tensor, reps: int,
-                step_s: float) -> dict:
+def _async_move(args, rank: int, old, new, group, a: torch.Tensor, reps: int) -> dict:
     moes = _layers(args, rank)
     dist.barrier()
     move = start_move(moes, old, new, rank, args.ranks, group, 0)
@@ -84,9 +84,17 @@ def _async_move(args, rank: int, old, new, group, a: torch.Tensor, reps: int,
             break
     start = time.perf_counter()
     move.commit(moes, lambda moe, phys2log: None, in_place=False)
-    return {"async_blocked_s": time.perf_counter() - start, "steps": len(step_times),
-            "step_extra_s": sum(step_times) - len(step_times) * step_s,
-            "transfer_s": move.stats["transfer_s"]}
+    blocked_s = time.perf_counter() - start
+    # the same number of steps right after, with no move beside them (the A/B baseline)
+    dist.barrier()
+    baseline_s = 0.0
+    for _ in step_times:
+        start = time.perf_counter()
+        _step(a, reps)
+        baseline_s += time.perf_counter() - start
+        dist.all_reduce(torch.zeros(1))   # the same per-step collective as during the move
+    return {"async_blocked_s": blocked_s, "steps": len(step_times),
+            "step_extra_s": sum(step_times) - baseline_s, "transfer_s": move.stats["transfer_s"]}
 
 
 def _rank(rank: int, args, port: int, results) -> None:
@@ -107,7 +115,7 @@ def _rank(rank: int, args, port: int, results) -> None:
     step_s = statistics.median(idle)
     _sync_move(args, rank, old, new, move_group)   # warm: connections, allocator
     trials = [(_sync_move(args, rank, old, new, move_group),
-               _async_move(args, rank, old, new, move_group, a, reps, step_s))
+               _async_move(args, rank, old, new, move_group, a, reps))
               for _ in range(args.trials)]
     out = {"step_s": step_s, "bytes": trials[0][0]["bytes"]}
     for key in ("sync_blocked_s",):

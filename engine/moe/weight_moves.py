@@ -15,9 +15,10 @@ The ranks keep running steps with the old placement and the old weights (untouch
 sends read packed copies, the staging tensors are new), so outputs do not change while the
 move is in flight. At each later step boundary `PendingMove.locally_done()` says whether this
 rank's transfers finished (gloo: a helper thread waits on the works, since a gloo send/recv
-work only completes in `wait()`; NCCL: `Work.is_completed()`); the caller agrees on it over
-the EP group (all-reduce MIN) and, when every rank is done, `commit()` unpacks the received
-rows into the staging tensors and swaps them in (`moe.w13` / `moe.w2` / FP8 scales point at
+work only completes in `wait()`, and then unpacks the received rows into the staging tensors;
+NCCL: `Work.is_completed()`, the rows unpacked at the commit); the caller agrees on it over
+the EP group (all-reduce MIN) and, when every rank is done, `commit()` swaps the staging
+tensors in (`moe.w13` / `moe.w2` / FP8 scales point at
 the new tensors) together with the new maps.
 
 Memory: the staging tensors hold a changed layer's expert weights a second time until the
@@ -107,9 +108,17 @@ class PendingMove:
         try:
             for work in self.works:
                 work.wait()
+            self._unpack()   # off the step loop too: the staging tensors are not in use yet
         except BaseException as exc:   # noqa: BLE001 - raised by commit() on the step loop
             self._error.append(exc)
         self._finish_wait()
+
+    def _unpack(self) -> None:
+        """Copy the received rows into the staging tensors (once)."""
+        for buffer, where in self.recv:
+            for row, (position, slot) in zip(buffer, where):
+                _unpack_row(row, self.layers[position].staging, slot)
+        self.recv = []
 
     def _finish_wait(self) -> None:
         self.stats["transfer_s"] = time.perf_counter() - self.stats["posted_at"]
@@ -142,9 +151,7 @@ class PendingMove:
         the new maps (`set_maps(moe, new_phys2log)`). Every EP rank at the same step
         boundary."""
         self.wait()
-        for buffer, where in self.recv:
-            for row, (position, slot) in zip(buffer, where):
-                _unpack_row(row, self.layers[position].staging, slot)
+        self._unpack()
         for layer in self.layers:
             moe = moes[layer.index]
             for name, tensor in layer.staging.items():
