@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
 from deepinfer.engine.config import ParallelConfig
@@ -98,7 +100,7 @@ class RankListener:
         while not self.closed.is_set():
             try:
                 conn = self.listener.accept()    # runs the HMAC challenge
-            except OSError as exc:   # AuthenticationError included: a peer with another key
+            except (OSError, EOFError, AuthenticationError) as exc:   # e.g. another key
                 if self.closed.is_set():
                     return
                 with self.ready:
@@ -163,8 +165,8 @@ class RankListener:
         if self.closed.is_set():
             return
         self.closed.set()
-        try:
-            Client(self.address, authkey=self.authkey).close()   # wakes the accept
+        try:   # wake the accept with a bare connection (no handshake to block on)
+            socket.create_connection(self.address, timeout=2).close()
         except OSError:
             pass
         self.thread.join(5)
