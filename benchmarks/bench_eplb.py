@@ -17,6 +17,9 @@ Placements, per load and size:
   written out below), global policy;
 - ours global / ours hier.: `rebalance_experts` with 1 group (global) and with 8 groups over
   the nodes (hierarchical, the V3 deployment shape).
+- lower bound: the best max / mean any placement reaches with the replica budget
+  (`lower_bound`: a rank's share, the heaviest replica under the min-max replica counts, and the
+  slots-per-rank pigeonhole terms); the last column is ours-global's gap to it (worst layer).
 Balancedness = max / mean rank load (1.0 = perfect). Sizes: V3 256 experts + 32 redundant on 32
 ranks (4 nodes), + 64 redundant on 64 ranks (8 nodes; 288 slots do not split over 64 ranks);
 V2-Lite 64 experts + 16 redundant on 8 ranks (2 nodes). Time: median of 5 calls of
@@ -38,7 +41,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deepinfer.engine.moe.eplb import balancedness, rebalance_experts  # noqa: E402
+from deepinfer.engine.moe.eplb import (balancedness, rebalance_experts,  # noqa: E402
+                                       replicate_experts)
 
 TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
             num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4,
@@ -67,6 +71,34 @@ def greedy_reference(weight: torch.Tensor, num_replicas: int, num_gpus: int) -> 
             sizes[g] += 1
         result.append(max(loads) / (sum(loads) / num_gpus))
     return torch.tensor(result)
+
+
+def lower_bound(weight: torch.Tensor, num_replicas: int, num_gpus: int) -> torch.Tensor:
+    """The best max / mean rank load any placement can reach with this replica budget, per
+    layer [layers] float32 (each expert's load split evenly over its replicas, as ours does):
+
+    - mean: a rank's share (1.0);
+    - replica bound: the heaviest replica, min over replica counts r (sum r = num_replicas,
+      r_i >= 1) of max_i load_i / r_i; the greedy of `replicate_experts` attains that min
+      (give the next replica to the highest load per replica), so r* comes from it;
+    - slot bound, for those counts r*: each rank holds exactly P = num_replicas / num_gpus
+      replicas, so among the j * num_gpus + 1 heaviest replicas some rank holds j + 1
+      (pigeonhole; its load >= the j + 1 lightest of them), and the rank holding the heaviest
+      replica also holds P - 1 others (>= the P - 1 lightest replicas).
+    The first two hold for every placement; the slot term for the replica counts r* that both
+    ours and DeepSeek's policy pick (another r could trade a higher replica bound for it)."""
+    weight = weight.float()
+    phy2log, _, count = replicate_experts(weight, num_replicas)
+    replica = (weight / count).gather(1, phy2log).sort(dim=-1, descending=True).values
+    per = num_replicas // num_gpus
+    mean = weight.sum(-1) / num_gpus
+    bound = torch.maximum(mean, replica[:, 0])
+    for j in range(1, per):
+        top = replica[:, :j * num_gpus + 1]
+        bound = torch.maximum(bound, top[:, -(j + 1):].sum(-1))
+    if per > 1:
+        bound = torch.maximum(bound, replica[:, 0] + replica[:, -(per - 1):].sum(-1))
+    return bound / mean.clamp_min(1e-12)
 
 
 def no_eplb(weight: torch.Tensor, num_gpus: int) -> torch.Tensor:
@@ -137,9 +169,11 @@ def report(name: str, weight: torch.Tensor, replicas: int, gpus: int, nodes: int
     p2l, _, cnt = rebalance_experts(weight, replicas, 8, nodes, gpus)
     ours_hier = balancedness(weight, p2l, cnt, gpus)
     greedy = "-" if skip_greedy else mean_max(greedy_reference(weight, replicas, gpus))
+    bound = lower_bound(weight, replicas, gpus)
+    gap = (ours_global / bound - 1).max()   # the worst layer's distance from its own bound
     print(f"| {name} | {weight.shape[1]}+{replicas - weight.shape[1]} on {gpus} ({nodes} "
           f"nodes) | {mean_max(before)} | {greedy} | {mean_max(ours_global)} | "
-          f"{mean_max(ours_hier)} |", flush=True)
+          f"{mean_max(ours_hier)} | {mean_max(bound)} | {gap * 100:.2f}% |", flush=True)
 
 
 def time_rebalance(layers: int) -> None:
@@ -196,7 +230,8 @@ def main() -> None:
     args = parser.parse_args()
     layers = args.layers
     print("| load | slots on ranks | none (mean/max) | DeepSeek greedy | ours global | "
-          "ours hierarchical |\n|---|---|---|---|---|---|")
+          "ours hierarchical | lower bound | ours global over bound (worst layer) |\n"
+          "|---|---|---|---|---|---|---|---|")
     loads_v3 = {"recorded tiny V3 router": record_routing(256, 8, True, layers),
                 "Zipf s=0.8": zipf(layers, 256, 0.8, 1), "Zipf s=1.2": zipf(layers, 256, 1.2, 2),
                 "all on one expert": one_hot(layers, 256)}

@@ -325,9 +325,26 @@ class ParallelConfig:
     eplb_window_steps: steps of routing load the balancer looks at (sliding window).
     eplb_interval_steps: steps between rebalances.
     master_addr, master_port: the rendezvous of the ranks' process group (as torchrun's
-        MASTER_ADDR/PORT); port 0 picks a free one (one node only).
-    num_nodes, node_rank: several nodes join the same rendezvous; each node runs
-        data_parallel_size / num_nodes ranks (global ranks node_rank * that + local rank).
+        MASTER_ADDR/PORT; the node of rank 0); port 0 picks a free one (one node only).
+    num_nodes, node_rank: several nodes join the same rendezvous (torchrun's --nnodes /
+        --node-rank). Node 0 runs the engine core (and the API server) with its ranks; every
+        other node runs `deepinfer serve --headless` (engine/dp_node.py), whose ranks connect
+        to node 0's engine core for their steps (the control channel).
+    data_parallel_size_local: ranks on this node (vLLM's name); None = data_parallel_size /
+        num_nodes.
+    data_parallel_start_rank: this node's first global rank; None = node_rank x local ranks.
+        Node 0 starts at rank 0.
+    data_parallel_rpc_port: node 0's port for the other nodes' ranks (the control channel, on
+        master_addr); fixed (not 0) with several nodes.
+    rendezvous_timeout_s: how long node 0 waits for every other node's ranks to connect, and a
+        headless node for node 0 to listen; past it the engine (or the node) stops with an
+        error naming the ranks missing.
+    rpc_secret: the shared key of the control channel (HMAC challenge before any message is
+        read); needed with several nodes, the same on every node. Environment only
+        (DEEPINFER_DP_RPC_SECRET): a flag would show in `ps`.
+    ep_backend: expert-parallel dispatch/combine: "all_to_all" (torch.distributed
+        all_to_all_single, any backend), "deep_ep" (DeepEP's Buffer, CUDA, when the `deep_ep`
+        package is installed) or "auto" (deep_ep on CUDA when importable, else all_to_all).
     rank_timeout_s: a rank that does not answer (or a collective that does not finish) in
         this many seconds ends the engine with an error.
     """
@@ -341,10 +358,19 @@ class ParallelConfig:
                                         flag="num_redundant_experts")
     eplb_window_steps: int = _field(1000, env="DEEPINFER_EPLB_WINDOW_STEPS")
     eplb_interval_steps: int = _field(3000, env="DEEPINFER_EPLB_INTERVAL_STEPS")
-    master_addr: str = _field("127.0.0.1", env="DEEPINFER_MASTER_ADDR")
-    master_port: int = _field(0, env="DEEPINFER_MASTER_PORT")
-    num_nodes: int = _field(1, env="DEEPINFER_NUM_NODES")
-    node_rank: int = _field(0, env="DEEPINFER_NODE_RANK")
+    master_addr: str = _field("127.0.0.1", env="DEEPINFER_MASTER_ADDR", flag="master_addr")
+    master_port: int = _field(0, env="DEEPINFER_MASTER_PORT", flag="master_port")
+    num_nodes: int = _field(1, env="DEEPINFER_NUM_NODES", flag="nnodes")
+    node_rank: int = _field(0, env="DEEPINFER_NODE_RANK", flag="node_rank")
+    data_parallel_size_local: int | None = _field(
+        None, env="DEEPINFER_DATA_PARALLEL_SIZE_LOCAL", flag="data_parallel_size_local")
+    data_parallel_start_rank: int | None = _field(
+        None, env="DEEPINFER_DATA_PARALLEL_START_RANK", flag="data_parallel_start_rank")
+    data_parallel_rpc_port: int = _field(0, env="DEEPINFER_DATA_PARALLEL_RPC_PORT",
+                                         flag="data_parallel_rpc_port")
+    rendezvous_timeout_s: float = _field(300.0, env="DEEPINFER_RENDEZVOUS_TIMEOUT_S")
+    rpc_secret: str = _field("", env="DEEPINFER_DP_RPC_SECRET")
+    ep_backend: str = _field("auto", env="DEEPINFER_EP_BACKEND", flag="ep_backend")
     rank_timeout_s: float = _field(120.0, env="DEEPINFER_RANK_TIMEOUT_S")
 
     def __post_init__(self) -> None:
@@ -372,6 +398,44 @@ class ParallelConfig:
             self.master_port or self.num_nodes == 1),
             "master_port must be a port number, and fixed (not 0) with several nodes.")
         _check("rank_timeout_s", self.rank_timeout_s > 0, "rank_timeout_s must be > 0.")
+        self._check_nodes()
+        _check("ep_backend", self.ep_backend in ("auto", "all_to_all", "deep_ep"),
+               f"ep_backend={self.ep_backend!r} is not supported; use auto, all_to_all or "
+               "deep_ep.")
+
+    def _check_nodes(self) -> None:
+        local, start = self.local_size, self.start_rank
+        _check("data_parallel_size_local", 1 <= local and start + local
+               <= self.data_parallel_size, f"this node's ranks [{start}, {start + local}) "
+               f"must lie in [0, data_parallel_size={self.data_parallel_size}); fix "
+               "--data-parallel-size-local / --data-parallel-start-rank.")
+        _check("data_parallel_start_rank", start >= 0 and (self.node_rank > 0 or start == 0),
+               f"data_parallel_start_rank={start}: node 0 (the engine core's) starts at rank 0 "
+               "and others at a rank >= 0.")
+        several = self.num_nodes > 1
+        _check("data_parallel_rpc_port", 0 <= self.data_parallel_rpc_port < 65536 and (
+            self.data_parallel_rpc_port or not several),
+            "data_parallel_rpc_port must be a port number, and fixed (not 0) with several "
+            "nodes (node 0 listens there for the other nodes' ranks).")
+        _check("rpc_secret", bool(self.rpc_secret) or not several,
+               "several nodes share a control channel that needs a key: set "
+               "DEEPINFER_DP_RPC_SECRET to the same secret on every node.")
+        _check("rendezvous_timeout_s", self.rendezvous_timeout_s > 0,
+               "rendezvous_timeout_s must be > 0.")
+
+    @property
+    def local_size(self) -> int:
+        """Ranks on this node."""
+        if self.data_parallel_size_local is not None:
+            return self.data_parallel_size_local
+        return self.data_parallel_size // self.num_nodes
+
+    @property
+    def start_rank(self) -> int:
+        """This node's first global rank."""
+        if self.data_parallel_start_rank is not None:
+            return self.data_parallel_start_rank
+        return self.node_rank * self.local_size
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,17 @@ Each rank (spawned with torch.multiprocessing's "spawn" context, supervised here
   through the MoE collectives — counts expert loads, runs EPLB every eplb_interval_steps, and
   sends back its `ModelRunnerOutput`.
 
-Supervision: the executor waits on the ranks' pipes and process sentinels together; a rank
-that exits, reports an error, or does not answer within rank_timeout_s raises
-`EngineDeadError` naming the rank (a failed collective leaves the ranks out of step, so no
-retry), and `shutdown()` ends the workers. Steps run blocking (the core's async scheduling is
-off with this executor). The KV store bridge is not supported here.
+Several nodes (engine/dp_rpc.py, engine/dp_node.py): this executor runs on node 0 with its
+ranks [0, L0); the ranks of the other nodes (spawned there by `deepinfer serve --headless`)
+connect to it over TCP and are driven through those connections exactly like the local pipes.
+
+Supervision: the executor waits on the ranks' connections and the local processes' sentinels
+together; a rank that exits (a remote one: its connection closes), reports an error, or does
+not answer within rank_timeout_s raises `EngineDeadError` naming the rank (a failed collective
+leaves the ranks out of step, so no retry), and `shutdown()` ends the workers (the other
+nodes' launchers stop when their ranks do). A rank of another node that does not connect
+within rendezvous_timeout_s fails the start the same way. Steps run blocking (the core's async
+scheduling is off with this executor). The KV store bridge is not supported here.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class WorkerArgs:
     local_rank: int
     world: int
     master_port: int
+    ep_backend: str = "all_to_all"   # resolved on node 0 (engine/moe/ep_backends.py)
 
 
 def free_port(addr: str) -> int:
@@ -82,36 +89,53 @@ class MultiProcExecutor:
 
     def __init__(self, config: EngineConfig, model_dir, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int]):
+        from deepinfer.engine.dp_rpc import RankListener
+        from deepinfer.engine.moe.ep_backends import resolve_ep_backend
+
         parallel = config.parallel
-        if parallel.num_nodes != 1:
-            raise ValueError("several nodes are configured, and this executor drives the ranks "
-                             "of one node only; run with num_nodes=1.")
         self.timeout_s = parallel.rank_timeout_s
         port = parallel.master_port or free_port(parallel.master_addr)
-        world = parallel.data_parallel_size
+        world, local = parallel.data_parallel_size, parallel.local_size
         ctx = mp.get_context("spawn")
         self.processes, self.conns, self.dead = [], [], False
-        for rank in range(world):
+        self.remote_pids: dict[int, int] = {}   # rank of another node -> its pid there
+        ep_backend = (resolve_ep_backend(parallel.ep_backend, device.type)
+                      if parallel.enable_expert_parallel else "all_to_all")
+        listener = RankListener(parallel) if local < world else None
+
+        def worker_args(rank: int, local_rank: int) -> WorkerArgs:
+            return WorkerArgs(config, str(model_dir), device.type, str(dtype).split(".")[-1],
+                              eos_token_ids, rank, local_rank, world, port, ep_backend)
+
+        for rank in range(local):
             parent, child = ctx.Pipe()
-            args = WorkerArgs(config, str(model_dir), device.type, str(dtype).split(".")[-1],
-                              eos_token_ids, rank, rank, world, port)
-            process = ctx.Process(target=worker_main, args=(args, child), daemon=True,
-                                  name=f"deepinfer-rank{rank}")
+            process = ctx.Process(target=worker_main, args=(worker_args(rank, rank), child),
+                                  daemon=True, name=f"deepinfer-rank{rank}")
             process.start()
             child.close()
             self.processes.append(process)
             self.conns.append(parent)
         try:
+            if listener is not None:
+                joined = listener.accept_ranks(list(range(local, world)),
+                                               parallel.rendezvous_timeout_s, worker_args)
+                self.conns += [joined[rank][0] for rank in range(local, world)]
+                self.remote_pids = {rank: joined[rank][1] for rank in range(local, world)}
             ready = self._collect("start", STARTUP_TIMEOUT_S)
         except BaseException:
+            self.dead = True
             self.shutdown()
             raise
+        finally:
+            if listener is not None:
+                listener.close()
         self.num_blocks_per_rank = [r["num_blocks"] for r in ready]
         self.num_blocks = min(self.num_blocks_per_rank)
         self.block_bytes = ready[0]["block_bytes"]
         self.kv_cache_spec = ready[0]["kv_cache_spec"]
-        logger.info("%d ranks up (pids %s), KV blocks per rank %s", world,
-                    [p.pid for p in self.processes], self.num_blocks_per_rank)
+        logger.info("%d ranks up (%d here, pids %s; %d on other nodes), KV blocks per rank %s",
+                    world, local, [p.pid for p in self.processes], world - local,
+                    self.num_blocks_per_rank)
 
     def _collect(self, what: str, timeout_s: float | None = None) -> list:
         """Each rank's answer; EngineDeadError when a rank dies, fails or is late (after
@@ -132,7 +156,8 @@ class MultiProcExecutor:
                 raise EngineDeadError(f"rank {pending[0]} did not finish {what} within "
                                       f"{timeout_s:.0f} s; the engine stops.")
             ready = wait([self.conns[r] for r in pending]
-                         + [self.processes[r].sentinel for r in pending], timeout=left)
+                         + [self.processes[r].sentinel for r in pending
+                            if r < len(self.processes)], timeout=left)
             for rank in pending:
                 conn = self.conns[rank]
                 if conn in ready or conn.poll():
@@ -146,6 +171,14 @@ class MultiProcExecutor:
                     if status == "ok":
                         answers[rank] = payload
                         continue
+                    if rank >= len(self.processes):   # a rank of another node
+                        self._raise_if_a_rank_died(what, grace_s=1.0)
+                        raise EngineDeadError(
+                            f"rank {rank} (pid {self.remote_pids.get(rank)} on another node) "
+                            f"closed its connection during {what}: it died or its node "
+                            "stopped; the engine stops (restart every node).")
+                if rank >= len(self.processes):
+                    continue
                 process = self.processes[rank]
                 if not process.is_alive():
                     process.join(1)
@@ -155,21 +188,36 @@ class MultiProcExecutor:
         return [answers[r] for r in range(len(self.conns))]
 
     def _raise_if_a_rank_died(self, what: str, grace_s: float) -> None:
-        """A collective fails on the surviving ranks when a peer dies: name the dead one."""
-        wait([p.sentinel for p in self.processes], timeout=grace_s)
+        """A collective fails on the surviving ranks when a peer dies: name the dead one (a
+        local process that exited, or a rank of another node whose connection closed)."""
+        remote = self.conns[len(self.processes):]
+        wait([p.sentinel for p in self.processes] + remote, timeout=grace_s)
         for rank, process in enumerate(self.processes):
             if not process.is_alive():
                 process.join(1)
                 raise EngineDeadError(
                     f"rank {rank} (pid {process.pid}) exited with code {process.exitcode} "
                     f"during {what}; the engine stops (restart it).")
+        for rank, conn in enumerate(remote, start=len(self.processes)):
+            try:
+                if conn.poll():
+                    conn.recv()   # a survivor's own error (it exits after): not the dead one
+                    continue
+            except (EOFError, OSError):
+                raise EngineDeadError(
+                    f"rank {rank} (pid {self.remote_pids.get(rank)} on another node) closed "
+                    f"its connection during {what}: it died or its node stopped; the engine "
+                    "stops (restart every node).") from None
 
     def _send(self, messages: list) -> None:
         for rank, (conn, message) in enumerate(zip(self.conns, messages)):
             try:
                 conn.send(message)
-            except (BrokenPipeError, ConnectionError, EOFError):
+            except (BrokenPipeError, ConnectionError, EOFError, OSError):
                 self.dead = True
+                if rank >= len(self.processes):
+                    raise EngineDeadError(f"rank {rank} (pid {self.remote_pids.get(rank)} on "
+                                          "another node) is gone; the engine stops.") from None
                 raise EngineDeadError(f"rank {rank} (pid {self.processes[rank].pid}) is gone "
                                       f"(exit code {self.processes[rank].exitcode}); the engine "
                                       "stops.") from None
@@ -198,7 +246,7 @@ class MultiProcExecutor:
             try:
                 conn.send(("stop", None))
             except (OSError, ValueError):
-                pass
+                pass   # the other nodes' ranks see their connection close and stop
         for process in self.processes:
             process.join(0 if self.dead else 5)
             if process.is_alive():
@@ -223,8 +271,9 @@ class MultiProcExecutor:
 
 class EPLBSchedule:
     """After each step of a rank with expert parallelism: the idle MoE pass when the rank had
-    no tokens (several ranks only), the load window's step, and EPLB every
-    eplb_interval_steps (all ranks run the same steps, so they rebalance together)."""
+    no tokens (several ranks only), the load window's step, the commit of a weight move in
+    flight once every rank received its weights, and EPLB every eplb_interval_steps (which
+    starts a move; all ranks run the same steps, so they rebalance and commit together)."""
 
     def __init__(self, ep, parallel):
         self.ep, self.parallel, self.num_steps = ep, parallel, 0
@@ -234,8 +283,13 @@ class EPLBSchedule:
             self.ep.run_idle_step()   # the other ranks' MoE collectives need this one
         self.ep.end_step()
         self.num_steps += 1
+        if self.ep.pending_move is not None:   # this step ran while the weights moved
+            stats = self.ep.pending_move.stats
+            stats["tokens_during_move"] = (stats.get("tokens_during_move", 0)
+                                           + scheduler_output.total_num_scheduled_tokens)
+        self.ep.commit_if_moved(self.num_steps)
         if self.parallel.enable_eplb and self.num_steps % self.parallel.eplb_interval_steps == 0:
-            self.ep.rebalance()
+            self.ep.start_rebalance(self.num_steps)
 
 
 class LocalEPExecutor(UniProcExecutor):
@@ -246,10 +300,12 @@ class LocalEPExecutor(UniProcExecutor):
                  structured_output=None):
         from deepinfer.engine.moe.expert_parallel import EPGroup, enable_expert_parallel
 
+        from deepinfer.engine.moe.ep_backends import resolve_ep_backend
+
         parallel = config.parallel
         self.expert_parallel = enable_expert_parallel(
             model, EPGroup(), parallel.num_redundant_experts, parallel.eplb_window_steps,
-            parallel.num_nodes)
+            parallel.num_nodes, resolve_ep_backend(parallel.ep_backend, device.type))
         self.eplb = EPLBSchedule(self.expert_parallel, parallel)
         super().__init__(config, model, device, dtype, eos_token_ids, structured_output)
 
@@ -300,9 +356,16 @@ class Worker:
         model = loader.load_model(args.model_dir, dtype, device)
         self.ep = None
         if parallel.enable_expert_parallel:
+            # EPLB's background weight moves get a group of their own (module doc of
+            # engine/moe/weight_moves.py)
+            move_group = dist.new_group(list(range(args.world))) if args.world > 1 else None
+            if move_group is not None:   # a first collective with every rank: NCCL then
+                # allows the later batched point-to-point calls that involve only some ranks
+                dist.all_reduce(torch.zeros(1, device=device), group=move_group)
             self.ep = enable_expert_parallel(
-                model, EPGroup(args.rank, args.world, dist.group.WORLD),
-                parallel.num_redundant_experts, parallel.eplb_window_steps, parallel.num_nodes)
+                model, EPGroup(args.rank, args.world, dist.group.WORLD, move_group),
+                parallel.num_redundant_experts, parallel.eplb_window_steps,
+                _eplb_nodes(parallel, args.world), args.ep_backend)
         tokenizer = loader.load_tokenizer(args.model_dir)
         structured = grammar_manager(tokenizer, model.vocab_size, args.eos_token_ids,
                                      args.config.model.structured_outputs_backend)
@@ -332,6 +395,35 @@ class Worker:
 
     def num_rebalances(self) -> int:
         return 0 if self.ep is None else self.ep.num_rebalances
+
+    def move_stats(self) -> list[dict]:
+        """Per committed EPLB weight move: decision / commit step, bytes, seconds."""
+        return [] if self.ep is None else self.ep.move_stats
+
+    def experts_match_checkpoint(self) -> bool:
+        """Whether every expert slot of this rank holds the checkpoint's weights of the
+        logical expert its placement names (loads the checkpoint again: tests)."""
+        from deepinfer.engine import loader
+        from deepinfer.engine.moe.expert_parallel import decoder_moes
+
+        if self.ep is None:
+            return True
+        full = loader.load_model(self.args.model_dir, getattr(torch, self.args.dtype), "cpu")
+        per = self.ep.num_physical // self.args.world
+        mine = slice(self.args.rank * per, (self.args.rank + 1) * per)
+        for moe, reference in zip(self.ep.moes, decoder_moes(full)):
+            experts = moe.expert_parallel.phys2log[mine]
+            if not (torch.equal(moe.w13.data.cpu(), reference.w13.data[experts])
+                    and torch.equal(moe.w2.data.cpu(), reference.w2.data[experts])):
+                return False
+        return True
+
+
+def _eplb_nodes(parallel, world: int) -> int:
+    """Nodes for EPLB's hierarchical policy, which assumes the same ranks on every node: the
+    nodes when node 0 (whose config every rank runs with) holds world / num_nodes ranks, else 1
+    (uneven nodes: the global policy)."""
+    return parallel.num_nodes if parallel.local_size * parallel.num_nodes == world else 1
 
 
 def worker_main(args: WorkerArgs, conn) -> None:

@@ -162,6 +162,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--kv-store-ttl-s", type=int, default=keep,
                        help="expiry of blocks stored in Redis, seconds; 0 = never (default 86400)")
     _add_speculative_flags(serve, keep)
+    _add_multinode_flags(serve, keep)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes and the API "
                             "docs (default: $DEEPINFER_API_KEY; unset = no authentication; "
@@ -184,6 +185,36 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     add_limit_flags(serve)
+
+
+def _add_multinode_flags(serve: argparse.ArgumentParser, keep: Any) -> None:
+    """Data/expert parallelism over several nodes (ParallelConfig, engine/dp_node.py): torchrun's
+    names, with vLLM's where it has one."""
+    serve.add_argument("--headless", action="store_true",
+                       help="a node other than 0: run this node's ranks only (no API server, "
+                            "no engine core); they join node 0's engine core")
+    serve.add_argument("--nnodes", type=int, default=keep, metavar="N",
+                       help="nodes the ranks span (default 1)")
+    serve.add_argument("--node-rank", type=int, default=keep,
+                       help="this node's index; 0 runs the API server (default 0)")
+    serve.add_argument("--master-addr", "--data-parallel-address", dest="master_addr",
+                       default=keep, metavar="ADDR",
+                       help="node 0's address: the ranks' rendezvous and the engine core's "
+                            "control port (default 127.0.0.1)")
+    serve.add_argument("--master-port", type=int, default=keep,
+                       help="the ranks' rendezvous port (torch.distributed; default: a free "
+                            "one, which needs fixing with several nodes)")
+    serve.add_argument("--data-parallel-rpc-port", type=int, default=keep,
+                       help="node 0's port for the other nodes' ranks (their steps); needed "
+                            "with several nodes, with DEEPINFER_DP_RPC_SECRET set alike")
+    serve.add_argument("--data-parallel-size-local", type=int, default=keep, metavar="L",
+                       help="ranks on this node (default: --data-parallel-size / --nnodes)")
+    serve.add_argument("--data-parallel-start-rank", type=int, default=keep,
+                       help="this node's first rank (default: --node-rank x ranks per node)")
+    serve.add_argument("--ep-backend", choices=["auto", "all_to_all", "deep_ep"],
+                       default=keep, help="expert-parallel dispatch/combine: all_to_all "
+                       "(torch.distributed), deep_ep (DeepEP, CUDA, when installed) or auto "
+                       "(default)")
 
 
 def _add_speculative_flags(serve: argparse.ArgumentParser, keep: Any) -> None:
@@ -379,6 +410,18 @@ def _serve_encoder(config: Any, args: argparse.Namespace, key: Any, limits: Any)
     return 0
 
 
+def _serve_headless(config: Any, args: argparse.Namespace) -> int:
+    """This node's ranks only (engine/dp_node.py): node 0 serves the API."""
+    if not args.headless or config.parallel.node_rank == 0:
+        print(f"deepinfer: invalid configuration: node_rank={config.parallel.node_rank} "
+              f"{'with' if args.headless else 'without'} --headless; node 0 serves the API "
+              "(no --headless), every other node runs --headless.", file=sys.stderr)
+        return 2
+    from deepinfer.engine.dp_node import run_headless
+
+    return run_headless(config)
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -388,10 +431,13 @@ def serve(args: argparse.Namespace) -> int:
         limits = limits_from_args(args)
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
-        _check_listen_address(args.host, args.port)   # last: the flags' own errors come first
+        if not args.headless:   # a headless node serves no HTTP
+            _check_listen_address(args.host, args.port)   # last: the flags' own errors first
     except ValueError as exc:
         print(f"deepinfer: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if args.headless or config.parallel.node_rank > 0:
+        return _serve_headless(config, args)
     print(f"deepinfer: API key {'required on /v1 routes' if key else 'not set: the API is open'}",
           flush=True)
     # SIGTERM while loading (a pod deleted during a long load) exits at once with 143; the

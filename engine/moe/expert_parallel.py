@@ -1,7 +1,9 @@
 """Expert parallelism (EP) for the MoE layers of a model: routed experts split over the ranks of
 a process group by a physical placement, tokens dispatched to the ranks holding their experts
 and combined back with `all_to_all_single`; device-side expert load counters over a sliding
-window; EPLB rebalancing that moves expert weights between ranks at a step boundary.
+window; EPLB rebalancing: a new placement decided at a step boundary, the expert weights
+moved between ranks in the background while later steps run on the old placement, committed at
+a later step boundary (engine/moe/weight_moves.py).
 
 Placement (per MoE layer): P = num_experts + num_redundant physical slots, rank r holds slots
 [r * P / world, (r + 1) * P / world) (its `w13` / `w2` rows); `phys2log[p]` is the logical
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from deepinfer.engine.moe.eplb import rebalance_experts
 from deepinfer.engine.moe.gating import select_experts
+from deepinfer.engine.moe.weight_moves import PendingMove, start_move
 from deepinfer.kernels.moe import moe_experts
 
 __all__ = ["EPGroup", "ExpertLoadRecorder", "ExpertParallel", "enable_expert_parallel"]
@@ -42,11 +45,13 @@ __all__ = ["EPGroup", "ExpertLoadRecorder", "ExpertParallel", "enable_expert_par
 
 @dataclass(frozen=True)
 class EPGroup:
-    """The EP ranks: `group` None means one rank (no collectives)."""
+    """The EP ranks: `group` None means one rank (no collectives). `move_group`: the process
+    group EPLB's weight moves use (point-to-point, in the background); None = `group`."""
 
     rank: int = 0
     world: int = 1
     group: object | None = None
+    move_group: object | None = None
 
 
 class ExpertLoadRecorder:
@@ -102,6 +107,7 @@ class ExpertParallelMoE:
                                   dtype=torch.int64, device=device)
         self.count = torch.zeros(moe.routing.num_experts, dtype=torch.int64, device=device)
         self._set_maps(phys2log)
+        self.deep_ep = None   # a DeepEPDispatcher with ep_backend "deep_ep"
 
     def _set_maps(self, phys2log: torch.Tensor) -> None:
         """Rebuild log2phy / count from a placement [P] (replicas in slot order)."""
@@ -135,6 +141,9 @@ class ExpertParallelMoE:
             return moe_experts(hidden, moe.w13, moe.w2, topk_weights,
                                physical.view(num_tokens, top_k), backend=moe.backend,
                                settings=moe.kernel_config)
+        if self.deep_ep is not None:   # engine/moe/ep_backends.py
+            return self.deep_ep.forward(moe, hidden, topk_weights,
+                                        physical.view(num_tokens, top_k))
         return self._dispatch_combine(moe, hidden, topk_weights, physical)
 
     def _dispatch_combine(self, moe, hidden: torch.Tensor, topk_weights: torch.Tensor,
@@ -182,35 +191,6 @@ class ExpertParallelMoE:
                              device=moe.w13.device)
         self.forward(moe, hidden)
 
-    def move_to(self, moe, new_phys2log: torch.Tensor) -> None:
-        """Apply a new placement [P]: every rank fetches the weights of its new slots from a
-        rank holding that expert now (the first replica in the old placement), in one
-        all_to_all of [w13 | w2] rows; then the maps change. Collective over the EP group."""
-        ep, per = self.ep, self.per_rank
-        old_first = self.log2phy[:, 0].cpu()                      # a current slot per expert
-        src_slot = old_first[new_phys2log]                        # [P] where each comes from
-        src_rank, dst_rank = src_slot // per, torch.arange(self.num_physical) // per
-        w13, w2 = moe.w13.data, moe.w2.data
-        rows = torch.cat([w13.reshape(w13.shape[0], -1), w2.reshape(w2.shape[0], -1)], dim=1)
-        # sent by me: slots whose source is me, ordered by (destination rank, new slot)
-        mine = torch.nonzero(src_rank == ep.rank).squeeze(1)      # already in new-slot order
-        mine = mine[torch.sort(dst_rank[mine], stable=True).indices]
-        send = torch.bincount(dst_rank[mine], minlength=ep.world).tolist()
-        incoming = torch.nonzero(dst_rank == ep.rank).squeeze(1)  # my new slots
-        incoming = incoming[torch.sort(src_rank[incoming], stable=True).indices]
-        recv = torch.bincount(src_rank[incoming], minlength=ep.world).tolist()
-        payload = rows[(src_slot[mine] % per).to(rows.device)]
-        if ep.world == 1:
-            got = payload
-        else:
-            got = _all_to_all(payload, send, recv, ep)
-        new_rows = torch.empty_like(rows)
-        new_rows[(incoming % per).to(rows.device)] = got
-        split = w13[0].numel()
-        w13.copy_(new_rows[:, :split].view_as(w13))
-        w2.copy_(new_rows[:, split:].view_as(w2))
-        self._set_maps(new_phys2log)
-
 
 class ExpertParallel:
     """EP over all decoder MoE layers of a model, plus the load counters and EPLB.
@@ -221,14 +201,16 @@ class ExpertParallel:
         num_redundant: extra physical slots per layer; num_experts + it must divide by world.
         window_steps: load counter window (steps).
         num_nodes: for EPLB's hierarchical policy.
+        ep_backend: the resolved dispatch/combine backend, "all_to_all" or "deep_ep"
+            (engine/moe/ep_backends.py `resolve_ep_backend`).
     The initial placement puts slot p on expert p % num_experts (replicas of the first
     experts); each rank keeps only its slots' weights.
     """
 
     def __init__(self, model: torch.nn.Module, ep: EPGroup, num_redundant: int = 0,
-                 window_steps: int = 1000, num_nodes: int = 1):
+                 window_steps: int = 1000, num_nodes: int = 1, ep_backend: str = "all_to_all"):
         self.ep, self.num_nodes = ep, num_nodes
-        self.moes = _decoder_moes(model)
+        self.moes = decoder_moes(model)
         if not self.moes:
             raise ValueError("expert parallelism needs a model with MoE layers; this one has "
                              "none (drop --enable-expert-parallel).")
@@ -250,7 +232,16 @@ class ExpertParallel:
             moe.w2 = torch.nn.Parameter(moe.w2.data[mine].clone(), requires_grad=False)
             moe.expert_parallel = ExpertParallelMoE(moe, ep, phys2log, self.loads.step_load[i],
                                                     num_redundant + 1)
+        if ep_backend == "deep_ep" and ep.world > 1:
+            from deepinfer.engine.moe.ep_backends import DeepEPDispatcher
+
+            dispatcher = DeepEPDispatcher(ep.group, self.moes[0].gate_weight.shape[1],
+                                          self.num_physical)
+            for moe in self.moes:
+                moe.expert_parallel.deep_ep = dispatcher
         self.num_rebalances = 0
+        self.pending_move: PendingMove | None = None
+        self.move_stats: list[dict] = []   # per committed move: steps, bytes, seconds
 
     def placement(self) -> torch.Tensor:
         """[layers, P] int64: the current physical -> logical map."""
@@ -265,10 +256,18 @@ class ExpertParallel:
     def end_step(self) -> None:
         self.loads.end_step()
 
-    def rebalance(self) -> torch.Tensor:
+    @property
+    def move_pending(self) -> bool:
+        return self.pending_move is not None
+
+    def start_rebalance(self, step: int = 0) -> torch.Tensor:
         """EPLB: sum the window's loads over the ranks, compute a new placement
-        (`rebalance_experts`, the same on every rank), move the weights. Collective.
-        Returns the new placement [layers, P]."""
+        (`rebalance_experts`, the same on every rank) and start moving the weights
+        (engine/moe/weight_moves.py); the old placement serves until `commit_if_moved`
+        commits. One rank: the move commits at once. A move still in flight is finished
+        first. Collective. Returns the new placement [layers, P]."""
+        if self.pending_move is not None:
+            self._commit(step)
         load = self.loads.window_load()
         if self.ep.world > 1:
             dist.all_reduce(load, group=self.ep.group)
@@ -277,13 +276,48 @@ class ExpertParallel:
         phys2log, _, _ = rebalance_experts(load.cpu(), self.num_physical, groups, nodes,
                                            self.ep.world)
         with torch.inference_mode():
-            for moe, layer_map in zip(self.moes, phys2log):
-                moe.expert_parallel.move_to(moe, layer_map)
+            self.pending_move = start_move(
+                self.moes, [moe.expert_parallel.phys2log for moe in self.moes], phys2log,
+                self.ep.rank, self.ep.world, self.ep.move_group or self.ep.group, step)
         self.num_rebalances += 1
+        if self.ep.world == 1:
+            self._commit(step)
+        return phys2log
+
+    def commit_if_moved(self, step: int) -> bool:
+        """At a step boundary with a move in flight: commit it when every rank's transfers
+        finished (all-reduce MIN of the ranks' flags over the EP group, so all commit at the
+        same boundary). Collective. Returns whether it committed."""
+        if self.pending_move is None:
+            return False
+        done = torch.tensor([int(self.pending_move.locally_done())],
+                            device=self.loads.step_load.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.ep.group)
+        if not bool(done.item()):
+            return False
+        self._commit(step)
+        return True
+
+    def _commit(self, step: int) -> None:
+        move, self.pending_move = self.pending_move, None
+        with torch.inference_mode():
+            move.commit(self.moes, _set_maps, in_place=self.ep.world == 1)
+        move.stats.update(decision_step=move.decision_step, commit_step=step)
+        self.move_stats.append(move.stats)
+
+    def rebalance(self) -> torch.Tensor:
+        """`start_rebalance` and wait for the move to commit (blocking; benchmarks)."""
+        phys2log = self.start_rebalance()
+        if self.pending_move is not None:
+            self._commit(0)
         return phys2log
 
 
-def _decoder_moes(model: torch.nn.Module) -> list:
+def _set_maps(moe, phys2log: torch.Tensor) -> None:
+    moe.expert_parallel._set_maps(phys2log)
+
+
+def decoder_moes(model: torch.nn.Module) -> list:
     """The MoE modules of the decoder layers (not MTP), in forward order."""
     layers = getattr(model, "layers", [])
     return [layer.mlp.moe for layer in layers
@@ -291,6 +325,7 @@ def _decoder_moes(model: torch.nn.Module) -> list:
 
 
 def enable_expert_parallel(model: torch.nn.Module, ep: EPGroup, num_redundant: int = 0,
-                           window_steps: int = 1000, num_nodes: int = 1) -> ExpertParallel:
+                           window_steps: int = 1000, num_nodes: int = 1,
+                           ep_backend: str = "all_to_all") -> ExpertParallel:
     """Split `model`'s routed experts over `ep` (see `ExpertParallel`)."""
-    return ExpertParallel(model, ep, num_redundant, window_steps, num_nodes)
+    return ExpertParallel(model, ep, num_redundant, window_steps, num_nodes, ep_backend)
