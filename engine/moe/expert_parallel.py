@@ -140,7 +140,8 @@ class ExpertParallelMoE:
         if self.ep.world == 1:
             return moe_experts(hidden, moe.w13, moe.w2, topk_weights,
                                physical.view(num_tokens, top_k), backend=moe.backend,
-                               settings=moe.kernel_config)
+                               settings=moe.kernel_config, w13_scale=moe.w13_scale,
+                               w2_scale=moe.w2_scale)
         if self.deep_ep is not None:   # engine/moe/ep_backends.py
             return self.deep_ep.forward(moe, hidden, topk_weights,
                                         physical.view(num_tokens, top_k))
@@ -151,7 +152,8 @@ class ExpertParallelMoE:
         x, slot, route = self.dispatch(hidden, physical, topk_weights.shape[1])
         if x.shape[0]:
             y = moe_experts(x, moe.w13, moe.w2, torch.ones(x.shape[0], 1, device=x.device),
-                            slot[:, None], backend=moe.backend, settings=moe.kernel_config)
+                            slot[:, None], backend=moe.backend, settings=moe.kernel_config,
+                            w13_scale=moe.w13_scale, w2_scale=moe.w2_scale)
         else:
             y = x
         return self.combine(y, route, topk_weights, hidden.dtype)
@@ -230,6 +232,10 @@ class ExpertParallel:
         for i, moe in enumerate(self.moes):
             moe.w13 = torch.nn.Parameter(moe.w13.data[mine].clone(), requires_grad=False)
             moe.w2 = torch.nn.Parameter(moe.w2.data[mine].clone(), requires_grad=False)
+            for name in ("w13_scale", "w2_scale"):   # FP8 experts: their block scales too
+                scale = getattr(moe, name, None)
+                if scale is not None:
+                    setattr(moe, name, scale[mine].clone())
             moe.expert_parallel = ExpertParallelMoE(moe, ep, phys2log, self.loads.step_load[i],
                                                     num_redundant + 1)
         if ep_backend == "deep_ep" and ep.world > 1:

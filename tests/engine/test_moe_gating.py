@@ -121,3 +121,28 @@ def test_fp8_experts_track_the_bf16_layer():
     assert layer.w13.dtype == torch.float8_e4m3fn and layer.w2_scale.shape == (4, 1, 1)
     got = layer(hidden)
     assert ((got - expected).norm() / expected.norm()).item() <= 5e-2
+
+
+def test_fp8_experts_keep_their_scales_under_expert_parallel_placement():
+    """The EP placement slices each rank's FP8 block scales with its expert slots: one rank
+    with 4 redundant slots (replicas of experts 0..3 with their own scales) gives the plain
+    FP8 layer's output (float32 summation order aside)."""
+    from types import SimpleNamespace
+
+    from deepinfer.engine.models.layers.moe import MoE
+    from deepinfer.engine.moe.expert_parallel import EPGroup, enable_expert_parallel
+
+    routing = RoutingConfig(num_experts=4, top_k=2)
+    gen = torch.Generator().manual_seed(1)
+    layer = MoE(128, 128, routing, torch.float32)
+    for param in layer.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    layer.quantize_experts_fp8()
+    hidden = torch.randn(9, 128, generator=gen)
+    expected = layer(hidden)
+    model = torch.nn.Module()
+    model.layers = [SimpleNamespace(mlp=SimpleNamespace(moe=layer))]
+    enable_expert_parallel(model, EPGroup(), num_redundant=4)
+    assert layer.w13.shape[0] == 8 and layer.w13_scale.shape[0] == 8
+    assert torch.equal(layer.w13_scale[4:], layer.w13_scale[:4])
+    torch.testing.assert_close(layer(hidden), expected, rtol=1e-5, atol=1e-5)
