@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -53,15 +54,19 @@ async def _drain(server: Any, app: Any, drain_s: float) -> None:
     server.should_exit = True
 
 
-def draining_server(config: Any) -> Any:
+def draining_server(config: Any, *, ignore_sigint: bool = False) -> Any:
     """A uvicorn.Server whose first SIGTERM/SIGINT starts a drain (`_drain`) instead of
-    closing the listener: a router health-checking it sees "draining", not a dead worker."""
+    closing the listener: a router health-checking it sees "draining", not a dead worker.
+    `ignore_sigint`: one of several API servers (server.api_servers), whose launcher turns a
+    terminal's Ctrl-C (sent to the whole process group) into one SIGTERM each."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         draining = False
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            if ignore_sigint and sig == signal.SIGINT:
+                return
             if not self.draining and not self.should_exit:
                 self._captured_signals.append(sig)   # re-raised by uvicorn at the end
                 self.draining = True
@@ -118,6 +123,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="run the engine core (scheduler, model) in its own process, apart "
                             "from the HTTP server's event loop (default: on for CUDA, off for "
                             "CPU)")
+    serve.add_argument("--api-server-count", type=int, default=keep, metavar="N",
+                       help="HTTP API server processes sharing the port, each a client of "
+                            "the one engine core process (as vLLM's); more than 1 turns "
+                            "--engine-process on and refuses --no-engine-process (default 1)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
     serve.add_argument("--data-parallel-size", type=int, default=keep, metavar="N",
@@ -312,7 +321,14 @@ def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None
     return config_from(engine_sections(args, environ), environ, given)
 
 
-async def _serve_http(app: Any, args: argparse.Namespace) -> None:
+async def serve_http(app: Any, args: argparse.Namespace, *, sock: Any = None,
+                     announce: bool = True, launcher_pid: int | None = None) -> None:
+    """uvicorn serving `app` until drained (see `_drain`).
+
+    sock: a listening socket shared with other API server processes (server.api_servers),
+        whose launcher has pid `launcher_pid` (gone: stop); None binds --host/--port.
+    announce: print the "serving at" line (one API server of several does).
+    """
     import uvicorn
 
     # uvicorn cuts what still runs ABORT_MARGIN_S after our own deadline, by which time every
@@ -321,16 +337,22 @@ async def _serve_http(app: Any, args: argparse.Namespace) -> None:
                             timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
                             timeout_keep_alive=KEEP_ALIVE_S,
                             **uvicorn_limits(limits_from_args(args)))
-    server = draining_server(config)
-    serving = asyncio.create_task(server.serve())
+    server = draining_server(config, ignore_sigint=sock is not None)
+    serving = asyncio.create_task(server.serve(sockets=[sock] if sock is not None else None))
     deadline = asyncio.create_task(_drain(server, app, args.graceful_shutdown_s))
     serving.add_done_callback(lambda _: deadline.cancel())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
-    if server.started:
+    if server.started and announce:
         url = f"http://{args.host}:{args.port}"
+        count = app.state.engine.config.frontend.api_server_count if sock is not None else 1
         print(f"deepinfer: serving {app.state.engine.model_name!r} at {url}/v1 "
-              f"(health: {url}/health, metrics: {url}/metrics)", flush=True)
+              f"(health: {url}/health, metrics: {url}/metrics"
+              f"{f'; {count} API server processes' if count > 1 else ''})", flush=True)
+    while launcher_pid is not None and not serving.done():
+        if os.getppid() != launcher_pid:   # the launcher is gone: do not serve on alone
+            server.should_exit = True
+        await asyncio.sleep(1.0)
     await serving
 
 
@@ -372,7 +394,7 @@ def _serve_encoder(config: Any, args: argparse.Namespace, key: Any, limits: Any)
         signal.signal(sig, lambda *_: None)
     try:
         app = build_encoder_app(worker, config.multimodal, api_key=key, limits=limits)
-        asyncio.run(_serve_http(app, args))
+        asyncio.run(serve_http(app, args))
     finally:
         worker.shutdown()
     print("deepinfer: stopped", flush=True)
@@ -386,6 +408,9 @@ def serve(args: argparse.Namespace) -> int:
         config = build_engine_config(args)
         key = api_keys(args)
         limits = limits_from_args(args)
+        if config.frontend.api_server_count > 1 and config.kv_transfer.role == "encoder":
+            raise ValueError(f"--api-server-count {config.frontend.api_server_count} does not "
+                             "apply to --role encoder (no engine core); drop it")
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         _check_listen_address(args.host, args.port)   # last: the flags' own errors come first
@@ -400,6 +425,10 @@ def serve(args: argparse.Namespace) -> int:
     print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
     if config.kv_transfer.role == "encoder":
         return _serve_encoder(config, args, key, limits)
+    if config.frontend.api_server_count > 1:
+        from deepinfer.server.api_servers import serve_api_servers
+
+        return serve_api_servers(config, args, key, limits)
     try:
         from deepinfer.engine.async_llm import AsyncLLM, freeze_startup_heap
         from deepinfer.server.app import build_app
@@ -420,7 +449,7 @@ def serve(args: argparse.Namespace) -> int:
                     media=config.multimodal)
     freeze_startup_heap()   # no collector pauses over the startup heap while serving
     try:
-        asyncio.run(_serve_http(app, args))
+        asyncio.run(serve_http(app, args))
     finally:
         engine.shutdown()
     print("deepinfer: stopped", flush=True)
