@@ -213,6 +213,7 @@ async def _timed_stream(client, model: str, prompt: list[int], new_tokens: int) 
     times, tokens = [], 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
+        server = response.headers.get("x-deepinfer-api-server", "0")
         async for line in response.aiter_lines():
             if not line.startswith('data: {"id"'):
                 continue
@@ -221,7 +222,8 @@ async def _timed_stream(client, model: str, prompt: list[int], new_tokens: int) 
             elif '"text":""' not in line:  # a content-bearing event (vLLM's ITL definition)
                 times.append(time.perf_counter())
     return {"ttft": times[0] - start, "itl": [b - a for a, b in zip(times, times[1:])],
-            "chunks": tokens, "events": len(times), "start": start, "end": times[-1]}
+            "chunks": tokens, "events": len(times), "start": start, "end": times[-1],
+            "server": server}
 
 
 def _client_task(url: str, model: str, prompts: list[list[int]], new_tokens: int,
@@ -241,6 +243,7 @@ def _client_task(url: str, model: str, prompts: list[list[int]], new_tokens: int
 
 def serve_run(pool, url: str, model: str, prompts: list[list[int]], new_tokens: int) -> dict:
     """`prompts` streamed at once from the `pool`'s CLIENT_PROCESSES processes."""
+    import collections
     import statistics
 
     start_at = time.time() + 0.5
@@ -259,7 +262,9 @@ def serve_run(pool, url: str, model: str, prompts: list[list[int]], new_tokens: 
             "ttft_ms": (pct(ttft, 0.5), pct(ttft, 0.99)), "itl_ms": (pct(itl, 0.5),
                                                                       pct(itl, 0.99)),
             "itl_mean_ms": statistics.fmean(itl) * 1e3,
-            "tokens_per_event": tokens / sum(s["events"] for s in streams)}
+            "tokens_per_event": tokens / sum(s["events"] for s in streams),
+            "streams_per_api_server": sorted(collections.Counter(
+                s["server"] for s in streams).values(), reverse=True)}
 
 
 def _serve_in_thread(engine):
@@ -399,7 +404,8 @@ def gpu_main(args) -> dict:
                           f"  TTFT p50/p99 {result['ttft_ms'][0]:.0f}/{result['ttft_ms'][1]:.0f}"
                           f" ms ({result['ttft_over_prefill']:.2f}x offline prefill)  ITL "
                           f"p50/p99 {result['itl_ms'][0]:.1f}/{result['itl_ms'][1]:.1f} ms  "
-                          f"{result['tokens_per_event']:.2f} tok/event", flush=True)
+                          f"{result['tokens_per_event']:.2f} tok/event  streams per API "
+                          f"server {result['streams_per_api_server']}", flush=True)
                     if args.json:
                         Path(args.json).write_text(json.dumps(report, indent=1))
             finally:

@@ -124,7 +124,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "from the HTTP server's event loop (default: on for CUDA, off for "
                             "CPU)")
     serve.add_argument("--api-server-count", type=int, default=keep, metavar="N",
-                       help="HTTP API server processes sharing the port, each a client of "
+                       help="HTTP API server processes on the one port, each a client of "
                             "the one engine core process (as vLLM's); more than 1 turns "
                             "--engine-process on and refuses --no-engine-process (default 1)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,

@@ -56,7 +56,7 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int)
 
 
 async def _streams(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    # a new connection per request: each is accepted by whichever API server the kernel wakes
+    # a new connection per request: the kernel hashes each to one API server's socket
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         return await asyncio.gather(*(_stream(client, p, max_tokens) for p in prompts))
@@ -89,7 +89,7 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
         assert [r["text"] for r in results] == expected
         assert all(r["tokens"] == NEW_TOKENS for r in results)
         servers = collections.Counter(r["server"] for r in results)
-        while set(servers) != {"0", "1"} and sent < 64:   # the kernel picks the acceptor
+        while set(servers) != {"0", "1"} and sent < 64:   # the kernel picks the socket
             more = asyncio.run(_streams(server.url, prompts, NEW_TOKENS))
             servers.update(r["server"] for r in more)
             sent += len(more)
