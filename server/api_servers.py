@@ -70,7 +70,7 @@ def run_api_server(spec: APIServerSpec, sock: socket.socket) -> None:
     from deepinfer.engine.async_llm import freeze_startup_heap
     from deepinfer.engine.core_client import MPAsyncLLM
     from deepinfer.server.app import build_app
-    from deepinfer.server.cli import serve_http
+    from deepinfer.server.http_serve import serve_http
 
     args = spec.args
     logging.basicConfig(level=args.log_level.upper(),
