@@ -23,6 +23,13 @@ whose API server process died outright notices within a step (engine/core_proc.p
 its workers down; a core killed outright is reaped by the reader's liveness check, and its
 workers exit on their closed pipes.
 
+Several API servers (`--api-server-count`, server/api_servers.py): the launcher starts the
+core (`start_core_process`) and each API server process builds `MPAsyncLLM(config,
+endpoints=..., client_index=i)`, which binds its own socket pair, tags what it sends with its
+index and gets back only its requests' outputs; it does not own the core: `shutdown()` tells
+the core this API server is done (the core stops when all have, and the launcher joins it),
+and its liveness check is the core's pid (the launcher reaps a core that exits).
+
 Images: the API server process holds the model's `mm_processor` (engine/mm_processor.py,
 None for a text-only model) to expand prompts and preprocess images; a request's images
 travel to the core as plain data (`ImageInput`: pixel bytes, shape, hash, span).
