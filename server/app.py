@@ -26,6 +26,7 @@ from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.http_limits import APIKeyMiddleware, BodyLimitMiddleware, HTTPLimits
 from deepinfer.server.logprobs import TokenDecoder
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.prompts import max_token_chars
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from deepinfer.server.serving_chat import ChatServing
 from deepinfer.server.serving_completion import CompletionServing
@@ -146,6 +147,7 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
     metrics = ServerMetrics(engine.get_stats, engine.model_name, engine.max_model_len,
                             multiprocess_dir=metrics_dir)
     decode = TokenDecoder(engine.tokenizer)
+    max_token_chars(engine.tokenizer)   # now, not on the first request
     chat = ChatServing(engine, metrics, decode, media)
     completion = CompletionServing(engine, metrics, decode)
     created = int(time.time())
