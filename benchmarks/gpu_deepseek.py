@@ -35,6 +35,8 @@ heads x L^2 / 2 per layer).
 8. with `--moe-sweep`: the routed experts alone at batch 1, 64, 256 under candidate tiles.
 
 Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf] [--moe-sweep]
+    [--batches 1,8,64,256] [--fp8-batches 1,8,64,256] [--hf-batches 1,8]
+(the batch lists pick the decode runs; fewer make a shorter device call)
 """
 
 from __future__ import annotations
@@ -271,9 +273,9 @@ def moe_sweep(model, costs, distinct: dict) -> dict:
 
 
 @torch.inference_mode()
-def hf_throughput(hf_model, vocab: int) -> dict:
+def hf_throughput(hf_model, vocab: int, batches=HF_BATCHES) -> dict:
     results = {}
-    for batch in HF_BATCHES:
+    for batch in batches:
         ids = torch.tensor(_random_prompts(batch, PROMPT_TOKENS, vocab, batch), device="cuda")
 
         def generate(new_tokens: int) -> float:
@@ -292,17 +294,18 @@ def hf_throughput(hf_model, vocab: int) -> dict:
     return results
 
 
-def fp8_decode(model, model_dir, costs, ceilings, distinct, context, results) -> list:
+def fp8_decode(model, model_dir, costs, ceilings, distinct, context, results,
+               batches=DECODE_BATCHES) -> list:
     """The routed experts quantized to FP8 (`MoE.quantize_experts_fp8`: e4m3, 128x128 block
     scales; the rest stays bf16), a fresh engine (graphs hold the old weights), decode at
-    DECODE_BATCHES against the roofline with the experts' bytes halved (+ their scales)."""
+    `batches` against the roofline with the experts' bytes halved (+ their scales)."""
     for moe in moe_modules(model):
         moe.quantize_experts_fp8()
     _free()
     fp8_costs = {**costs, "expert_bytes": costs["expert_bytes"] / 2 * (1 + 4 / 128 ** 2 * 2)}
     core = build_engine(model_dir, model, max_model_len=512, enforce_eager=False)
     rows = []
-    for batch in DECODE_BATCHES:
+    for batch in batches:
         seconds, tokens, steps = _run_requests(
             core, _random_prompts(batch, PROMPT_TOKENS, model.vocab_size, 2000 + batch),
             NEW_TOKENS)
@@ -363,6 +366,13 @@ def main() -> int:
                         help="after the bf16 decode runs, the same with FP8 routed experts")
     parser.add_argument("--moe-sweep", action="store_true",
                         help="last: time the routed experts under candidate tiles")
+    batch_list = lambda text: tuple(int(b) for b in text.split(","))  # noqa: E731
+    parser.add_argument("--batches", type=batch_list, default=DECODE_BATCHES,
+                        help="decode batch sizes, comma-separated (default 1,8,64,256)")
+    parser.add_argument("--fp8-batches", type=batch_list, default=DECODE_BATCHES,
+                        help="decode batch sizes with FP8 experts (default 1,8,64,256)")
+    parser.add_argument("--hf-batches", type=batch_list, default=HF_BATCHES,
+                        help="HF generate batch sizes (default 1,8)")
     args = parser.parse_args()
     from transformers import DeepseekV2Config
 
@@ -386,19 +396,20 @@ def main() -> int:
     save()
     hf = {}
     if hf_model is not None:
-        results["hf"] = hf = hf_throughput(hf_model, vocab)
+        results["hf"] = hf = hf_throughput(hf_model, vocab, args.hf_batches)
         hf_model = None
         _free()
         save()
     model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="v2-lite-random-")), hf_config)
     core = build_engine(model_dir, ours, max_model_len=512, enforce_eager=False)
-    results["distinct_experts"] = distinct = routing_stats(core, ours, vocab)
+    results["distinct_experts"] = distinct = routing_stats(
+        core, ours, vocab, sorted(set(DECODE_BATCHES) | set(args.batches) | set(args.fp8_batches)))
     print(f"distinct experts per layer: {distinct}", flush=True)
     results["moe_layer"] = moe_micro(ours, costs, distinct, ceilings)
     save()
     context = PROMPT_TOKENS + NEW_TOKENS / 2
     rows = []
-    for batch in DECODE_BATCHES:
+    for batch in args.batches:
         seconds, tokens, steps = _run_requests(
             core, _random_prompts(batch, PROMPT_TOKENS, vocab, 1000 + batch), NEW_TOKENS)
         run = {"tok_s": tokens / seconds, "step_ms": 1e3 * seconds / max(steps, 1),
@@ -412,7 +423,8 @@ def main() -> int:
     core = None
     _free()
     if args.fp8_experts:
-        rows += fp8_decode(ours, model_dir, costs, ceilings, distinct, context, results)
+        rows += fp8_decode(ours, model_dir, costs, ceilings, distinct, context, results,
+                           args.fp8_batches)
         save()
     core = build_engine(model_dir, ours, max_model_len=PREFILL_TOKENS + 64, enforce_eager=True)
     engine_prefill(core, vocab, 1)   # warm-up: the prefill-shaped kernels compile

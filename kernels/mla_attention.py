@@ -66,6 +66,48 @@ def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: tor
     _BACKENDS.get(backend, kv_cache.device).write_latent(latent, kv_cache, slot_mapping)
 
 
+def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor,
+                            eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
+                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            backend: str = "auto", settings: KernelConfig = DEFAULT
+                            ) -> torch.Tensor:
+    """MLA's step between the projections and the attention: rotate the queries' rope dims in
+    place and store this step's latents `[RMSNorm(c_KV) ; RoPE(k_R)]` in the paged cache.
+
+    Args:
+        query: [num_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim], unit last stride;
+            its last qk_rope_head_dim dims are overwritten by their rotation.
+        kv_a: [num_tokens, kv_lora_rank + qk_rope_head_dim] (kv_a_proj_with_mqa's output, unit
+            last stride): c_KV then the unrotated k_R.
+        norm_weight: [kv_lora_rank] (kv_a_layernorm's weight); eps: its epsilon.
+        cos, signed_sin: [num_tokens, 1, qk_rope_head_dim] (`RotaryEmbedding.forward`).
+        kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], contiguous.
+        slot_mapping: [num_tokens] int64; -1 = do not store the token's latent.
+        backend: "auto" or one of BACKENDS: "triton" / "flash_mla" run one Triton kernel, the
+            others the torch ops (`kernels.rotary`, `kernels.rms_norm`, `write_latent`).
+        settings: kernel choices (the RMSNorm of the torch ops).
+    Returns:
+        q_pe: [num_tokens, num_heads, qk_rope_head_dim], the rotated view of `query`.
+    Numerics: the same rounding steps either way (bf16 within one ulp).
+    """
+    name = _BACKENDS.resolve(backend, query.device)
+    if name in _TAKES_SETTINGS:
+        return _BACKENDS.load("triton").rotate_and_write_latent(
+            query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache, slot_mapping)
+    from deepinfer.kernels.rms_norm import rms_norm
+    from deepinfer.kernels.rotary import apply_rotary
+
+    rope_dim = cos.shape[-1]
+    lora = kv_a.shape[-1] - rope_dim
+    q_pe = query[..., query.shape[-1] - rope_dim:]
+    q_pe.copy_(apply_rotary(q_pe, cos, signed_sin))
+    c_kv = rms_norm(kv_a[:, :lora].contiguous(), norm_weight, eps, settings=settings)  # [T, L]
+    k_pe = apply_rotary(kv_a[:, None, lora:], cos, signed_sin)[:, 0]  # [T, R]
+    _BACKENDS.get(name, kv_cache.device).write_latent(torch.cat([c_kv, k_pe], dim=-1), kv_cache,
+                                                      slot_mapping)
+    return q_pe
+
+
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                   metadata: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
                   scale: float, backend: str = "auto", settings: KernelConfig = DEFAULT

@@ -3,6 +3,9 @@
 
 - `write_latent`: one program per new token stores its latent at `slot_mapping[t]`, skipping
   slot -1 inside the kernel (no host check: safe in a CUDA graph).
+- `rotate_and_write_latent`: one program per new token rotates its queries' rope dims in
+  place, normalises c_KV, rotates k_R and stores the latent: one kernel where the torch ops
+  take six (two rotaries, a copy, the norm, a concatenation, the write).
 - `mla_attention`: rows of at most `KernelConfig.mla_decode_max_query_len` new tokens (decode,
   and 1 + k speculative rows) run absorbed in `kernels/mla_decode_triton.py` (W_UK folded into
   the query by one batched GEMM before, W_UV applied by one after); longer chunks run expanded
@@ -57,6 +60,80 @@ def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: tor
     width = kv_cache.shape[-1]
     _write_latent_kernel[(latent.shape[0],)](latent, kv_cache, slot_mapping, latent.stride(0),
                                              WIDTH=width, BLOCK=triton.next_power_of_2(width))
+
+
+@triton.jit
+def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2, dtype: tl.constexpr):
+    """(x1, x2) rotated as `kernels.reference.rotary`: addcmul(x * cos rounded to dtype,
+    swapped, signed_sin) in float32, rounded once; sin1 is -sin."""
+    out1 = (x1 * cos1).to(dtype).to(tl.float32) + x2.to(tl.float32) * sin1.to(tl.float32)
+    out2 = (x2 * cos2).to(dtype).to(tl.float32) + x1.to(tl.float32) * sin2.to(tl.float32)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
+def _rotate_write_latent_kernel(query_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr,
+                                slot_ptr, q_stride_t, q_stride_h, kv_a_stride, cos_stride,
+                                sin_stride, num_heads, eps, NOPE: tl.constexpr,
+                                LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                                BLOCK_HALF: tl.constexpr, BLOCK_L: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    dtype = query_ptr.dtype.element_ty
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    d_ok = dims < HALF
+    cos1 = tl.load(cos_ptr + token * cos_stride + dims, mask=d_ok, other=0.0)
+    cos2 = tl.load(cos_ptr + token * cos_stride + HALF + dims, mask=d_ok, other=0.0)
+    sin1 = tl.load(sin_ptr + token * sin_stride + dims, mask=d_ok, other=0.0)   # -sin
+    sin2 = tl.load(sin_ptr + token * sin_stride + HALF + dims, mask=d_ok, other=0.0)
+    # the queries' rope dims, every head, in place
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    q_ok = (heads < num_heads) & d_ok
+    q_rope = query_ptr + token * q_stride_t + heads * q_stride_h + NOPE + dims
+    q1, q2 = _rotate_halves(tl.load(q_rope, mask=q_ok, other=0.0),
+                            tl.load(q_rope + HALF, mask=q_ok, other=0.0),
+                            cos1, cos2, sin1, sin2, dtype)
+    tl.store(q_rope, q1, mask=q_ok)
+    tl.store(q_rope + HALF, q2, mask=q_ok)
+    # the latent: RMSNorm(c_KV) (as kernels/elementwise_triton.py's) then the rotated k_R
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_L)
+    c_ok = (cols < LORA) & (slot + 0 * cols >= 0)
+    c_kv = tl.load(kv_a_ptr + token * kv_a_stride + cols, mask=cols < LORA, other=0.0)
+    c_f = c_kv.to(tl.float32)
+    normed = (c_f * tl.rsqrt(tl.sum(c_f * c_f, 0) / LORA + eps)).to(dtype)
+    weight = tl.load(norm_ptr + cols, mask=cols < LORA, other=0.0)
+    row = cache_ptr + slot * (LORA + 2 * HALF)
+    tl.store(row + cols, normed * weight, mask=c_ok)
+    k_rope = kv_a_ptr + token * kv_a_stride + LORA + dims
+    k1, k2 = _rotate_halves(tl.load(k_rope, mask=d_ok, other=0.0),
+                            tl.load(k_rope + HALF, mask=d_ok, other=0.0),
+                            cos1, cos2, sin1, sin2, dtype)
+    k_ok = d_ok & (slot + 0 * dims >= 0)
+    tl.store(row + LORA + dims, k1, mask=k_ok)
+    tl.store(row + LORA + HALF + dims, k2, mask=k_ok)
+
+
+def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor,
+                            eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
+                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`kernels.mla_attention.rotate_and_write_latent`'s contract (shapes there), one program
+    per token: the queries' rope dims rotated in place, the latent normalised, its rope part
+    rotated, both stored at the token's slot (slot -1: not stored)."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("the MLA kv_cache must be contiguous ([num_blocks, block_size, "
+                         "latent_dim]); the Triton kernels address it by slot.")
+    num_tokens, num_heads, head_dim = query.shape
+    rope_dim = cos.shape[-1]
+    lora = kv_a.shape[-1] - rope_dim
+    if num_tokens:
+        _rotate_write_latent_kernel[(num_tokens,)](
+            query, kv_a, norm_weight, cos, signed_sin, kv_cache, slot_mapping, query.stride(0),
+            query.stride(1), kv_a.stride(0), cos.stride(0), signed_sin.stride(0), num_heads, eps,
+            NOPE=head_dim - rope_dim, LORA=lora, HALF=rope_dim // 2,
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
+            BLOCK_L=triton.next_power_of_2(lora), num_warps=4)
+    return query[..., head_dim - rope_dim:]
 
 
 def absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -54,8 +54,9 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 backend: str = "auto", settings: KernelConfig = DEFAULT, *,
                 w13_scale: torch.Tensor | None = None,
-                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Each token's routing-weighted sum of its top-k SwiGLU experts.
+                w2_scale: torch.Tensor | None = None,
+                shared_output: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's routing-weighted sum of its top-k SwiGLU experts (plus `shared_output`).
 
     Args:
         hidden: [num_tokens, hidden_size].
@@ -70,6 +71,9 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13_scale, w2_scale: FP8 experts: w13 / w2 in float8_e4m3fn with these float32 128x128
             block scales ([E, 2I / 128, H / 128], [E, H / 128, I / 128]); the Triton backend
             runs FP8 GEMMs, the others dequantize to hidden's dtype first.
+        shared_output: [num_tokens, hidden_size] hidden's dtype or None: added to the result
+            (the shared experts' output; the Triton backend adds it in its combine kernel, in
+            float32 before the one rounding).
     Returns:
         [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32).
     """
@@ -78,14 +82,16 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             and topk_ids.numel() >= settings.moe_deep_gemm_min_rows * w13.shape[0]
             and _BACKENDS.load("deep_gemm").available()):
         name = "deep_gemm"
-    if w13_scale is not None and name == "triton":
+    if name == "triton":
         return _BACKENDS.load(name).moe_experts(hidden, w13, w2, topk_weights, topk_ids,
                                                 w13_scale=w13_scale, w2_scale=w2_scale,
-                                                settings=settings)
+                                                shared_output=shared_output, settings=settings)
     if w13_scale is not None:
         w13 = dequantize_blocks(w13, w13_scale, hidden.dtype)
         w2 = dequantize_blocks(w2, w2_scale, hidden.dtype)
     experts = _BACKENDS.load(name)
-    if name in ("triton", "deep_gemm"):
-        return experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids, settings=settings)
-    return experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids)
+    if name == "deep_gemm":
+        out = experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids, settings=settings)
+    else:
+        out = experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids)
+    return out if shared_output is None else out + shared_output

@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
+
 METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
@@ -24,7 +27,8 @@ def _route_kernel(logits_ptr, bias_ptr, map_ptr, weights_ptr, ids_ptr, num_exper
                   scaling, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
                   HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                  K_PAD: tl.constexpr):
+                  K_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_and_release(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < num_experts
@@ -86,14 +90,15 @@ def _route_kernel(logits_ptr, bias_ptr, map_ptr, weights_ptr, ids_ptr, num_exper
 
 def route(router_logits: torch.Tensor, *, top_k: int, scoring_func: str, topk_method: str,
           n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
-          e_score_correction_bias: torch.Tensor | None,
-          logical_to_physical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+          e_score_correction_bias: torch.Tensor | None, logical_to_physical: torch.Tensor,
+          settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `engine.moe.gating.select_experts` (arguments spelled out, since kernels/
     imports nothing of engine/), plus the logical -> physical map.
 
     Args:
         router_logits: [T, E] float32 (or any float dtype; read as float32).
         logical_to_physical: [E] int64.
+        settings: kernel choices (`KernelConfig.pdl`: launched with PDL on Hopper).
     Returns:
         (topk_weights [T, top_k] float32, physical ids [T, top_k] int64), sorted by choice.
     """
@@ -104,6 +109,7 @@ def route(router_logits: torch.Tensor, *, top_k: int, scoring_func: str, topk_me
     if num_tokens:
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         bias = e_score_correction_bias if e_score_correction_bias is not None else logits
+        options = pdl.launch_options(router_logits.device, settings)
         _route_kernel[(num_tokens,)](
             logits, bias, logical_to_physical, weights, ids, num_experts, logits.stride(0),
             float(routed_scaling_factor), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
@@ -111,5 +117,6 @@ def route(router_logits: torch.Tensor, *, top_k: int, scoring_func: str, topk_me
             N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob,
             HAS_BIAS=topk_method == "noaux_tc" and e_score_correction_bias is not None,
             E_PAD=triton.next_power_of_2(num_experts),
-            G_PAD=triton.next_power_of_2(n_group), num_warps=4 if num_experts > 128 else 1)
+            G_PAD=triton.next_power_of_2(n_group), PDL=bool(options),
+            num_warps=4 if num_experts > 128 else 1, **options)
     return weights, ids

@@ -6,15 +6,17 @@ the input shapes, so a CUDA graph can hold the whole call.
 Design (after vLLM / SGLang `fused_moe`: tokens sorted by expert and padded per expert to the
 GEMM's row tile, one program per (row tile, column tile) reading its tile's expert id; our own
 code, with these departures):
-1. Alignment is two small kernels instead of a sort: `_rank_kernel` gives each (token, k) pair
-   its rank inside its expert with an atomic increment (the per-expert counters double as the
-   counts), `_layout_kernel` (one program) turns the counts into padded offsets, writes each
-   row tile's expert (-1 for unused tiles) and scatters every pair to
-   `padded_start[e] + rank`; padding slots get the sentinel `num_pairs`, real slots a pair, so
-   the two write sets are disjoint and need no barrier. It leaves the counters at zero for the
-   next call. The rank order inside an expert varies run to run, but a GEMM row's result does
-   not depend on which row of its tile it sits in, and the combine sums each token's k results
-   in k order: the output is deterministic.
+1. Alignment without a sort. Up to `KernelConfig.moe_align_one_program_max_pairs` (token, k)
+   pairs (decode) one program does it all: per-expert counts and each pair's rank inside its
+   expert (in pair order) from the [pairs, experts] one-hot matrix and its cumulative sum,
+   padded offsets, each row tile's expert (-1 for unused tiles), the pairs scattered to
+   `padded_start[e] + rank`. Above (prefill), `_rank_kernel` gives each pair its rank with an
+   atomic increment of a zeroed per-expert count and `_layout_kernel` spreads the rest over
+   programs of CHUNK row tiles / slots / pairs each (one program over 49k pairs took ~0.4 ms
+   per layer). Padding slots get the sentinel `num_pairs`, real slots a pair: the two write
+   sets are disjoint and need no barrier. The atomic rank order varies run to run, but a GEMM
+   row's result does not depend on which row of its tile it sits in, and the combine sums each
+   token's k results in k order: the output is deterministic.
 2. The row-tile count is the static bound `cdiv(P + min(E, P) * (BLOCK_M - 1), BLOCK_M)` for
    P = tokens * top_k pairs and E experts (each hit expert wastes < BLOCK_M rows), not
    `P + E * (BLOCK_M - 1)`: at decode (P = 6, E = 64) that is 6 row tiles instead of 61.
@@ -22,7 +24,8 @@ code, with these departures):
    SiLU-and-mul is the epilogue and the [P, 2I] gate_up output never exists; the down GEMM
    multiplies by the routing weight (float32) and writes each pair's row in the model dtype
    (as vLLM's), and `_combine_kernel` sums each token's top_k rows in order in float32 (no
-   float atomics: deterministic).
+   float atomics: deterministic), plus the shared experts' output where the caller passes it
+   (one add kernel less per layer).
 
 Tile choice: `KernelConfig.moe_tiles` (kernels/settings.py), picked by the mean rows per expert.
 """
@@ -35,28 +38,70 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.settings import DEFAULT, KernelConfig, MoETile
 
-_counters: dict[torch.device, torch.Tensor] = {}
-MAX_EXPERTS = 1024
-
-
-def _expert_counters(device: torch.device) -> torch.Tensor:
-    """[MAX_EXPERTS] int32 zeros per device, left at zero by every call (see module doc).
-
-    Raises:
-        RuntimeError: first needed inside a CUDA graph capture (run the work eagerly first).
-    """
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the MoE expert counters are first needed inside a CUDA graph "
-                               "capture; run the work once eagerly before capturing")
-        _counters[device] = torch.zeros(MAX_EXPERTS, dtype=torch.int32, device=device)
-    return _counters[device]
+MAX_EXPERTS = 1024   # the alignment holds one count per expert in registers
 
 
 @triton.jit
-def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
+def _padded_ranges(counts, BLOCK_M: tl.constexpr):
+    """Each expert's run of slots [start, end), padded to a multiple of BLOCK_M, and the total."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)                    # [E_PAD] exclusive end
+    return padded_end - padded, padded_end, tl.sum(padded, axis=0)
+
+
+@triton.jit
+def _write_layout(sorted_ptr, block_expert_ptr, counts, padded_start, padded_end, total,
+                  e_mask, first, num_pairs, num_slots, num_blocks, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """The experts of row tiles [first, first + CHUNK) and the sentinel `num_pairs` in the
+    padding slots among slots [first, first + CHUNK)."""
+    # each row tile's expert: the number of experts whose padded range ends at or before it
+    b = first + tl.arange(0, CHUNK)
+    row = b * BLOCK_M
+    ends = tl.where(e_mask[None, :], padded_end[None, :], 1 << 30)
+    expert = tl.sum((ends <= row[:, None]).to(tl.int32), axis=1)
+    expert = tl.where(row < total, expert, -1)
+    tl.store(block_expert_ptr + b, expert, mask=b < num_blocks)
+    # padding slots (inside a hit expert's last tile, or past the used tiles) get the sentinel
+    s = first + tl.arange(0, CHUNK)
+    inside = (s[:, None] >= padded_start[None, :]) & (s[:, None] < padded_end[None, :])
+    local = s[:, None] - padded_start[None, :]
+    real = tl.sum((inside & (local < counts[None, :])).to(tl.int32), axis=1)
+    tl.store(sorted_ptr + s, tl.full([CHUNK], 0, tl.int32) + num_pairs,
+             mask=(s < num_slots) & (real == 0))
+
+
+@triton.jit
+def _align_one_program_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
+                              num_slots, num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                              P_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """The whole alignment of a few pairs in one program: counts and ranks (in pair order)
+    from the [pairs, experts] one-hot matrix, no atomics, no counters."""
+    pdl.wait_and_release(PDL, True)
+    p = tl.arange(0, P_PAD)
+    p_ok = p < num_pairs
+    e_offs = tl.arange(0, E_PAD)
+    e_mask = e_offs < num_experts
+    expert = tl.load(ids_ptr + p, mask=p_ok, other=E_PAD).to(tl.int32)
+    onehot = (expert[:, None] == e_offs[None, :]).to(tl.int32)   # [P_PAD, E_PAD]
+    counts = tl.sum(onehot, axis=0)
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+    padded_start, padded_end, total = _padded_ranges(counts, BLOCK_M)
+    for first in range(0, num_slots, CHUNK):   # num_slots >= num_blocks
+        _write_layout(sorted_ptr, block_expert_ptr, counts, padded_start, padded_end, total,
+                      e_mask, first, num_pairs, num_slots, num_blocks, BLOCK_M=BLOCK_M,
+                      CHUNK=CHUNK)
+    base = tl.sum(onehot * padded_start[None, :], axis=1)
+    tl.store(sorted_ptr + base + rank, p.to(tl.int32), mask=p_ok)
+
+
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl.wait_and_release(PDL, True)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
@@ -67,61 +112,65 @@ def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
 @triton.jit
 def _layout_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                    num_experts, num_slots, num_blocks, BLOCK_M: tl.constexpr,
-                   E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                   E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program i: row tiles, slots and pairs [i * CHUNK, (i + 1) * CHUNK), from the counts
+    `_rank_kernel` completed."""
+    pdl.wait_and_release(PDL, True)
+    first = tl.program_id(0) * CHUNK
     e_offs = tl.arange(0, E_PAD)
     e_mask = e_offs < num_experts
     counts = tl.load(counts_ptr + e_offs, mask=e_mask, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)                    # [E_PAD] exclusive end
-    padded_start = padded_end - padded
-    total = tl.sum(padded, axis=0)
-    # each row tile's expert: the number of experts whose padded range ends at or before it
-    for start in range(0, num_blocks, CHUNK):
-        b = start + tl.arange(0, CHUNK)
-        row = b * BLOCK_M
-        ends = tl.where(e_mask[None, :], padded_end[None, :], 1 << 30)
-        expert = tl.sum((ends <= row[:, None]).to(tl.int32), axis=1)
-        expert = tl.where(row < total, expert, -1)
-        tl.store(block_expert_ptr + b, expert, mask=b < num_blocks)
-    # padding slots (inside a hit expert's last tile, or past the used tiles) get the sentinel
-    for start in range(0, num_slots, CHUNK):
-        s = start + tl.arange(0, CHUNK)
-        inside = (s[:, None] >= padded_start[None, :]) & (s[:, None] < padded_end[None, :])
-        local = s[:, None] - padded_start[None, :]
-        real = tl.sum((inside & (local < counts[None, :])).to(tl.int32), axis=1)
-        tl.store(sorted_ptr + s, tl.full([CHUNK], 0, tl.int32) + num_pairs,
-                 mask=(s < num_slots) & (real == 0))
+    padded_start, padded_end, total = _padded_ranges(counts, BLOCK_M)
+    _write_layout(sorted_ptr, block_expert_ptr, counts, padded_start, padded_end, total, e_mask,
+                  first, num_pairs, num_slots, num_blocks, BLOCK_M=BLOCK_M, CHUNK=CHUNK)
     # real slots get their pair
-    for start in range(0, num_pairs, CHUNK):
-        p = start + tl.arange(0, CHUNK)
-        p_mask = p < num_pairs
-        expert = tl.load(ids_ptr + p, mask=p_mask, other=0)
-        rank = tl.load(rank_ptr + p, mask=p_mask, other=0)
-        base = tl.sum(tl.where(e_offs[None, :] == expert[:, None], padded_start[None, :], 0),
-                      axis=1)
-        tl.store(sorted_ptr + base + rank, p.to(tl.int32), mask=p_mask)
-    tl.store(counts_ptr + e_offs, tl.zeros([E_PAD], tl.int32), mask=e_mask)
+    p = first + tl.arange(0, CHUNK)
+    p_mask = p < num_pairs
+    expert = tl.load(ids_ptr + p, mask=p_mask, other=0)
+    rank = tl.load(rank_ptr + p, mask=p_mask, other=0)
+    base = tl.sum(tl.where(e_offs[None, :] == expert[:, None], padded_start[None, :], 0), axis=1)
+    tl.store(sorted_ptr + base + rank, p.to(tl.int32), mask=p_mask)
 
 
 @triton.jit
-def _fp8_block_dot(a, w, w_scale, acc):
-    """acc + (a . w) for one 128-wide K block of FP8 weights (DeepGEMM's recipe): `a`'s rows
-    quantized to e4m3 with their own scale (amax / 448), the e4m3 x e4m3 dot in fp32, times
-    the row scales and the weight block's scale `w_scale`."""
+def _quantize_rows(a):
+    """One 128-wide K block of activations quantized per row (DeepGEMM's recipe): (e4m3 codes,
+    float32 row scales amax / 448)."""
     a = a.to(tl.float32)
     a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
-    a8 = tl.clamp(a / a_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    return tl.clamp(a / a_scale[:, None], -448.0, 448.0).to(tl.float8e4nv), a_scale
+
+
+@triton.jit
+def _fp8_block_dot(a8, a_scale, w, w_scale, acc):
+    """acc + (a . w) for one 128-wide K block: the e4m3 x e4m3 dot in fp32, times the row
+    scales and the weight block's scale `w_scale`."""
     return acc + tl.dot(a8, w, out_dtype=tl.float32) * (a_scale[:, None] * w_scale)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, N,
-                    K, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-                    TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_ids(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program: groups of GROUP_M row tiles (0: all of them),
+    a group's row tiles side by side for one column tile, then the next column tile."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_m = GROUP_M if GROUP_M > 0 else num_blocks
+    first_m = pid // (group_m * num_n) * group_m
+    size_m = tl.minimum(num_blocks - first_m, group_m)
+    within = pid % (group_m * num_n)
+    return first_m + within % size_m, within // size_m
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                    num_blocks, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                    stride_om, TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots.
     FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pdl.wait(PDL)
+    pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -143,18 +192,21 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
+        if FP8:   # the activations quantized once for both dots
+            a8, a_scale = _quantize_rows(a)
             s_row = s_ptr + expert.to(tl.int64) * stride_se + k
-            acc_g = _fp8_block_dot(a, g, tl.load(s_row + (pid_n * BLOCK_N // 128) * stride_sn),
-                                   acc_g)
-            acc_u = _fp8_block_dot(
-                a, u, tl.load(s_row + ((N + pid_n * BLOCK_N) // 128) * stride_sn), acc_u)
+            acc_g = _fp8_block_dot(a8, a_scale, g,
+                                   tl.load(s_row + (pid_n * BLOCK_N // 128) * stride_sn), acc_g)
+            acc_u = _fp8_block_dot(a8, a_scale, u,
+                                   tl.load(s_row + ((N + pid_n * BLOCK_N) // 128) * stride_sn),
+                                   acc_u)
         else:
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    pdl.launch_dependents(PDL)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -162,12 +214,14 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
 
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
-                 num_pairs, N, K, stride_am, stride_we, stride_wn, stride_se, stride_sn,
-                 stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 num_pairs, num_blocks, N, K, stride_am, stride_we, stride_wn, stride_se,
+                 stride_sn, stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
     for the tile's real slots."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pdl.wait(PDL)
+    pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -186,12 +240,15 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
-            acc = _fp8_block_dot(a, w, tl.load(s_ptr + expert.to(tl.int64) * stride_se + k
-                                               + (pid_n * BLOCK_N // 128) * stride_sn), acc)
+            a8, a_scale = _quantize_rows(a)
+            acc = _fp8_block_dot(a8, a_scale, w, tl.load(s_ptr + expert.to(tl.int64) * stride_se
+                                                          + k + (pid_n * BLOCK_N // 128)
+                                                          * stride_sn), acc)
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    pdl.launch_dependents(PDL)
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -199,12 +256,16 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t, n] = sum over k in order of y[t * TOP_K + k, n]."""
+def _combine_kernel(y_ptr, add_ptr, out_ptr, N, stride_add, TOP_K: tl.constexpr,
+                    HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """out[t, n] = add[t, n] (HAS_ADD) + sum over k in order of y[t * TOP_K + k, n]."""
+    pdl.wait_and_release(PDL, True)
     token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + token * stride_add + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     for k in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (token * TOP_K + k) * N + offs_n, mask=n_ok,
                        other=0.0).to(tl.float32)
@@ -220,9 +281,13 @@ def pick_tile(num_pairs: int, num_experts: int, settings: KernelConfig) -> MoETi
     return settings.moe_tiles[-1]
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
-          ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+          settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sort (token, k) pairs by expert, each expert's run padded to a multiple of block_m.
+
+    Up to `settings.moe_align_one_program_max_pairs` pairs: one program, pairs of an expert in pair order
+    (`_align_one_program_kernel`); above: a zeroed count per expert, `_rank_kernel` (atomic
+    ranks, order inside an expert varies run to run) and the parallel `_layout_kernel`.
 
     Args:
         topk_ids: [num_tokens, top_k] integer physical expert ids in [0, num_experts).
@@ -230,6 +295,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
         (sorted_pairs [num_slots] int32: flat pair index t * top_k + k, or num_pairs on a
         padding slot; block_expert [num_blocks] int32: each row tile's expert, -1 past the
         used tiles; num_blocks), num_slots = num_blocks * block_m a static bound of the shapes.
+    Raises:
+        ValueError: more than MAX_EXPERTS experts.
     """
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"{num_experts} physical experts; the Triton MoE handles up to "
@@ -239,24 +306,37 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     num_pairs = ids.numel()
     num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
     num_slots = num_blocks * block_m
-    counts = _expert_counters(device)
-    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(num_slots, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    _rank_kernel[(triton.cdiv(num_pairs, 1024),)](ids, counts, rank, num_pairs, BLOCK=1024)
     e_pad = triton.next_power_of_2(num_experts)
-    _layout_kernel[(1,)](ids, counts, rank, sorted_pairs, block_expert, num_pairs, num_experts,
-                         num_slots, num_blocks, BLOCK_M=block_m, E_PAD=e_pad,
-                         CHUNK=max(16, min(256, 8192 // e_pad)), num_warps=4)
+    chunk = max(16, min(256, 8192 // e_pad))
+    options = pdl.launch_options(device, settings)
+    if num_pairs <= settings.moe_align_one_program_max_pairs:
+        p_pad = max(16, triton.next_power_of_2(num_pairs))
+        _align_one_program_kernel[(1,)](
+            ids, sorted_pairs, block_expert, num_pairs, num_experts, num_slots, num_blocks,
+            BLOCK_M=block_m, E_PAD=e_pad, P_PAD=p_pad, CHUNK=chunk, PDL=bool(options),
+            num_warps=4 if p_pad * e_pad <= 8192 else 8, **options)
+        return sorted_pairs, block_expert, num_blocks
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    _rank_kernel[(triton.cdiv(num_pairs, 1024),)](ids, counts, rank, num_pairs, BLOCK=1024,
+                                                  PDL=bool(options), **options)
+    _layout_kernel[(triton.cdiv(num_slots, chunk),)](
+        ids, counts, rank, sorted_pairs, block_expert, num_pairs, num_experts, num_slots,
+        num_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, PDL=bool(options),
+        num_warps=4, **options)
     return sorted_pairs, block_expert, num_blocks
 
 
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                shared_output: torch.Tensor | None = None,
                 settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Same contract as `kernels.reference.moe.moe_experts` (CUDA tensors, or any device under
-    TRITON_INTERPRET=1); five kernel launches, no host sync.
+    TRITON_INTERPRET=1), plus `shared_output` ([num_tokens, hidden_size] or None) added in the
+    combine; four kernel launches at decode (alignment in one program), no host sync.
 
     FP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [E, 2I / 128, H / 128] and w2_scale
     [E, H / 128, I / 128] float32 128x128 block scales (DeepSeek-V3's `weight_scale_inv`);
@@ -268,6 +348,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     inter = inter2 // 2
     if num_tokens == 0:
         return hidden.new_zeros(0, hidden_size)
+    if shared_output is not None and shared_output.stride(-1) != 1:
+        shared_output = shared_output.contiguous()
     hidden = hidden.contiguous()
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 must be row-major in their last dim")
@@ -283,28 +365,36 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                    down_block_n=min(tile.down_block_n, 128))
     # float32 models (the parity tests) multiply in full precision, not TF32
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    sorted_pairs, block_expert, num_blocks = align(topk_ids, num_experts, tile.block_m)
+    sorted_pairs, block_expert, num_blocks = align(topk_ids, num_experts, tile.block_m,
+                                                   settings)
+    options = pdl.launch_options(hidden.device, settings)
     act = torch.empty(num_blocks * tile.block_m, inter, dtype=hidden.dtype, device=hidden.device)
     s13 = w13_scale if fp8 else w13
-    grid = (num_blocks, triton.cdiv(inter, tile.block_n))
-    _gate_up_kernel[grid](hidden, w13, s13, act, sorted_pairs, block_expert, num_pairs, inter,
-                          hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
-                          s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
-                          act.stride(0), TOP_K=top_k, PRECISION=precision, FP8=fp8,
-                          BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                          num_warps=tile.num_warps, num_stages=tile.num_stages)
+    grid = (num_blocks * triton.cdiv(inter, tile.block_n),)
+    _gate_up_kernel[grid](hidden, w13, s13, act, sorted_pairs, block_expert, num_pairs,
+                          num_blocks, inter, hidden_size, hidden.stride(0), w13.stride(0),
+                          w13.stride(1), s13.stride(0) if fp8 else 0,
+                          s13.stride(1) if fp8 else 0, act.stride(0), TOP_K=top_k,
+                          PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                          PDL=bool(options), num_warps=tile.num_warps,
+                          num_stages=tile.num_stages, **options)
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     s2 = w2_scale if fp8 else w2
-    grid = (num_blocks, triton.cdiv(hidden_size, tile.down_block_n))
+    grid = (num_blocks * triton.cdiv(hidden_size, tile.down_block_n),)
     _down_kernel[grid](act, w2, s2, y, weights, sorted_pairs, block_expert, num_pairs,
-                       hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1),
-                       s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0, y.stride(0),
-                       PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
-                       BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k,
-                       num_warps=tile.num_warps, num_stages=tile.num_stages)
+                       num_blocks, hidden_size, inter, act.stride(0), w2.stride(0),
+                       w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+                       y.stride(0), PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
+                       BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                       PDL=bool(options), num_warps=tile.num_warps,
+                       num_stages=tile.num_stages, **options)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     block_n = min(1024, triton.next_power_of_2(hidden_size))
+    add = shared_output if shared_output is not None else out
     _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        y, out, hidden_size, TOP_K=top_k, BLOCK_N=block_n, num_warps=4)
+        y, add, out, hidden_size, add.stride(0), TOP_K=top_k,
+        HAS_ADD=shared_output is not None, BLOCK_N=block_n, PDL=bool(options), num_warps=4,
+        **options)
     return out

@@ -30,6 +30,9 @@ class MoETile:
     block_m: rows per tile (each expert's rows are padded to a multiple of it; >= 16).
     block_n: gate_up columns per program (the gate and the up tile each); down_block_n: down
         columns per program; block_k: the K step of both GEMMs.
+    group_m: launch order: groups of group_m row tiles, a group's row tiles side by side for
+        one column tile before the next column tile (Triton's grouped ordering); 0 (default):
+        one group of all row tiles.
     """
 
     max_rows: int
@@ -39,11 +42,15 @@ class MoETile:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 0
 
 
 # decode (a few rows per expert) to prefill (hundreds): measured on the H200, RESULTS.md
+# (4 x 2,048-token prefill, 768 rows per expert: 128-row tiles in groups of 8 row tiles 1.81
+# ms per layer, the 64-row tiles 2.47 ms in the ungrouped order, 2.36 ms grouped)
 MOE_TILES = (MoETile(2, 16, 32, 64, 128, 4, 4), MoETile(8, 16, 64, 64, 128, 4, 3),
-             MoETile(32, 32, 64, 128, 64, 4, 4), MoETile(1 << 30, 64, 128, 128, 64, 8, 3))
+             MoETile(32, 32, 64, 128, 64, 4, 4), MoETile(256, 64, 128, 128, 64, 8, 3, 8),
+             MoETile(1 << 30, 128, 64, 256, 64, 8, 3, 8))
 
 
 def _check(name: str, ok: bool, message: str) -> None:
@@ -83,6 +90,9 @@ class KernelConfig:
         weight runs the AVX2 block-quantized kernel.
     moe_tiles: the Triton fused MoE's tile sizes by mean rows per expert (`MoETile`), in
         increasing max_rows; default `MOE_TILES`.
+    moe_align_one_program_max_pairs: up to this many (token, k) pairs (default 256) the Triton
+        MoE aligns pairs to experts in one program (`moe_triton.align`); above, an atomic rank
+        kernel and a parallel layout kernel.
     moe_deep_gemm_min_rows: from this many mean rows per expert (default 128: prefill) a bf16
         MoE call on backend "auto" runs DeepGEMM's grouped GEMM where `deep_gemm` is installed
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
@@ -130,6 +140,7 @@ class KernelConfig:
     norm_by_dot_rows: int = 32
     quantized_max_rows: int = 64
     moe_tiles: tuple[MoETile, ...] = MOE_TILES
+    moe_align_one_program_max_pairs: int = 256
     moe_deep_gemm_min_rows: int = 128
     batch_invariant: bool = False
     mla_decode_block_h: int = 64
@@ -167,7 +178,11 @@ class KernelConfig:
             t if isinstance(t, MoETile) else MoETile(**t) for t in self.moe_tiles))
         _check("moe_tiles", bool(self.moe_tiles) and all(
             t.block_m >= 16 and t.block_k >= 16 and t.block_n >= 16 and t.down_block_n >= 16
-            for t in self.moe_tiles), "needs at least one tile, each block >= 16 (tl.dot).")
+            and t.group_m >= 0 for t in self.moe_tiles),
+               "needs at least one tile, each block >= 16 (tl.dot), group_m >= 0.")
+        _check("moe_align_one_program_max_pairs", 0 <= self.moe_align_one_program_max_pairs
+               <= 4096, f"{self.moe_align_one_program_max_pairs} must be in [0, 4096] (its "
+               "[pairs, experts] one-hot matrix lives in registers); 0: never one program.")
         for name in ("mla_decode_block_h", "mla_decode_block_n", "mla_decode_max_splits",
                      "mla_prefill_block_m", "mla_prefill_block_n"):
             value = getattr(self, name)

@@ -38,12 +38,13 @@ from deepinfer.engine.models.layers.lm_head import CausalLMLogits
 from deepinfer.engine.models.layers.mlp import GatedMLP
 from deepinfer.engine.models.layers.moe import MoE
 from deepinfer.engine.models.layers.rms_norm import RMSNorm
-from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, apply_rotary, rope_parameters,
+from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, rope_parameters,
                                          yarn_get_mscale)
 from deepinfer.engine.moe.gating import RoutingConfig
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.fp8 import fp8_supported
-from deepinfer.kernels.mla_attention import mla_attention, write_latent
+from deepinfer.kernels.linear import linear
+from deepinfer.kernels.mla_attention import mla_attention, rotate_and_write_latent
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 # checkpoint name -> (destination tensor, optional transform applied to the checkpoint tensor)
@@ -108,6 +109,8 @@ class MLAAttention(nn.Module):
         self.interleaved_rope = interleaved_rope
         self.w_uk: torch.Tensor | None = None  # [H, Dn, L], set by finish_loading
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L]
+        # [Q + L + R, hidden]: q_proj's (q_a_proj's) rows, kv_a's; CUDA only (_merge_q_kv_a)
+        self.q_kv_a_weight: torch.Tensor | None = None
 
     def _permute_q_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         heads = tensor.view(self.num_heads, self.nope_dim + self.rope_dim, -1)
@@ -139,22 +142,46 @@ class MLAAttention(nn.Module):
         self.w_uk = per_head[:, :self.nope_dim]
         self.w_uv = per_head[:, self.nope_dim:]
         self.kv_b_proj.packed_weight = self.kv_b_proj.quantized_weight = None
+        self._merge_q_kv_a()
+
+    def _merge_q_kv_a(self) -> None:
+        """On CUDA, q_proj's (q_a_proj's) and kv_a_proj_with_mqa's weights in one tensor, the
+        two Linears' weights its views: one GEMM, one launch less per layer at decode. Not for
+        biases, FP8 weights or CPU (whose packed copies are per Linear)."""
+        first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        second = self.kv_a_proj_with_mqa
+        if (not first.weight.is_cuda or first.bias is not None or second.bias is not None
+                or first.weight_scale_inv is not None or second.weight_scale_inv is not None):
+            return
+        merged = torch.cat([first.weight.data, second.weight.data])
+        first.weight.data = merged[:first.out_features]
+        second.weight.data = merged[first.out_features:]
+        self.q_kv_a_weight = merged
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden_size] -> (query [T, H * (Dn + R)], kv_a [T, L + R]), views of one
+        GEMM's output where the weights are merged."""
+        if self.q_kv_a_weight is not None:
+            fused = linear(hidden, self.q_kv_a_weight, settings=self.kernel_config)
+            first, kv_a = fused.split([fused.shape[1] - self.kv_a_proj_with_mqa.out_features,
+                                       self.kv_a_proj_with_mqa.out_features], dim=1)
+        else:
+            first = self.q_a_proj(hidden) if self.q_lora_rank else self.q_proj(hidden)
+            kv_a = self.kv_a_proj_with_mqa(hidden)
+        query = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora_rank else first
+        return query, kv_a
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]. kv_cache: [num_blocks, block_size,
         L + R], this step's latents written at attn_metadata.slot_mapping."""
         num_tokens = hidden.shape[0]
-        if self.q_lora_rank:
-            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        else:
-            query = self.q_proj(hidden)
+        query, kv_a = self._project(hidden)  # [T, H * (Dn + R)], [T, L + R]
         query = query.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        q_pe = apply_rotary(query[..., self.nope_dim:], *rope)  # [T, H, R]
-        kv_a = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
-        c_kv = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank].contiguous())  # [T, L]
-        k_pe = apply_rotary(kv_a[:, None, self.kv_lora_rank:], *rope)[:, 0]  # [T, R]
-        write_latent(torch.cat([c_kv, k_pe], dim=-1), kv_cache, attn_metadata.slot_mapping)
+        norm = self.kv_a_layernorm
+        q_pe = rotate_and_write_latent(  # [T, H, R], query's rope dims rotated in place
+            query, kv_a, norm.weight, norm.eps, *rope, kv_cache, attn_metadata.slot_mapping,
+            settings=self.kernel_config)
         out = mla_attention(query[..., :self.nope_dim], q_pe, kv_cache, attn_metadata,
                             self.w_uk, self.w_uv, self.scale,
                             settings=self.kernel_config)  # [T, H, Dv]
@@ -187,11 +214,10 @@ class DeepseekMoEBlock(nn.Module):
         return targets
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, hidden_size] -> [T, hidden_size]."""
-        out = self.moe(hidden)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
-        return out
+        """hidden: [T, hidden_size] -> [T, hidden_size]. The shared experts run first; their
+        output is added in the routed experts' combine (no separate add kernel)."""
+        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        return self.moe(hidden, shared)
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels.backends import triton_available
+from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -79,8 +80,8 @@ def _group_mask(choice_scores: torch.Tensor, config: RoutingConfig, *,
 
 def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
                    e_score_correction_bias: torch.Tensor | None = None, *,
-                   logical_to_physical: torch.Tensor | None = None, backend: str = "auto"
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   logical_to_physical: torch.Tensor | None = None, backend: str = "auto",
+                   settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick each token's top-k experts. Device ops only, never a host sync (CUDA-graph safe).
 
     Args:
@@ -90,6 +91,7 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
         logical_to_physical: [num_experts] int64: return physical ids (`map[logical]`).
         backend: "auto" (the one-launch Triton kernel `kernels/moe_routing_triton.py` on CUDA
             where Triton is installed, else torch ops), "torch" or "triton".
+        settings: kernel choices (`KernelConfig.pdl`: the Triton kernel's PDL launch).
     Returns:
         (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64 logical
         expert ids, physical with `logical_to_physical`). The order of the k columns is
@@ -106,7 +108,7 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
                      topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
                      routed_scaling_factor=config.routed_scaling_factor,
                      e_score_correction_bias=e_score_correction_bias,
-                     logical_to_physical=mapping)
+                     logical_to_physical=mapping, settings=settings)
     topk_weights, topk_ids = _select_experts_torch(router_logits, config,
                                                    e_score_correction_bias)
     if logical_to_physical is not None:

@@ -111,6 +111,42 @@ def test_mla_triton_write_latent_skips_negative_slots():
     assert int((actual.abs().sum(-1) > 0).sum()) == 4
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads,num_tokens", [(16, 1), (16, 7), (20, 33)])
+def test_rotate_and_write_latent_matches_torch_ops(num_heads, num_tokens, dtype):
+    """The one-kernel rotary + latent norm + latent write equals the torch ops it replaces
+    (`kernels.rotary.apply_rotary`, `kernels.rms_norm`, `write_latent`, backend "torch"):
+    float32 within 1e-6 (the norm's sum order), bf16 within one ulp (2**-7 relative); nope
+    dims untouched, slot -1 not stored (V2-Lite's widths: Dn 128, R 64, L 512)."""
+    from deepinfer.engine.models.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    nope, rope_dim, lora = 128, 64, 512
+    query = torch.randn(num_tokens, num_heads, nope + rope_dim, generator=gen).to(DEVICE, dtype)
+    kv_a = torch.randn(num_tokens, lora + rope_dim, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(lora, generator=gen)).to(DEVICE, dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = RotaryEmbedding(rope_dim, 4096, {"rope_type": "default", "rope_theta": 1e4}).to(
+        DEVICE)(positions, dtype)
+    slots = torch.randperm(4 * 16, generator=gen)[:num_tokens].to(DEVICE)
+    slots[num_tokens // 2] = -1
+    caches, queries = [], []
+    for backend in ("triton", "torch"):
+        cache = torch.zeros(4, 16, lora + rope_dim, device=DEVICE, dtype=dtype)
+        q = query.clone()
+        q_pe = mla_op.rotate_and_write_latent(q, kv_a, weight, 1e-6, cos, sin, cache, slots,
+                                              backend=backend)
+        assert q_pe.data_ptr() == q[..., nope:].data_ptr()
+        caches.append(cache)
+        queries.append(q)
+    assert torch.equal(queries[0][..., :nope], query[..., :nope])
+    assert int((caches[0].abs().sum(-1) > 0).sum()) == num_tokens - 1
+    atol = 1e-6 if dtype == torch.float32 else 0
+    for got, expected in ((queries[0], queries[1]), (caches[0], caches[1])):
+        rtol = 1e-6 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
+
+
 def test_auto_picks_flash_mla_when_installed(monkeypatch):
     """Dispatch only (FlashMLA does not build here): with a stand-in `flash_mla` module, auto
     resolves to it on CUDA, covered batches call its two functions with FlashMLA's shapes, and

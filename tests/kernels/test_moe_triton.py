@@ -58,20 +58,25 @@ def test_experts_no_token_picked():
     check(make_moe(9, 16, 2, scores=scores))
 
 
-@pytest.mark.parametrize("tile_rows", [16, 32, 64])
-def test_one_expert_picked_by_every_token(tile_rows):
-    """Expert 5 takes all 70 tokens: several row tiles of one expert (and a partial last one)."""
+@pytest.mark.parametrize("tile_rows,group_m", [(16, 0), (32, 0), (64, 0), (16, 2), (32, 3)])
+def test_one_expert_picked_by_every_token(tile_rows, group_m):
+    """Expert 5 takes all 70 tokens: several row tiles of one expert (and a partial last one),
+    in either launch order (group_m 0: all row tiles per column tile; 2, 3: grouped, the last
+    group partial)."""
     scores = torch.rand(70, 8, generator=torch.Generator().manual_seed(4))
     scores[:, 5] = 2.0
-    settings = KernelConfig(moe_tiles=(MoETile(1 << 30, tile_rows, 32, 32, 32),))
+    settings = KernelConfig(moe_tiles=(MoETile(1 << 30, tile_rows, 32, 32, 32,
+                                               group_m=group_m),))
     check(make_moe(70, 8, 3, scores=scores), settings)
 
 
-def test_alignment_layout():
+@pytest.mark.parametrize("one_program_max_pairs", [0, 256], ids=["rank+layout", "one_program"])
+def test_alignment_layout(one_program_max_pairs):
     from deepinfer.kernels.moe_triton import align
 
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 3]], device=DEVICE)
-    sorted_pairs, block_expert, num_blocks = align(ids, 6, 16)
+    sorted_pairs, block_expert, num_blocks = align(ids, 6, 16, KernelConfig(
+        moe_align_one_program_max_pairs=one_program_max_pairs))
     assert num_blocks == 7  # cdiv(10 pairs + min(6 experts, 10 pairs) * 15, 16): static
     sorted_pairs, block_expert = sorted_pairs.cpu().view(num_blocks, 16), block_expert.cpu()
     assert block_expert.tolist() == [0, 1, 2, 3, -1, -1, -1]  # 4 and 5 got no pair
@@ -81,6 +86,54 @@ def test_alignment_layout():
         if expert >= 0:
             assert sorted(real) == sorted(i for i in range(10) if flat[i] == expert)
         assert all(p == 10 for p in sorted_pairs[block].tolist() if p not in real)
+
+
+@pytest.mark.parametrize("num_pairs", [6, 246, 3000])
+def test_one_program_and_parallel_alignment_agree(num_pairs):
+    """The one-program alignment (pairs of an expert in pair order) and the atomic rank +
+    parallel layout (several layout programs at 3,000 pairs) give the same tiles' experts and
+    the same set of pairs per expert."""
+    from deepinfer.kernels.moe_triton import align
+
+    gen = torch.Generator().manual_seed(num_pairs)
+    ids = torch.randint(0, 64, (num_pairs // 6, 6), generator=gen)
+    ids[0] = 7   # one expert several times
+    ids = ids.to(DEVICE)
+    one = align(ids, 64, 16, KernelConfig(moe_align_one_program_max_pairs=4096))
+    parallel = align(ids, 64, 16, KernelConfig(moe_align_one_program_max_pairs=0))
+    assert one[2] == parallel[2]
+    assert torch.equal(one[1], parallel[1])
+    flat = ids.reshape(-1).cpu()
+    for block, expert in enumerate(one[1].tolist()):
+        rows = [pairs[block * 16:(block + 1) * 16].tolist() for pairs in (one[0], parallel[0])]
+        assert sorted(rows[0]) == sorted(rows[1])
+        if expert >= 0:
+            assert all(flat[p] == expert for p in rows[0] if p < num_pairs)
+    # one program: an expert's pairs in pair order
+    real = [p for p in one[0].tolist() if p < num_pairs]
+    assert sorted(real) == list(range(num_pairs))
+    for expert in range(64):
+        mine = [p for p in real if flat[p] == expert]
+        assert mine == sorted(mine)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 70])
+def test_shared_output_added_in_the_combine(num_tokens, dtype):
+    """`shared_output` is added to the routed sum: float32 within 1e-5 of reference + shared;
+    bf16 within 1e-2 relative."""
+    args = make_moe(num_tokens, 16, 4, dtype=dtype, seed=11)
+    shared = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(12))
+    got = moe_experts(*args, backend="triton", shared_output=shared.to(DEVICE, dtype))
+    ref_args = [a.float().cpu() if a.is_floating_point() else a.cpu() for a in args]
+    expected = moe_experts(*ref_args, backend="reference") + shared.to(dtype).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+    else:
+        assert relative_error(got, expected) <= 1e-2
+    # the torch backend adds it after its own sum
+    torch_out = moe_experts(*ref_args, backend="torch", shared_output=shared.to(dtype).float())
+    torch.testing.assert_close(torch_out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_deterministic_run_to_run():

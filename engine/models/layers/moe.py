@@ -97,17 +97,22 @@ class MoE(nn.Module):
             return self.w2.data[physical]
         raise ValueError(f"unknown expert projection {projection!r}")
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum, same shape/dtype."""
+    def forward(self, hidden: torch.Tensor, shared_output: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum (plus
+        `shared_output`, [num_tokens, hidden_size] or None: added by the experts' combine
+        kernel on the Triton backend), same shape/dtype."""
         if self.expert_parallel is not None:
-            return self.expert_parallel.forward(self, hidden)
+            out = self.expert_parallel.forward(self, hidden)
+            return out if shared_output is None else out + shared_output
         router_logits = hidden.float() @ self.gate_weight.T  # [T, num_experts] float32
         topk_weights, physical_ids = select_experts(  # [T, top_k] each
             router_logits, self.routing, self.e_score_correction_bias,
-            logical_to_physical=self.logical_to_physical)
+            logical_to_physical=self.logical_to_physical, settings=self.kernel_config)
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
                            backend=self.backend, settings=self.kernel_config,
-                           w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+                           w13_scale=self.w13_scale, w2_scale=self.w2_scale,
+                           shared_output=shared_output)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.routing.num_experts}, top_k={self.routing.top_k}, "
