@@ -12,13 +12,19 @@ GPU mode (`--gpu`, issue 29): random bf16 weights in the Llama-3.2-1B and Llama-
 word-level tokenizer, 128-token prompts sent as token ids, 256 new tokens, ignore_eos,
 streaming /v1/completions from 8 client processes (httpx). Per shape: the offline loop
 (`LLM.generate`'s: submit all, step to the end) with the same engine settings, then the server
-(uvicorn in this process) with the engine core in this process and in its own process
-(`--engine-process`), at 64 and 256 streams. Prints tok/s and its share of offline, TTFT p50/p99
-(and p50 over the offline prefill time) and ITL p50/p99 (gaps between a stream's chunks; a
-chunk holds several tokens when the server coalesced the steps a lagging stream had queued).
+as `deepinfer serve --api-server-count N` lays it out (server/api_servers.py: N API server
+processes on one socket, the engine core in its own process) for each N of
+`--api-server-count`, and with `--thread-baseline` also uvicorn in this process with the engine
+core on a thread (the old design), at 64 and 256 streams. Prints tok/s and its share of
+offline, TTFT p50/p99 (and p50 over the offline prefill time), ITL p50/p99 and tokens per
+event. ITL as vLLM's benchmark_serving measures it: the gaps between a stream's
+content-bearing SSE events (non-empty text), whatever the tokens each holds; an event holds
+several tokens when the server coalesced the steps a lagging stream had queued.
 
     python benchmarks/bench_serving.py --gpu [--shapes 1b,8b] [--streams 64,256]
-        [--engine-process both|on|off] [--json PATH]
+        [--api-server-count 1,4] [--thread-baseline] [--json PATH]
+    python benchmarks/bench_serving.py --gpu --device cpu --shapes tiny --streams 8 \
+        --new-tokens 16     # a CPU dry run of the GPU mode
 """
 
 from __future__ import annotations
@@ -157,7 +163,7 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def _gpu_config(model_dir: Path, engine_process: bool, device: str):
+def _gpu_config(model_dir: Path, engine_process: bool, device: str, api_server_count: int = 1):
     from deepinfer.engine.config import EngineConfig
 
     return EngineConfig().replace(
@@ -168,7 +174,8 @@ def _gpu_config(model_dir: Path, engine_process: bool, device: str):
         cache={"enable_prefix_caching": False, "num_blocks": 8192},
         scheduler={"max_num_seqs": 256, "max_num_batched_tokens": 8192,
                    "max_waiting_requests": 4096},
-        kv_transfer={"kv_store": "none"}, frontend={"engine_process": engine_process})
+        kv_transfer={"kv_store": "none"},
+        frontend={"engine_process": engine_process, "api_server_count": api_server_count})
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -206,14 +213,17 @@ async def _timed_stream(client, model: str, prompt: list[int], new_tokens: int) 
     times, tokens = [], 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
+        server = response.headers.get("x-deepinfer-api-server", "0")
         async for line in response.aiter_lines():
-            if line.startswith('data: {"id"'):
-                if '"choices":[]' in line:     # the usage chunk: the tokens (a chunk may
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]   # hold more
-                else:                                                              # than one)
-                    times.append(time.perf_counter())
+            if not line.startswith('data: {"id"'):
+                continue
+            if '"choices":[]' in line:     # the usage chunk: the tokens
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            elif '"text":""' not in line:  # a content-bearing event (vLLM's ITL definition)
+                times.append(time.perf_counter())
     return {"ttft": times[0] - start, "itl": [b - a for a, b in zip(times, times[1:])],
-            "chunks": tokens, "start": start, "end": times[-1]}
+            "chunks": tokens, "events": len(times), "start": start, "end": times[-1],
+            "server": server}
 
 
 def _client_task(url: str, model: str, prompts: list[list[int]], new_tokens: int,
@@ -233,6 +243,7 @@ def _client_task(url: str, model: str, prompts: list[list[int]], new_tokens: int
 
 def serve_run(pool, url: str, model: str, prompts: list[list[int]], new_tokens: int) -> dict:
     """`prompts` streamed at once from the `pool`'s CLIENT_PROCESSES processes."""
+    import collections
     import statistics
 
     start_at = time.time() + 0.5
@@ -250,7 +261,10 @@ def serve_run(pool, url: str, model: str, prompts: list[list[int]], new_tokens: 
     return {"tok_s": tokens / elapsed, "tokens": tokens,
             "ttft_ms": (pct(ttft, 0.5), pct(ttft, 0.99)), "itl_ms": (pct(itl, 0.5),
                                                                       pct(itl, 0.99)),
-            "itl_mean_ms": statistics.fmean(itl) * 1e3}
+            "itl_mean_ms": statistics.fmean(itl) * 1e3,
+            "tokens_per_event": tokens / sum(s["events"] for s in streams),
+            "streams_per_api_server": sorted(collections.Counter(
+                s["server"] for s in streams).values(), reverse=True)}
 
 
 def _serve_in_thread(engine):
@@ -283,9 +297,49 @@ def _serve_in_thread(engine):
     return url, stop
 
 
+def _wait_healthy(url: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy after {timeout_s} s")
+
+
+def _serve_processes(config, factory):
+    """`deepinfer serve --api-server-count N`'s processes (server/api_servers.py) with the
+    model built by `factory` in the engine core; returns (url, stop)."""
+    from deepinfer.server.api_servers import APIServers
+    from deepinfer.server.cli import build_parser
+    from tests.processes import free_port
+
+    port = free_port()
+    args = build_parser().parse_args(["serve", "--port", str(port), "--log-level", "warning"])
+    servers = APIServers(config, args, model_factory=factory)
+    servers.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url)
+    except BaseException:
+        servers.stop()
+        servers.stop()
+        servers.close()
+        raise
+
+    def stop():
+        servers.stop()
+        servers.wait()
+        servers.close()
+    return url, stop
+
+
 def gpu_main(args) -> dict:
-    """Per shape: offline runs (EngineCore in this process), then the server with the engine
-    core in its own process (--engine-process) and in this one, each at every stream count;
+    """Per shape: offline runs (EngineCore in this process), then the server in each layout
+    (N API server processes + the engine core process, for each N of --api-server-count;
+    --thread-baseline: uvicorn and the engine core in this process) at every stream count;
     prints share of offline tok/s, TTFT and ITL percentiles. Results are printed (and written
     to --json) as they come, so a run cut short keeps what it measured."""
     import functools
@@ -301,8 +355,10 @@ def gpu_main(args) -> dict:
 
     report = {}
     streams_list = [int(s) for s in args.streams.split(",")]
-    modes = {"on": [True], "off": [False], "both": [True, False]}[args.engine_process]
+    layouts = [f"api{n}" for n in args.api_server_count.split(",") if n]
+    layouts += ["thread"] if args.thread_baseline else []
     pool = multiprocessing.get_context("spawn").Pool(CLIENT_PROCESSES)
+    pool.map(abs, range(CLIENT_PROCESSES))   # the clients started before anything is timed
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         model_dir = write_model_dir(Path(tempfile.mkdtemp()) / shape_name, LlamaConfig(**shape))
@@ -320,11 +376,19 @@ def gpu_main(args) -> dict:
             print(f"{shape_name} offline {n:4d} streams: {offline[n]['tok_s']:9.0f} tok/s, "
                   f"prefill {offline[n]['prefill_s'] * 1e3:.0f} ms", flush=True)
             report[f"{shape_name}/offline/{n}"] = offline[n]
-        for engine_process in modes:
-            engine = AsyncLLM(_gpu_config(model_dir, engine_process, args.device),
-                              model_factory=factory)
-            freeze_startup_heap()
-            url, stop = _serve_in_thread(engine)
+        for layout in layouts:
+            if layout == "thread":
+                engine = AsyncLLM(_gpu_config(model_dir, False, args.device),
+                                  model_factory=factory)
+                freeze_startup_heap()
+                url, serving_stop = _serve_in_thread(engine)
+
+                def stop():
+                    serving_stop()
+                    engine.shutdown()
+            else:
+                url, stop = _serve_processes(_gpu_config(model_dir, True, args.device,
+                                                         int(layout[3:])), factory)
             try:
                 model_id = httpx.get(url + "/v1/models").json()["data"][0]["id"]
                 for n in streams_list:   # warm-up, as offline
@@ -334,18 +398,18 @@ def gpu_main(args) -> dict:
                     result["share"] = result["tok_s"] / offline[n]["tok_s"]
                     result["ttft_over_prefill"] = (result["ttft_ms"][0] / 1e3
                                                    / offline[n]["prefill_s"])
-                    key = f"{shape_name}/{'proc' if engine_process else 'thread'}/{n}"
+                    key = f"{shape_name}/{layout}/{n}"
                     report[key] = result
                     print(f"{key:18} {result['tok_s']:9.0f} tok/s  share {result['share']:.2f}"
                           f"  TTFT p50/p99 {result['ttft_ms'][0]:.0f}/{result['ttft_ms'][1]:.0f}"
                           f" ms ({result['ttft_over_prefill']:.2f}x offline prefill)  ITL "
-                          f"p50/p99 {result['itl_ms'][0]:.1f}/{result['itl_ms'][1]:.1f} ms",
-                          flush=True)
+                          f"p50/p99 {result['itl_ms'][0]:.1f}/{result['itl_ms'][1]:.1f} ms  "
+                          f"{result['tokens_per_event']:.2f} tok/event  streams per API "
+                          f"server {result['streams_per_api_server']}", flush=True)
                     if args.json:
                         Path(args.json).write_text(json.dumps(report, indent=1))
             finally:
                 stop()
-                engine.shutdown()
             _empty_cache()
     pool.terminate()
     return report
@@ -361,9 +425,12 @@ def main() -> None:
     parser.add_argument("--shapes", default="1b,8b", help="GPU mode: of " + ",".join(SHAPES))
     parser.add_argument("--streams", default="64,256", help="GPU mode: concurrent streams")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="GPU mode")
-    parser.add_argument("--engine-process", choices=["on", "off", "both"], default="both",
-                        help="GPU mode: serve with the engine core in its own process, in "
-                             "this one, or both in turn")
+    parser.add_argument("--api-server-count", default="1,4",
+                        help="GPU mode: serve with N API server processes and the engine core "
+                             "process, for each N of this comma-separated list")
+    parser.add_argument("--thread-baseline", action="store_true",
+                        help="GPU mode: also serve from this process, the engine core on a "
+                             "thread (the design before the engine core process)")
     parser.add_argument("--json", default=None, help="GPU mode: write the results here")
     parser.add_argument("--device", default="cuda", help="GPU mode: cpu for a smoke test")
     args = parser.parse_args()

@@ -63,8 +63,8 @@ async def _load(url: str, streams: int, new_tokens: int, warm_up: bool) -> int:
     limits = httpx.Limits(max_connections=streams + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        if warm_up:
-            await _stream(client, model, 4)
+        if warm_up:   # several connections at once: every API server process warms up
+            await asyncio.gather(*(_stream(client, model, 4) for _ in range(16)))
             return 0
         counts = await asyncio.gather(*(_stream(client, model, new_tokens)
                                         for _ in range(streams)))

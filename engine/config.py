@@ -447,14 +447,33 @@ class FrontendConfig:
         on for CUDA (the host's serving work would otherwise share one interpreter with the
         step loop), off for CPU (the model's own compute needs the cores: on a busy 2-core
         machine a second process was several times slower; benchmarks/RESULTS.md).
+
+    api_server_count: HTTP API server processes sharing one listening socket, each its own
+        client of the one engine core (server/api_servers.py), as vLLM v1's
+        `--api-server-count`: one event loop (uvicorn writes, SSE, detokenization) was the
+        limit at 256 streams on an H200. 1 = the API server is the `deepinfer serve` process
+        itself. More than 1 needs the engine core in its own process (`engine_process` None
+        or True).
     """
 
     engine_process: bool | None = _field(None, env="DEEPINFER_ENGINE_PROCESS",
                                          flag="engine_process")
+    api_server_count: int = _field(1, env="DEEPINFER_API_SERVER_COUNT", flag="api_server_count")
+
+    def __post_init__(self) -> None:
+        _check("api_server_count", 1 <= self.api_server_count <= 64,
+               f"api_server_count={self.api_server_count} must be in [1, 64].")
+        _check("api_server_count", self.api_server_count == 1 or self.engine_process is not False,
+               f"api_server_count={self.api_server_count} needs the engine core in its own "
+               "process (several API servers are its clients); drop --no-engine-process "
+               "(DEEPINFER_ENGINE_PROCESS=0) or use --api-server-count 1.")
 
     def resolve_engine_process(self, on_cuda: bool) -> bool:
-        """`engine_process`, None resolved for a model on CUDA (`on_cuda`) or on the CPU."""
-        return on_cuda if self.engine_process is None else self.engine_process
+        """`engine_process`, None resolved for a model on CUDA (`on_cuda`) or on the CPU
+        (always True with several API servers)."""
+        if self.engine_process is None:
+            return on_cuda or self.api_server_count > 1
+        return self.engine_process
 
 
 @dataclass(frozen=True)

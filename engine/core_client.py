@@ -23,6 +23,13 @@ whose API server process died outright notices within a step (engine/core_proc.p
 its workers down; a core killed outright is reaped by the reader's liveness check, and its
 workers exit on their closed pipes.
 
+Several API servers (`--api-server-count`, server/api_servers.py): the launcher starts the
+core (`start_core_process`) and each API server process builds `MPAsyncLLM(config,
+endpoints=..., client_index=i)`, which binds its own socket pair, tags what it sends with its
+index and gets back only its requests' outputs; it does not own the core: `shutdown()` tells
+the core this API server is done (the core stops when all have, and the launcher joins it),
+and its liveness check is the core's pid (the launcher reaps a core that exits).
+
 Images: the API server process holds the model's `mm_processor` (engine/mm_processor.py,
 None for a text-only model) to expand prompts and preprocess images; a request's images
 travel to the core as plain data (`ImageInput`: pixel bytes, shape, hash, span).
@@ -36,20 +43,23 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import zmq
 
 from deepinfer.engine import loader
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.core_proc import run_engine_core
-from deepinfer.engine.core_wire import (INPUT_ENCODER, OUTPUT_DECODER, AddRequest, EngineInput,
-                                        EngineOutputs, error_from_wire)
+from deepinfer.engine.core_wire import (INPUT_ENCODER, OUTPUT_DECODER, AddRequest,
+                                        CoreEndpoints, EngineInput, EngineOutputs,
+                                        error_from_wire)
 from deepinfer.engine.errors import (EngineDeadError, EngineShuttingDownError, QueueFullError,
                                      RequestFailedError)
 from deepinfer.engine.mm_processor import adopt_chat_template, load_mm_processor
@@ -81,31 +91,30 @@ class MPAsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, model_factory: Callable | None = None, *,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
-        from deepinfer.engine.engine_core import served_model_name
-
-        model_dir = loader.resolve_model_dir(config.model.model, config.model.cache_dir)
-        # the core loads the resolved directory (a GGUF is converted once, here)
-        config = config.replace(model={"model": str(model_dir),
-                                       "served_model_name": served_model_name(config.model)})
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 endpoints: CoreEndpoints | None = None, client_index: int = 0):
+        config = core_config(config)
+        model_dir = Path(config.model.model)
         self.config = config
         self.max_in_flight = (config.scheduler.max_num_seqs
                               + config.scheduler.max_waiting_requests)
-        self._dir = tempfile.mkdtemp(prefix="deepinfer-core-")
+        # own core (endpoints None): a private directory and one client; else API server
+        # `client_index` of a core that server/api_servers.py started
+        self._owns_core = endpoints is None
+        if endpoints is None:
+            endpoints = CoreEndpoints(tempfile.mkdtemp(prefix="deepinfer-core-"))
+        self._endpoints, self.client_index = endpoints, client_index
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(f"ipc://{self._dir}/input")
+        self._input.bind(endpoints.input_address(client_index))
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(f"ipc://{self._dir}/output")
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="deepinfer-engine-core", daemon=False,
-            args=(config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
-                  model_factory))
-        self._proc.start()
+        self._output.bind(endpoints.output_address(client_index))
+        self._proc = (start_core_process(config, endpoints, model_factory) if self._owns_core
+                      else None)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()       # _streams, _compiles, _processor
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -144,9 +153,9 @@ class MPAsyncLLM:
                 if message.ready is not None:
                     return message
                 raise ValueError(f"the engine core could not start: {message.dead}")
-            if not self._proc.is_alive():
-                raise ValueError("the engine core process exited while starting (exit code "
-                                 f"{self._proc.exitcode}); the log above says why.")
+            if not self._core_alive():
+                raise ValueError("the engine core process exited while starting ("
+                                 f"{self._core_exit()}); the log above says why.")
         raise ValueError(f"the engine core did not start within {timeout_s:g} s.")
 
     # ---- caller side (any event loop) -----------------------------------------------------
@@ -243,9 +252,24 @@ class MPAsyncLLM:
     def check_health(self) -> None:
         if self._error is not None:
             raise self._error
-        if not self._proc.is_alive():
-            raise EngineDeadError(f"the engine core process exited (code {self._proc.exitcode})"
+        if not self._core_alive():
+            raise EngineDeadError(f"the engine core process exited ({self._core_exit()})"
                                   "; restart the server.")
+
+    def _core_alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.is_alive()
+        try:   # a core this process did not start: its parent reaps it when it exits
+            os.kill(self._endpoints.core_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def _core_exit(self) -> str:
+        return (f"code {self._proc.exitcode}" if self._proc is not None
+                else f"pid {self._endpoints.core_pid}")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core (it stops its rank workers) and wait for it; kill it after
@@ -259,6 +283,12 @@ class MPAsyncLLM:
         self._close_sockets()
 
     def _stop_process(self, timeout_s: float) -> None:
+        if self._proc is None:   # another's core: say this API server is done; it stops
+            try:                 # once every API server has
+                self._send(EngineInput(shutdown=True))
+            except zmq.ZMQError:
+                pass
+            return
         if self._proc.is_alive():
             try:
                 self._send(EngineInput(shutdown=True))
@@ -270,13 +300,15 @@ class MPAsyncLLM:
             self._proc.join(5)
 
     def _close_sockets(self) -> None:
-        with self._send_lock:
-            self._input.close(linger=0)
+        with self._send_lock:   # another's core: let our `shutdown` reach it
+            self._input.close(linger=0 if self._owns_core else 2000)
         self._output.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._owns_core:
+            shutil.rmtree(self._endpoints.ipc_dir, ignore_errors=True)
 
     def _send(self, message: EngineInput) -> None:
+        message.client_index = self.client_index
         data = INPUT_ENCODER.encode(message)
         with self._send_lock:
             if not self._input.closed:
@@ -287,9 +319,9 @@ class MPAsyncLLM:
         try:
             while not self._closed:
                 if not self._output.poll(READER_POLL_MS):
-                    if not self._proc.is_alive() and not self._closed:
-                        self._die(f"the engine core process exited (code "
-                                  f"{self._proc.exitcode}); restart the server.")
+                    if not self._core_alive() and not self._closed:
+                        self._die(f"the engine core process exited ({self._core_exit()}); "
+                                  "restart the server.")
                         return
                     continue
                 message = OUTPUT_DECODER.decode(self._output.recv(copy=False).buffer)
@@ -353,6 +385,27 @@ class MPAsyncLLM:
             _call(loop, stream.put_nowait, self._error)
         for loop, future in compiles:
             _call(loop, _settle, future, self._error)
+
+
+def core_config(config: EngineConfig) -> EngineConfig:
+    """`config` with the model resolved to a directory the core loads (a GGUF converted once,
+    here) and its served name fixed, so that every API server reports the same name."""
+    from deepinfer.engine.engine_core import served_model_name
+
+    model_dir = loader.resolve_model_dir(config.model.model, config.model.cache_dir)
+    return config.replace(model={"model": str(model_dir),
+                                 "served_model_name": served_model_name(config.model)})
+
+
+def start_core_process(config: EngineConfig, endpoints: CoreEndpoints,
+                       model_factory: Callable | None = None) -> multiprocessing.Process:
+    """Spawn the engine core (engine/core_proc.py) for the API servers of `endpoints`; it
+    loads the model and then says `ready` to each. Non-daemonic: see the module docstring."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, name="deepinfer-engine-core", daemon=False,
+        args=(config, endpoints, model_factory))
+    process.start()
+    return process
 
 
 def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

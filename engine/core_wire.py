@@ -1,8 +1,9 @@
 """The messages between the API server process and the engine core process (msgspec msgpack).
 
 API server -> engine core: one `EngineInput` per send (requests to add, ids to abort, grammars
-to compile, shutdown). Engine core -> API server: one `EngineOutputs` per step that produced
-anything (every request's new token ids, finish reasons, logprobs, hand-off answers together),
+to compile, shutdown), tagged with the sending API server's index. Engine core -> API server:
+one `EngineOutputs` per step per API server that has anything of that step (its own requests'
+outputs only; the stats go to every one) (every request's new token ids, finish reasons, logprobs, hand-off answers together),
 plus the scheduler's stats, replies to compiles and per-request errors. Text is not sent: the
 API server detokenizes (engine/core_client.py), off the engine's critical path. The first
 message of the engine core carries an `EngineReady` (or a `dead` that says why it could not
@@ -42,7 +43,8 @@ class EngineInput(msgspec.Struct, array_like=True, gc=False):
     adds: list[AddRequest] = []
     aborts: list[str] = []
     compiles: list[tuple[int, dict]] = []     # (ticket, so_args): reply in `compiled`
-    shutdown: bool = False
+    shutdown: bool = False                    # this client is done (the core stops when all are)
+    client_index: int = 0                     # the sending API server: its outputs go back there
 
 
 class WireOutput(msgspec.Struct, array_like=True, gc=False):
@@ -105,6 +107,24 @@ def error_from_wire(error: WireError) -> Exception:
     if error.kind == "grammar":
         return GrammarError(error.message)
     return ValueError(error.message)
+
+
+class CoreEndpoints(msgspec.Struct, frozen=True):
+    """Where the engine core meets its `num_clients` API servers: client i binds
+    `input_address(i)` (PUSH) and `output_address(i)` (PULL) under `ipc_dir`; the core
+    connects to all of them (one PULL fair-queued over the inputs, one PUSH per output), so
+    either side may start first. `core_pid`: the core process, for an API server that did not
+    start it (its liveness check); 0 while unknown."""
+
+    ipc_dir: str
+    num_clients: int = 1
+    core_pid: int = 0
+
+    def input_address(self, client_index: int) -> str:
+        return f"ipc://{self.ipc_dir}/input-{client_index}"
+
+    def output_address(self, client_index: int) -> str:
+        return f"ipc://{self.ipc_dir}/output-{client_index}"
 
 
 INPUT_ENCODER = msgspec.msgpack.Encoder()

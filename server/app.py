@@ -26,6 +26,7 @@ from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.http_limits import APIKeyMiddleware, BodyLimitMiddleware, HTTPLimits
 from deepinfer.server.logprobs import TokenDecoder
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.prompts import max_token_chars
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from deepinfer.server.serving_chat import ChatServing
 from deepinfer.server.serving_completion import CompletionServing
@@ -101,9 +102,33 @@ class HTTPMetricsMiddleware:
             self._metrics.http_response(route, status[0])
 
 
+class APIServerHeaderMiddleware:
+    """With several API server processes, every answer says which one served it
+    (`x-deepinfer-api-server: INDEX`): how an operator (and the e2e test) sees the load
+    spread over them."""
+
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self.app = app
+        self._header = (b"x-deepinfer-api-server", str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self._header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
               cache_isolation: str = "none", limits: HTTPLimits = HTTPLimits(),
-              media: MultiModalConfig = MultiModalConfig()) -> FastAPI:
+              media: MultiModalConfig = MultiModalConfig(),
+              api_server_index: int | None = None,
+              metrics_dir: str | None = None) -> FastAPI:
     """The app for `engine` (an `AsyncLLM` or anything with its public surface).
 
     api_key: one key or several (each client its own); None = no authentication.
@@ -111,13 +136,18 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
         request's `user` field) or "api-key" (salted by the bearer token); see `cache_salt`.
     limits: how slowly and how much a client may send (server.http_limits).
     media: image part limits and remote fetching (server.media), for vision-language models.
+    api_server_index: this process's index among several API servers (server.api_servers):
+        sent in the `x-deepinfer-api-server` header; None (one API server): no header.
+    metrics_dir: the API servers' shared prometheus multiprocess directory (server.metrics).
     """
     if cache_isolation not in CACHE_ISOLATION_MODES:
         raise ValueError(f"cache_isolation={cache_isolation!r} is not one of "
                          f"{CACHE_ISOLATION_MODES}.")
     api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
-    metrics = ServerMetrics(engine.get_stats, engine.model_name, engine.max_model_len)
+    metrics = ServerMetrics(engine.get_stats, engine.model_name, engine.max_model_len,
+                            multiprocess_dir=metrics_dir)
     decode = TokenDecoder(engine.tokenizer)
+    max_token_chars(engine.tokenizer)   # now, not on the first request
     chat = ChatServing(engine, metrics, decode, media)
     completion = CompletionServing(engine, metrics, decode)
     created = int(time.time())
@@ -132,6 +162,8 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # outermost: sees 401s too
+    if api_server_index is not None:
+        app.add_middleware(APIServerHeaderMiddleware, index=api_server_index)
 
     def model_card() -> ModelCard:
         return ModelCard(id=engine.model_name, root=engine.model_name, created=created,

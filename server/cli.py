@@ -18,59 +18,13 @@ import json
 import logging
 import signal
 import sys
-import time
 from typing import Any, Sequence
 
-from deepinfer.server.http_limits import add_limit_flags, limits_from_args, uvicorn_limits
+from deepinfer.server.http_limits import add_limit_flags, limits_from_args
+from deepinfer.server.http_serve import ABORT_MARGIN_S, KEEP_ALIVE_S, serve_http
 
-# Idle keep-alive connections are closed after this many seconds: longer than the router's pool
-# keeps them (router.app.WORKER_IDLE_EXPIRY_S) and than common load balancers' idle timeouts
-# (60 s), so a client never sends on a connection the server is closing (uvicorn's default, 5 s,
-# races the default pool expiry of most clients).
-KEEP_ALIVE_S = 75
-
-
-# seconds between aborting the requests still running at the drain deadline (they answer 503)
-# and uvicorn cancelling whatever has not answered
-ABORT_MARGIN_S = 5
-
-
-async def _drain(server: Any, app: Any, drain_s: float) -> None:
-    """Once a signal starts the drain, wait until no request is in flight or `drain_s` seconds
-    passed; then abort those still running (each answers an OpenAI-style 503
-    `server_shutting_down`, a stream an SSE error event then `[DONE]`, instead of being cut by
-    uvicorn with a bare 500) and let uvicorn stop."""
-    while not (server.draining or server.should_exit):
-        await asyncio.sleep(0.1)
-    deadline = time.monotonic() + drain_s
-    while app.state.in_flight > 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    aborted = app.state.engine.abort_all(
-        f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
-    if aborted:
-        logging.getLogger("deepinfer.server").warning(
-            "shutdown: aborted %d request(s) still running after %g s", aborted, drain_s)
-    server.should_exit = True
-
-
-def draining_server(config: Any) -> Any:
-    """A uvicorn.Server whose first SIGTERM/SIGINT starts a drain (`_drain`) instead of
-    closing the listener: a router health-checking it sees "draining", not a dead worker."""
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        draining = False
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.draining and not self.should_exit:
-                self._captured_signals.append(sig)   # re-raised by uvicorn at the end
-                self.draining = True
-                config.app.state.draining = True
-                return
-            super().handle_exit(sig, frame)
-
-    return DrainingServer(config)
-
+__all__ = ["ABORT_MARGIN_S", "KEEP_ALIVE_S", "build_engine_config", "build_parser", "main",
+           "serve"]
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
@@ -118,6 +72,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="run the engine core (scheduler, model) in its own process, apart "
                             "from the HTTP server's event loop (default: on for CUDA, off for "
                             "CPU)")
+    serve.add_argument("--api-server-count", type=int, default=keep, metavar="N",
+                       help="HTTP API server processes on the one port, each a client of "
+                            "the one engine core process (as vLLM's); more than 1 turns "
+                            "--engine-process on and refuses --no-engine-process (default 1)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
     serve.add_argument("--data-parallel-size", type=int, default=keep, metavar="N",
@@ -343,28 +301,6 @@ def build_engine_config(args: argparse.Namespace, environ: dict[str, str] | None
     return config_from(engine_sections(args, environ), environ, given)
 
 
-async def _serve_http(app: Any, args: argparse.Namespace) -> None:
-    import uvicorn
-
-    # uvicorn cuts what still runs ABORT_MARGIN_S after our own deadline, by which time every
-    # request has had its proper error answer (see _abort_after_drain)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_shutdown_s + ABORT_MARGIN_S,
-                            timeout_keep_alive=KEEP_ALIVE_S,
-                            **uvicorn_limits(limits_from_args(args)))
-    server = draining_server(config)
-    serving = asyncio.create_task(server.serve())
-    deadline = asyncio.create_task(_drain(server, app, args.graceful_shutdown_s))
-    serving.add_done_callback(lambda _: deadline.cancel())
-    while not server.started and not serving.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        url = f"http://{args.host}:{args.port}"
-        print(f"deepinfer: serving {app.state.engine.model_name!r} at {url}/v1 "
-              f"(health: {url}/health, metrics: {url}/metrics)", flush=True)
-    await serving
-
-
 def _check_listen_address(host: str, port: int) -> None:
     """Fail before the (long) model load when the port cannot be bound.
 
@@ -403,7 +339,7 @@ def _serve_encoder(config: Any, args: argparse.Namespace, key: Any, limits: Any)
         signal.signal(sig, lambda *_: None)
     try:
         app = build_encoder_app(worker, config.multimodal, api_key=key, limits=limits)
-        asyncio.run(_serve_http(app, args))
+        asyncio.run(serve_http(app, args))
     finally:
         worker.shutdown()
     print("deepinfer: stopped", flush=True)
@@ -429,6 +365,9 @@ def serve(args: argparse.Namespace) -> int:
         config = build_engine_config(args)
         key = api_keys(args)
         limits = limits_from_args(args)
+        if config.frontend.api_server_count > 1 and config.kv_transfer.role == "encoder":
+            raise ValueError(f"--api-server-count {config.frontend.api_server_count} does not "
+                             "apply to --role encoder (no engine core); drop it")
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         if not args.headless:   # a headless node serves no HTTP
@@ -446,6 +385,10 @@ def serve(args: argparse.Namespace) -> int:
     print(f"deepinfer: loading {config.model.model or 'the embedded default model'}", flush=True)
     if config.kv_transfer.role == "encoder":
         return _serve_encoder(config, args, key, limits)
+    if config.frontend.api_server_count > 1:
+        from deepinfer.server.api_servers import serve_api_servers
+
+        return serve_api_servers(config, args, key, limits)
     try:
         from deepinfer.engine.async_llm import AsyncLLM, freeze_startup_heap
         from deepinfer.server.app import build_app
@@ -466,7 +409,7 @@ def serve(args: argparse.Namespace) -> int:
                     media=config.multimodal)
     freeze_startup_heap()   # no collector pauses over the startup heap while serving
     try:
-        asyncio.run(_serve_http(app, args))
+        asyncio.run(serve_http(app, args))
     finally:
         engine.shutdown()
     print("deepinfer: stopped", flush=True)

@@ -12,6 +12,12 @@ Two sources:
 
 Each app owns a `CollectorRegistry` (not the process-global one), so tests can build several.
 Time buckets span 1 ms to ~20 min, so GPU and CPU speeds both land inside them.
+
+Several API server processes (`--api-server-count`, server/api_servers.py): prometheus_client's
+multiprocess mode. The launcher points `PROMETHEUS_MULTIPROC_DIR` at a private directory before
+it spawns them, so each process's per-request counters and histograms live in files there and
+`/metrics` of any API server sums them (`multiprocess_dir`); the engine's own stats are not
+summed: each API server holds the same snapshot of the one engine core and reports it once.
 """
 
 from __future__ import annotations
@@ -171,10 +177,18 @@ class ServerMetrics:
     """The app's registry plus the per-request instruments, bound to one model name."""
 
     def __init__(self, get_stats: Callable[[], SchedulerStats], model_name: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, multiprocess_dir: str | None = None) -> None:
+        """multiprocess_dir: prometheus_client's `PROMETHEUS_MULTIPROC_DIR` of this process
+        (set before prometheus_client was imported) when several API servers share the
+        counts; None: this process's counts alone."""
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(get_stats, model_name))
         reg, labels = self.registry, ["model_name"]
+        if multiprocess_dir is not None:
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
+            reg = None   # the instruments write to their files; the collector reads them all
         self.prompt_tokens = Counter("deepinfer:prompt_tokens", "Prefill tokens processed.",
                                      labels, registry=reg).labels(model_name)
         self.generation_tokens = Counter("deepinfer:generation_tokens",

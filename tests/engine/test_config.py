@@ -110,16 +110,17 @@ def test_each_field_s_variable_and_flag_are_declared_once_on_the_field():
     assert ENV_VARS["DEEPINFER_HF_MODEL_DIR"] == ("model", "model")
     assert ENV_VARS["DEEPINFER_KV_STORE_TIMEOUT_S"] == ("kv_transfer", "timeout_s")
     assert ENV_VARS["DEEPINFER_ENGINE_PROCESS"] == ("frontend", "engine_process")
-    # 23 + 8 of MultiModalConfig + 17 of ParallelConfig + 1 of FrontendConfig + 4 of
+    assert ENV_VARS["DEEPINFER_API_SERVER_COUNT"] == ("frontend", "api_server_count")
+    # 23 + 8 of MultiModalConfig + 17 of ParallelConfig + 2 of FrontendConfig + 4 of
     # SpeculativeConfig
-    assert len(ENV_VARS) == 53
+    assert len(ENV_VARS) == 54
     flags = engine_flags()
     assert flags["num_kv_blocks"][:2] == ("cache", "num_blocks")
     assert flags["kv_cache_memory_gb"][2](1.5) == 3 << 29           # GiB -> bytes
     assert flags["max_num_seqs"][2](8) == 8
-    # 20 + 7 of MultiModalConfig + 12 of ParallelConfig + 1 of FrontendConfig + 4 of
+    # 20 + 7 of MultiModalConfig + 12 of ParallelConfig + 2 of FrontendConfig + 4 of
     # SpeculativeConfig
-    assert "cache_dir" not in flags and len(flags) == 44
+    assert "cache_dir" not in flags and len(flags) == 45
     assert "tokenizer" not in {f for f in ModelConfig.__dataclass_fields__}
 
 

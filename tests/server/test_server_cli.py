@@ -216,3 +216,22 @@ def test_speculative_flags_and_vllm_speculative_config():
         build_engine_config(parse("--speculative-config", '{"methd": "ngram"}'), environ={})
     with pytest.raises(ValueError, match="not valid JSON"):
         build_engine_config(parse("--speculative-config", "{method"), environ={})
+
+
+def test_api_server_count_flag_variable_and_its_engine_process_rule(capsys):
+    """Several API servers are clients of one engine core process: the count turns the
+    engine process on (even on CPU) and is refused with --no-engine-process (exit 2)."""
+    assert build_engine_config(parse(), environ={}).frontend.api_server_count == 1
+    frontend = build_engine_config(parse(), environ={"DEEPINFER_API_SERVER_COUNT": "3"}).frontend
+    assert frontend.api_server_count == 3 and frontend.resolve_engine_process(on_cuda=False)
+    assert build_engine_config(parse("--api-server-count", "2"), environ={
+        "DEEPINFER_API_SERVER_COUNT": "3"}).frontend.api_server_count == 2
+    assert main(["serve", "--api-server-count", "2", "--no-engine-process"]) == 2
+    err = capsys.readouterr().err
+    assert "api_server_count=2 needs the engine core in its own process" in err
+    assert "--no-engine-process" in err
+    assert main(["serve", "--api-server-count", "0"]) == 2
+    assert "api_server_count=0 must be in [1, 64]" in capsys.readouterr().err
+    assert main(["serve", "--api-server-count", "2", "--role", "encoder", "--kv-store",
+                 "redis://127.0.0.1:1/0"]) == 2
+    assert "does not apply to --role encoder" in capsys.readouterr().err

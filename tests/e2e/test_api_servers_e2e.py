@@ -1,0 +1,146 @@
+"""`deepinfer serve --api-server-count 2` on real processes (issue 29): two API server
+processes on one port, one engine core. Concurrent streams give the offline engine's tokens,
+both API servers serve, /metrics from either counts every request, a client that disconnects
+frees its request in the core, and SIGTERM drains the streams in flight before every process
+(API servers, then the core) exits."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.processes import ServerProcess, deepinfer, metric
+from tests.tiny_models import save_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+
+
+def _children(pid: int) -> list[int]:
+    """The engine core and API server processes of launcher `pid` (not its resource
+    tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(p) for p in children if b"resource_tracker" not in
+            Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may reap late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        events = [line[6:] async for line in response.aiter_lines()
+                  if line.startswith("data: ")]
+    assert response.status_code == 200 and events[-1] == "[DONE]", events
+    chunks = [json.loads(e) for e in events[:-1]]
+    return {"server": response.headers["x-deepinfer-api-server"],
+            "text": "".join(c["text"] for chunk in chunks for c in chunk["choices"]),
+            "tokens": chunks[-1]["usage"]["completion_tokens"]}
+
+
+async def _streams(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    # a new connection per request: the kernel hashes each to one API server's socket
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        return await asyncio.gather(*(_stream(client, p, max_tokens) for p in prompts))
+
+
+def _wait_for(condition, what: str, server: ServerProcess, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}:\n{server.log()}"
+        time.sleep(0.1)
+
+
+def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer):
+    from deepinfer.engine.llm import LLM
+    from deepinfer.engine.sampling_params import SamplingParams
+
+    model_dir = save_tiny_llama(tmp_path / "tiny", smollm2_tokenizer)
+    server = ServerProcess("server", deepinfer(
+        "serve", str(model_dir), "--device", "cpu", "--api-server-count", "2",
+        "--served-model-name", "tiny", "--max-num-seqs", "8", "--num-kv-blocks", "256",
+        "--graceful-shutdown-s", "60"), tmp_path / "server.log")
+    try:
+        server.wait_ready(300)
+        prompts = [[100 + 7 * i + j for j in range(5 + i % 4)] for i in range(16)]
+        llm = LLM(str(model_dir), device="cpu", enable_prefix_caching=False)
+        expected = [o.text for o in llm.generate(prompts, SamplingParams(
+            temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))]
+        results = asyncio.run(_streams(server.url, prompts, NEW_TOKENS))
+        sent = len(results)
+        assert [r["text"] for r in results] == expected
+        assert all(r["tokens"] == NEW_TOKENS for r in results)
+        servers = collections.Counter(r["server"] for r in results)
+        while set(servers) != {"0", "1"} and sent < 64:   # the kernel picks the socket
+            more = asyncio.run(_streams(server.url, prompts, NEW_TOKENS))
+            servers.update(r["server"] for r in more)
+            sent += len(more)
+        assert set(servers) == {"0", "1"}, servers
+
+        # /metrics from either API server counts every API server's requests once; the
+        # engine's own stats (from the one core) are not summed
+        scrapes = collections.defaultdict(set)
+        for _ in range(12):
+            reply = httpx.get(server.url + "/metrics", headers={"connection": "close"})
+            scrapes[reply.headers["x-deepinfer-api-server"]].add(sum(
+                s.value for f in text_string_to_metric_families(reply.text) for s in f.samples
+                if s.name == "deepinfer:request_success_total"
+                and s.labels["finished_reason"] == "length"))
+        assert all(counts == {float(sent)} for counts in scrapes.values()), scrapes
+        assert metric(server.url, "deepinfer:http_requests_total",
+                      route="/v1/completions", status_code="200") == sent
+        assert metric(server.url, "deepinfer:generation_tokens_total") == sent * NEW_TOKENS
+        assert metric(server.url, "deepinfer:prefix_cache_queries_total") > 0
+
+        # a client that leaves mid-stream: its request is aborted in the core, blocks freed
+        body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=60) as response:
+            next(response.iter_lines())
+        _wait_for(lambda: metric(server.url, "deepinfer:request_success_total",
+                                 finished_reason="abort") == 1, "abort not counted", server)
+        _wait_for(lambda: metric(server.url, "deepinfer:num_requests_running") == 0
+                  and metric(server.url, "deepinfer:kv_cache_usage_perc") == 0,
+                  "the aborted request still holds the core", server)
+
+        # SIGTERM: both API servers drain the streams in flight, then every process exits
+        children = _children(server.proc.pid)
+        assert len(children) == 3     # the core and two API servers
+        finished: list[dict] = []
+        clients = [threading.Thread(target=lambda: finished.extend(asyncio.run(
+            _streams(server.url, prompts[:4], 120)))) for _ in range(2)]
+        for client in clients:
+            client.start()
+        _wait_for(lambda: metric(server.url, "deepinfer:num_requests_running") >= 4,
+                  "streams never started", server)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert (health.status_code, health.json()["status"]) == (503, "draining")
+        for client in clients:
+            client.join(120)
+        assert len(finished) == 8 and all(r["tokens"] == 120 for r in finished)
+        assert server.proc.wait(60) == 0, server.log()
+        assert not [pid for pid in children if _running(pid)]
+        assert "deepinfer: stopped" in server.log()
+    finally:
+        server.kill()
