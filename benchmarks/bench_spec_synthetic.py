@@ -16,7 +16,9 @@ confidence by construction. "mix" gives alternate requests p = 0.95 and p = 0.25
 the case varlen admission exists for (spend verify tokens on the requests that accept). A
 request whose committed tokens leave its oracle (a bf16 near tie that the verify kernel rounds
 the other way) gets wrong drafts from then on; the JSON counts them (`diverged`) and the
-measured acceptance is reported beside p.
+measured acceptance is reported beside p. On the H200 (2026-12-04) random bf16 weights had
+near-flat logits and every request left its oracle within a token or two (acceptance ~0): use
+peaked logits (a scaled LM head) or float32 before reading the chart as speedup vs p.
 
 Reports per (p, batch, engine): decode tokens/s (after every request has its first token; the
 best of two runs, then a third gives the counters),

@@ -46,7 +46,9 @@ logger = logging.getLogger(__name__)
 class StepLogits:
     """The logits a step sampled from, for callers that score tokens (tests, verifiers).
 
-    logits: [num_logits_rows, vocab_size] float32 on the runner's device.
+    logits: [num_logits_rows, vocab_size] float32 on the runner's device; after a CUDA-graph
+        replay of a float32 model it is the graph's output buffer, valid until the next step
+        (clone it to keep it).
     states: the requests that sampled, in row order (`StepInputs.sampling_states`).
     draft_token_ids: per request, its scored drafts: it owns 1 + k rows (None: one each).
     """
