@@ -17,6 +17,11 @@ acceptance per draft position (rows whose draft j was accepted / rows with draft
 share of varlen steps that skipped the drafter (drafting could not pay).
 
     python benchmarks/bench_spec.py [--max-tokens 128] [--repeats 2] [--json out.json]
+
+On the GPU (`--device cuda --dtype bfloat16 --model PATH.gguf`): the same workloads; the engines
+capture decode and verify CUDA graphs (engine/verify_graphs.py), "off" runs with async
+scheduling (the CUDA default; speculation turns it off), each engine gets a 2 GiB KV cache so
+the three fit side by side. The JSON then also holds each engine's verify-graph replays.
 """
 
 from __future__ import annotations
@@ -112,15 +117,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's; 1 on an oversubscribed box)")
+    parser.add_argument("--device", default=None, help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default=None, help="model dtype (default: the engine's)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     load_start = list(os.getloadavg())
-    llms = {name: LLM(args.model, max_num_seqs=16,
-                      num_speculative_tokens=args.num_speculative_tokens, **options)
-            for name, options in ENGINES.items()}
+    device = {"device": args.device} if args.device else {}
+    if args.device == "cuda":
+        device["kv_cache_memory_bytes"] = 2 << 30
+    if args.dtype:
+        device["dtype"] = args.dtype
+    llms = {name: LLM(args.model, max_num_seqs=16, num_speculative_tokens=args.num_speculative_tokens,
+                      **options, **device) for name, options in ENGINES.items()}
     any_llm = llms["off"]
     workloads = {"grounded-b1": ([chat_prompt(any_llm, p) for p in GROUNDED], 1),
                  "chat-b16": ([chat_prompt(any_llm, p) for p in CHAT], 16)}
@@ -169,6 +180,10 @@ def main() -> None:
                        "load_start_end": [load_start, list(os.getloadavg())],
                        "threads": args.threads,
                        "num_speculative_tokens": args.num_speculative_tokens,
+                       "device": args.device, "dtype": args.dtype,
+                       "verify_graph_replays": {
+                           name: getattr(llm.engine_core.executor.runner.verify_graphs,
+                                         "steps", None) for name, llm in llms.items()},
                        "results": results}, f, indent=1)
 
 

@@ -33,11 +33,10 @@ attention reads nothing and returns zeros); their outputs are dropped. The captu
 `AttentionMetadata` says max_seq_len = max_model_len, so the decode kernel's split-K partition
 count (a host-side choice) is right for any context the graph will see.
 
-Prefill and mixed steps, and batches larger than the largest size, run eagerly. So do steps
-with decode rows of 1 + k tokens (a request's last token and k draft tokens, speculative
-decoding): their attention goes through the varlen path, causal within the row against the
-paged cache. Graphs per (batch size, tokens per row) or per total-token bucket are left until a
-measurement on the device shows what they gain. Needs the Triton attention backend (the torch
+Prefill and mixed steps, and batches larger than the largest size, run eagerly. Steps with
+decode rows of 1 + k tokens (a request's last token and k draft tokens, speculative decoding)
+replay their own graphs, one per flattened token count (engine/verify_graphs.py). Needs the
+Triton attention backend (the torch
 one reads host-side lengths and syncs). DeepSeek models are captured too: their MoE layers run
 the Triton router and fused experts (no host sync), and the torch MLA decode path is graph-safe
 on CUDA (a sync-free latent write, masks against the captured max_seq_len bound).

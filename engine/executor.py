@@ -144,7 +144,11 @@ class UniProcExecutor:
 
     def warm_up(self, max_num_seqs: int, max_model_len: int) -> None:
         if self.runner.device.type == "cuda" and not self.config.model.enforce_eager:
-            self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
+            spec = self.config.speculative
+            self.runner.capture_cuda_graphs(
+                max_num_seqs, max_model_len,
+                verify_query_len=1 + spec.num_speculative_tokens if spec.enabled else 0,
+                max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
 
     def execute(self, scheduler_output: SchedulerOutput, *, non_block: bool
                 ) -> ModelRunnerOutput | AsyncRunnerOutput:

@@ -10,7 +10,8 @@ seeded noise, penalties and min_tokens as plain decoding at that position). Draf
 while it equals the target's own sample at the position before it, so the committed tokens are
 always the target's samples: greedy and seeded outputs are those of plain decoding.
 `execute_and_score` also returns the logits of every scored position (`StepLogits`).
-Rows with drafts run eagerly (the decode CUDA graphs hold one token per row).
+Steps with drafts replay the verify CUDA graphs (engine/verify_graphs.py) when captured
+(`capture_cuda_graphs(verify_query_len=1 + gamma)`), else run eagerly.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ logger = logging.getLogger(__name__)
 class StepLogits:
     """The logits a step sampled from, for callers that score tokens (tests, verifiers).
 
-    logits: [num_logits_rows, vocab_size] float32 on the runner's device.
+    logits: [num_logits_rows, vocab_size] float32 on the runner's device; after a CUDA-graph
+        replay of a float32 model it is the graph's output buffer, valid until the next step
+        (clone it to keep it).
     states: the requests that sampled, in row order (`StepInputs.sampling_states`).
     draft_token_ids: per request, its scored drafts: it owns 1 + k rows (None: one each).
     """
@@ -129,6 +132,8 @@ class ModelRunner:
 
             self.mm = MultiModalEmbedder(model.encode_image, device, dtype, mm_cache_bytes)
         self.cuda_graphs = None  # engine.cuda_graphs.CudaGraphRunner after capture_cuda_graphs
+        # engine.verify_graphs.VerifyGraphRunner: verify steps (rows of 1 + k tokens), or None
+        self.verify_graphs = None
         # a drafter that runs on each step's hidden states (engine/spec/mtp.py), or None
         self.drafter = None
         # [S] int64: the last async step's sampled ids, where the next step's fed tokens are
@@ -141,10 +146,18 @@ class ModelRunner:
         self.kernel_config = kernel_config
         set_kernel_config(self.model, kernel_config)
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, *,
+                            verify_query_len: int = 0,
+                            max_num_batched_tokens: int | None = None) -> None:
         """Capture decode forwards at batch sizes up to max_num_seqs (CUDA only); decode-only
         steps then replay them (engine/cuda_graphs.py). Needs Triton: the torch attention
-        backend synchronizes with the host, which a graph capture cannot hold."""
+        backend synchronizes with the host, which a graph capture cannot hold.
+
+        verify_query_len: 1 + num_speculative_tokens when speculating (0: off): also capture
+            verify steps, rows of up to that many tokens, at flattened token-count buckets up
+            to min(max_num_seqs * verify_query_len, max_num_batched_tokens)
+            (engine/verify_graphs.py).
+        """
         from deepinfer.engine.cuda_graphs import CudaGraphRunner
         from deepinfer.kernels.backends import triton_available
 
@@ -163,6 +176,37 @@ class ModelRunner:
                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         runner.capture()
         self.cuda_graphs = runner
+        if verify_query_len > 1:
+            self._capture_verify_graphs(max_num_seqs, max_model_len, verify_query_len,
+                                        max_num_batched_tokens or max_num_seqs * verify_query_len)
+
+    def _capture_verify_graphs(self, max_num_seqs: int, max_model_len: int,
+                               verify_query_len: int, max_num_batched_tokens: int) -> None:
+        """`capture_cuda_graphs`' verify graphs, where the attention kernels allow rows of
+        verify_query_len tokens in a graph (else verify steps stay eager, with a warning)."""
+        from deepinfer.engine.kv_cache.spec import MLAAttentionSpec
+        from deepinfer.engine.verify_graphs import MAX_VERIFY_QUERY_LEN, VerifyGraphRunner
+
+        limit = MAX_VERIFY_QUERY_LEN
+        if isinstance(self.kv_cache_spec, MLAAttentionSpec):   # absorbed MLA decode kernel
+            limit = min(limit, self.kernel_config.mla_decode_max_query_len)
+        if verify_query_len > limit:
+            logger.warning("CUDA graphs: verify steps run eagerly: rows of %d tokens exceed "
+                           "the graph-safe kernels' %d (lower num_speculative_tokens, or raise "
+                           "mla_decode_max_query_len for MLA)", verify_query_len, limit)
+            return
+        runner = VerifyGraphRunner(self.model, self.kv_caches, self.block_size,
+                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                   max_query_len=verify_query_len,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        if not runner.token_buckets:
+            return
+        try:
+            runner.capture()
+        except RuntimeError:   # a kernel that cannot be captured: verify steps stay eager
+            logger.exception("CUDA graphs: capturing the verify steps failed; they run eagerly")
+            return
+        self.verify_graphs = runner
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> list[CachedRequestState]:
         for request_id in scheduler_output.finished_req_ids:
@@ -359,6 +403,10 @@ class ModelRunner:
                 and self.cuda_graphs.can_run(inputs)):
             outputs = self.cuda_graphs.run(inputs, feed_rows)
             return outputs.hidden, outputs
+        if (inputs_embeds is None and feed_rows is None and self.verify_graphs is not None
+                and self.verify_graphs.can_run(inputs)):
+            outputs = self.verify_graphs.run(inputs)
+            return outputs.hidden, outputs
         device_inputs = inputs.on_device()
         if inputs_embeds is not None:   # image rows in place (ids were fed by _image_embeds)
             return self.model(device_inputs.input_ids, device_inputs.positions, self.kv_caches,
@@ -379,10 +427,12 @@ class ModelRunner:
 
     @staticmethod
     def _graph_rows_sample(inputs: StepInputs, graph_outputs: GraphOutputs | None) -> bool:
-        """True when a replayed graph's rows are the sampled rows: every sequence of the
-        decode step samples (then logits_indices is 0..n-1). A 1-token chunk in the middle of
-        a prompt is a decode-shaped row that does not sample."""
-        return graph_outputs is not None and len(inputs.sampling_states) == inputs.num_seqs
+        """True when a replayed graph's rows are the sampled rows: every token of the step
+        is a scored position (logits_indices is 0..num_tokens-1: a decode step whose every
+        sequence samples, or a verify step whose rows score all their 1 + k tokens). A 1-token
+        chunk in the middle of a prompt is a decode-shaped row that does not sample."""
+        return (graph_outputs is not None
+                and inputs.logits_indices.size == inputs.input_ids.size)
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
                 graph_outputs: GraphOutputs | None) -> torch.Tensor:

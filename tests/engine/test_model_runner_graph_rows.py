@@ -1,6 +1,7 @@
 """`ModelRunner` takes a replayed graph's logits and greedy ids only when the graph's rows are
-exactly the rows that sample (engine/model_runner.py `_graph_rows_sample`). Pure logic: no
-model, no device."""
+exactly the rows that sample, i.e. every token of the step is a scored position
+(engine/model_runner.py `_graph_rows_sample`; decode and verify graphs). Pure logic: no model,
+no device."""
 
 from types import SimpleNamespace
 
@@ -8,12 +9,30 @@ from deepinfer.engine.model_runner import ModelRunner
 
 
 def _inputs(num_seqs: int, num_sampling: int):
-    return SimpleNamespace(num_seqs=num_seqs, sampling_states=[object()] * num_sampling)
+    """A decode step's shape: one token per sequence, num_sampling of them sample."""
+    import numpy as np
+
+    return SimpleNamespace(num_seqs=num_seqs, sampling_states=[object()] * num_sampling,
+                           input_ids=np.zeros(num_seqs, dtype=np.int64),
+                           logits_indices=np.arange(num_sampling))
 
 
 def test_graph_rows_are_used_when_every_sequence_samples():
     graph = SimpleNamespace(logits="graph logits", greedy_ids="graph ids")
     assert ModelRunner._graph_rows_sample(_inputs(4, 4), graph)
+
+
+def test_verify_graph_rows_are_used_when_every_token_is_scored():
+    """A verify step (rows of 1 + k tokens, engine/verify_graphs.py) scores all its tokens;
+    one with a prompt chunk that does not sample at every token takes the LM head."""
+    import numpy as np
+
+    graph = SimpleNamespace(logits="graph logits", greedy_ids="graph ids")
+    scored = SimpleNamespace(input_ids=np.zeros(9, dtype=np.int64), logits_indices=np.arange(9))
+    assert ModelRunner._graph_rows_sample(scored, graph)
+    partly = SimpleNamespace(input_ids=np.zeros(9, dtype=np.int64),
+                             logits_indices=np.array([0, 1, 2, 8]))
+    assert not ModelRunner._graph_rows_sample(partly, graph)
 
 
 def test_a_mid_prompt_one_token_chunk_or_an_eager_step_uses_the_lm_head():

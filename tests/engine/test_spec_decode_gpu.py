@@ -1,6 +1,6 @@
-"""Speculative decoding on the GPU (issue 30): the verify path (rows of 1 + k tokens, eager,
-varlen attention) next to plain decode steps replayed from CUDA graphs; the start-up step-rate
-profile; the MTP drafter on CUDA.
+"""Speculative decoding on the GPU (issue 30): verify steps (rows of 1 + k tokens) replayed from
+their CUDA graphs (engine/verify_graphs.py) next to plain decode steps replayed from theirs; the
+start-up step-rate profile; the n-gram, draft-model and MTP drafters on CUDA, fixed and varlen.
 
 The model is a tiny random Llama with a word-level tokenizer (the GPU machine has no SmolLM2
 GGUF); its prompts repeat a span of token ids, so n-gram drafts find matches.
@@ -32,9 +32,10 @@ def tiny_llama_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-spec"), word_level_tokenizer(VOCAB))
 
 
-def make_llm(model_dir, dtype, spec=None):
+def make_llm(model_dir, dtype, spec=None, enforce_eager=False):
     return LLM(config=EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype=dtype, device="cuda"),
+        model=ModelConfig(model=str(model_dir), dtype=dtype, device="cuda",
+                          enforce_eager=enforce_eager),
         cache=CacheConfig(block_size=16, num_blocks=1024),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
         speculative=spec or SpeculativeConfig()))
@@ -81,6 +82,7 @@ def test_ngram_on_cuda_equals_plain_decoding(tiny_llama_dir, dtype, varlen):
     torch.cuda.empty_cache()
     spec = make_llm(tiny_llama_dir, dtype, SpeculativeConfig(
         speculative_method="ngram", num_speculative_tokens=5, spec_varlen=varlen))
+    replays = verify_replays(spec)
     outputs = spec.generate(prompts, params)
     if dtype == "float32":
         assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
@@ -88,6 +90,7 @@ def test_ngram_on_cuda_equals_plain_decoding(tiny_llama_dir, dtype, varlen):
         agree_up_to_near_ties(expected, outputs, params)
     stats = spec.engine_core.spec.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert verify_replays(spec) > replays   # verify steps replayed their graphs
     pool = spec.engine_core.scheduler.kv_cache_manager.block_pool
     assert pool.num_free_blocks == 1024
     if varlen:   # the table exists (its values are timings: monotone only at start-up, where
@@ -95,7 +98,48 @@ def test_ngram_on_cuda_equals_plain_decoding(tiny_llama_dir, dtype, varlen):
         assert spec.engine_core.spec.step_rate.as_steps_per_second()
 
 
-def test_mtp_on_cuda_equals_plain_decoding(tmp_path):
+def verify_replays(llm) -> int:
+    """Verify steps the engine's runner replayed from CUDA graphs so far (profile included)."""
+    graphs = llm.engine_core.executor.runner.verify_graphs
+    assert graphs is not None
+    return graphs.steps
+
+
+@pytest.mark.parametrize("varlen", [True, False])
+def test_ngram_verify_graphs_equal_eager_verify(tiny_llama_dir, varlen):
+    """float32, greedy and seeded: speculation with verify graphs, speculation run eagerly
+    (enforce_eager) and plain decoding give the same tokens."""
+    prompts, params = prompts_and_params()
+    config = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=5,
+                               spec_varlen=varlen)
+    eager = make_llm(tiny_llama_dir, "float32", config, enforce_eager=True)
+    assert eager.engine_core.executor.runner.verify_graphs is None
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    del eager
+    graphed = make_llm(tiny_llama_dir, "float32", config)
+    replays = verify_replays(graphed)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == expected
+    assert verify_replays(graphed) > replays
+
+
+@pytest.mark.parametrize("varlen", [True, False])
+def test_draft_model_on_cuda_equals_plain_decoding(tiny_llama_dir, varlen):
+    """The target itself as draft model (same tokenizer, its own KV): greedy drafts are all
+    accepted, seeded ones where the target's noisy pick is its argmax."""
+    prompts, params = prompts_and_params()
+    expected = [o.token_ids for o in make_llm(tiny_llama_dir, "float32").generate(prompts,
+                                                                                   params)]
+    llm = make_llm(tiny_llama_dir, "float32", SpeculativeConfig(
+        speculative_method="draft_model", speculative_model=str(tiny_llama_dir),
+        num_speculative_tokens=4, spec_varlen=varlen))
+    replays = verify_replays(llm)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.engine_core.spec.stats
+    assert stats.num_accepted_tokens > 0 and verify_replays(llm) > replays
+
+
+@pytest.mark.parametrize("varlen", [True, False])
+def test_mtp_on_cuda_equals_plain_decoding(tmp_path, varlen):
     from safetensors.torch import save_file
     from test_deepseek_mtp import _mtp_weights
     from test_deepseek_parity import save_tiny_deepseek
@@ -115,7 +159,11 @@ def test_mtp_on_cuda_equals_plain_decoding(tmp_path):
               SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)]
     expected = make_llm(tmp_path, "float32").generate(prompts, params)
     llm = make_llm(tmp_path, "float32", SpeculativeConfig(
-        speculative_method="mtp", num_speculative_tokens=3, spec_varlen=False))
+        speculative_method="mtp", num_speculative_tokens=3, spec_varlen=varlen))
+    runner = llm.engine_core.executor.runner
+    replays = verify_replays(llm) if runner.cuda_graphs is not None else 0
     assert [o.token_ids for o in llm.generate(prompts, params)] == [
         o.token_ids for o in expected]
     assert llm.engine_core.spec.stats.num_draft_tokens > 0
+    if runner.cuda_graphs is not None:   # MLA verify rows in graphs (1 + 3 <= 8 tokens)
+        assert verify_replays(llm) > replays
