@@ -134,13 +134,14 @@ class EngineCore:
             async_scheduling = device.type == "cuda"
         async_scheduling = async_scheduling and not data_parallel   # ranks step blocking
         self.spec = self._build_spec_decoder(model)
-        if self.spec is not None and async_scheduling:
-            logger.info("speculative decoding: async scheduling is off (accepting drafts needs "
-                        "each step's sampled tokens on the host)")
+        if self.spec is not None and async_scheduling and self.spec.step_rate is None:
+            logger.info("speculative decoding with fixed length: async scheduling is off "
+                        "(accepting drafts needs each step's sampled tokens on the host)")
             async_scheduling = False
         self.async_scheduling = async_scheduling
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
+        self._draft_free = self.spec is None   # the step being scheduled carries no drafts
         self.faults = FaultIsolation()
         spec = self.executor.kv_cache_spec
         logger.info("KV cache: %s, %d bytes/token; %d blocks x %d tokens (%.1f MiB), "
@@ -361,20 +362,29 @@ class EngineCore:
 
     def _non_block(self) -> bool:
         """Launch the next step without waiting for it: async scheduling on, and no running
-        request needs each token on the host first, and no fault is being isolated."""
+        request needs each token on the host first, and no fault is being isolated, and
+        speculation (varlen) decided at schedule time that the step carries no drafts
+        (`_draft_free`)."""
         if self._sync_ids:
             self._sync_ids &= self.scheduler.requests.keys()
-        return self.async_scheduling and not self._sync_ids and not self.faults.isolating
+        return (self.async_scheduling and not self._sync_ids and not self.faults.isolating
+                and self._draft_free)
 
     def _schedule(self) -> SchedulerOutput | None:
         """The next step's batch, or None: no work, or the step in flight must be resolved
         before a blocking step can be scheduled."""
+        # drafts need every token known, so a step that may carry them waits for the one
+        # in flight; the decision holds until the step is launched
+        self._draft_free = self.spec is None or not self.spec.may_draft(self.scheduler)
         if not self.scheduler.has_work() or (self._in_flight and not self._non_block()):
             return None
         isolated = self.faults.current(self.scheduler.requests)
         self.scheduler.isolated_request_id = isolated
         if self.spec is not None and isolated is None:
-            self.spec.propose(self.scheduler)
+            if self._non_block():
+                self.spec.skip_step(self.scheduler)   # a plain decode step, launched async
+            else:
+                self.spec.propose(self.scheduler)
         scheduler_output = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.forget(scheduler_output.finished_req_ids)
@@ -387,7 +397,8 @@ class EngineCore:
         """Hand the step to the executor. A non-blocking step's sampling rows count their
         tokens as placeholders until its future resolves: 1 for a row scheduled up to its
         last known token, plus its draft tokens for a row scheduled past it."""
-        step = _Step(scheduler_output, non_block=self._non_block())
+        step = _Step(scheduler_output, non_block=(
+            self._non_block() and not scheduler_output.scheduled_spec_decode_tokens))
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             step.requests[request_id] = request
@@ -396,8 +407,11 @@ class EngineCore:
             if step.non_block and request.num_computed_tokens >= num_known:
                 step.placeholders[request_id] = request.num_computed_tokens - num_known + 1
                 request.num_output_placeholders += step.placeholders[request_id]
-        self._in_flight.append(step)
         start = time.perf_counter()
+        if self._in_flight and self._in_flight[-1].non_block:   # back to back: its period
+            self._in_flight[-1].seconds = start - self._in_flight[-1].launched
+        self._in_flight.append(step)
+        step.launched = start
         step.output = self.executor.execute(scheduler_output, non_block=step.non_block)
         step.seconds = None if step.non_block else time.perf_counter() - start
 
@@ -493,7 +507,10 @@ class _Step:
     requests: dict[str, Request] = field(default_factory=dict)  # ids may be reused later
     num_valid_tokens: dict[str, int] = field(default_factory=dict)  # computed before the step
     placeholders: dict[str, int] = field(default_factory=dict)      # tokens in flight per row
-    seconds: float | None = None   # the executor's time for a blocking step (step-rate table)
+    # the step-rate table's time: a blocking step's execute time, a non-blocking one's
+    # period (its launch to the next step's, when that came while it was in flight)
+    seconds: float | None = None
+    launched: float = 0.0   # time.perf_counter() at launch
 
     def result(self) -> ModelRunnerOutput:
         if isinstance(self.output, ModelRunnerOutput):

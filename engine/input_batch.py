@@ -175,7 +175,8 @@ def _to_device(inputs: StepInputs) -> DeviceInputs:
         query_start_loc=ints32[0], seq_lens=ints32[1],
         block_tables=ints32[2].view(num_seqs, max_blocks), slot_mapping=ints64[2],
         max_query_len=int(query_lens.max()), max_seq_len=int(inputs.seq_lens.max()),
-        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=inputs.seq_lens.tolist())
+        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=inputs.seq_lens.tolist(),
+        has_draft_rows=bool(inputs.draft_token_ids))
     return DeviceInputs(input_ids=ints64[0], positions=ints64[1], attn_metadata=metadata,
                         logits_indices=ints64[3])
 

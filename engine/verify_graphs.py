@@ -40,8 +40,9 @@ bucket T with R = min(T, max_num_seqs) block-table rows and the full table width
 
 Outputs: the final hidden states, the LM head's logits and greedy ids of all T rows; a verify
 step whose every token is a scored position (every row samples all its 1 + k_r positions, as
-the scheduler builds them) takes its logits from the graph. Async scheduling stays off while
-speculating (engine/engine_core.py), so no token is fed from the device.
+the scheduler builds them) takes its logits from the graph. A verify step always runs blocking
+(engine/engine_core.py: only steps without drafts are launched asynchronously), so no token is
+fed from the device.
 """
 
 from __future__ import annotations

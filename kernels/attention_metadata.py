@@ -19,6 +19,9 @@ class AttentionMetadata:
         new token's K and V are written.
     max_query_len, max_seq_len: host-side maxima (python ints), so kernels need no device sync.
     query_lens_cpu, seq_lens_cpu: the same lengths as python lists, for host-side dispatch.
+    has_draft_rows: the step scores speculative draft tokens (verify rows of 1 + k tokens); a
+        backend may route such steps differently, while steps without drafts (prefill chunks,
+        prefix-cache tails) keep one route whatever their lengths.
     """
 
     query_start_loc: torch.Tensor
@@ -29,6 +32,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    has_draft_rows: bool = False
 
     @property
     def num_seqs(self) -> int:

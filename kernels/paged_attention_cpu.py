@@ -4,8 +4,9 @@ Decode-only batches (every sequence has one new token) of float32 run
 `kernels/csrc/paged_attention_cpu.cpp` (in the one CPU extension, kernels/cpu_extension.py): per
 (sequence, kv head) task, K and V are read in place from the paged cache through the block table
 (no gather copy), two-pass softmax in fp32, GQA by sharing each kv head across its query-head
-group; tasks are spread over torch's intra-op threads. Batches of decode rows and short verify
-rows (speculative decoding: 1 + k new tokens per row, k <= VERIFY_MAX_QUERY_LEN - 1) run the same
+group; tasks are spread over torch's intra-op threads. Batches of decode rows and steps of short
+verify rows (speculative decoding, `metadata.has_draft_rows`: 1 + k new tokens per row, k <=
+VERIFY_MAX_QUERY_LEN - 1; steps without drafts keep one route whatever their lengths) run the same
 kernel with one task row per token: token j of a row of q new tokens and context length s is a
 decode query over the row's first s - q + j + 1 positions (causal), same block table. Everything
 else (prefill chunks, other dtypes or devices) and the KV write go to the batched torch backend,
@@ -40,7 +41,9 @@ def kernel_available() -> bool:
 
 def _decode_kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor,
                            metadata: AttentionMetadata) -> bool:
-    return (metadata.max_query_len <= VERIFY_MAX_QUERY_LEN and query.device.type == "cpu"
+    short_rows = metadata.is_decode_only or (metadata.has_draft_rows
+                                              and metadata.max_query_len <= VERIFY_MAX_QUERY_LEN)
+    return (short_rows and query.device.type == "cpu"
             and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
             and kv_cache.is_contiguous() and query.stride(-1) == 1)
 

@@ -90,6 +90,36 @@ class SpecDecoder:
         self._misses: dict[str, int] = {}           # request id -> rejected-at-once in a row
         self._resume_step: dict[str, int] = {}      # request id -> first step it is proposed
 
+    def may_draft(self, scheduler: Scheduler) -> bool:
+        """Whether the next step may carry drafts, asked before its requests' last tokens are
+        known (a step in flight): False only under varlen admission when no probe is due and
+        even a sure draft cannot pay at the running batch (`drafting_can_pay`). The engine
+        then launches the step without waiting for the one in flight (async scheduling), as
+        a plain decode step; fixed length drafts every step, so it always answers True."""
+        if self.step_rate is None:
+            return True
+        num_rows = len(scheduler.running)
+        if num_rows == 0:
+            return False
+        base_tokens = num_rows + prefill_tokens_next(scheduler)
+        if self._probe_due(base_tokens):
+            return True
+        return drafting_can_pay(num_rows, self.step_rate, base_tokens=base_tokens,
+                                plain_steps_per_second=self.step_rate.plain_rate(base_tokens),
+                                max_tokens=self.max_num_batched_tokens)
+
+    def skip_step(self, scheduler: Scheduler) -> None:
+        """The next step carries no drafts (`may_draft` said so): counted as a step that did
+        not call the drafter, without asking it."""
+        self.num_steps += 1
+        self._hand_over(scheduler, [r.request_id for r in scheduler.running if decodes_next(r)],
+                        {}, skipped=True)
+
+    def _probe_due(self, base_tokens: int) -> bool:
+        interval = self.probe_interval * (
+            1 if self.step_rate.measured(base_tokens + 1) < PROBES else 4)
+        return self.probe_interval > 0 and self._steps_without_drafts + 1 >= interval
+
     def propose(self, scheduler: Scheduler) -> dict[str, list[int]]:
         """Draft for the next step and hand the admitted drafts to the scheduler; returns them
         (request id -> draft ids, only requests with at least one)."""
@@ -104,9 +134,7 @@ class SpecDecoder:
         probe = False
         if self.step_rate is not None:
             plain_rate = self.step_rate.plain_rate(base_tokens)
-            interval = self.probe_interval * (
-                1 if self.step_rate.measured(base_tokens + 1) < PROBES else 4)
-            probe = self.probe_interval > 0 and self._steps_without_drafts + 1 >= interval
+            probe = self._probe_due(base_tokens)
             if not probe and not drafting_can_pay(
                     len(ids), self.step_rate, base_tokens=base_tokens,
                     plain_steps_per_second=plain_rate, max_tokens=self.max_num_batched_tokens):

@@ -24,6 +24,9 @@ from tests.tiny_models import save_tiny_llama
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 12
+# the streams in flight at SIGTERM: long enough (the tiny model has 512 positions) that they
+# are still running when /health is asked, also on a fast machine
+DRAIN_TOKENS = 480
 
 
 def _children(pid: int) -> list[int]:
@@ -127,18 +130,18 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
         assert len(children) == 3     # the core and two API servers
         finished: list[dict] = []
         clients = [threading.Thread(target=lambda: finished.extend(asyncio.run(
-            _streams(server.url, prompts[:4], 120)))) for _ in range(2)]
+            _streams(server.url, prompts[:4], DRAIN_TOKENS)))) for _ in range(2)]
         for client in clients:
             client.start()
         _wait_for(lambda: metric(server.url, "deepinfer:num_requests_running") >= 4,
                   "streams never started", server)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        time.sleep(0.2)
         health = httpx.get(server.url + "/health", timeout=10)
         assert (health.status_code, health.json()["status"]) == (503, "draining")
         for client in clients:
             client.join(120)
-        assert len(finished) == 8 and all(r["tokens"] == 120 for r in finished)
+        assert len(finished) == 8 and all(r["tokens"] == DRAIN_TOKENS for r in finished)
         assert server.proc.wait(60) == 0, server.log()
         assert not [pid for pid in children if _running(pid)]
         assert "deepinfer: stopped" in server.log()

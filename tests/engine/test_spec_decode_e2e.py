@@ -192,3 +192,73 @@ def test_unseeded_sampling_with_drafts_keeps_the_model_distribution(tiny_llama_d
     counts = [sum(o == pair for o in outputs.values()) for pair in pairs]
     assert sum(counts) == n
     assert chi_square_pvalue_even_df(counts, [probs[p] * n for p in pairs]) > 1e-3
+
+
+class OracleDrafter:
+    """Drafts the plain run's next tokens (then one wrong token) with confidence 0.9: drafts
+    that are accepted, whatever this random model generates (tests only)."""
+
+    def __init__(self, prompts, expected):
+        self.continuations = [(list(p), list(o.outputs[0].token_ids))
+                              for p, o in zip(prompts, expected)]
+
+    def propose(self, requests):
+        from deepinfer.engine.spec.drafter import DraftProposal
+
+        proposals = {}
+        for request in requests:
+            prompt = list(request.token_ids[:request.num_prompt_tokens])
+            done = len(request.token_ids) - request.num_prompt_tokens
+            output = next(o for p, o in self.continuations if p == prompt)
+            drafts = (output[done:] + [0] * request.max_drafts)[:request.max_drafts]
+            proposals[request.request_id] = DraftProposal(drafts, [0.9] * len(drafts))
+        return proposals
+
+    def observe(self, request_id, num_verified, num_accepted):
+        pass
+
+    def forget(self, request_id):
+        pass
+
+
+def test_varlen_keeps_async_scheduling_for_steps_that_carry_no_drafts(tiny_llama_dir):
+    """Async scheduling stays on with varlen speculation: a step at a batch where no draft can
+    pay is launched without waiting for the one in flight, a step that may carry drafts waits
+    (its rows' last tokens must be known), and no step is both. Greedy and seeded tokens equal
+    plain synchronous decoding, drafts were accepted, and every KV block is free at the end."""
+    from deepinfer.engine.spec.step_rate import StepRateTable
+
+    prompts = [list(range(100 + 9 * n, 130 + 9 * n)) for n in range(6)]
+    params = [SamplingParams(temperature=0.0 if n % 2 else 0.8, seed=n, max_tokens=6 + 7 * n,
+                             ignore_eos=True) for n in range(6)]
+    expected = make_llm(tiny_llama_dir, block_size=4).generate(prompts, params)
+    llm = LLM(config=EngineConfig(
+        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=4, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                  async_scheduling=True),
+        speculative=SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4)))
+    core = llm.engine_core
+    assert core.async_scheduling
+    core.spec.drafter = OracleDrafter(prompts, expected)
+    # one decode row plus up to 4 drafts pays; any larger verify step never does (window 0:
+    # the table is not re-measured, so the test does not depend on this machine's speed)
+    core.spec.step_rate = StepRateTable({2: 0.011, 5: 0.014, 6: 1.0}, {1: 0.010, 8: 0.020},
+                                        window=0)
+    launches = []
+    execute = core.executor.execute
+
+    def spy(scheduler_output, non_block=False):
+        launches.append((non_block, bool(scheduler_output.scheduled_spec_decode_tokens)))
+        return execute(scheduler_output, non_block=non_block)
+
+    core.executor.execute = spy
+    outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in expected]
+    assert any(non_block for non_block, _ in launches)
+    assert any(drafts for _, drafts in launches)
+    assert not any(non_block and drafts for non_block, drafts in launches)
+    assert core.spec.stats.num_accepted_tokens > 0
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert not core.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks

@@ -4,6 +4,7 @@ Tolerances: float32 outputs within atol 2e-5 / rtol 1e-5 of the reference; bfloa
 atol 2e-2 (inputs are O(1), bf16 carries ~3 significant digits). KV writes are copies: exact.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -70,6 +71,8 @@ def test_paged_attention_matches_reference(backend, case, num_q_heads, num_kv_he
     query_lens, seq_lens = CASES[case]
     kv_cache, metadata = make_batch(query_lens, seq_lens, block_size, num_kv_heads, head_dim,
                                     torch.float32)
+    if case == "verify":   # a step that scores drafts (the CPU backend's per-token route)
+        metadata = dataclasses.replace(metadata, has_draft_rows=True)
     query = torch.randn(sum(query_lens), num_q_heads, head_dim)
     scale = head_dim ** -0.5
     expected = paged_attention(query, kv_cache, metadata, scale, backend="reference")
