@@ -134,10 +134,17 @@ class EngineCore:
             async_scheduling = device.type == "cuda"
         async_scheduling = async_scheduling and not data_parallel   # ranks step blocking
         self.spec = self._build_spec_decoder(model)
-        if self.spec is not None and async_scheduling and self.spec.step_rate is None:
-            logger.info("speculative decoding with fixed length: async scheduling is off "
-                        "(accepting drafts needs each step's sampled tokens on the host)")
-            async_scheduling = False
+        if self.spec is not None and async_scheduling:
+            method = config.speculative.speculative_method
+            if self.spec.step_rate is None or method != "ngram":
+                # fixed length drafts every step; mtp / draft_model drafters run in the model
+                # runner after each blocking step's commit (their KV follows every token)
+                logger.info("speculative decoding (%s, %s): async scheduling is off (accepting "
+                            "drafts needs each step's sampled tokens on the host)", method,
+                            "varlen" if self.spec.step_rate is not None else "fixed length")
+                async_scheduling = False
+            else:   # varlen n-gram: steps without drafts stay asynchronous (`_non_block`)
+                self.spec.async_plain_steps = True
         self.async_scheduling = async_scheduling
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
@@ -447,8 +454,12 @@ class EngineCore:
                                     + num_scheduled[request_id]
                                     for request_id in runner_output.req_ids})
         core_outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
-        if self.spec is not None:
-            self.spec.observe(step.scheduler_output, runner_output, step.seconds)
+        if self.spec is not None:   # with async scheduling, a plain step's cost is its
+            # period when overlapped, not a blocking plain step's (which the loop avoids)
+            timed = (step.non_block or not self.async_scheduling
+                     or bool(step.scheduler_output.scheduled_spec_decode_tokens))
+            self.spec.observe(step.scheduler_output, runner_output,
+                              step.seconds if timed else None)
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)

@@ -41,6 +41,7 @@ from deepinfer.engine.spec.step_rate import StepRateTable
 GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
 MISSES_BEFORE_BACKOFF = 2   # verified proposals rejected at draft 1 in a row before a back-off
 PROBES = 3                  # verify steps measured at B0 + 1 before probes grow 4x rarer
+PLAIN_MEASUREMENTS = 3      # async plain steps measured at a batch size before drafting there
 
 
 def decodes_next(request: Request) -> bool:
@@ -83,6 +84,9 @@ class SpecDecoder:
         self.probe_interval = probe_interval
         self.stats = SpecDecodeStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        # set by the engine when steps without drafts run asynchronously (varlen n-gram on
+        # CUDA): each batch size's overlapped plain step is then measured first
+        self.async_plain_steps = False
         self.num_steps = 0            # propose calls
         self.num_skipped_steps = 0    # ... that did not call the drafter (drafting cannot pay)
         self._steps_without_drafts = 0
@@ -95,13 +99,19 @@ class SpecDecoder:
         known (a step in flight): False only under varlen admission when no probe is due and
         even a sure draft cannot pay at the running batch (`drafting_can_pay`). The engine
         then launches the step without waiting for the one in flight (async scheduling), as
-        a plain decode step; fixed length drafts every step, so it always answers True."""
+        a plain decode step; fixed length drafts every step, so it always answers True.
+        With `async_plain_steps`, a batch size whose overlapped plain step was measured fewer
+        than PLAIN_MEASUREMENTS times runs plain first: the start-up profile times blocking
+        steps, which overstates what a plain step costs when the host overlaps the device."""
         if self.step_rate is None:
             return True
         num_rows = len(scheduler.running)
         if num_rows == 0:
             return False
         base_tokens = num_rows + prefill_tokens_next(scheduler)
+        if self.async_plain_steps and self.step_rate.measured(
+                base_tokens, verify=False) < PLAIN_MEASUREMENTS:
+            return False   # measure what an overlapped plain step costs at this batch first
         if self._probe_due(base_tokens):
             return True
         return drafting_can_pay(num_rows, self.step_rate, base_tokens=base_tokens,

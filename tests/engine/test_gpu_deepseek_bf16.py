@@ -163,8 +163,11 @@ def test_fp8_linears_match_their_dequantized_weights(tmp_path):
     from deepinfer.engine.loader import load_model
     from deepinfer.engine.models.layers.linear import Linear
 
+    from deepinfer.kernels.settings import KernelConfig
+
     fp8_dir, deq_dir = _save("v3_fp8", tmp_path)
-    ours = load_model(fp8_dir, torch.bfloat16, "cuda")
+    # FP8 linears are kept only with the opt-in FP8 GEMM (fp8_block_gemm, off by default)
+    ours = load_model(fp8_dir, torch.bfloat16, "cuda", KernelConfig(fp8_block_gemm=True))
     reference = load_model(deq_dir, torch.bfloat16, "cuda")
     kept = [(name, m) for name, m in ours.named_modules()
             if isinstance(m, Linear) and m.weight_scale_inv is not None]

@@ -241,10 +241,13 @@ def test_varlen_keeps_async_scheduling_for_steps_that_carry_no_drafts(tiny_llama
     core = llm.engine_core
     assert core.async_scheduling
     core.spec.drafter = OracleDrafter(prompts, expected)
-    # one decode row plus up to 4 drafts pays; any larger verify step never does (window 0:
-    # the table is not re-measured, so the test does not depend on this machine's speed)
-    core.spec.step_rate = StepRateTable({2: 0.011, 5: 0.014, 6: 1.0}, {1: 0.010, 8: 0.020},
-                                        window=0)
+    # verify steps of up to 5 tokens cost what the plain step of their batch costs (so drafts
+    # pay at one or two rows), larger ones never pay: they never run, so are never
+    # re-measured (no probes). Each batch size's overlapped plain step is measured before
+    # drafting there (async_plain_steps).
+    core.spec.step_rate = StepRateTable({2: 1e-6, 5: 1e-6, 6: 1000.0}, {1: 0.010, 8: 0.020})
+    core.spec.probe_interval = 0
+    assert core.spec.async_plain_steps
     launches = []
     execute = core.executor.execute
 
