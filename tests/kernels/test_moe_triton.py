@@ -88,19 +88,28 @@ def test_alignment_layout(one_program_max_pairs):
         assert all(p == 10 for p in sorted_pairs[block].tolist() if p not in real)
 
 
-@pytest.mark.parametrize("num_pairs", [6, 246, 3000])
+@pytest.mark.parametrize("num_pairs", [6, 246, 510, 3000])
 def test_one_program_and_parallel_alignment_agree(num_pairs):
-    """The one-program alignment (pairs of an expert in pair order) and the atomic rank +
-    parallel layout (several layout programs at 3,000 pairs) give the same tiles' experts and
-    the same set of pairs per expert."""
+    """The one-program alignment (pairs of an expert in pair order; up to its 512-pair limit)
+    and the atomic rank + parallel layout (several layout programs at 3,000 pairs) give the
+    same tiles' experts and the same set of pairs per expert; above the limit the parallel
+    layout alone holds every pair once, each in a tile of its expert."""
     from deepinfer.kernels.moe_triton import align
 
     gen = torch.Generator().manual_seed(num_pairs)
     ids = torch.randint(0, 64, (num_pairs // 6, 6), generator=gen)
     ids[0] = 7   # one expert several times
     ids = ids.to(DEVICE)
-    one = align(ids, 64, 16, KernelConfig(moe_align_one_program_max_pairs=4096))
     parallel = align(ids, 64, 16, KernelConfig(moe_align_one_program_max_pairs=0))
+    if num_pairs > 512:
+        flat = ids.reshape(-1).cpu()
+        pairs = parallel[0].tolist()
+        assert sorted(p for p in pairs if p < num_pairs) == list(range(num_pairs))
+        for block, expert in enumerate(parallel[1].tolist()):
+            tile = [p for p in pairs[block * 16:(block + 1) * 16] if p < num_pairs]
+            assert all(flat[p] == expert for p in tile) and (expert >= 0 or not tile)
+        return
+    one = align(ids, 64, 16, KernelConfig(moe_align_one_program_max_pairs=512))
     assert one[2] == parallel[2]
     assert torch.equal(one[1], parallel[1])
     flat = ids.reshape(-1).cpu()
