@@ -368,6 +368,13 @@ def serve(args: argparse.Namespace) -> int:
         if config.frontend.api_server_count > 1 and config.kv_transfer.role == "encoder":
             raise ValueError(f"--api-server-count {config.frontend.api_server_count} does not "
                              "apply to --role encoder (no engine core); drop it")
+        given = [flag for flag, dest in (("--num-speculative-tokens", "num_speculative_tokens"),
+                                         ("--speculative-model", "speculative_model"),
+                                         ("--[no-]spec-varlen", "spec_varlen"))
+                 if hasattr(args, dest)]
+        if given and not config.speculative.enabled:
+            raise ValueError(f"{', '.join(given)} only apply with speculative decoding on; add "
+                             "--speculative-method ngram|mtp|draft_model (or drop them)")
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         if not args.headless:   # a headless node serves no HTTP

@@ -12,7 +12,7 @@ Responses are plain models dumped with their `None`s kept, because OpenAI client
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
                       field_validator, model_serializer)
@@ -42,7 +42,8 @@ class ContentPart(_Open):
 
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    # an empty parts array is a 400 (OpenAI's "expected at least 1"), like missing content
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: str | None = None
 
 

@@ -235,3 +235,14 @@ def test_api_server_count_flag_variable_and_its_engine_process_rule(capsys):
     assert main(["serve", "--api-server-count", "2", "--role", "encoder", "--kv-store",
                  "redis://127.0.0.1:1/0"]) == 2
     assert "does not apply to --role encoder" in capsys.readouterr().err
+
+
+def test_speculation_flags_without_a_method_are_refused(capsys):
+    """--num-speculative-tokens (or --speculative-model, --no-spec-varlen) without a method would
+    be silently ignored (speculation stays off): exit 2 naming the flag and the fix."""
+    assert main(["serve", "--num-speculative-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-speculative-tokens only apply with speculative decoding on" in err
+    assert "--speculative-method" in err
+    assert main(["serve", "--no-spec-varlen"]) == 2
+    assert "--[no-]spec-varlen" in capsys.readouterr().err

@@ -138,6 +138,16 @@ def test_messages_sent_to_completions_points_to_chat(client):
     assert (error["param"], error["code"]) == ("prompt", "missing_required_parameter")
 
 
+def test_an_empty_content_array_is_400(client):
+    """OpenAI answers an empty parts array with a 400 ("expected at least 1"), as a missing
+    content; it must not reach the model as an empty turn."""
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": []}], "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith("messages.0.content") and "at least 1" in error["message"]
+
+
 @pytest.mark.parametrize("params, named", [
     ({"do_remote_prefill": True, "num_stored_tokens": "lots"}, "num_stored_tokens='lots'"),
     ({"do_remote_prefill": True, "num_stored_tokens": -16}, "num_stored_tokens=-16"),
