@@ -130,3 +130,27 @@ def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,
     for reader in readers:
         reader.join(timeout_s)
     return lines, (answers[0] if answers else None)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Pids of `pid`'s child processes (scanned from /proc), multiprocessing's resource
+    tracker left out."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+            if parent == pid and b"resource_tracker" not in (entry / "cmdline").read_bytes():
+                kids.append(int(entry.name))
+        except OSError:
+            continue
+    return kids
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may reap late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False

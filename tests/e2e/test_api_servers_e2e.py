@@ -12,13 +12,12 @@ import json
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import ServerProcess, deepinfer, metric
+from tests.processes import ServerProcess, child_pids, deepinfer, metric, running
 from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -27,22 +26,6 @@ NEW_TOKENS = 12
 # the streams in flight at SIGTERM: long enough (the tiny model has 512 positions) that they
 # are still running when /health is asked, also on a fast machine
 DRAIN_TOKENS = 480
-
-
-def _children(pid: int) -> list[int]:
-    """The engine core and API server processes of launcher `pid` (not its resource
-    tracker)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(p) for p in children if b"resource_tracker" not in
-            Path(f"/proc/{p}/cmdline").read_bytes()]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a container's init may reap late)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
@@ -126,7 +109,7 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
                   "the aborted request still holds the core", server)
 
         # SIGTERM: both API servers drain the streams in flight, then every process exits
-        children = _children(server.proc.pid)
+        children = child_pids(server.proc.pid)
         assert len(children) == 3     # the core and two API servers
         finished: list[dict] = []
         clients = [threading.Thread(target=lambda: finished.extend(asyncio.run(
@@ -143,7 +126,7 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
             client.join(120)
         assert len(finished) == 8 and all(r["tokens"] == DRAIN_TOKENS for r in finished)
         assert server.proc.wait(60) == 0, server.log()
-        assert not [pid for pid in children if _running(pid)]
+        assert not [pid for pid in children if running(pid)]
         assert "deepinfer: stopped" in server.log()
     finally:
         server.kill()

@@ -10,9 +10,10 @@ import itertools
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
+
+from tests.processes import child_pids, running
 
 from deepinfer.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deepinfer.engine.errors import EngineDeadError, PromptTooLongError, QueueFullError
@@ -274,36 +275,14 @@ def test_a_core_process_whose_api_server_died_exits(tiny_llama_dir, tmp_path):
                            stdout=subprocess.PIPE, text=True)
     try:
         core_pid = int(api.stdout.readline())
-        ranks = _children(core_pid)
+        ranks = child_pids(core_pid)
         assert len(ranks) == 2, ranks
         api.kill()
         api.wait(10)
         deadline = time.monotonic() + 15
         for pid in [core_pid, *ranks]:
-            while Path(f"/proc/{pid}").exists() and b"Z" not in _state(pid):
+            while running(pid):
                 assert time.monotonic() < deadline, f"orphaned process {pid} is still running"
                 time.sleep(0.1)
     finally:
         api.kill()
-
-
-def _state(pid: int) -> bytes:
-    """The process's state letter from /proc (Z: a zombie, i.e. exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1][:3]
-    except OSError:
-        return b"Z"
-
-
-def _children(pid: int) -> list[int]:
-    """Pids of `pid`'s child processes (from /proc)."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid:
-                kids.append(int(entry.name))
-    return kids

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_deepseek_parity import save_tiny_deepseek
+from tests.processes import child_pids, running
 
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import EngineDeadError
@@ -26,17 +26,6 @@ from deepinfer.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [list(range(300 + 7 * n, 300 + 8 * n)) for n in (3, 11, 6)]
-
-
-@pytest.fixture(scope="module")
-def tiny_v3(tmp_path_factory, smollm2_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-v3-mp")
-    tokenizer = smollm2_tokenizer
-    save_tiny_deepseek(path, "v3_qlora_noaux_tc_yarn", vocab_size=len(tokenizer),
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       num_nextn_predict_layers=0)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def _config(model_dir, **parallel) -> EngineConfig:
@@ -56,31 +45,9 @@ async def _tokens(engine) -> list[list[int]]:
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
 
 
-def _children(pid: int) -> list[int]:
-    """Pids of `pid`'s child processes (from /proc)."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (no /proc entry, or a zombie its new parent has yet to reap)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1][:3] == b" Z "
-    except OSError:
-        return True
-
-
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while (alive := [p for p in pids if not _gone(p)]) and time.monotonic() < deadline:
+    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive
 
@@ -100,7 +67,7 @@ def test_dp2_ep_through_the_engine_process_matches_in_process(tiny_v3):
     core = engine._proc.pid
     try:
         assert type(engine).__name__ == "MPAsyncLLM" and not engine._proc.daemon
-        ranks = _children(core)
+        ranks = child_pids(core)
         assert len(ranks) == 2, ranks
         assert asyncio.run(_tokens(engine)) == reference
         per_rank = engine.get_stats().per_rank       # came over the wire each step

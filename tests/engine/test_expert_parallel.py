@@ -20,7 +20,6 @@ import time
 
 import pytest
 import torch
-from test_deepseek_parity import save_tiny_deepseek
 
 from deepinfer.engine.dp_executor import free_port
 from deepinfer.engine.errors import EngineDeadError
@@ -36,17 +35,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [list(range(300 + 7 * n, 300 + 8 * n)) for n in (3, 11, 6, 17, 1)]
 BASE = dict(dtype="float32", device="cpu", block_size=4, num_blocks=64, max_num_seqs=4,
             max_num_batched_tokens=24)
-
-
-@pytest.fixture(scope="module")
-def tiny_v3(tmp_path_factory, smollm2_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-v3-ep")
-    tokenizer = smollm2_tokenizer
-    save_tiny_deepseek(path, "v3_qlora_noaux_tc_yarn", vocab_size=len(tokenizer),
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       num_nextn_predict_layers=0)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
