@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from deepinfer.engine.moe.eplb import rebalance_experts
 from deepinfer.engine.moe.gating import select_experts
-from deepinfer.engine.moe.weight_moves import PendingMove, start_move
+from deepinfer.engine.moe.weight_moves import PendingMove, keep_slots, start_move
 from deepinfer.kernels.moe import moe_experts
 
 __all__ = ["EPGroup", "ExpertLoadRecorder", "ExpertParallel", "enable_expert_parallel"]
@@ -230,12 +230,7 @@ class ExpertParallel:
         phys2log = torch.arange(self.num_physical) % self.num_experts
         mine = phys2log[ep.rank * per:(ep.rank + 1) * per].to(device)
         for i, moe in enumerate(self.moes):
-            moe.w13 = torch.nn.Parameter(moe.w13.data[mine].clone(), requires_grad=False)
-            moe.w2 = torch.nn.Parameter(moe.w2.data[mine].clone(), requires_grad=False)
-            for name in ("w13_scale", "w2_scale"):   # FP8 experts: their block scales too
-                scale = getattr(moe, name, None)
-                if scale is not None:
-                    setattr(moe, name, scale[mine].clone())
+            keep_slots(moe, mine)   # weights, and FP8 experts' block scales
             moe.expert_parallel = ExpertParallelMoE(moe, ep, phys2log, self.loads.step_load[i],
                                                     num_redundant + 1)
         if ep_backend == "deep_ep" and ep.world > 1:

@@ -170,6 +170,17 @@ def _weights(moe) -> dict[str, torch.Tensor]:
             if getattr(moe, name, None) is not None}
 
 
+def keep_slots(moe, slots: torch.Tensor) -> None:
+    """Replace each per-slot tensor of the layer (WEIGHT_NAMES present) by its rows `slots`
+    ([n] int64 indices on the tensors' device): the rank's share at placement time. Parameters
+    stay Parameters."""
+    for name, tensor in _weights(moe).items():
+        rows = tensor[slots].clone()
+        if isinstance(getattr(moe, name), torch.nn.Parameter):
+            rows = torch.nn.Parameter(rows, requires_grad=False)
+        setattr(moe, name, rows)
+
+
 def _pack_row(weights: dict[str, torch.Tensor], slot: int) -> torch.Tensor:
     """One slot's tensors as one uint8 row [bytes]."""
     return torch.cat([_rows(t[slot:slot + 1])[0] for t in weights.values()])
