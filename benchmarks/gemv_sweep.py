@@ -1,6 +1,7 @@
 """Decode-shaped linears inside CUDA graphs: cuBLAS (F.linear) against the Triton skinny GEMM
-(kernels/linear_triton.py) over a grid of tile configs; Llama-3-8B shapes, bf16. Writes the
-tuned-config file the engine reads (`kernels/configs/skinny_linear_<device>.json`).
+(kernels/linear_triton.py) over a grid of tile configs; Llama-3-8B or DeepSeek-V2-Lite shapes
+(`--model`), bf16. Writes the tuned-config file the engine reads
+(`kernels/configs/skinny_linear_<device>.json`).
 
 Why in graphs: a decode step replays its linears back to back inside one CUDA graph, where a
 kernel's ramp and tail overlap its neighbours'; timing one call alone adds launch latency that
@@ -12,8 +13,8 @@ For each row bucket of the kernel (16: measured at 1 and 16 rows, summed; 64: at
 shape: every config is checked against F.linear (relative error < 1e-2), the best is kept, and
 `triton_faster` is set when it beats cuBLAS by more than 1%: only those shapes run in Triton.
 
-Run: python3 benchmarks/gemv_sweep.py [--json PATH] [--write-configs] [--shapes qkv,o,down]
-     [--buckets 16,64]
+Run: python3 benchmarks/gemv_sweep.py [--model llama-3-8b|deepseek-v2-lite] [--json PATH]
+     [--write-configs] [--shapes qkv,o,down] [--buckets 16,64]
 """
 
 from __future__ import annotations
@@ -28,8 +29,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}
+# name -> (out_features, in_features); the names are the config file's keys, unique over models
+MODELS = {
+    "llama-3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                   "down": (4096, 14336), "lm_head": (128256, 4096)},
+    # DeepSeek-V2-Lite: q_proj + kv_a_proj_with_mqa as one GEMM (3072 + 576 rows), o_proj, the
+    # two shared experts' gate_up / down, layer 0's dense MLP, the LM head
+    "deepseek-v2-lite": {"v2lite_q_kv_a": (3648, 2048), "v2lite_o": (2048, 2048),
+                         "v2lite_shared_gate_up": (5632, 2048),
+                         "v2lite_shared_down": (2048, 2816),
+                         "v2lite_dense_gate_up": (21888, 2048),
+                         "v2lite_dense_down": (2048, 10944),
+                         "v2lite_lm_head": (102400, 2048)},
+}
+SHAPES = {name: shape for shapes in MODELS.values() for name, shape in shapes.items()}
 BUCKETS = {16: (1, 16), 64: (64,)}
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split 1: the configs the first sweep
 # (isolated calls) ranked near the top for some shape. Split > 1 (run 10): more programs for
@@ -41,7 +54,10 @@ CONFIGS = {
          (32, 128, 4, 5, 1), (32, 128, 4, 8, 1), (32, 256, 4, 4, 1), (32, 512, 8, 3, 1),
          (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (64, 256, 8, 3, 1), (64, 128, 8, 5, 1),
          (64, 128, 4, 6, 1), (128, 128, 8, 3, 1), (64, 64, 4, 8, 1), (128, 64, 4, 6, 1),
-         (64, 128, 4, 6, 2), (32, 128, 4, 8, 2), (64, 256, 4, 3, 2), (128, 128, 8, 4, 4)],
+         (64, 128, 4, 6, 2), (32, 128, 4, 8, 2), (64, 256, 4, 3, 2), (128, 128, 8, 4, 4),
+         # DeepSeek-V2-Lite's 2048-wide outputs: 16-64 tiles of N, so K splits fill the SMs
+         (32, 128, 4, 4, 4), (64, 128, 4, 4, 4), (32, 128, 4, 4, 8), (16, 128, 4, 4, 8),
+         (64, 128, 4, 3, 8), (16, 256, 4, 3, 4)],
     64: [(32, 128, 4, 4, 1), (32, 256, 4, 3, 1), (64, 64, 4, 6, 1), (64, 128, 4, 4, 1),
          (128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (128, 64, 4, 5, 1), (256, 64, 8, 3, 1),
          (128, 128, 8, 4, 1), (64, 128, 4, 4, 2), (128, 64, 4, 4, 2), (128, 64, 4, 5, 4),
@@ -54,7 +70,7 @@ CONFIGS = {
 # tile moved through registers). (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
 SWAP_CONFIGS = {
     16: [(64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (128, 128, 4, 4, 1), (128, 128, 8, 3, 1),
-         (64, 128, 4, 8, 1), (32, 128, 4, 8, 1)],
+         (64, 128, 4, 8, 1), (32, 128, 4, 8, 1), (64, 128, 4, 4, 4), (64, 128, 4, 4, 8)],
     64: [(64, 128, 4, 4, 1), (128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (64, 128, 4, 4, 2),
          (64, 64, 4, 6, 1), (64, 128, 4, 3, 4), (64, 64, 4, 6, 4)],
 }
@@ -131,9 +147,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="all timings here")
     parser.add_argument("--write-configs", action="store_true",
                         help="write kernels/configs/skinny_linear_<device>.json")
-    parser.add_argument("--shapes", default=",".join(SHAPES),
-                        help="comma-separated subset of " + ",".join(SHAPES) + "; with "
-                             "--write-configs the other shapes keep their entries")
+    parser.add_argument("--model", choices=list(MODELS), default="llama-3-8b",
+                        help="whose linears to sweep")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated subset of the model's shapes (default all of "
+                             "them); with --write-configs the other shapes keep their entries")
     parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
                         help="comma-separated row buckets; with --write-configs the other "
                              "buckets keep their entries")
@@ -141,7 +159,7 @@ def main() -> int:
     from deepinfer.kernels import linear_triton
     from deepinfer.kernels.backends import update_device_config
 
-    names = args.shapes.split(",")
+    names = args.shapes.split(",") if args.shapes else list(MODELS[args.model])
     entries = [sweep_shape(name, bucket, *SHAPES[name])
                for bucket in map(int, args.buckets.split(",")) for name in names]
     if args.json:
