@@ -116,6 +116,39 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
     return topk_weights, topk_ids
 
 
+def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: RoutingConfig,
+                 e_score_correction_bias: torch.Tensor | None = None, *,
+                 logical_to_physical: torch.Tensor, settings: KernelConfig = DEFAULT
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts(hidden.float() @ gate_weight.T, ...)`: the router logits and the choice.
+
+    Up to `settings.moe_fused_router_max_rows` tokens on CUDA with Triton, one launch
+    (`kernels.moe_routing_triton.route_hidden`: logits summed in 256-wide chunks, not
+    cuBLAS's order); otherwise the float32 GEMM, then `select_experts`.
+
+    Args:
+        hidden: [num_tokens, hidden_size], model dtype.
+        gate_weight: [num_experts, hidden_size] float32 (or bf16, read as float32).
+        logical_to_physical: [num_experts] int64.
+    Returns:
+        (topk_weights [num_tokens, top_k] float32, physical ids [num_tokens, top_k] int64).
+    """
+    if (hidden.is_cuda and 0 < hidden.shape[0] <= settings.moe_fused_router_max_rows
+            and triton_available()):
+        from deepinfer.kernels.moe_routing_triton import route_hidden as fused
+
+        return fused(hidden, gate_weight, top_k=config.top_k,
+                     scoring_func=config.scoring_func, topk_method=config.topk_method,
+                     n_group=config.n_group, topk_group=config.topk_group,
+                     norm_topk_prob=config.norm_topk_prob,
+                     routed_scaling_factor=config.routed_scaling_factor,
+                     e_score_correction_bias=e_score_correction_bias,
+                     logical_to_physical=logical_to_physical, settings=settings)
+    router_logits = hidden.float() @ gate_weight.float().T  # [T, num_experts] float32
+    return select_experts(router_logits, config, e_score_correction_bias,
+                          logical_to_physical=logical_to_physical, settings=settings)
+
+
 def _select_experts_torch(router_logits: torch.Tensor, config: RoutingConfig,
                           e_score_correction_bias: torch.Tensor | None
                           ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_common import DEVICE, relative_error, requires_triton
-from deepinfer.engine.moe.gating import RoutingConfig, select_experts
+from deepinfer.engine.moe.gating import RoutingConfig, route_hidden, select_experts
 from deepinfer.kernels.moe import moe_experts
 from deepinfer.kernels.settings import KernelConfig, MoETile
 
@@ -155,7 +155,8 @@ def test_deterministic_run_to_run():
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_routing_and_experts_replay_in_a_cuda_graph(num_tokens):
-    """noaux_tc + grouped top-k + routed_scaling_factor routing then the fused experts, captured
+    """noaux_tc + grouped top-k + routed_scaling_factor routing (fused with the router GEMM
+    at 1 and 8 tokens) then the fused experts, captured
     once and replayed on new hidden states: equal to the eager call on those states."""
     routing = RoutingConfig(num_experts=16, top_k=4, scoring_func="sigmoid",
                             topk_method="noaux_tc", n_group=4, topk_group=2,
@@ -166,8 +167,9 @@ def test_routing_and_experts_replay_in_a_cuda_graph(num_tokens):
     _, w13, w2, _, _ = make_moe(num_tokens, 16, 4, dtype=torch.bfloat16)
     hidden = torch.randn(num_tokens, 64, device=DEVICE, dtype=torch.bfloat16)
 
-    def forward():
-        weights, ids = select_experts(hidden.float() @ gate.T, routing, bias)
+    def forward():   # up to 8 tokens: logits and routing in one launch (`route_hidden`)
+        weights, ids = route_hidden(hidden, gate, routing, bias,
+                                    logical_to_physical=torch.arange(16, device=DEVICE))
         return moe_experts(hidden, w13, w2, weights, ids, backend="triton")
 
     forward()
@@ -213,6 +215,46 @@ def test_fused_routing_matches_torch_routing(name):
     assert torch.equal(i_got.gather(1, order_got), i_ref.gather(1, order_ref))
     torch.testing.assert_close(w_got.gather(1, order_got), w_ref.gather(1, order_ref),
                                atol=1e-6, rtol=1e-5)
+
+
+def fused_router(hidden, gate, routing, bias, mapping):
+    from deepinfer.kernels.moe_routing_triton import route_hidden as fused
+
+    return fused(hidden, gate, top_k=routing.top_k, scoring_func=routing.scoring_func,
+                 topk_method=routing.topk_method, n_group=routing.n_group,
+                 topk_group=routing.topk_group, norm_topk_prob=routing.norm_topk_prob,
+                 routed_scaling_factor=routing.routed_scaling_factor,
+                 e_score_correction_bias=bias, logical_to_physical=mapping)
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+def test_router_logits_and_routing_in_one_launch(name, num_tokens):
+    """`moe_routing_triton.route_hidden` (logits + routing in one kernel) vs the float32 GEMM then
+    the torch routing: the same expert set per token, weights within atol 1e-5 (float32
+    logits summed in another order: differences ~1e-7); bf16 hidden of 7168 (V3's width, 28
+    chunks) and 2048, a bf16 gate weight read as float32; logits scaled so no near-ties."""
+    routing = RoutingConfig(**ROUTINGS[name])
+    hidden_size = 7168 if routing.num_experts >= 160 else 2048
+    gen = torch.Generator().manual_seed(9 + num_tokens)
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(torch.bfloat16).to(DEVICE)
+    gate = (torch.randn(routing.num_experts, hidden_size, generator=gen)
+            * hidden_size ** -0.5 * 3).to(torch.bfloat16).float().to(DEVICE)
+    bias = (torch.rand(routing.num_experts, generator=gen) * 0.5).to(DEVICE)
+    mapping = torch.randperm(routing.num_experts, generator=gen).to(DEVICE)
+    logits = hidden.float().cpu() @ gate.cpu().T
+    w_ref, i_ref = select_experts(logits, routing, bias.cpu(),
+                                  logical_to_physical=mapping.cpu(), backend="torch")
+    for weight in (gate, gate.to(torch.bfloat16)):
+        w_got, i_got = fused_router(hidden, weight, routing, bias, mapping)
+        assert i_got.shape == i_ref.shape and i_got.dtype == torch.int64
+        order_ref, order_got = i_ref.argsort(dim=1), i_got.cpu().argsort(dim=1)
+        assert torch.equal(i_got.cpu().gather(1, order_got), i_ref.gather(1, order_ref))
+        torch.testing.assert_close(w_got.cpu().gather(1, order_got), w_ref.gather(1, order_ref),
+                                   atol=1e-5, rtol=1e-4)
+        # deterministic: the same bits on a second call (the counter was reset)
+        w_again, i_again = fused_router(hidden, weight, routing, bias, mapping)
+        assert torch.equal(w_again, w_got) and torch.equal(i_again, i_got)
 
 
 class _FakeDeepGemm:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.engine.moe.gating import RoutingConfig, select_experts
+from deepinfer.engine.moe.gating import RoutingConfig, route_hidden
 from deepinfer.kernels.moe import moe_experts
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
@@ -105,9 +105,8 @@ class MoE(nn.Module):
         if self.expert_parallel is not None:
             out = self.expert_parallel.forward(self, hidden)
             return out if shared_output is None else out + shared_output
-        router_logits = hidden.float() @ self.gate_weight.T  # [T, num_experts] float32
-        topk_weights, physical_ids = select_experts(  # [T, top_k] each
-            router_logits, self.routing, self.e_score_correction_bias,
+        topk_weights, physical_ids = route_hidden(  # [T, top_k] each
+            hidden, self.gate_weight, self.routing, self.e_score_correction_bias,
             logical_to_physical=self.logical_to_physical, settings=self.kernel_config)
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
                            backend=self.backend, settings=self.kernel_config,
