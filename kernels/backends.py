@@ -137,7 +137,9 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     """[MAX_ARRIVAL_COUNTERS] int32 zeros on `device`, shared by the Triton kernels whose
     programs count themselves in so that the last one to arrive finishes the work (split-K
     GEMM tiles, decode-attention splits). Each call's last programs leave their counters at
-    zero, and calls on one stream run one after another, so every call may use them.
+    zero, and calls on one stream run one after another, so every call may use them; the
+    fused MoE router, which may run concurrently with split-K GEMMs on another stream, counts
+    on the last one only (`moe_routing_triton.route_hidden`).
 
     Made on the first call for a device, which must not be inside a CUDA graph capture (the
     engine runs each graph's work eagerly before capturing it).

@@ -55,7 +55,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 backend: str = "auto", settings: KernelConfig = DEFAULT, *,
                 w13_scale: torch.Tensor | None = None,
                 w2_scale: torch.Tensor | None = None,
-                shared_output: torch.Tensor | None = None) -> torch.Tensor:
+                shared_output: torch.Tensor | None = None,
+                shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """Each token's routing-weighted sum of its top-k SwiGLU experts (plus `shared_output`).
 
     Args:
@@ -74,6 +75,10 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         shared_output: [num_tokens, hidden_size] hidden's dtype or None: added to the result
             (the shared experts' output; the Triton backend adds it in its combine kernel, in
             float32 before the one rounding).
+        shared_ready: None, or (CUDA) an event recorded on the stream that writes
+            shared_output after its kernels: the current stream waits for it just before
+            shared_output is read (the Triton backend: before its combine kernel), so the
+            shared experts may run on another stream concurrently with the routed ones.
     Returns:
         [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32).
     """
@@ -85,7 +90,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if name == "triton":
         return _BACKENDS.load(name).moe_experts(hidden, w13, w2, topk_weights, topk_ids,
                                                 w13_scale=w13_scale, w2_scale=w2_scale,
-                                                shared_output=shared_output, settings=settings)
+                                                shared_output=shared_output,
+                                                shared_ready=shared_ready, settings=settings)
     if w13_scale is not None:
         w13 = dequantize_blocks(w13, w13_scale, hidden.dtype)
         w2 = dequantize_blocks(w2, w2_scale, hidden.dtype)
@@ -94,4 +100,6 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         out = experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids, settings=settings)
     else:
         out = experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids)
+    if shared_ready is not None:
+        torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
     return out if shared_output is None else out + shared_output

@@ -16,7 +16,9 @@ reduce): program (expert tile, K chunk) loads its gate-weight tile before the PD
 weights do not depend on the previous kernel), multiplies every token's chunk of hidden, stores
 float32 partial logits and counts itself in on an arrival counter; the last program to arrive
 sums each token's partials in chunk order (deterministic whichever program finishes last) and
-routes the tokens one after another, then resets the counter.
+routes the tokens one after another, then resets the counter (the last of
+`backends.arrival_counters`: split-K GEMMs of the shared experts, which count from the first,
+may run concurrently on a second stream).
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int,
         dtype). The logits are float32 sums over 256-wide chunks of hidden, added in chunk
         order (not cuBLAS's order: relative differences ~1e-7).
     """
-    from deepinfer.kernels.backends import arrival_counters
+    from deepinfer.kernels.backends import MAX_ARRIVAL_COUNTERS, arrival_counters
 
     num_tokens, hidden_size = hidden.shape
     num_experts = gate_weight.shape[0]
@@ -221,9 +223,12 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int,
     partial = torch.empty(num_chunks, num_tokens, num_experts, dtype=torch.float32,
                           device=device)   # [chunks, T, E] float32 partial logits
     bias = e_score_correction_bias if e_score_correction_bias is not None else partial
+    # the last counter: the split-K skinny GEMMs count from the first, and the shared experts'
+    # may run concurrently on a second stream (engine.models.deepseek.DeepseekMoEBlock)
+    counter = arrival_counters(device)[MAX_ARRIVAL_COUNTERS - 1:]
     options = pdl.launch_options(device, settings)
     _router_logits_route_kernel[(triton.cdiv(num_experts, block_e), num_chunks)](
-        hidden, gate_weight, partial, arrival_counters(device), bias, logical_to_physical,
+        hidden, gate_weight, partial, counter, bias, logical_to_physical,
         weights, ids, num_tokens, num_experts, hidden_size, hidden.stride(0),
         float(routed_scaling_factor), BLOCK_E=block_e, BLOCK_K=block_k, NUM_CHUNKS=num_chunks,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),

@@ -162,20 +162,32 @@ def _tile_ids(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_pairs(sorted_ptr, offs_m, pid_m, num_pairs, BLOCK_M: tl.constexpr,
+                PAIR_TILES: tl.constexpr):
+    """[BLOCK_M] pair index of each slot of row tile pid_m (num_pairs on padding slots)."""
+    if PAIR_TILES:
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        pair = tl.load(sorted_ptr + offs_m)
+    return pair
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                     num_blocks, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                     stride_om, TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, PDL: tl.constexpr):
+                    GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots.
-    FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128)."""
+    FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128).
+    PAIR_TILES: row tile b holds pair b alone, block_expert_ptr is the pairs' expert ids."""
     pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
+    pair = _tile_pairs(sorted_ptr, offs_m, pid_m, num_pairs, BLOCK_M, PAIR_TILES)
     row_ok = pair < num_pairs
     token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,16 +229,16 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
                  num_pairs, num_blocks, N, K, stride_am, stride_we, stride_wn, stride_se,
                  stride_sn, stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, PDL: tl.constexpr):
+                 GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
-    for the tile's real slots."""
+    for the tile's real slots (PAIR_TILES: as `_gate_up_kernel`)."""
     pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
+    pair = _tile_pairs(sorted_ptr, offs_m, pid_m, num_pairs, BLOCK_M, PAIR_TILES)
     row_ok = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -333,10 +345,17 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                 shared_output: torch.Tensor | None = None,
+                shared_ready: torch.cuda.Event | None = None,
                 settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Same contract as `kernels.reference.moe.moe_experts` (CUDA tensors, or any device under
     TRITON_INTERPRET=1), plus `shared_output` ([num_tokens, hidden_size] or None) added in the
-    combine; four kernel launches at decode (alignment in one program), no host sync.
+    combine; four kernel launches at decode (alignment in one program), three up to
+    `settings.moe_pair_tiles_max_tokens` tokens (no alignment: each (token, k) pair is its own
+    row tile, which at one token, whose k experts are distinct, reads no expert twice), no host
+    sync.
+    `shared_ready`: an event recorded after the kernels writing shared_output on another
+    stream; the current stream waits for it just before the combine (so the shared experts
+    run concurrently with the alignment and the expert GEMMs).
 
     FP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [E, 2I / 128, H / 128] and w2_scale
     [E, H / 128, I / 128] float32 128x128 block scales (DeepSeek-V3's `weight_scale_inv`);
@@ -348,8 +367,6 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     inter = inter2 // 2
     if num_tokens == 0:
         return hidden.new_zeros(0, hidden_size)
-    if shared_output is not None and shared_output.stride(-1) != 1:
-        shared_output = shared_output.contiguous()
     hidden = hidden.contiguous()
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 must be row-major in their last dim")
@@ -365,8 +382,13 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                    down_block_n=min(tile.down_block_n, 128))
     # float32 models (the parity tests) multiply in full precision, not TF32
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    sorted_pairs, block_expert, num_blocks = align(topk_ids, num_experts, tile.block_m,
-                                                   settings)
+    pair_tiles = num_tokens <= settings.moe_pair_tiles_max_tokens
+    if pair_tiles:   # no alignment: row tile b is pair b (one token's k experts are distinct)
+        block_expert = topk_ids.reshape(-1).contiguous()
+        sorted_pairs, num_blocks = block_expert, num_pairs   # sorted_pairs unused
+    else:
+        sorted_pairs, block_expert, num_blocks = align(topk_ids, num_experts, tile.block_m,
+                                                       settings)
     options = pdl.launch_options(hidden.device, settings)
     act = torch.empty(num_blocks * tile.block_m, inter, dtype=hidden.dtype, device=hidden.device)
     s13 = w13_scale if fp8 else w13
@@ -377,7 +399,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           s13.stride(1) if fp8 else 0, act.stride(0), TOP_K=top_k,
                           PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                          PDL=bool(options), num_warps=tile.num_warps,
+                          PAIR_TILES=pair_tiles, PDL=bool(options), num_warps=tile.num_warps,
                           num_stages=tile.num_stages, **options)
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -388,10 +410,14 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
                        y.stride(0), PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
                        BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                       PDL=bool(options), num_warps=tile.num_warps,
+                       PAIR_TILES=pair_tiles, PDL=bool(options), num_warps=tile.num_warps,
                        num_stages=tile.num_stages, **options)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     block_n = min(1024, triton.next_power_of_2(hidden_size))
+    if shared_ready is not None:
+        torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
+    if shared_output is not None and shared_output.stride(-1) != 1:
+        shared_output = shared_output.contiguous()
     add = shared_output if shared_output is not None else out
     _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         y, add, out, hidden_size, add.stride(0), TOP_K=top_k,

@@ -93,10 +93,17 @@ class KernelConfig:
     moe_align_one_program_max_pairs: up to this many (token, k) pairs (default 256) the Triton
         MoE aligns pairs to experts in one program (`moe_triton.align`); above, an atomic rank
         kernel and a parallel layout kernel.
+    moe_pair_tiles_max_tokens: up to this many tokens (default 1) the Triton MoE skips the
+        alignment: each (token, k) pair is its own row tile of the expert GEMMs (one launch
+        less; at one token no expert is read twice, at more an expert picked by several tokens
+        is). 0: always aligned.
     moe_fused_router_max_rows: up to this many tokens (default 8) a CUDA MoE layer computes its
         router logits and routes in one Triton launch (`moe_routing_triton.route_hidden`: the
         last program routes the tokens one after another); above, the float32 cuBLAS GEMM and
         the one-program-per-token routing kernel. 0: never fused.
+    moe_shared_stream_max_rows: up to this many tokens (default 16) a CUDA DeepSeek MoE layer
+        runs its shared experts on a second stream, concurrently with the routed experts
+        (`engine.models.deepseek.DeepseekMoEBlock`); above, one after the other. 0: never.
     moe_deep_gemm_min_rows: from this many mean rows per expert (default 128: prefill) a bf16
         MoE call on backend "auto" runs DeepGEMM's grouped GEMM where `deep_gemm` is installed
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
@@ -145,7 +152,9 @@ class KernelConfig:
     quantized_max_rows: int = 64
     moe_tiles: tuple[MoETile, ...] = MOE_TILES
     moe_align_one_program_max_pairs: int = 256
+    moe_pair_tiles_max_tokens: int = 1
     moe_fused_router_max_rows: int = 8
+    moe_shared_stream_max_rows: int = 16
     moe_deep_gemm_min_rows: int = 128
     batch_invariant: bool = False
     mla_decode_block_h: int = 64
@@ -192,6 +201,10 @@ class KernelConfig:
         _check("moe_fused_router_max_rows", 0 <= self.moe_fused_router_max_rows <= 64,
                f"{self.moe_fused_router_max_rows} must be in [0, 64] (its last program routes "
                "the tokens one after another); 0: never fused.")
+        _check("moe_pair_tiles_max_tokens", self.moe_pair_tiles_max_tokens >= 0,
+               f"{self.moe_pair_tiles_max_tokens} must be >= 0; 0 always aligns.")
+        _check("moe_shared_stream_max_rows", self.moe_shared_stream_max_rows >= 0,
+               f"{self.moe_shared_stream_max_rows} must be >= 0; 0 turns the second stream off.")
         for name in ("mla_decode_block_h", "mla_decode_block_n", "mla_decode_max_splits",
                      "mla_prefill_block_m", "mla_prefill_block_n"):
             value = getattr(self, name)

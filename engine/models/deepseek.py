@@ -25,6 +25,7 @@ which leaves q·k unchanged). Checkpoints with `rope_interleave: false` are used
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -188,9 +189,25 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
 
+@functools.cache
+def _shared_experts_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second CUDA stream the shared experts of decode-sized MoE calls run on."""
+    return torch.cuda.Stream(device)
+
+
 class DeepseekMoEBlock(nn.Module):
     """Shared experts (one SwiGLU MLP of n_shared_experts * moe_intermediate_size) plus routed
-    experts (`layers.moe.MoE`); the two outputs are summed."""
+    experts (`layers.moe.MoE`); the two outputs are summed.
+
+    On CUDA, up to `KernelConfig.moe_shared_stream_max_rows` tokens, the shared experts run on
+    a second stream, concurrently with the router, the alignment and the routed expert GEMMs
+    (SGLang's dual-stream MoE): at decode each of these kernels is a few microseconds of
+    launch and ramp on a few SMs, so the two chains overlap instead of adding up. The combine
+    waits for them (an event, captured into CUDA graphs as a dependency).
+    `kernel_config`: set by `layers.set_kernel_config`.
+    """
+
+    kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, hf_config, routing: RoutingConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -214,10 +231,21 @@ class DeepseekMoEBlock(nn.Module):
         return targets
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, hidden_size] -> [T, hidden_size]. The shared experts run first; their
-        output is added in the routed experts' combine (no separate add kernel)."""
-        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
-        return self.moe(hidden, shared)
+        """hidden: [T, hidden_size] -> [T, hidden_size]. The shared experts run first (or on
+        the second stream); their output is added in the routed experts' combine (no separate
+        add kernel)."""
+        if self.shared_experts is None:
+            return self.moe(hidden)
+        if not (hidden.is_cuda
+                and hidden.shape[0] <= self.kernel_config.moe_shared_stream_max_rows):
+            return self.moe(hidden, self.shared_experts(hidden))
+        main = torch.cuda.current_stream(hidden.device)
+        side = _shared_experts_stream(hidden.device)
+        side.wait_stream(main)   # hidden is written
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(hidden)
+            shared_ready = side.record_event()
+        return self.moe(hidden, shared, shared_ready)
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):

@@ -52,6 +52,20 @@ def test_matches_reference(num_tokens, num_experts, top_k, dtype):
     check(make_moe(num_tokens, num_experts, top_k, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 64, 6), (1, 8, 8), (5, 8, 3),
+                                                          (33, 16, 4)])
+def test_pair_tiles_without_alignment_match_reference(num_tokens, num_experts, top_k, dtype):
+    """`moe_pair_tiles_max_tokens`: each (token, k) pair its own row tile, no alignment kernel
+    (the default at one token; forced here up to 64 tokens, where experts picked by several
+    tokens are read once per pair): same tolerances as the aligned path."""
+    settings = KernelConfig(moe_pair_tiles_max_tokens=64)
+    check(make_moe(num_tokens, num_experts, top_k, dtype=dtype, seed=13), settings)
+    scores = torch.rand(num_tokens, num_experts, generator=torch.Generator().manual_seed(14))
+    scores[:, 1] = 2.0   # expert 1 picked by every token
+    check(make_moe(num_tokens, num_experts, top_k, dtype=dtype, scores=scores), settings)
+
+
 def test_experts_no_token_picked():
     scores = torch.rand(9, 16, generator=torch.Generator().manual_seed(3))
     scores[:, 4:] = -1.0  # only experts 0..3 can be picked: 12 experts get no token
@@ -140,6 +154,15 @@ def test_shared_output_added_in_the_combine(num_tokens, dtype):
         torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
     else:
         assert relative_error(got, expected) <= 1e-2
+    if DEVICE == "cuda":   # written on another stream: the combine waits for the event
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1 << 22)   # ~ms of spinning: the shared output comes late
+            late = (shared.to(DEVICE, dtype) * 2.0) - shared.to(DEVICE, dtype)
+            ready = side.record_event()
+        got_late = moe_experts(*args, backend="triton", shared_output=late, shared_ready=ready)
+        assert torch.equal(got_late, got)
     # the torch backend adds it after its own sum
     torch_out = moe_experts(*ref_args, backend="torch", shared_output=shared.to(dtype).float())
     torch.testing.assert_close(torch_out, expected, atol=1e-5, rtol=1e-5)
@@ -343,7 +366,7 @@ def _fp8_recipe(hidden, w13, w2, weights, ids):
     return out
 
 
-@pytest.mark.parametrize("num_tokens", [3, 40])
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])
 def test_fp8_experts_follow_the_recipe(num_tokens):
     """FP8 weights + 128x128 block scales (DeepSeek-V3 layout), activations quantized per row
     and 128-channel block inside the GEMMs (DeepGEMM's recipe). The recipe itself (torch) is

@@ -97,13 +97,17 @@ class MoE(nn.Module):
             return self.w2.data[physical]
         raise ValueError(f"unknown expert projection {projection!r}")
 
-    def forward(self, hidden: torch.Tensor, shared_output: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, shared_output: torch.Tensor | None = None,
+                shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum (plus
         `shared_output`, [num_tokens, hidden_size] or None: added by the experts' combine
-        kernel on the Triton backend), same shape/dtype."""
+        kernel on the Triton backend), same shape/dtype. `shared_ready`: None, or the event
+        after which shared_output (written on another CUDA stream) may be read
+        (`kernels.moe.moe_experts`)."""
         if self.expert_parallel is not None:
             out = self.expert_parallel.forward(self, hidden)
+            if shared_ready is not None:
+                torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
             return out if shared_output is None else out + shared_output
         topk_weights, physical_ids = route_hidden(  # [T, top_k] each
             hidden, self.gate_weight, self.routing, self.e_score_correction_bias,
@@ -111,7 +115,7 @@ class MoE(nn.Module):
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
                            backend=self.backend, settings=self.kernel_config,
                            w13_scale=self.w13_scale, w2_scale=self.w2_scale,
-                           shared_output=shared_output)
+                           shared_output=shared_output, shared_ready=shared_ready)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.routing.num_experts}, top_k={self.routing.top_k}, "
