@@ -192,7 +192,8 @@ def test_routing_and_experts_replay_in_a_cuda_graph(num_tokens):
 
     def forward():   # up to 8 tokens: logits and routing in one launch (`route_hidden`)
         weights, ids = route_hidden(hidden, gate, routing, bias,
-                                    logical_to_physical=torch.arange(16, device=DEVICE))
+                                    logical_to_physical=torch.arange(16, device=DEVICE),
+                                    settings=KernelConfig(moe_fused_router_max_rows=8))
         return moe_experts(hidden, w13, w2, weights, ids, backend="triton")
 
     forward()
