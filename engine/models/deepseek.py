@@ -241,7 +241,10 @@ class DeepseekMoEBlock(nn.Module):
             return self.moe(hidden, self.shared_experts(hidden))
         main = torch.cuda.current_stream(hidden.device)
         side = _shared_experts_stream(hidden.device)
-        side.wait_stream(main)   # hidden is written
+        # the side stream starts after hidden is written; main reads `shared` only after the
+        # event, and everything main does later (freeing or reusing hidden's and shared's
+        # memory included) comes after it, as does the side stream's next layer (this wait)
+        side.wait_stream(main)
         with torch.cuda.stream(side):
             shared = self.shared_experts(hidden)
             shared_ready = side.record_event()
