@@ -7,8 +7,10 @@
   place, normalises c_KV, rotates k_R and stores the latent: one kernel where the torch ops
   take six (two rotaries, a copy, the norm, a concatenation, the write).
 - `mla_attention`: rows of at most `KernelConfig.mla_decode_max_query_len` new tokens (decode,
-  and 1 + k speculative rows) run absorbed in `kernels/mla_decode_triton.py` (W_UK folded into
-  the query by one batched GEMM before, W_UV applied by one after); longer chunks run expanded
+  and 1 + k speculative rows) run absorbed in `kernels/mla_decode_triton.py`: W_UK folded into
+  the query before (`absorb_query`, Triton, up to `KernelConfig.mla_absorb_triton_max_tokens`
+  tokens; else one cuBLAS batched GEMM), W_UV applied in the split reduce (up to
+  `mla_reduce_uv_max_tokens` tokens; else one batched GEMM after); longer chunks run expanded
   in `kernels/mla_prefill_triton.py`, except that by default (`KernelConfig.mla_prefill`
   "auto") chunks without a prefix-cache hit run torch SDPA on expanded K/V, which measured
   faster (`mla_attention_torch.prefill_expanded`). A decode-only batch
@@ -25,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.mla_attention_torch import prefill_expanded
 from deepinfer.kernels.mla_decode_triton import latent_attention
@@ -136,19 +139,73 @@ def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
     return query[..., head_dim - rope_dim:]
 
 
+@triton.jit
+def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, num_tokens, q_st, q_sh, w_sh, w_sd, out_sh,
+                         out_st, NOPE: tl.constexpr, LORA: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (head, latent tile, token tile): q_latent = q_nope W_UK[head] for BLOCK_T
+    tokens and BLOCK_L latent columns, one tl.dot over the whole nope width, fp32 accumulation.
+    The W_UK tile (a weight) is loaded before the PDL wait, q_nope after."""
+    head = tl.program_id(0)
+    lat = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    dims = tl.arange(0, BLOCK_D)
+    t_ok = tokens < num_tokens
+    d_ok = dims < NOPE
+    l_ok = lat < LORA
+    w = tl.load(w_ptr + head * w_sh + dims[:, None] * w_sd + lat[None, :],
+                mask=d_ok[:, None] & l_ok[None, :], other=0.0)                 # [D, L]
+    pdl.wait_and_release(PDL, True)
+    q = tl.load(q_ptr + tokens[:, None].to(tl.int64) * q_st + head * q_sh + dims[None, :],
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0)                 # [T, D]
+    acc = tl.dot(q, w, input_precision=PRECISION)                              # [T, L] fp32
+    tl.store(out_ptr + head * out_sh + tokens[:, None].to(tl.int64) * out_st + lat[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & l_ok[None, :])
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor,
+                 settings: KernelConfig = DEFAULT) -> torch.Tensor:
+    """q_nope [T, H, Dn] (unit last stride) times W_UK [H, Dn, L] (unit last stride) per head:
+    [H, T, L] contiguous, q_nope's dtype (what `torch.bmm(q_nope.transpose(0, 1), w_uk)`
+    returns), in one Triton launch of H x L/64 x T/16 programs."""
+    num_tokens, num_heads, nope = q_nope.shape
+    lora = w_uk.shape[2]
+    out = torch.empty(num_heads, num_tokens, lora, dtype=q_nope.dtype, device=q_nope.device)
+    block_l = 64
+    options = pdl.launch_options(q_nope.device, settings)
+    _absorb_query_kernel[(num_heads, triton.cdiv(lora, block_l), triton.cdiv(num_tokens, 16))](
+        q_nope, w_uk, out, num_tokens, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0),
+        w_uk.stride(1), out.stride(0), out.stride(1), NOPE=nope, LORA=lora, BLOCK_T=16,
+        BLOCK_D=max(16, triton.next_power_of_2(nope)), BLOCK_L=block_l,
+        PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32", PDL=bool(options),
+        num_warps=4, **options)
+    return out
+
+
 def absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
              metadata: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
              *, max_q_len: int, block_q: int | None = None, block_rows: int | None = None,
              splits: int | None = None, settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Absorbed MLA of the rows with <= max_q_len new tokens: [T, H, Dv] (other rows: garbage).
 
-    q_latent = q_nope W_UK ([H, T, L], one bmm), latent attention, then o_latent W_UV^T."""
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)                 # [H, T, L]
-    out_latent = latent_attention(q_latent.transpose(0, 1), q_pe, kv_cache, metadata, scale,
-                                  max_q_len=max_q_len, block_q=block_q, block_rows=block_rows,
-                                  splits=splits,
-                                  settings=settings, heads_major=True)  # [T, H, L] view
-    return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    q_latent = q_nope W_UK ([H, T, L]), latent attention, then o_latent W_UV^T. Up to
+    `settings.mla_absorb_triton_max_tokens` tokens q_latent is `absorb_query`'s (Triton) and up
+    to `settings.mla_reduce_uv_max_tokens` W_UV is applied in the split reduce; above, each is
+    one cuBLAS batched GEMM."""
+    num_tokens = q_nope.shape[0]
+    if num_tokens <= settings.mla_absorb_triton_max_tokens and w_uk.stride(2) == 1:
+        q_latent = absorb_query(q_nope, w_uk, settings)                # [H, T, L]
+    else:
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)             # [H, T, L]
+    fuse_uv = num_tokens <= settings.mla_reduce_uv_max_tokens and w_uv.stride(2) == 1
+    out = latent_attention(q_latent.transpose(0, 1), q_pe, kv_cache, metadata, scale,
+                           max_q_len=max_q_len, block_q=block_q, block_rows=block_rows,
+                           splits=None if fuse_uv else splits, heads_major=True,
+                           w_uv=w_uv if fuse_uv else None, settings=settings)
+    if fuse_uv:
+        return out                                                     # [T, H, Dv]
+    return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

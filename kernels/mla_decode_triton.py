@@ -12,7 +12,9 @@ Design (after FlashMLA's, https://github.com/deepseek-ai/FlashMLA, written anew 
   row; query token j sits at position seq_len - q_len + j and sees positions <= its own.
 - Split-K ("flash-decoding"): the context of each sequence is cut into NUM_SPLITS slices;
   each program writes an unnormalised partial output with its running max and sum, and the
-  reduce kernel merges the slices (log-sum-exp merge). The split count is a function of host
+  reduce kernel merges the slices (log-sum-exp merge); given W_UV, the reduce also projects
+  each head's merged latent by it (`_mla_reduce_uv_kernel`, FlashMLA leaves W_UV to the
+  caller), so decode needs no W_UV GEMM launch. The split count is a function of host
   ints only (batch size, max_seq_len, SM count), so a captured CUDA graph stays valid for any
   context up to the captured bound; FlashMLA instead balances splits per sequence with a
   scheduler-metadata pass (`get_mla_metadata`), which a future version may add.
@@ -29,11 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels import backends
+from deepinfer.kernels import backends, pdl
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 LOG2E = 1.4426950408889634
+UV_BLOCK_V = 32   # value columns per program of the reduce that applies W_UV
 
 
 @triton.jit
@@ -45,7 +48,8 @@ def _mla_decode_kernel(ql_ptr, qp_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, NUM_Q_TILES: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_and_release(PDL, True)   # the next kernel's programs load W_UV while this runs
     seq = tl.program_id(0)
     head_tile = tl.program_id(1)
     split = tl.program_id(2) // NUM_Q_TILES
@@ -144,6 +148,45 @@ def _mla_reduce_kernel(part_ptr, ml_ptr, qsl_ptr, out_ptr, max_q_len, out_st, ou
              mask=lat < LORA)
 
 
+@triton.jit
+def _mla_reduce_uv_kernel(part_ptr, ml_ptr, qsl_ptr, w_uv_ptr, out_ptr, max_q_len, w_sh, w_sv,
+                          out_st, out_sh, NUM_HEADS: tl.constexpr, LORA: tl.constexpr,
+                          V_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, NUM_V_TILES: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Program (sequence, head, query token x value tile): the splits merged as
+    `_mla_reduce_kernel`'s (rounded to the output dtype, as the unfused path stores it), then
+    projected by W_UV: out[v] = sum_l o[l] W_UV[head, v, l] for the tile's BLOCK_V values,
+    float32 accumulation. The W_UV tile (a weight: no kernel writes it) is loaded before the
+    PDL wait, while the decode kernel runs; empty splits (m = -inf) are not read."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    qi = tl.program_id(2) // NUM_V_TILES
+    v = (tl.program_id(2) % NUM_V_TILES) * BLOCK_V + tl.arange(0, BLOCK_V)
+    lat = tl.arange(0, BLOCK_L)
+    lat_ok = lat < LORA
+    w = tl.load(w_uv_ptr + head * w_sh + v[:, None] * w_sv + lat[None, :],
+                mask=(v < V_DIM)[:, None] & lat_ok[None, :], other=0.0)        # [V, L]
+    pdl.wait(PDL)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if (q_len > max_q_len) | (qi >= q_len):
+        return
+    token = (q_start + qi).to(tl.int64)
+    row = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)    # [S]
+    m = tl.load(ml_ptr + row * 2)
+    l = tl.load(ml_ptr + row * 2 + 1)
+    live = m != float("-inf")
+    weight = tl.where(live, tl.exp2(m - tl.max(m, 0)), 0.0)
+    weight = weight / tl.maximum(tl.sum(weight * l, 0), 1e-30)                   # [S]
+    part = tl.load(part_ptr + row[:, None] * LORA + lat[None, :],
+                   mask=live[:, None] & lat_ok[None, :], other=0.0)              # [S, L]
+    dtype = out_ptr.dtype.element_ty
+    o_lat = tl.sum(part * weight[:, None], 0).to(dtype).to(tl.float32)          # [L]
+    out = tl.sum(w.to(tl.float32) * o_lat[None, :], 1)                          # [V]
+    tl.store(out_ptr + token * out_st + head * out_sh + v, out.to(dtype), mask=v < V_DIM)
+
+
 def num_splits(num_seqs: int, head_tiles: int, max_seq_len: int, num_sms: int,
                settings: KernelConfig) -> int:
     """Split-K partitions: enough programs for `settings.mla_decode_waves` waves over the SMs,
@@ -160,6 +203,7 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
                      metadata: AttentionMetadata, scale: float, *, max_q_len: int,
                      block_q: int | None = None, block_rows: int | None = None,
                      splits: int | None = None, heads_major: bool = False,
+                     w_uv: torch.Tensor | None = None,
                      settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Causal attention in the latent space for the sequences with at most `max_q_len` new
     tokens (rows of longer sequences are left untouched in the result).
@@ -179,14 +223,22 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
         splits: split-K partitions (default: `num_splits`).
         heads_major: store the result as [H, num_tokens, L] memory (returned as its
             [num_tokens, H, L] view), ready for the W_UV batched GEMM.
+        w_uv: [H, Dv, L] (unit last stride): project each head's output by it in the split
+            reduce (`_mla_reduce_uv_kernel`: the W_UV GEMM's launch saved; at least two
+            splits, so the reduce always runs).
     Returns:
-        [num_tokens, H, L], q_latent's dtype: softmax(q k^T) c_KV per token and head.
+        [num_tokens, H, L], q_latent's dtype: softmax(q k^T) c_KV per token and head; with
+        `w_uv`, [num_tokens, H, Dv] contiguous: that times W_UV[h]^T.
     """
     num_tokens, num_heads, lora = q_latent.shape
     rope = q_pe.shape[2]
-    shape = (num_heads, num_tokens, lora) if heads_major else (num_tokens, num_heads, lora)
-    out = torch.empty(shape, dtype=q_latent.dtype, device=q_latent.device)
-    out = out.transpose(0, 1) if heads_major else out
+    if w_uv is not None:
+        out = torch.empty(num_tokens, num_heads, w_uv.shape[1], dtype=q_latent.dtype,
+                          device=q_latent.device)
+    else:
+        shape = (num_heads, num_tokens, lora) if heads_major else (num_tokens, num_heads, lora)
+        out = torch.empty(shape, dtype=q_latent.dtype, device=q_latent.device)
+        out = out.transpose(0, 1) if heads_major else out
     if num_tokens == 0:
         return out
     block_q = block_q or triton.next_power_of_2(max_q_len)
@@ -200,6 +252,8 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     if splits is None:
         splits = num_splits(metadata.num_seqs * num_q_tiles, head_tiles, metadata.max_seq_len,
                             sms, settings)
+    if w_uv is not None:
+        splits = max(2, splits)
     part = ml = out   # placeholders: one split writes the output directly
     if splits > 1:
         part = torch.empty(num_tokens * num_heads * splits, lora, dtype=torch.float32,
@@ -207,6 +261,7 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
         ml = torch.empty(num_tokens * num_heads * splits * 2, dtype=torch.float32,
                          device=q_latent.device)
     fp32 = q_latent.dtype == torch.float32
+    pdl_options = pdl.launch_options(q_latent.device, settings)
     _mla_decode_kernel[(metadata.num_seqs, head_tiles, splits * num_q_tiles)](
         q_latent, q_pe, kv_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, out, part, ml, scale * LOG2E, max_q_len,
@@ -216,9 +271,21 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
         BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=settings.mla_decode_block_n,
         NUM_SPLITS=splits, NUM_Q_TILES=num_q_tiles, PRECISION="ieee" if fp32 else "tf32",
+        PDL=bool(pdl_options),
         num_warps=settings.mla_decode_warps * max(1, block_q * block_h // 32),
-        num_stages=settings.mla_decode_stages)
-    if splits > 1:
+        num_stages=settings.mla_decode_stages, **pdl_options)
+    if w_uv is not None:
+        if w_uv.stride(2) != 1:
+            raise ValueError("w_uv must have a unit last stride ([H, Dv, L] rows of kv_b_proj).")
+        v_dim = w_uv.shape[1]
+        v_tiles = triton.cdiv(v_dim, UV_BLOCK_V)
+        _mla_reduce_uv_kernel[(metadata.num_seqs, num_heads, max_q_len * v_tiles)](
+            part, ml, metadata.query_start_loc, w_uv, out, max_q_len, w_uv.stride(0),
+            w_uv.stride(1), out.stride(0), out.stride(1), NUM_HEADS=num_heads, LORA=lora,
+            V_DIM=v_dim, BLOCK_L=triton.next_power_of_2(lora), BLOCK_V=UV_BLOCK_V,
+            NUM_SPLITS=splits, NUM_V_TILES=v_tiles, PDL=bool(pdl_options), num_warps=8,
+            **pdl_options)
+    elif splits > 1:
         _mla_reduce_kernel[(metadata.num_seqs, num_heads, max_q_len)](
             part, ml, metadata.query_start_loc, out, max_q_len, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, LORA=lora, BLOCK_L=triton.next_power_of_2(lora),

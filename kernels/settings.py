@@ -122,6 +122,12 @@ class KernelConfig:
     mla_decode_stages: software-pipelining stages of the MLA decode kernel; default 2.
     mla_decode_max_query_len: rows of up to this many new tokens (1 + k speculative) run the
         MLA decode kernel; longer chunks the prefill kernel. Default 8.
+    mla_absorb_triton_max_tokens: up to this many tokens (default 16) absorbed MLA folds W_UK
+        into the queries with a Triton kernel (`mla_attention_triton.absorb_query`); above,
+        cuBLAS's batched GEMM. 0: always cuBLAS.
+    mla_reduce_uv_max_tokens: up to this many tokens (default 16) absorbed MLA applies W_UV in
+        its split reduce (`mla_decode_triton._mla_reduce_uv_kernel`, one launch less); above,
+        a cuBLAS batched GEMM after the reduce. 0: never fused.
     mla_prefill_block_m: query tile of the MLA prefill kernel (`kernels/mla_prefill_triton.py`);
         default 64 (128, with 8 warps and 3 stages, measured ~25% slower at 2k tokens).
     mla_prefill_block_n: key tile of the MLA prefill kernel; default 64.
@@ -166,6 +172,8 @@ class KernelConfig:
     mla_decode_warps: int = 4
     mla_decode_stages: int = 2
     mla_decode_max_query_len: int = 8
+    mla_absorb_triton_max_tokens: int = 16
+    mla_reduce_uv_max_tokens: int = 16
     mla_prefill_block_m: int = 64
     mla_prefill_block_n: int = 64
     mla_prefill: str = "auto"
@@ -214,6 +222,9 @@ class KernelConfig:
                    f"{value} must be a power of two >= 1.")
         _check("mla_decode_block_h", self.mla_decode_block_h >= 16,
                f"{self.mla_decode_block_h} must be >= 16 (tl.dot's smallest M).")
+        for name in ("mla_absorb_triton_max_tokens", "mla_reduce_uv_max_tokens"):
+            _check(name, getattr(self, name) >= 0, f"{getattr(self, name)} must be >= 0; 0 "
+                   "runs cuBLAS's batched GEMM.")
         _check("mla_decode_max_query_len", 1 <= self.mla_decode_max_query_len <= 16,
                f"{self.mla_decode_max_query_len} must be in [1, 16].")
         _check("mla_prefill", self.mla_prefill in ("auto", "expanded", "absorbed"),

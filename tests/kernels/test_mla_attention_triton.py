@@ -85,18 +85,43 @@ def test_mla_triton_matches_reference(case, dtype):
 @pytest.mark.parametrize("settings", [KernelConfig(mla_prefill="absorbed"),
                                       KernelConfig(mla_prefill="expanded"),
                                       KernelConfig(mla_decode_max_splits=1),
-                                      KernelConfig(mla_decode_max_query_len=1)],
+                                      KernelConfig(mla_decode_max_query_len=1),
+                                      KernelConfig(mla_absorb_triton_max_tokens=0,
+                                                   mla_reduce_uv_max_tokens=0),
+                                      KernelConfig(mla_absorb_triton_max_tokens=64,
+                                                   mla_reduce_uv_max_tokens=64)],
                          ids=["absorbed_prefill", "triton_expanded_prefill", "one_split",
-                              "spec_rows_as_prefill"])
+                              "spec_rows_as_prefill", "cublas_projections",
+                              "fused_projections_mixed"])
 def test_mla_triton_settings_variants(settings):
-    """The absorbed prefill, the Triton kernel for fresh chunks too, the unsplit decode and
-    multi-token rows through the prefill kernel compute the same attention."""
+    """The absorbed prefill, the Triton kernel for fresh chunks too, the unsplit decode (with
+    W_UV in the reduce: two splits, one empty), multi-token rows through the prefill kernel,
+    W_UK / W_UV by cuBLAS, and the Triton W_UK + reduce-applied W_UV for the decode rows of a
+    batch with prefill chunks compute the same attention."""
     case = "mixed" if settings.mla_decode_max_query_len > 1 else "spec_rows_1plus_k"
     q_nope, q_pe, w_uk, w_uv, kv_cache, metadata, scale = _batch(case, torch.float32)
     out = mla_op.mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
                                backend="triton", settings=settings)
     expected = _reference(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale)
     assert relative_error(out, expected) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 5, 17])
+def test_absorb_query_matches_bmm(num_tokens, dtype):
+    """The Triton W_UK projection against torch.bmm on q_nope's strided view (query's first Dn
+    dims of Dn + R): float32 1e-5, bf16 1e-2 relative (one bf16 rounding of the output)."""
+    from deepinfer.kernels.mla_attention_triton import absorb_query
+
+    heads, nope, rope, lora = (16, 128, 64, 512) if DEVICE == "cuda" else (4, 16, 8, 32)
+    gen = torch.Generator().manual_seed(num_tokens)
+    query = torch.randn(num_tokens, heads, nope + rope, generator=gen).to(dtype).to(DEVICE)
+    kv_b = torch.randn(heads, 2 * nope, lora, generator=gen).to(dtype).to(DEVICE) * 0.05
+    q_nope, w_uk = query[..., :nope], kv_b[:, :nope]                  # strided views
+    out = absorb_query(q_nope, w_uk)
+    expected = torch.bmm(q_nope.float().transpose(0, 1), w_uk.float())
+    assert out.shape == (heads, num_tokens, lora) and out.dtype == dtype
+    assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_mla_triton_write_latent_skips_negative_slots():
