@@ -201,7 +201,7 @@ def absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     fuse_uv = num_tokens <= settings.mla_reduce_uv_max_tokens and w_uv.stride(2) == 1
     out = latent_attention(q_latent.transpose(0, 1), q_pe, kv_cache, metadata, scale,
                            max_q_len=max_q_len, block_q=block_q, block_rows=block_rows,
-                           splits=None if fuse_uv else splits, heads_major=True,
+                           splits=splits, heads_major=True,
                            w_uv=w_uv if fuse_uv else None, settings=settings)
     if fuse_uv:
         return out                                                     # [T, H, Dv]
