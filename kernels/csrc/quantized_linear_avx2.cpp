@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <vector>
 
+using deepinfer::aligned64;
 using deepinfer::hsum8;
 
 namespace {
@@ -75,70 +76,79 @@ struct Q80Weight {
   }
 };
 
-// y[r, n + c] = sum_k x[r, k] * W[n + c, k] for r < MR, c < NR.
-template <int MR, int NR, class W>
-inline void tile_dot(const W& weight, int64_t n, const float* x, int64_t ldx, float* y,
-                     int64_t ldy) {
-  constexpr int NACC = (MR * NR >= 4) ? 1 : (MR * NR >= 2 ? 2 : 4);
-  __m256 acc[MR][NR][NACC];
+// Independent FMA chains per accumulator of a tile of `rows` x rows: enough chains in flight to
+// cover the FMA latency (4 cycles, 2 ports: 8 chains) within the 16 ymm registers.
+constexpr int accumulators_per_row(int rows) { return rows == 1 ? 4 : (rows <= 4 ? 2 : 1); }
+
+// y[r, n] = sum_k x[r, k] * W[n, k] for r < MR: each 8-weight slice of output row n is
+// dequantized once into a register and used for all MR x rows. xp is x packed by pack_rows
+// ([K/8][MR][8]), so every x load of a block is at a fixed offset from one pointer.
+template <int MR, class W>
+inline void tile_dot(const W& weight, int64_t n, const float* xp, float* y, int64_t ldy) {
+  constexpr int NACC = accumulators_per_row(MR);
+  __m256 acc[MR][NACC];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c)
-      for (int a = 0; a < NACC; ++a) acc[r][c][a] = _mm256_setzero_ps();
-  alignas(32) float ds[NR][kScaleChunk];
-  alignas(32) float ms[NR][kScaleChunk];
+    for (int a = 0; a < NACC; ++a) acc[r][a] = _mm256_setzero_ps();
+  alignas(32) float ds[kScaleChunk];
+  alignas(32) float ms[kScaleChunk];
   const int64_t nb = weight.num_blocks;
   for (int64_t b0 = 0; b0 < nb; b0 += kScaleChunk) {
     const int64_t count = std::min(kScaleChunk, nb - b0);
-    for (int c = 0; c < NR; ++c) {
-      half_to_float(weight.scales + (n + c) * nb + b0, count, ds[c]);
-      if (W::kHasMins) half_to_float(weight.mins + (n + c) * nb + b0, count, ms[c]);
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t b = b0 + i;
-      __m256 d[NR], m[NR];
-      for (int c = 0; c < NR; ++c) {
-        d[c] = _mm256_broadcast_ss(&ds[c][i]);
-        m[c] = W::kHasMins ? _mm256_broadcast_ss(&ms[c][i]) : _mm256_setzero_ps();
-      }
-      const float* xb = x + b * kBlock;
+    half_to_float(weight.scales + n * nb + b0, count, ds);
+    if (W::kHasMins) half_to_float(weight.mins + n * nb + b0, count, ms);
+    const float* xb = xp + b0 * kBlock * MR;
+    for (int64_t i = 0; i < count; ++i, xb += kBlock * MR) {
+      const __m256 d = _mm256_broadcast_ss(&ds[i]);
+      const __m256 m = W::kHasMins ? _mm256_broadcast_ss(&ms[i]) : _mm256_setzero_ps();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        __m256 w[NR];
-        for (int c = 0; c < NR; ++c) w[c] = weight.sub(n + c, b, j, d[c], m[c]);
-        for (int r = 0; r < MR; ++r) {
-          const __m256 xv = _mm256_loadu_ps(xb + r * ldx + 8 * j);
-          for (int c = 0; c < NR; ++c)
-            acc[r][c][j % NACC] = _mm256_fmadd_ps(w[c], xv, acc[r][c][j % NACC]);
-        }
+        const __m256 w = weight.sub(n, b0 + i, j, d, m);
+        for (int r = 0; r < MR; ++r)
+          acc[r][j % NACC] =
+              _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + (j * MR + r) * 8), acc[r][j % NACC]);
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) {
-      __m256 s = acc[r][c][0];
-      for (int a = 1; a < NACC; ++a) s = _mm256_add_ps(s, acc[r][c][a]);
-      y[r * ldy + n + c] = hsum8(s);
-    }
+  for (int r = 0; r < MR; ++r) {
+    __m256 s = acc[r][0];
+    for (int a = 1; a < NACC; ++a) s = _mm256_add_ps(s, acc[r][a]);
+    y[r * ldy + n] = hsum8(s);
+  }
 }
 
-// All x rows [0, num_rows) against output rows [n_begin, n_end), dequantizing in registers.
+constexpr int64_t kFusedMaxRows = 8;  // up to here, one tile of all x rows (rows_fused)
+
+// x [num_rows][K] (row stride ldx) -> dst [K/8][num_rows][8].
+inline void pack_rows(const float* x, int64_t num_rows, int64_t ldx, int64_t K, float* dst) {
+  for (int64_t k = 0; k < K; k += 8)
+    for (int64_t r = 0; r < num_rows; ++r, dst += 8) _mm256_storeu_ps(dst, _mm256_loadu_ps(x + r * ldx + k));
+}
+
+template <int MR, class W>
+void tile_rows(const W& weight, const float* xp, float* y, int64_t n_begin, int64_t n_end,
+               int64_t ldy) {
+  for (int64_t n = n_begin; n < n_end; ++n) tile_dot<MR>(weight, n, xp, y, ldy);
+}
+
+// x rows [0, num_rows <= kFusedMaxRows) against output rows [n_begin, n_end) in one tile: every
+// weight is read from memory and dequantized (in a register) exactly once.
 template <class W>
 void rows_fused(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
-          int64_t n_begin, int64_t n_end, int64_t ldy) {
-  constexpr int64_t kTileRows = 4;    // x rows sharing one dequantized weight slice
-  constexpr int64_t kPanelRows = 32;  // output rows whose weights stay cached across x tiles
-  for (int64_t p0 = n_begin; p0 < n_end; p0 += kPanelRows) {
-    const int64_t p1 = std::min(n_end, p0 + kPanelRows);
-    for (int64_t m0 = 0; m0 < num_rows; m0 += kTileRows) {
-      const float* xt = x + m0 * ldx;
-      float* yt = y + m0 * ldy;
-      switch (std::min(kTileRows, num_rows - m0)) {
-        case 1: for (int64_t n = p0; n < p1; ++n) tile_dot<1, 1>(weight, n, xt, ldx, yt, ldy); break;
-        case 2: for (int64_t n = p0; n < p1; ++n) tile_dot<2, 1>(weight, n, xt, ldx, yt, ldy); break;
-        case 3: for (int64_t n = p0; n < p1; ++n) tile_dot<3, 1>(weight, n, xt, ldx, yt, ldy); break;
-        default: for (int64_t n = p0; n < p1; ++n) tile_dot<4, 1>(weight, n, xt, ldx, yt, ldy);
-      }
-    }
+                int64_t n_begin, int64_t n_end, int64_t ldy) {
+  const int64_t K = weight.num_blocks * kBlock;
+  thread_local std::vector<float> packed;
+  if (static_cast<int64_t>(packed.size()) < num_rows * K + 16) packed.resize(num_rows * K + 16);
+  float* xp = aligned64(packed.data());  // no x load splits a cache line
+  pack_rows(x, num_rows, ldx, K, xp);
+  switch (num_rows) {
+    case 1: tile_rows<1>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 2: tile_rows<2>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 3: tile_rows<3>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 4: tile_rows<4>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 5: tile_rows<5>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 6: tile_rows<6>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 7: tile_rows<7>(weight, xp, y, n_begin, n_end, ldy); break;
+    default: tile_rows<8>(weight, xp, y, n_begin, n_end, ldy);
   }
 }
 
@@ -196,8 +206,6 @@ inline void micro_dot_cols(int64_t cols, const float* w, int64_t ldw, const floa
   }
 }
 
-constexpr int64_t kPanelMinRows = 5;  // from here on, dequantize each panel once (rows_panel)
-
 // All x rows [0, num_rows) against output rows [n_begin, n_end), through a dequantized panel.
 template <class W>
 void rows_panel(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
@@ -233,10 +241,10 @@ void rows_panel(const W& weight, const float* x, int64_t num_rows, int64_t ldx, 
 template <class W>
 void rows(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
           int64_t n_begin, int64_t n_end, int64_t ldy) {
-  if (num_rows >= kPanelMinRows) {
-    rows_panel(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
-  } else {
+  if (num_rows <= kFusedMaxRows) {
     rows_fused(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
+  } else {
+    rows_panel(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
   }
 }
 
@@ -244,16 +252,37 @@ void rows(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float*
 
 namespace deepinfer {
 
+// defined in quantized_linear_avx512.cpp
+bool avx512_available();
+void q4_1_linear_rows_avx512(const float* x, int64_t num_rows, int64_t ldx,
+                             const uint8_t* codes, const uint16_t* scales, const uint16_t* mins,
+                             int64_t in_features, float* y, int64_t n_begin, int64_t n_end,
+                             int64_t num_out);
+void q8_0_linear_rows_avx512(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
+                             const uint16_t* scales, int64_t in_features, float* y,
+                             int64_t n_begin, int64_t n_end, int64_t num_out);
+
 void q4_1_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const uint8_t* codes,
                       const uint16_t* scales, const uint16_t* mins, int64_t in_features,
-                      float* y, int64_t n_begin, int64_t n_end, int64_t num_out) {
+                      float* y, int64_t n_begin, int64_t n_end, int64_t num_out,
+                      bool allow_avx512) {
+  if (allow_avx512 && num_rows <= kFusedMaxRows && avx512_available()) {
+    q4_1_linear_rows_avx512(x, num_rows, ldx, codes, scales, mins, in_features, y, n_begin,
+                            n_end, num_out);
+    return;
+  }
   const Q41Weight weight{codes, scales, mins, in_features / kBlock};
   rows(weight, x, num_rows, ldx, y, n_begin, n_end, num_out);
 }
 
 void q8_0_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
                       const uint16_t* scales, int64_t in_features, float* y, int64_t n_begin,
-                      int64_t n_end, int64_t num_out) {
+                      int64_t n_end, int64_t num_out, bool allow_avx512) {
+  if (allow_avx512 && num_rows <= kFusedMaxRows && avx512_available()) {
+    q8_0_linear_rows_avx512(x, num_rows, ldx, codes, scales, in_features, y, n_begin, n_end,
+                            num_out);
+    return;
+  }
   const Q80Weight weight{codes, scales, nullptr, in_features / kBlock};
   rows(weight, x, num_rows, ldx, y, n_begin, n_end, num_out);
 }

@@ -12,10 +12,12 @@ namespace deepinfer {  // defined in quantized_linear_avx2.cpp
 
 void q4_1_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const uint8_t* codes,
                       const uint16_t* scales, const uint16_t* mins, int64_t in_features,
-                      float* y, int64_t n_begin, int64_t n_end, int64_t num_out);
+                      float* y, int64_t n_begin, int64_t n_end, int64_t num_out,
+                      bool allow_avx512);
 void q8_0_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
                       const uint16_t* scales, int64_t in_features, float* y, int64_t n_begin,
-                      int64_t n_end, int64_t num_out);
+                      int64_t n_end, int64_t num_out, bool allow_avx512);
+bool avx512_available();
 
 // defined in rms_norm_avx2.cpp
 void rms_norm_rows(float* x, int64_t ldx, const float* residual, int64_t ldr,
@@ -60,7 +62,8 @@ void parallel_rows(int64_t num_out, int64_t num_rows, int64_t in_features, const
 
 // x [M, K] float32, codes [N, K/2] uint8, scales and mins [N, K/32] float16 -> y [M, N].
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& scales, const torch::Tensor& mins) {
+                          const torch::Tensor& scales, const torch::Tensor& mins,
+                          bool allow_avx512) {
   const int64_t num_out = codes.size(0), num_blocks = scales.size(1);
   const int64_t in_features = num_blocks * kBlock, num_rows = x.size(0);
   check_x(x, in_features);
@@ -75,14 +78,14 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes,
   parallel_rows(num_out, num_rows, in_features, [&](int64_t begin, int64_t end) {
     deepinfer::q4_1_linear_rows(x.data_ptr<float>(), num_rows, x.stride(0),
                                 codes.data_ptr<uint8_t>(), s, m, in_features,
-                                y.data_ptr<float>(), begin, end, num_out);
+                                y.data_ptr<float>(), begin, end, num_out, allow_avx512);
   });
   return y;
 }
 
 // x [M, K] float32, codes [N, K] int8, scales [N, K/32] float16 -> y [M, N].
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& scales) {
+                          const torch::Tensor& scales, bool allow_avx512) {
   const int64_t num_out = codes.size(0), num_blocks = scales.size(1);
   const int64_t in_features = num_blocks * kBlock, num_rows = x.size(0);
   check_x(x, in_features);
@@ -95,7 +98,7 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes,
   parallel_rows(num_out, num_rows, in_features, [&](int64_t begin, int64_t end) {
     deepinfer::q8_0_linear_rows(x.data_ptr<float>(), num_rows, x.stride(0),
                                 codes.data_ptr<int8_t>(), s, in_features, y.data_ptr<float>(),
-                                begin, end, num_out);
+                                begin, end, num_out, allow_avx512);
   });
   return y;
 }
@@ -210,8 +213,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_linear", &q4_1_linear, "y[M, N] = x[M, K] @ W.T, W in Q4_1 (float32 x and y)");
-  m.def("q8_0_linear", &q8_0_linear, "y[M, N] = x[M, K] @ W.T, W in Q8_0 (float32 x and y)");
+  m.def("q4_1_linear", &q4_1_linear, "y[M, N] = x[M, K] @ W.T, W in Q4_1 (float32 x and y)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::kw_only(),
+        py::arg("allow_avx512") = true);
+  m.def("q8_0_linear", &q8_0_linear, "y[M, N] = x[M, K] @ W.T, W in Q8_0 (float32 x and y)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::kw_only(),
+        py::arg("allow_avx512") = true);
+  m.def("avx512_available", &deepinfer::avx512_available,
+        "True if this CPU runs the AVX-512 few-row quantized-linear nest");
   m.def("rms_norm", &rms_norm, "normed[T, H] of x (x := x + residual first when given)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("paged_decode_attention", &paged_decode_attention,
