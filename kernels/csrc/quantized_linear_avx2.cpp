@@ -8,19 +8,31 @@
 // products are accumulated with FMA in float32 (summation order differs from MKL's).
 //
 // Two loop nests (one thread, output rows [n_begin, n_end)):
-// - M < kPanelMinRows (decode of a few sequences), `rows_fused`: panels of 32 output rows, whose
-//   quantized weights (<= 32 x 816 bytes) stay in L1/L2 while tiles of up to 4 x rows pass over
-//   them; in a tile, each 8-weight slice is dequantized into a register and used for every x row.
-//   At M <= 4 every weight is read from memory and dequantized exactly once.
-// - M >= kPanelMinRows, `rows_panel`: each panel of kPanelRows output rows is dequantized once
+// - M <= kFusedMaxRows (decode of a few sequences, speculative verify rows of 1 + k tokens),
+//   `rows_fused`: one tile of all M x rows, packed once per call ([K/8][M][8], 64-byte aligned,
+//   so each x load is a fixed offset from one pointer and never splits a cache line); each
+//   8-weight slice of an output row is dequantized once into a register and used for every x
+//   row, so every weight is read and dequantized exactly once. M accumulators per output row
+//   (2 per row at M <= 4, 4 at M = 1: >= 8 FMA chains in flight where the registers allow).
+//   On CPUs with AVX-512F the same nest runs in 16-lane registers
+//   (quantized_linear_avx512.cpp, chosen at run time; `allow_avx512`).
+// - M > kFusedMaxRows, `rows_panel`: each panel of kPanelRows output rows is dequantized once
 //   into a per-thread float32 buffer (<= 24 x K floats, L2-resident), then a register-blocked
 //   microkernel (4 x rows x 3 output rows: 12 accumulators + 3 weight + 1 x register of the 16
 //   ymm) runs FMAs over K for every x tile, so dequantization is paid once per weight instead of
 //   once per 4-row x tile. Weights in the buffer are the same exact float32 values.
-// Measured on a 2-core Zen AVX2 VM (2 threads, SmolLM2-135M's 30 layers in Q4_1 + the Q8_0 LM
-// head): M = 1: 8 ms (fused); M = 8: 42 -> 34 ms, M = 16: 70 -> 52 ms, M = 32: 159 -> 90 ms
-// (fused -> panel). The panel nest wins from M = 5; at M <= 4 the extra store and reload of
-// the dequantized panel costs more than it saves (M = 4: 16 vs 19 ms).
+// Why one fused tile up to M = 8: at M >= 2 the nest is bound by the FMA ports (per 32-weight
+// block: 4 conversions + 4 FMAs to dequantize, then 4 M products), not by memory; a second x
+// tile dequantizes every weight again, and the panel nest adds a store and reload of it.
+// SmolLM2-135M's 30 layers in Q4_1 + its Q8_0 LM head (49152 x 576), 2 threads, 2-core VM
+// (Xeon with AVX-512, 2026-12-04, load 1.5), ms per forward, layers + head:
+//   M      1            4             6             8             16            32
+//   before 11.5+3.6     13.6+4.6      16.0+4.9      17.2+5.1      26.6+7.6      44.7+12.8
+//   AVX2   9.8+3.3      12.6+3.6      14.6+4.7      16.7+5.7      27.6+7.3      48.3+12.5
+//   AVX512 6.7+2.1      11.8+2.7      11.5+3.5      13.0+3.9      (panel, AVX2 as above)
+// (before: 4-row fused tiles up to M = 4, the panel nest from M = 5; M >= 9 is unchanged, the
+// M = 32 difference is the box's noise: 46.4 vs 44.8 ms in a second interleaved run.) M >= 9
+// keeps the panel nest: fused tiles of 8 + 1 rows would dequantize every weight twice.
 
 #include <immintrin.h>
 
@@ -121,7 +133,8 @@ constexpr int64_t kFusedMaxRows = 8;  // up to here, one tile of all x rows (row
 // x [num_rows][K] (row stride ldx) -> dst [K/8][num_rows][8].
 inline void pack_rows(const float* x, int64_t num_rows, int64_t ldx, int64_t K, float* dst) {
   for (int64_t k = 0; k < K; k += 8)
-    for (int64_t r = 0; r < num_rows; ++r, dst += 8) _mm256_storeu_ps(dst, _mm256_loadu_ps(x + r * ldx + k));
+    for (int64_t r = 0; r < num_rows; ++r, dst += 8)
+      _mm256_storeu_ps(dst, _mm256_loadu_ps(x + r * ldx + k));
 }
 
 template <int MR, class W>
