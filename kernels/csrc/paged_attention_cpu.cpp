@@ -128,14 +128,16 @@ void task_in_registers(const float* q_task, int64_t q_head, const float* key_cac
 
 // Tasks [task_begin, task_end) of num_seqs * num_kv_heads; task = seq * num_kv_heads + kv_head.
 // query [S, Hq, D] (strides q_seq, q_head; unit along D); key/value caches [num_blocks,
-// block_size, Hkv, D] contiguous; block_tables [S, bt_stride] int32; seq_lens [S] int32;
-// out [S, Hq, D] contiguous.
+// block_size, Hkv, D] contiguous; block_tables [*, bt_stride] int32, row table_rows[seq] (or
+// row seq where table_rows is null: one row per query); seq_lens [S] int32 (positions query seq
+// attends to); out [S, Hq, D] contiguous.
 void paged_decode_attention_tasks(const float* query, int64_t q_seq, int64_t q_head,
                                   const float* key_cache, const float* value_cache,
                                   const int32_t* block_tables, int64_t bt_stride,
-                                  const int32_t* seq_lens, int64_t block_size,
-                                  int64_t num_kv_heads, int64_t num_q_heads, int64_t head_dim,
-                                  float scale, float* out, int64_t task_begin, int64_t task_end) {
+                                  const int32_t* table_rows, const int32_t* seq_lens,
+                                  int64_t block_size, int64_t num_kv_heads, int64_t num_q_heads,
+                                  int64_t head_dim, float scale, float* out, int64_t task_begin,
+                                  int64_t task_end) {
   const int64_t group = num_q_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;  // floats between consecutive positions
   thread_local std::vector<float> scores;
@@ -144,7 +146,7 @@ void paged_decode_attention_tasks(const float* query, int64_t q_seq, int64_t q_h
   for (int64_t task = task_begin; task < task_end; ++task) {
     const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
     const int64_t seq_len = seq_lens[seq];
-    const int32_t* table = block_tables + seq * bt_stride;
+    const int32_t* table = block_tables + (table_rows ? table_rows[seq] : seq) * bt_stride;
     float* out_task = out + (seq * num_q_heads + kv_head * group) * head_dim;
     if (seq_len <= 0) {
       std::fill(out_task, out_task + group * head_dim, 0.f);
