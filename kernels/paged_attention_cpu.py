@@ -8,8 +8,8 @@ group; tasks are spread over torch's intra-op threads. Batches of decode rows an
 verify rows (speculative decoding, `metadata.has_draft_rows`: 1 + k new tokens per row, k <=
 VERIFY_MAX_QUERY_LEN - 1; steps without drafts keep one route whatever their lengths) run the same
 kernel with one task row per token: token j of a row of q new tokens and context length s is a
-decode query over the row's first s - q + j + 1 positions (causal), same block table (the kernel
-maps tokens to rows from `query_start_loc`, so a step's 30 layers build no per-token tables). Everything
+decode query over the row's first s - q + j + 1 positions (causal), same block table (the
+kernel maps tokens to rows from `query_start_loc`: a step's layers build no per-token tables). Everything
 else (prefill chunks, other dtypes or devices) and the KV write go to the batched torch backend,
 `kernels/paged_attention_torch.py`.
 

@@ -43,20 +43,13 @@
 #include <vector>
 
 using deepinfer::aligned64;
+using deepinfer::half_to_float;
 using deepinfer::hsum8;
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kScaleChunk = 64;  // blocks whose fp16 scales are converted at once
-
-// fp16 bits [count] -> float [count].
-inline void half_to_float(const uint16_t* src, int64_t count, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < count; ++i) dst[i] = _cvtsh_ss(src[i]);
-}
 
 struct Q41Weight {
   static constexpr bool kHasMins = true;
