@@ -12,27 +12,27 @@
 //   `rows_fused`: one tile of all M x rows, packed once per call ([K/8][M][8], 64-byte aligned,
 //   so each x load is a fixed offset from one pointer and never splits a cache line); each
 //   8-weight slice of an output row is dequantized once into a register and used for every x
-//   row, so every weight is read and dequantized exactly once. M accumulators per output row
-//   (2 per row at M <= 4, 4 at M = 1: >= 8 FMA chains in flight where the registers allow).
-//   On CPUs with AVX-512F the same nest runs in 16-lane registers
+//   row, so every weight is read and dequantized exactly once. One accumulator per x row (2 at
+//   M = 2..4, 4 at M = 1: >= 8 FMA chains in flight where the registers allow).
+//   On CPUs with AVX-512F the same nest runs in 16-lane registers, up to kAvx512MaxRows = 8
 //   (quantized_linear_avx512.cpp, chosen at run time; `allow_avx512`).
 // - M > kFusedMaxRows, `rows_panel`: each panel of kPanelRows output rows is dequantized once
 //   into a per-thread float32 buffer (<= 24 x K floats, L2-resident), then a register-blocked
 //   microkernel (4 x rows x 3 output rows: 12 accumulators + 3 weight + 1 x register of the 16
 //   ymm) runs FMAs over K for every x tile, so dequantization is paid once per weight instead of
 //   once per 4-row x tile. Weights in the buffer are the same exact float32 values.
-// Why one fused tile up to M = 8: at M >= 2 the nest is bound by the FMA ports (per 32-weight
-// block: 4 conversions + 4 FMAs to dequantize, then 4 M products), not by memory; a second x
-// tile dequantizes every weight again, and the panel nest adds a store and reload of it.
+// Why one fused tile up to M = 7 (8): at M >= 2 the nest is bound by the FMA ports (per
+// 32-weight block: 4 conversions + 4 FMAs to dequantize, then 4 M products), not by memory; a
+// second x tile dequantizes every weight again, and the panel nest adds a store and reload.
 // SmolLM2-135M's 30 layers in Q4_1 + its Q8_0 LM head (49152 x 576), 2 threads, 2-core VM
 // (Xeon with AVX-512, 2026-12-04, load 1.5), ms per forward, layers + head:
 //   M      1            4             6             8             16            32
 //   before 11.5+3.6     13.6+4.6      16.0+4.9      17.2+5.1      26.6+7.6      44.7+12.8
-//   AVX2   9.8+3.3      12.6+3.6      14.6+4.7      16.7+5.7      27.6+7.3      48.3+12.5
-//   AVX512 6.7+2.1      11.8+2.7      11.5+3.5      13.0+3.9      (panel, AVX2 as above)
-// (before: 4-row fused tiles up to M = 4, the panel nest from M = 5; M >= 9 is unchanged, the
-// M = 32 difference is the box's noise: 46.4 vs 44.8 ms in a second interleaved run.) M >= 9
-// keeps the panel nest: fused tiles of 8 + 1 rows would dequantize every weight twice.
+//   AVX2   9.8+3.3      12.6+3.6      14.6+4.7      (panel)       27.6+7.3      48.3+12.5
+//   AVX512 6.7+2.1      11.8+2.7      11.5+3.5      13.0+3.9      (panel, AVX2)
+// (before: 4-row fused tiles up to M = 4, the panel nest from M = 5; the panel nest is
+// unchanged, its M = 32 difference is the box's noise: 46.4 vs 44.8 ms in a second interleaved
+// run.) M >= 9 keeps the panel nest: fused tiles of 8 + 1 rows would dequantize twice.
 
 #include <immintrin.h>
 
@@ -121,7 +121,11 @@ inline void tile_dot(const W& weight, int64_t n, const float* xp, float* y, int6
   }
 }
 
-constexpr int64_t kFusedMaxRows = 8;  // up to here, one tile of all x rows (rows_fused)
+// Up to kFusedMaxRows x rows the AVX2 nest is one tile of all of them (rows_fused); from 8 on
+// its panel nest is as fast or faster (M = 8: 22.0 fused vs 21.4 ms panel). The AVX-512 nest's
+// one tile covers up to kAvx512MaxRows (M = 8: 16.5 ms).
+constexpr int64_t kFusedMaxRows = 7;
+constexpr int64_t kAvx512MaxRows = 8;
 
 // x [num_rows][K] (row stride ldx) -> dst [K/8][num_rows][8].
 inline void pack_rows(const float* x, int64_t num_rows, int64_t ldx, int64_t K, float* dst) {
@@ -153,8 +157,7 @@ void rows_fused(const W& weight, const float* x, int64_t num_rows, int64_t ldx, 
     case 4: tile_rows<4>(weight, xp, y, n_begin, n_end, ldy); break;
     case 5: tile_rows<5>(weight, xp, y, n_begin, n_end, ldy); break;
     case 6: tile_rows<6>(weight, xp, y, n_begin, n_end, ldy); break;
-    case 7: tile_rows<7>(weight, xp, y, n_begin, n_end, ldy); break;
-    default: tile_rows<8>(weight, xp, y, n_begin, n_end, ldy);
+    default: tile_rows<7>(weight, xp, y, n_begin, n_end, ldy);
   }
 }
 
@@ -272,7 +275,7 @@ void q4_1_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const uint8
                       const uint16_t* scales, const uint16_t* mins, int64_t in_features,
                       float* y, int64_t n_begin, int64_t n_end, int64_t num_out,
                       bool allow_avx512) {
-  if (allow_avx512 && num_rows <= kFusedMaxRows && avx512_available()) {
+  if (allow_avx512 && num_rows <= kAvx512MaxRows && avx512_available()) {
     q4_1_linear_rows_avx512(x, num_rows, ldx, codes, scales, mins, in_features, y, n_begin,
                             n_end, num_out);
     return;
@@ -284,7 +287,7 @@ void q4_1_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const uint8
 void q8_0_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
                       const uint16_t* scales, int64_t in_features, float* y, int64_t n_begin,
                       int64_t n_end, int64_t num_out, bool allow_avx512) {
-  if (allow_avx512 && num_rows <= kFusedMaxRows && avx512_available()) {
+  if (allow_avx512 && num_rows <= kAvx512MaxRows && avx512_available()) {
     q8_0_linear_rows_avx512(x, num_rows, ldx, codes, scales, in_features, y, n_begin, n_end,
                             num_out);
     return;

@@ -1,5 +1,5 @@
-// The few-row (decode / verify, M <= kFusedMaxRows) nest of quantized_linear_avx2.cpp in 512-bit
-// registers, for CPUs with AVX-512F (chosen at run time: `avx512_available`). Same contract and
+// The few-row (decode / verify, M <= kAvx512MaxRows = 8) nest of quantized_linear_avx2.cpp in
+// 512-bit registers, for CPUs with AVX-512F (chosen at run time: `avx512_available`). Same contract and
 // numerics: each weight is reconstructed as the exact float32 the reference dequantizes to
 // (Q4_1: fma(d, q, m); Q8_0: d * q) and products are accumulated with FMA in float32; only the
 // summation order differs (16 lanes instead of 8).

@@ -113,11 +113,11 @@ def _kernel_linear(x, qweight, allow_avx512):
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 24])
 def test_quantized_linear_tile_edges_match_reference(allow_avx512, fmt, num_rows):
-    """Every tile shape of the fused nest (one tile of M <= 8 rows, each weight dequantized
-    once), in AVX2 and (where the CPU has it) AVX-512, and the dequantized-panel nest (M >= 9:
-    4-row tiles with tails, 3-row / 24-row output panels with tails at N = 53); K = 2112 (66
-    blocks) crosses the 64-block scale chunk. Tolerance: 1e-5 of the output's max magnitude
-    (float32 summation order)."""
+    """Every tile shape of the fused nest (one tile of M <= 7 rows in AVX2, M <= 8 in AVX-512
+    where the CPU has it; each weight dequantized once) and of the dequantized-panel nest (AVX2
+    from M = 8, both from M = 9: 4-row tiles with tails, 3-row / 24-row output panels with tails
+    at N = 53); K = 2112 (66 blocks) crosses the 64-block scale chunk. Tolerance: 1e-5 of the
+    output's max magnitude (float32 summation order)."""
     if not cpu_kernel_available():
         pytest.skip("AVX2 quantized-linear kernel unavailable here")
     if allow_avx512 and not ql._cpu_extension().avx512_available():
