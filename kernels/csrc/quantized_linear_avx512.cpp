@@ -1,8 +1,9 @@
 // The few-row (decode / verify, M <= kAvx512MaxRows = 8) nest of quantized_linear_avx2.cpp in
-// 512-bit registers, for CPUs with AVX-512F (chosen at run time: `avx512_available`). Same contract and
-// numerics: each weight is reconstructed as the exact float32 the reference dequantizes to
-// (Q4_1: fma(d, q, m); Q8_0: d * q) and products are accumulated with FMA in float32; only the
-// summation order differs (16 lanes instead of 8).
+// 512-bit registers, for CPUs with AVX-512F (chosen at run time: `avx512_available`). Same
+// contract and numerics: each weight is reconstructed as the exact float32 the reference
+// dequantizes to (Q4_1: fma(d, q, m); Q8_0: d * q) and products are accumulated with FMA in
+// float32; only the summation order differs (16 lanes instead of 8). A row's order does not
+// depend on M: a decode row (M = 1) and the same row inside a verify step give the same bits.
 //
 // Why: at M = 6 (a verify row of 1 + 5 drafts) the AVX2 nest is bound by its FMA ports (per
 // 32-weight block: 4 dequantizing conversions + 4 FMAs + 4 x 6 products), not by memory; a

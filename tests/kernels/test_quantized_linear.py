@@ -134,6 +134,19 @@ def test_quantized_linear_tile_edges_match_reference(allow_avx512, fmt, num_rows
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_avx512_rows_do_not_depend_on_the_row_count(fmt):
+    """In the AVX-512 nest a row's summation order is the same at every M <= 8: a decode row
+    and the same row inside a verify step (M = 6) come out bitwise equal."""
+    if not cpu_kernel_available() or not ql._cpu_extension().avx512_available():
+        pytest.skip("needs the CPU extension on a CPU with AVX-512F")
+    qweight = _model_like_qweight(fmt, (53, 2112), seed=21)
+    x = torch.randn(8, 2112, generator=torch.Generator().manual_seed(13))
+    alone = torch.cat([_kernel_linear(x[r:r + 1], qweight, True) for r in range(8)])
+    for num_rows in range(2, 9):
+        assert torch.equal(_kernel_linear(x[:num_rows], qweight, True), alone[:num_rows])
+
+
 def test_quantized_linear_bias_strided_input_and_leading_dims():
     qweight = _model_like_qweight("q4_1", (64, 96), seed=3)
     bias = torch.randn(64)
