@@ -2,7 +2,9 @@
 
 One torch extension module holds every CPU kernel, so a machine pays one ~60 s compile, on
 first use, and never again whatever the launch:
-- `q4_1_linear`, `q8_0_linear`: `csrc/quantized_linear_avx2.cpp` (kernels/quantized_linear.py).
+- `q4_1_linear`, `q8_0_linear`: `csrc/quantized_linear_avx2.cpp` (kernels/quantized_linear.py),
+  whose few-row nest runs `csrc/quantized_linear_avx512.cpp` on CPUs with AVX-512F (chosen at
+  run time; those functions alone are compiled for AVX-512, so the module runs on AVX2 CPUs).
 - `rms_norm`: `csrc/rms_norm_avx2.cpp` (used by kernels/rms_norm.py).
 - `paged_decode_attention`: `csrc/paged_attention_cpu.cpp` (used by kernels/paged_attention_cpu.py).
 Bindings and tensor checks: `csrc/quantized_linear_bindings.cpp`.
@@ -36,8 +38,8 @@ from typing import Iterator, Sequence
 
 _CSRC_DIR = Path(__file__).parent / "csrc"
 _NAME = "deepinfer_cpu_ops"
-_SOURCES = ("quantized_linear_avx2.cpp", "rms_norm_avx2.cpp", "paged_attention_cpu.cpp",
-            "quantized_linear_bindings.cpp")
+_SOURCES = ("quantized_linear_avx2.cpp", "quantized_linear_avx512.cpp", "rms_norm_avx2.cpp",
+            "paged_attention_cpu.cpp", "quantized_linear_bindings.cpp")
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _DONE = "complete"   # written into a build directory once its module has loaded

@@ -8,7 +8,8 @@ group; tasks are spread over torch's intra-op threads. Batches of decode rows an
 verify rows (speculative decoding, `metadata.has_draft_rows`: 1 + k new tokens per row, k <=
 VERIFY_MAX_QUERY_LEN - 1; steps without drafts keep one route whatever their lengths) run the same
 kernel with one task row per token: token j of a row of q new tokens and context length s is a
-decode query over the row's first s - q + j + 1 positions (causal), same block table. Everything
+decode query over the row's first s - q + j + 1 positions (causal), same block table (the
+kernel maps tokens to rows from `query_start_loc`: a step's layers build no per-token tables). Everything
 else (prefill chunks, other dtypes or devices) and the KV write go to the batched torch backend,
 `kernels/paged_attention_torch.py`.
 
@@ -48,17 +49,6 @@ def _decode_kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor,
             and kv_cache.is_contiguous() and query.stride(-1) == 1)
 
 
-def _per_token_rows(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block_tables [num_tokens, max_blocks] int32, seq_lens [num_tokens] int32): each query
-    token as a decode row of its own (its sequence's block table, the positions it sees)."""
-    query_lens = metadata.query_lens_cpu
-    seq_lens = torch.tensor([seq_len - query_len + 1 + j for query_len, seq_len
-                             in zip(query_lens, metadata.seq_lens_cpu) for j in range(query_len)],
-                            dtype=torch.int32)
-    counts = torch.tensor(query_lens, device=metadata.block_tables.device)
-    return metadata.block_tables.repeat_interleave(counts, dim=0), seq_lens
-
-
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """`kernels.paged_attention.paged_attention`'s contract (shapes there); CPU float32 batches
@@ -69,13 +59,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         if ext is None:
             raise RuntimeError("paged attention backend 'cpu' is unavailable here (see the logged "
                                "warning); use backend='torch' or 'auto'.")
-        if metadata.is_decode_only:
-            block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
-        else:
-            block_tables, seq_lens = _per_token_rows(metadata)
+        block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
         if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
             seq_lens = seq_lens.to(torch.int32).contiguous()
         if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
             block_tables = block_tables.to(torch.int32).contiguous()
-        return ext.paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
+        if metadata.is_decode_only:
+            return ext.paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
+        starts = metadata.query_start_loc
+        if starts.dtype != torch.int32 or not starts.is_contiguous():
+            starts = starts.to(torch.int32).contiguous()
+        return ext.paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale,
+                                          query_start_loc=starts)
     return paged_attention_torch.paged_attention(query, kv_cache, metadata, scale)

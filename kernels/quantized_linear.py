@@ -16,7 +16,9 @@ Backends of `quantized_linear`, imported lazily on first use:
 - "reference": `kernels/reference/quantized_linear.py`, dequantize + `F.linear` (the oracle).
 - "cpu_avx2": `kernels/csrc/quantized_linear_avx2.cpp`, part of the one CPU extension that
   kernels/cpu_extension.py builds on first call (cached in the torch extensions dir); needs an
-  x86 CPU with AVX2, FMA and F16C.
+  x86 CPU with AVX2, FMA and F16C. Inputs of up to 8 rows (decode, speculative verify rows) run
+  its AVX-512 form (`quantized_linear_avx512.cpp`) where the CPU has AVX-512F: same exact
+  weights, float32 accumulation, another summation order.
 `backend="auto"` picks "cpu_avx2" when it is available and "reference" otherwise.
 """
 

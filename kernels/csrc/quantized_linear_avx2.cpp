@@ -8,19 +8,31 @@
 // products are accumulated with FMA in float32 (summation order differs from MKL's).
 //
 // Two loop nests (one thread, output rows [n_begin, n_end)):
-// - M < kPanelMinRows (decode of a few sequences), `rows_fused`: panels of 32 output rows, whose
-//   quantized weights (<= 32 x 816 bytes) stay in L1/L2 while tiles of up to 4 x rows pass over
-//   them; in a tile, each 8-weight slice is dequantized into a register and used for every x row.
-//   At M <= 4 every weight is read from memory and dequantized exactly once.
-// - M >= kPanelMinRows, `rows_panel`: each panel of kPanelRows output rows is dequantized once
+// - M <= kFusedMaxRows (decode of a few sequences, speculative verify rows of 1 + k tokens),
+//   `rows_fused`: one tile of all M x rows, packed once per call ([K/8][M][8], 64-byte aligned,
+//   so each x load is a fixed offset from one pointer and never splits a cache line); each
+//   8-weight slice of an output row is dequantized once into a register and used for every x
+//   row, so every weight is read and dequantized exactly once. One accumulator per x row (2 at
+//   M = 2..4, 4 at M = 1: >= 8 FMA chains in flight where the registers allow).
+//   On CPUs with AVX-512F the same nest runs in 16-lane registers, up to kAvx512MaxRows = 8
+//   (quantized_linear_avx512.cpp, chosen at run time; `allow_avx512`).
+// - M > kFusedMaxRows, `rows_panel`: each panel of kPanelRows output rows is dequantized once
 //   into a per-thread float32 buffer (<= 24 x K floats, L2-resident), then a register-blocked
 //   microkernel (4 x rows x 3 output rows: 12 accumulators + 3 weight + 1 x register of the 16
 //   ymm) runs FMAs over K for every x tile, so dequantization is paid once per weight instead of
 //   once per 4-row x tile. Weights in the buffer are the same exact float32 values.
-// Measured on a 2-core Zen AVX2 VM (2 threads, SmolLM2-135M's 30 layers in Q4_1 + the Q8_0 LM
-// head): M = 1: 8 ms (fused); M = 8: 42 -> 34 ms, M = 16: 70 -> 52 ms, M = 32: 159 -> 90 ms
-// (fused -> panel). The panel nest wins from M = 5; at M <= 4 the extra store and reload of
-// the dequantized panel costs more than it saves (M = 4: 16 vs 19 ms).
+// Why one fused tile up to M = 7 (8): at M >= 2 the nest is bound by the FMA ports (per
+// 32-weight block: 4 conversions + 4 FMAs to dequantize, then 4 M products), not by memory; a
+// second x tile dequantizes every weight again, and the panel nest adds a store and reload.
+// SmolLM2-135M's 30 layers in Q4_1 + its Q8_0 LM head (49152 x 576), 2 threads, 2-core VM
+// (Xeon with AVX-512, 2026-12-04, load 1.5), ms per forward, layers + head:
+//   M      1            4             6             8             16            32
+//   before 11.5+3.6     13.6+4.6      16.0+4.9      17.2+5.1      26.6+7.6      44.7+12.8
+//   AVX2   9.8+3.3      12.6+3.6      14.6+4.7      (panel)       27.6+7.3      48.3+12.5
+//   AVX512 6.7+2.1      11.8+2.7      11.5+3.5      13.0+3.9      (panel, AVX2)
+// (before: 4-row fused tiles up to M = 4, the panel nest from M = 5; the panel nest is
+// unchanged, its M = 32 difference is the box's noise: 46.4 vs 44.8 ms in a second interleaved
+// run.) M >= 9 keeps the panel nest: fused tiles of 8 + 1 rows would dequantize twice.
 
 #include <immintrin.h>
 
@@ -30,20 +42,14 @@
 #include <cstdint>
 #include <vector>
 
+using deepinfer::aligned64;
+using deepinfer::half_to_float;
 using deepinfer::hsum8;
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kScaleChunk = 64;  // blocks whose fp16 scales are converted at once
-
-// fp16 bits [count] -> float [count].
-inline void half_to_float(const uint16_t* src, int64_t count, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < count; ++i) dst[i] = _cvtsh_ss(src[i]);
-}
 
 struct Q41Weight {
   static constexpr bool kHasMins = true;
@@ -75,70 +81,83 @@ struct Q80Weight {
   }
 };
 
-// y[r, n + c] = sum_k x[r, k] * W[n + c, k] for r < MR, c < NR.
-template <int MR, int NR, class W>
-inline void tile_dot(const W& weight, int64_t n, const float* x, int64_t ldx, float* y,
-                     int64_t ldy) {
-  constexpr int NACC = (MR * NR >= 4) ? 1 : (MR * NR >= 2 ? 2 : 4);
-  __m256 acc[MR][NR][NACC];
+// Independent FMA chains per accumulator of a tile of `rows` x rows: enough chains in flight to
+// cover the FMA latency (4 cycles, 2 ports: 8 chains) within the 16 ymm registers.
+constexpr int accumulators_per_row(int rows) { return rows == 1 ? 4 : (rows <= 4 ? 2 : 1); }
+
+// y[r, n] = sum_k x[r, k] * W[n, k] for r < MR: each 8-weight slice of output row n is
+// dequantized once into a register and used for all MR x rows. xp is x packed by pack_rows
+// ([K/8][MR][8]), so every x load of a block is at a fixed offset from one pointer.
+template <int MR, class W>
+inline void tile_dot(const W& weight, int64_t n, const float* xp, float* y, int64_t ldy) {
+  constexpr int NACC = accumulators_per_row(MR);
+  __m256 acc[MR][NACC];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c)
-      for (int a = 0; a < NACC; ++a) acc[r][c][a] = _mm256_setzero_ps();
-  alignas(32) float ds[NR][kScaleChunk];
-  alignas(32) float ms[NR][kScaleChunk];
+    for (int a = 0; a < NACC; ++a) acc[r][a] = _mm256_setzero_ps();
+  alignas(32) float ds[kScaleChunk];
+  alignas(32) float ms[kScaleChunk];
   const int64_t nb = weight.num_blocks;
   for (int64_t b0 = 0; b0 < nb; b0 += kScaleChunk) {
     const int64_t count = std::min(kScaleChunk, nb - b0);
-    for (int c = 0; c < NR; ++c) {
-      half_to_float(weight.scales + (n + c) * nb + b0, count, ds[c]);
-      if (W::kHasMins) half_to_float(weight.mins + (n + c) * nb + b0, count, ms[c]);
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t b = b0 + i;
-      __m256 d[NR], m[NR];
-      for (int c = 0; c < NR; ++c) {
-        d[c] = _mm256_broadcast_ss(&ds[c][i]);
-        m[c] = W::kHasMins ? _mm256_broadcast_ss(&ms[c][i]) : _mm256_setzero_ps();
-      }
-      const float* xb = x + b * kBlock;
+    half_to_float(weight.scales + n * nb + b0, count, ds);
+    if (W::kHasMins) half_to_float(weight.mins + n * nb + b0, count, ms);
+    const float* xb = xp + b0 * kBlock * MR;
+    for (int64_t i = 0; i < count; ++i, xb += kBlock * MR) {
+      const __m256 d = _mm256_broadcast_ss(&ds[i]);
+      const __m256 m = W::kHasMins ? _mm256_broadcast_ss(&ms[i]) : _mm256_setzero_ps();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        __m256 w[NR];
-        for (int c = 0; c < NR; ++c) w[c] = weight.sub(n + c, b, j, d[c], m[c]);
-        for (int r = 0; r < MR; ++r) {
-          const __m256 xv = _mm256_loadu_ps(xb + r * ldx + 8 * j);
-          for (int c = 0; c < NR; ++c)
-            acc[r][c][j % NACC] = _mm256_fmadd_ps(w[c], xv, acc[r][c][j % NACC]);
-        }
+        const __m256 w = weight.sub(n, b0 + i, j, d, m);
+        for (int r = 0; r < MR; ++r)
+          acc[r][j % NACC] =
+              _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + (j * MR + r) * 8), acc[r][j % NACC]);
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) {
-      __m256 s = acc[r][c][0];
-      for (int a = 1; a < NACC; ++a) s = _mm256_add_ps(s, acc[r][c][a]);
-      y[r * ldy + n + c] = hsum8(s);
-    }
+  for (int r = 0; r < MR; ++r) {
+    __m256 s = acc[r][0];
+    for (int a = 1; a < NACC; ++a) s = _mm256_add_ps(s, acc[r][a]);
+    y[r * ldy + n] = hsum8(s);
+  }
 }
 
-// All x rows [0, num_rows) against output rows [n_begin, n_end), dequantizing in registers.
+// Up to kFusedMaxRows x rows the AVX2 nest is one tile of all of them (rows_fused); from 8 on
+// its panel nest is as fast or faster (M = 8: 22.0 fused vs 21.4 ms panel). The AVX-512 nest's
+// one tile covers up to kAvx512MaxRows (M = 8: 16.5 ms).
+constexpr int64_t kFusedMaxRows = 7;
+constexpr int64_t kAvx512MaxRows = 8;
+
+// x [num_rows][K] (row stride ldx) -> dst [K/8][num_rows][8].
+inline void pack_rows(const float* x, int64_t num_rows, int64_t ldx, int64_t K, float* dst) {
+  for (int64_t k = 0; k < K; k += 8)
+    for (int64_t r = 0; r < num_rows; ++r, dst += 8)
+      _mm256_storeu_ps(dst, _mm256_loadu_ps(x + r * ldx + k));
+}
+
+template <int MR, class W>
+void tile_rows(const W& weight, const float* xp, float* y, int64_t n_begin, int64_t n_end,
+               int64_t ldy) {
+  for (int64_t n = n_begin; n < n_end; ++n) tile_dot<MR>(weight, n, xp, y, ldy);
+}
+
+// x rows [0, num_rows <= kFusedMaxRows) against output rows [n_begin, n_end) in one tile: every
+// weight is read from memory and dequantized (in a register) exactly once.
 template <class W>
 void rows_fused(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
-          int64_t n_begin, int64_t n_end, int64_t ldy) {
-  constexpr int64_t kTileRows = 4;    // x rows sharing one dequantized weight slice
-  constexpr int64_t kPanelRows = 32;  // output rows whose weights stay cached across x tiles
-  for (int64_t p0 = n_begin; p0 < n_end; p0 += kPanelRows) {
-    const int64_t p1 = std::min(n_end, p0 + kPanelRows);
-    for (int64_t m0 = 0; m0 < num_rows; m0 += kTileRows) {
-      const float* xt = x + m0 * ldx;
-      float* yt = y + m0 * ldy;
-      switch (std::min(kTileRows, num_rows - m0)) {
-        case 1: for (int64_t n = p0; n < p1; ++n) tile_dot<1, 1>(weight, n, xt, ldx, yt, ldy); break;
-        case 2: for (int64_t n = p0; n < p1; ++n) tile_dot<2, 1>(weight, n, xt, ldx, yt, ldy); break;
-        case 3: for (int64_t n = p0; n < p1; ++n) tile_dot<3, 1>(weight, n, xt, ldx, yt, ldy); break;
-        default: for (int64_t n = p0; n < p1; ++n) tile_dot<4, 1>(weight, n, xt, ldx, yt, ldy);
-      }
-    }
+                int64_t n_begin, int64_t n_end, int64_t ldy) {
+  const int64_t K = weight.num_blocks * kBlock;
+  thread_local std::vector<float> packed;
+  if (static_cast<int64_t>(packed.size()) < num_rows * K + 16) packed.resize(num_rows * K + 16);
+  float* xp = aligned64(packed.data());  // no x load splits a cache line
+  pack_rows(x, num_rows, ldx, K, xp);
+  switch (num_rows) {
+    case 1: tile_rows<1>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 2: tile_rows<2>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 3: tile_rows<3>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 4: tile_rows<4>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 5: tile_rows<5>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 6: tile_rows<6>(weight, xp, y, n_begin, n_end, ldy); break;
+    default: tile_rows<7>(weight, xp, y, n_begin, n_end, ldy);
   }
 }
 
@@ -196,8 +215,6 @@ inline void micro_dot_cols(int64_t cols, const float* w, int64_t ldw, const floa
   }
 }
 
-constexpr int64_t kPanelMinRows = 5;  // from here on, dequantize each panel once (rows_panel)
-
 // All x rows [0, num_rows) against output rows [n_begin, n_end), through a dequantized panel.
 template <class W>
 void rows_panel(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
@@ -233,10 +250,10 @@ void rows_panel(const W& weight, const float* x, int64_t num_rows, int64_t ldx, 
 template <class W>
 void rows(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
           int64_t n_begin, int64_t n_end, int64_t ldy) {
-  if (num_rows >= kPanelMinRows) {
-    rows_panel(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
-  } else {
+  if (num_rows <= kFusedMaxRows) {
     rows_fused(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
+  } else {
+    rows_panel(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
   }
 }
 
@@ -244,16 +261,37 @@ void rows(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float*
 
 namespace deepinfer {
 
+// defined in quantized_linear_avx512.cpp
+bool avx512_available();
+void q4_1_linear_rows_avx512(const float* x, int64_t num_rows, int64_t ldx,
+                             const uint8_t* codes, const uint16_t* scales, const uint16_t* mins,
+                             int64_t in_features, float* y, int64_t n_begin, int64_t n_end,
+                             int64_t num_out);
+void q8_0_linear_rows_avx512(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
+                             const uint16_t* scales, int64_t in_features, float* y,
+                             int64_t n_begin, int64_t n_end, int64_t num_out);
+
 void q4_1_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const uint8_t* codes,
                       const uint16_t* scales, const uint16_t* mins, int64_t in_features,
-                      float* y, int64_t n_begin, int64_t n_end, int64_t num_out) {
+                      float* y, int64_t n_begin, int64_t n_end, int64_t num_out,
+                      bool allow_avx512) {
+  if (allow_avx512 && num_rows <= kAvx512MaxRows && avx512_available()) {
+    q4_1_linear_rows_avx512(x, num_rows, ldx, codes, scales, mins, in_features, y, n_begin,
+                            n_end, num_out);
+    return;
+  }
   const Q41Weight weight{codes, scales, mins, in_features / kBlock};
   rows(weight, x, num_rows, ldx, y, n_begin, n_end, num_out);
 }
 
 void q8_0_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
                       const uint16_t* scales, int64_t in_features, float* y, int64_t n_begin,
-                      int64_t n_end, int64_t num_out) {
+                      int64_t n_end, int64_t num_out, bool allow_avx512) {
+  if (allow_avx512 && num_rows <= kAvx512MaxRows && avx512_available()) {
+    q8_0_linear_rows_avx512(x, num_rows, ldx, codes, scales, in_features, y, n_begin, n_end,
+                            num_out);
+    return;
+  }
   const Q80Weight weight{codes, scales, nullptr, in_features / kBlock};
   rows(weight, x, num_rows, ldx, y, n_begin, n_end, num_out);
 }

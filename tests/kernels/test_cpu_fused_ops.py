@@ -133,6 +133,33 @@ def test_paged_decode_attention_matches_reference(batch, block_size, heads, num_
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+def test_paged_decode_attention_verify_rows_match_per_token_decode_rows():
+    """Rows of 1 + k tokens (`query_start_loc`): token j of a row of q tokens with context s is
+    the decode query of its own over the first s - q + j + 1 positions; bitwise the same as
+    those one-token calls. Rows that do not fit are refused, saying which."""
+    ext = cpu_extension()
+    if ext is None:
+        pytest.skip("the CPU extension is unavailable here")
+    kv_cache, metadata = make_decode_batch([40, 3, 70], 16, 3, 64, seed=5)
+    starts = torch.tensor([0, 6, 9, 10], dtype=torch.int32)          # 6, 3 and 1 new tokens
+    query = torch.randn(10, 9, 64, generator=torch.Generator().manual_seed(3))
+    got = ext.paged_decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                                     0.125, query_start_loc=starts)
+    seqs = [0] * 6 + [1] * 3 + [2]
+    lens = [35, 36, 37, 38, 39, 40, 1, 2, 3, 70]
+    per_token = ext.paged_decode_attention(query, kv_cache, metadata.block_tables[seqs],
+                                           torch.tensor(lens, dtype=torch.int32), 0.125)
+    assert torch.equal(got, per_token)
+    with pytest.raises(RuntimeError, match="query_start_loc must run from 0 to 10"):
+        ext.paged_decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                                   0.125, query_start_loc=torch.tensor([0, 6, 9, 9],
+                                                                       dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="sequence 1 has 4 new tokens but seq_len 3"):
+        ext.paged_decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                                   0.125, query_start_loc=torch.tensor([0, 5, 9, 10],
+                                                                       dtype=torch.int32))
+
+
 @pytest.mark.parametrize("seq_len", [1, 2, 5, 63, 64, 65, 255, 700])
 def test_paged_decode_attention_context_lengths(seq_len):
     kv_cache, metadata = make_decode_batch([seq_len], 16, 3, 64, seed=seq_len)

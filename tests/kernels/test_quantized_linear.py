@@ -100,18 +100,51 @@ def test_quantized_linear_matches_reference(backend, fmt, num_rows, shape):
     assert (got - expected).abs().max() <= 1e-5 * scale
 
 
+def _kernel_linear(x, qweight, allow_avx512):
+    """The extension's entry point with the AVX-512 few-row nest allowed or not."""
+    ext = ql._cpu_extension()
+    if qweight.format == "q4_1":
+        return ext.q4_1_linear(x, qweight.codes, qweight.scales, qweight.mins,
+                               allow_avx512=allow_avx512)
+    return ext.q8_0_linear(x, qweight.codes, qweight.scales, allow_avx512=allow_avx512)
+
+
+@pytest.mark.parametrize("allow_avx512", [False, True], ids=["avx2", "avx512"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("num_rows", [2, 4, 5, 6, 7, 8, 9, 24])
-def test_quantized_linear_tile_edges_match_reference(fmt, num_rows):
-    """Every x-row tail of the 4-row tiles and output-row tails of the 3-row / 24-row panels
-    (N = 53), on both the fused (small M) and the dequantized-panel (larger M) loop nests."""
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 24])
+def test_quantized_linear_tile_edges_match_reference(allow_avx512, fmt, num_rows):
+    """Every tile shape of the fused nest (one tile of M <= 7 rows in AVX2, M <= 8 in AVX-512
+    where the CPU has it; each weight dequantized once) and of the dequantized-panel nest (AVX2
+    from M = 8, both from M = 9: 4-row tiles with tails, 3-row / 24-row output panels with tails
+    at N = 53); K = 2112 (66 blocks) crosses the 64-block scale chunk. Tolerance: 1e-5 of the
+    output's max magnitude (float32 summation order)."""
     if not cpu_kernel_available():
         pytest.skip("AVX2 quantized-linear kernel unavailable here")
-    qweight = _model_like_qweight(fmt, (53, 2112), seed=num_rows)  # 2112 = 66 blocks > 64
+    if allow_avx512 and not ql._cpu_extension().avx512_available():
+        pytest.skip("this CPU has no AVX-512F: the AVX2 nest runs (the avx2 case)")
+    qweight = _model_like_qweight(fmt, (53, 2112), seed=num_rows)
     x = torch.randn(num_rows, 2112, generator=torch.Generator().manual_seed(11))
     expected = torch.nn.functional.linear(x, dequantize(qweight))
-    got = quantized_linear(x, qweight, backend="cpu_avx2")
+    got = _kernel_linear(x, qweight, allow_avx512)
+    assert got.shape == (num_rows, 53)
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    strided = torch.randn(num_rows, 4096, generator=torch.Generator().manual_seed(12))[:, 7:2119]
+    expected = torch.nn.functional.linear(strided, dequantize(qweight))   # row stride 4096
+    got = _kernel_linear(strided, qweight, allow_avx512)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_avx512_rows_do_not_depend_on_the_row_count(fmt):
+    """In the AVX-512 nest a row's summation order is the same at every M <= 8: a decode row
+    and the same row inside a verify step (M = 6) come out bitwise equal."""
+    if not cpu_kernel_available() or not ql._cpu_extension().avx512_available():
+        pytest.skip("needs the CPU extension on a CPU with AVX-512F")
+    qweight = _model_like_qweight(fmt, (53, 2112), seed=21)
+    x = torch.randn(8, 2112, generator=torch.Generator().manual_seed(13))
+    alone = torch.cat([_kernel_linear(x[r:r + 1], qweight, True) for r in range(8)])
+    for num_rows in range(2, 9):
+        assert torch.equal(_kernel_linear(x[:num_rows], qweight, True), alone[:num_rows])
 
 
 def test_quantized_linear_bias_strided_input_and_leading_dims():
