@@ -23,7 +23,11 @@ verify at all is decided first from the first positions only: the best Theta ove
 first drafts, K = 1..R, an unconstrained search (lossless: a_{r,1} = c_{r,1} depends on no
 draft). When it beats the plain step, the K* candidates ranked first are admitted (the rank of
 (r, j) depends only on candidates with a >= a_{r,j}) and the walk goes on from there on the
-verify curve; else nothing is verified.
+verify curve; else nothing is verified. Where the jump is so large that only drafts past the
+first positions pay it (a host-bound step: SmolLM2-sized or smaller models), the first positions
+cannot open the gate; DSpark's production variant (§5.2) then helps: a capacity K from an
+earlier step's confidences (`capacity`, an unconstrained search, lossless since those cannot
+depend on this step's drafts) admits the K candidates ranked first, and the walk goes on.
 
 Fixed: every request verifies min(its drafts, num_speculative_tokens) (the scheduler then caps
 them by the token budget and the request's max_tokens).
@@ -82,9 +86,26 @@ def best_entry(first_survivals: Sequence[float], step_seconds: Callable[[int], f
     return best_k, best
 
 
+def capacity(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int], float], *,
+             base_committed: float | None = None, max_drafts: int | None = None) -> int:
+    """DSpark §5.2's capacity: the draft count K that maximises tau / t(K) over the K surest
+    candidates of `confidences`, an unconstrained search (0 when no K beats the plain step).
+    Lossless only for confidences this step's drafts cannot have set (an earlier step's)."""
+    committed = float(len(confidences) if base_committed is None else base_committed)
+    ranked = [a for a, _, _ in ranked_candidates(confidences)]
+    if max_drafts is not None:
+        ranked = ranked[:max(max_drafts, 0)]
+    best_k, best = 0, committed / step_seconds(0)
+    for k, probability in enumerate(ranked, start=1):
+        committed += probability
+        if committed / step_seconds(k) > best:
+            best_k, best = k, committed / step_seconds(k)
+    return best_k
+
+
 def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int], float],
-                 *, base_committed: float | None = None,
-                 max_drafts: int | None = None) -> list[int]:
+                 *, base_committed: float | None = None, max_drafts: int | None = None,
+                 min_drafts: int = 0) -> list[int]:
     """The gate, then Algorithm 1's walk (module docstring): how many drafts each request
     verifies.
 
@@ -94,6 +115,9 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
         base_committed: tau0, expected tokens committed without drafts (default: one per
             request).
         max_drafts: the drafts the step's token budget leaves room for (None: no cap).
+        min_drafts: a capacity decided beforehand from confidences this step's drafts cannot
+            have set (`capacity` of the previous step's, DSpark §5.2): the candidates ranked
+            first up to it are admitted whatever the gate says, then the walk goes on.
     Returns:
         l_r per request, 0 <= l_r <= k_r: verify the first l_r drafts.
     """
@@ -103,6 +127,9 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
     entry, entry_theta = best_entry(firsts, step_seconds, base_committed=committed,
                                     max_drafts=max_drafts)
     if entry == 0 or entry_theta <= committed / step_seconds(0):
+        entry = 0
+    entry = max(entry, min_drafts)
+    if entry == 0:
         return lengths
     best = 0.0
     for index, (probability, position, request) in enumerate(ranked_candidates(confidences)):
@@ -118,15 +145,21 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
 
 
 def drafting_can_pay(num_requests: int, step_seconds: Callable[[int], float], *,
-                     max_drafts: int | None = None) -> bool:
-    """False when `admit_varlen` admits nothing whatever the confidences: even a sure first
-    draft for every request (a = 1) does not open the gate. The step loop then skips the
-    drafter altogether."""
-    if num_requests == 0:
+                     max_drafts: int) -> bool:
+    """False when drafting cannot pay whatever the confidences: no count of sure drafts
+    (a = 1), up to `max_drafts` (the requests' gamma drafts each, within the token budget),
+    beats the plain step. The step loop then skips the drafter altogether."""
+    if num_requests == 0 or max_drafts <= 0:
         return False
-    entry, theta = best_entry([1.0] * num_requests, step_seconds,
-                              base_committed=float(num_requests), max_drafts=max_drafts)
-    return entry > 0 and theta > num_requests / step_seconds(0)
+    plain = num_requests / step_seconds(0)
+    # (R + k) / t(k) is monotone between the kinks of a piecewise-linear t: a geometric grid
+    # (1, 2, 3, 4, 6, 8, 12, ...) and the end stand in for them
+    counts, k = {max_drafts}, 1
+    while k < max_drafts:
+        counts.update((k, k + k // 2))
+        k *= 2
+    return any((num_requests + k) / step_seconds(k) > plain
+               for k in counts if k <= max_drafts)
 
 
 def top_candidates(confidences: Sequence[Sequence[float]], num_drafts: int) -> list[int]:

@@ -45,7 +45,7 @@ from deepinfer.engine.config import SpeculativeConfig
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry,
+from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry, capacity,
                                              drafting_can_pay, ranked_candidates,
                                              top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, Drafter
@@ -108,6 +108,7 @@ class SpecDecoder:
         self._looks_pay = True           # the last look admitted drafts
         self._last_look_seconds = 0.0    # what the last fruitless look cost
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
+        self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
         self._misses: dict[str, int] = {}           # request id -> rejected-at-once in a row
         self._resume_step: dict[str, int] = {}      # request id -> first step it is proposed
 
@@ -140,7 +141,8 @@ class SpecDecoder:
         budget."""
         step_seconds = self.step_rate.step_seconds(base_tokens)
         max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
-        if drafting_can_pay(num_rows, step_seconds, max_drafts=max_drafts):
+        if drafting_can_pay(num_rows, step_seconds, max_drafts=min(
+                max_drafts, num_rows * self.config.num_speculative_tokens)):
             return (self._looks_pay or not self.async_plain_steps
                     or self._explore_due(self._last_look_seconds))
         most = min(num_rows, max_drafts)
@@ -186,7 +188,14 @@ class SpecDecoder:
         if self.step_rate is not None:
             step_seconds = self.step_rate.step_seconds(base_tokens)
             max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
-            lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts)
+            # DSpark §5.2: a capacity from the last proposal's confidences (unconstrained:
+            # this step's drafts cannot have set them) carries past a jump the first
+            # positions alone do not pay
+            earlier = [self._last_confidences.get(i, []) for i in ids]
+            lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
+                                   min_drafts=capacity(earlier, step_seconds,
+                                                       max_drafts=max_drafts))
+            self._last_confidences = {i: c for i, c in zip(ids, confidences) if c}
             self._looks_pay = any(lengths)
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts)
             if not any(lengths):

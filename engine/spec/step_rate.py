@@ -142,7 +142,9 @@ class StepRateTable:
 
     def step_seconds(self, base_tokens: int) -> Callable[[int], float]:
         """D -> seconds(base_tokens, D): the admission's view of one step's batch."""
-        return lambda num_drafts: self.seconds(base_tokens, num_drafts)
+        plain, load, extra = self._plain.seconds(max(base_tokens, 1)), self.load, self._extra
+        return lambda num_drafts: load * (plain + (max(extra.seconds(num_drafts), 0.0)
+                                                   if num_drafts > 0 else 0.0))
 
     def observe(self, base_tokens: int, num_drafts: int, seconds: float) -> None:
         """Re-measure: one executed step (B0 tokens without its drafts, D drafts scored) took

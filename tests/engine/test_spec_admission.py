@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry,
+from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry, capacity,
                                              drafting_can_pay, expected_committed,
                                              ranked_candidates, survival, top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, observed_positions
@@ -89,14 +89,33 @@ def test_the_gate_pays_the_jump_into_a_verify_step_with_a_draft_for_every_row():
     assert best_entry([0.9] * 16, seconds, base_committed=16.0) == (
         16, pytest.approx((16 + 16 * 0.9) / 1.46))
     assert admit_varlen(confidences, seconds) == [5] * 16
-    assert drafting_can_pay(16, seconds)
+    assert drafting_can_pay(16, seconds, max_drafts=80)
     # a 3 % draft price stops the walk after the fourth positions (at tau = 16 + 16 * 3.10
     # and t = 1.3 + 0.03 * 64 a draft needs a > 0.61; a_5 = 0.59); at 4 % the gate stays shut
     assert admit_varlen(confidences, linear_seconds(0.03, jump=0.3)) == [4] * 16
     assert admit_varlen(confidences, linear_seconds(0.04, jump=0.3)) == [0] * 16
     # a jump of 90 %: a draft for every row (tau 30.4) does not pay 1.9 x the step
     assert admit_varlen(confidences, linear_seconds(0.01, jump=0.9)) == [0] * 16
-    assert not drafting_can_pay(16, linear_seconds(0.0, jump=1.0))
+    # sure drafts for every position would pay a jump of the whole step (96 tokens for 2x the
+    # time), not one of five steps
+    assert drafting_can_pay(16, linear_seconds(0.0, jump=1.0), max_drafts=80)
+    assert not drafting_can_pay(16, linear_seconds(0.0, jump=5.0), max_drafts=80)
+
+
+def test_a_capacity_from_earlier_confidences_carries_past_a_jump_no_first_draft_pays():
+    """A host-bound step (a jump of three plain steps, drafts then free): 16 first drafts of
+    0.9 do not pay it (30.4 tokens for 4x the time), all 80 drafts do (75 tokens). The gate
+    reads first positions only, so it stays shut; DSpark §5.2's capacity, an unconstrained
+    search over an earlier step's confidences, admits the 80 candidates ranked first."""
+    confidences = [[0.9] * 5] * 16
+    seconds = linear_seconds(0.0, jump=3.0)
+    assert admit_varlen(confidences, seconds) == [0] * 16
+    assert capacity(confidences, seconds) == 80
+    assert admit_varlen(confidences, seconds, min_drafts=80) == [5] * 16
+    # the walk goes on past the capacity while Theta rises, and a capacity that does not pay
+    # is 0
+    assert admit_varlen(confidences, seconds, min_drafts=16) == [5] * 16
+    assert capacity([[0.2] * 5] * 16, seconds) == 0
 
 
 def test_appendix_a_admission_of_a_draft_never_depends_on_later_confidences():
