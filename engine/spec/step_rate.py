@@ -20,7 +20,12 @@ rows with one draft each, run as 16 rows with five).
 Each curve starts from the start-up profile (engine/spec/profile.py) and is re-measured online
 from the engine's own step times (`observe`): per key the median of the last `window`
 observations (robust to the odd step slowed by another process), the start-up value counting
-as one observation until `window` real ones replaced it. A verify step's observation of extra(D)
+as one observation until `window` real ones replaced it. A key not observed yet keeps the
+profile's shape at the engine's scale: its start-up value times the observed / start-up ratio
+of the nearest observed key (on the H200 the engine's verify extra was ~10x the profile's, a
+blocking verify step with its host work against an overlapped plain step, where the profile
+times both blocking; priced at the profile's values, every verify key had to be run once
+before the admission stopped choosing it). A verify step's observation of extra(D)
 is its time minus the plain curve's plain(B0). Reads fit the medians with a weighted
 non-decreasing least-squares fit (a bigger batch or more drafts is not cheaper: what says
 otherwise is timing noise), interpolate linearly between keys (flat before the first, along the
@@ -67,8 +72,9 @@ class _Curve:
 
     def __init__(self, seconds: Mapping[int, float], window: int):
         self.window = window
+        self._start = {int(k): float(s) for k, s in seconds.items()}   # start-up values
         self._times: dict[int, deque[float]] = {
-            int(k): deque([float(s)], maxlen=window) for k, s in seconds.items()}
+            k: deque([s], maxlen=window) for k, s in self._start.items()}
         self._measured: dict[int, int] = {}   # key -> steps observed there (not start-up)
         self._fitted: tuple[list[int], list[float]] | None = None
 
@@ -84,9 +90,22 @@ class _Curve:
         return self._measured.get(key, 0)
 
     def fitted(self) -> tuple[list[int], list[float]]:
+        """(keys, fitted seconds): window medians; a key never observed takes its start-up
+        value times the observed / start-up ratio of the nearest observed key that has one
+        (the profile's shape at the engine's scale: on the GPU the profile times blocking
+        steps, the engine overlapped plain steps and blocking verify steps with their host
+        work); then the non-decreasing fit."""
         if self._fitted is None:
             keys = sorted(self._times)
             medians = [statistics.median(self._times[k]) for k in keys]
+            ratios = {k: m / self._start[k] for k, m in zip(keys, medians)
+                      if self._measured.get(k) and self._start.get(k, 0.0) > 0.0}
+            if ratios:
+                observed = sorted(ratios)
+                for index, key in enumerate(keys):
+                    if not self._measured.get(key):
+                        nearest = min(observed, key=lambda k: (abs(k - key), k))
+                        medians[index] *= ratios[nearest]
             weights = [float(len(self._times[k])) for k in keys]
             self._fitted = keys, nondecreasing(medians, weights)
         return self._fitted

@@ -170,10 +170,12 @@ def test_step_rate_table_plain_plus_extra_interpolated_and_re_measured():
     for _ in range(3):
         table.observe(4, 4, 0.017 + 0.012)
     assert table.seconds(4, 4) == pytest.approx(0.029) and table.measured(4, 4) == 3
-    assert table.seconds(4, 1) == pytest.approx(0.017 + 0.004)
+    # a key not observed yet: its start-up value at the scale of the nearest observed key
+    # (4 drafts: 12 ms observed / 7 ms profiled)
+    assert table.seconds(4, 1) == pytest.approx(0.017 + 0.004 * 12 / 7)
     table.observe(4, 2, 0.017 + 0.020)  # a new point, pooled with 4 by the monotone fit
     assert table.seconds(4, 2) == pytest.approx(0.017 + 0.014)
-    assert table.as_milliseconds()["extra"] == {1: 4.0, 2: 14.0, 4: 14.0}
+    assert table.as_milliseconds()["extra"] == {1: 6.857, 2: 14.0, 4: 14.0}
     assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert nondecreasing([1.0, 3.0, 2.0], [1.0, 1.0, 3.0]) == [1.0, 2.25, 2.25]
     with pytest.raises(ValueError, match="plain and one verify"):

@@ -72,11 +72,9 @@ def test_online_steps_replace_a_wrong_start_up_profile():
         table.observe(16, 4, seconds)
     # the window at 4 drafts: the start-up value and the 6 steps; median 0.0641, stall ignored
     assert table.seconds(16, 4) == pytest.approx(0.0641)
-    # what is left cheap is the start-up value at one draft: the admission goes there next,
-    # and those steps re-measure it
-    assert admit_varlen(chat, table.step_seconds(16)) == [1] + [0] * 15
-    for _ in range(2):
-        table.observe(16, 1, 0.0623)
+    # the start-up value at one draft (1 ms) is read at the scale measured at 4 drafts (14.1 /
+    # 2 ms): 7 ms, which a draft of 0.85 at batch 16 does not pay either
+    assert table.seconds(16, 1) == pytest.approx(0.050 + 0.001 * 0.0141 / 0.002)
     assert admit_varlen(chat, table.step_seconds(16)) == [0] * 16
     for _ in range(8):                                          # plain steps slow down (load)
         table.observe(16, 0, 0.100)
