@@ -105,7 +105,7 @@ class SpecDecoder:
         # a look: a step that called the drafter and verified nothing (on the GPU a blocking
         # plain step instead of an overlapped one): (predicted plain seconds, drafter seconds)
         self._look: tuple[float, float] | None = None
-        self._looks_pay = False          # the last look admitted drafts
+        self._looks_pay: bool | None = None   # the last look admitted drafts (None: no look)
         self._last_look_seconds = 0.0    # what the last fruitless look cost
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
         self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
@@ -146,7 +146,7 @@ class SpecDecoder:
         max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
         if drafting_can_pay(num_rows, step_seconds, max_drafts=min(
                 max_drafts, num_rows * self.config.num_speculative_tokens)):
-            return (self._looks_pay or not self.async_plain_steps
+            return (self._looks_pay is not False or not self.async_plain_steps
                     or self._explore_due(self._last_look_seconds))
         most = min(num_rows, max_drafts)
         return most > 0 and self._explore_due(step_seconds(most) - step_seconds(0))

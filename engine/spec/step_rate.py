@@ -22,7 +22,7 @@ from the engine's own step times (`observe`): per key the median of the last `wi
 observations (robust to the odd step slowed by another process), the start-up value counting
 as one observation until `window` real ones replaced it. A key not observed yet keeps the
 profile's shape at the engine's scale: its start-up value times the observed / start-up ratio
-of the nearest observed key (on the H200 the engine's verify extra was ~10x the profile's, a
+of the nearest key observed `SCALE_OBSERVATIONS` times (on the H200 the engine's verify extra was ~10x the profile's, a
 blocking verify step with its host work against an overlapped plain step, where the profile
 times both blocking; priced at the profile's values, every verify key had to be run once
 before the admission stopped choosing it). A verify step's observation of extra(D)
@@ -51,6 +51,11 @@ import bisect
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
+
+# observations of a key before its observed / start-up ratio rescales the keys not observed
+# yet: one step can be an outlier (SmolLM2 on CPU: the first verify step took 72 ms where later
+# ones take 30, and scaled by it nothing was verified again)
+SCALE_OBSERVATIONS = 3
 
 
 def nondecreasing(values: list[float], weights: list[float] | None = None) -> list[float]:
@@ -91,7 +96,8 @@ class _Curve:
 
     def fitted(self) -> tuple[list[int], list[float]]:
         """(keys, fitted seconds): window medians; a key never observed takes its start-up
-        value times the observed / start-up ratio of the nearest observed key that has one
+        value times the observed / start-up ratio of the nearest key observed at least
+        SCALE_OBSERVATIONS times
         (the profile's shape at the engine's scale: on the GPU the profile times blocking
         steps, the engine overlapped plain steps and blocking verify steps with their host
         work); then the non-decreasing fit."""
@@ -99,7 +105,8 @@ class _Curve:
             keys = sorted(self._times)
             medians = [statistics.median(self._times[k]) for k in keys]
             ratios = {k: m / self._start[k] for k, m in zip(keys, medians)
-                      if self._measured.get(k) and self._start.get(k, 0.0) > 0.0}
+                      if self._measured.get(k, 0) >= SCALE_OBSERVATIONS
+                      and self._start.get(k, 0.0) > 0.0}
             if ratios:
                 observed = sorted(ratios)
                 for index, key in enumerate(keys):
