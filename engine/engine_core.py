@@ -145,6 +145,7 @@ class EngineCore:
                 async_scheduling = False
             else:   # varlen n-gram: steps without drafts stay asynchronous (`_non_block`)
                 self.spec.async_plain_steps = True
+                self.spec.step_rate.overlapped_plain = True
         self.async_scheduling = async_scheduling
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps

@@ -10,8 +10,10 @@ plain(B0) is the step without drafts; extra(D) is what scoring D drafts adds to 
 kernels' larger batch, the per-position sampling and commit on the host, and on the GPU the
 lost overlap (a verify step blocks, a plain one runs asynchronously). The two are different
 paths, not one curve of B: the first draft costs a jump (SmolLM2 on the 2-core CPU box: 16
-decode rows 51 ms, the same with one draft 58 ms; on the H200 a blocking verify step against an
-overlapped plain step), so extra(1) holds the jump and its growth with D the per-draft cost.
+decode rows 51 ms, the same with one draft 58 ms), so extra(1) holds the jump and its growth
+with D the per-draft cost. Where plain steps overlap the host (`overlapped_plain`: async
+scheduling on the GPU), a verify step, which blocks, also costs what a blocking plain step
+costs over an overlapped one: the profile's (blocking) plain(B0) minus the measured one.
 Keying extra by D alone (not by (R, D)) is what lets the steps the engine runs re-measure the
 points its admission reads: a verify step at the running batch updates extra(D) for that batch,
 where a curve of B would keep start-up values of another row layout (a B of 96 profiled as 64
@@ -21,8 +23,8 @@ Each curve starts from the start-up profile (engine/spec/profile.py) and is re-m
 from the engine's own step times (`observe`): per key the median of the last `window`
 observations (robust to the odd step slowed by another process), the start-up value counting
 as one observation until `window` real ones replaced it. A key not observed yet keeps the
-profile's shape at the engine's scale: its start-up value times the observed / start-up ratio
-of the nearest key observed `SCALE_OBSERVATIONS` times (on the H200 the engine's verify extra was ~10x the profile's, a
+profile's shape at the engine's scale: its start-up value times the median observed / start-up
+ratio of the keys observed (once `SCALE_OBSERVATIONS` steps were) (on the H200 the engine's verify extra was ~10x the profile's, a
 blocking verify step with its host work against an overlapped plain step, where the profile
 times both blocking; priced at the profile's values, every verify key had to be run once
 before the admission stopped choosing it). A verify step's observation of extra(D)
@@ -52,9 +54,9 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
 
-# observations of a key before its observed / start-up ratio rescales the keys not observed
-# yet: one step can be an outlier (SmolLM2 on CPU: the first verify step took 72 ms where later
-# ones take 30, and scaled by it nothing was verified again)
+# observations (at keys with a start-up value) before their observed / start-up ratio rescales
+# the keys not observed yet: one step can be an outlier (SmolLM2 on CPU: the first verify step
+# took 72 ms where later ones take 30, and scaled by it nothing was verified again)
 SCALE_OBSERVATIONS = 3
 
 
@@ -81,6 +83,7 @@ class _Curve:
         self._times: dict[int, deque[float]] = {
             k: deque([s], maxlen=window) for k, s in self._start.items()}
         self._measured: dict[int, int] = {}   # key -> steps observed there (not start-up)
+        self._observed: dict[int, deque[float]] = {}   # key -> its observations alone
         self._fitted: tuple[list[int], list[float]] | None = None
 
     def __bool__(self) -> bool:
@@ -88,31 +91,39 @@ class _Curve:
 
     def observe(self, key: int, seconds: float) -> None:
         self._times.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self._observed.setdefault(key, deque(maxlen=self.window)).append(seconds)
         self._measured[key] = self._measured.get(key, 0) + 1
         self._fitted = None
 
     def measured(self, key: int) -> int:
         return self._measured.get(key, 0)
 
+    def start(self, key: int) -> float:
+        """The start-up value at `key` (interpolated; 0.0 without start-up values)."""
+        if not self._start:
+            return 0.0
+        keys = sorted(self._start)
+        index = bisect.bisect_left(keys, key)
+        if index == 0 or index == len(keys):
+            return self._start[keys[0] if index == 0 else keys[-1]]
+        low, high = keys[index - 1], keys[index]
+        weight = (key - low) / (high - low)
+        return self._start[low] * (1.0 - weight) + self._start[high] * weight
+
     def fitted(self) -> tuple[list[int], list[float]]:
-        """(keys, fitted seconds): window medians; a key never observed takes its start-up
-        value times the observed / start-up ratio of the nearest key observed at least
-        SCALE_OBSERVATIONS times
-        (the profile's shape at the engine's scale: on the GPU the profile times blocking
-        steps, the engine overlapped plain steps and blocking verify steps with their host
-        work); then the non-decreasing fit."""
+        """(keys, fitted seconds): window medians; once SCALE_OBSERVATIONS steps were observed
+        at keys with a start-up value, a key never observed takes its start-up value times
+        the median over those keys of observed / start-up (the profile's shape at the
+        engine's scale); then the non-decreasing fit."""
         if self._fitted is None:
             keys = sorted(self._times)
             medians = [statistics.median(self._times[k]) for k in keys]
-            ratios = {k: m / self._start[k] for k, m in zip(keys, medians)
-                      if self._measured.get(k, 0) >= SCALE_OBSERVATIONS
-                      and self._start.get(k, 0.0) > 0.0}
-            if ratios:
-                observed = sorted(ratios)
-                for index, key in enumerate(keys):
-                    if not self._measured.get(key):
-                        nearest = min(observed, key=lambda k: (abs(k - key), k))
-                        medians[index] *= ratios[nearest]
+            scaled = [k for k in self._observed if self._start.get(k, 0.0) > 0.0]
+            if sum(len(self._observed[k]) for k in scaled) >= SCALE_OBSERVATIONS:
+                ratio = statistics.median(statistics.median(self._observed[k]) / self._start[k]
+                                          for k in scaled)
+                medians = [m * ratio if k not in self._observed else m
+                           for k, m in zip(keys, medians)]
             weights = [float(len(self._times[k])) for k in keys]
             self._fitted = keys, nondecreasing(medians, weights)
         return self._fitted
@@ -153,13 +164,28 @@ class StepRateTable:
         self.window = window
         self.load_smoothing = load_smoothing
         self.load = 1.0     # observed / start-up-scale step times, moving geometric average
+        # plain steps overlap the host (async scheduling): set by the engine. A verify step
+        # blocks, so it also costs the gap between the blocking plain step the profile timed
+        # and the overlapped one the plain curve measures (`sync_gap`)
+        self.overlapped_plain = False
         self._plain = _Curve(plain_seconds, max(window, 1))
         self._extra = _Curve({d: max(s, 0.0) for d, s in extra_seconds.items()},
                              max(window, 1))
 
+    def sync_gap(self, base_tokens: int) -> float:
+        """Unloaded seconds a blocking step adds over an overlapped plain step at B0: the
+        profile's blocking plain step minus the measured plain curve (0 unless
+        `overlapped_plain`)."""
+        if not self.overlapped_plain:
+            return 0.0
+        base_tokens = max(base_tokens, 1)
+        return max(self._plain.start(base_tokens) - self._plain.seconds(base_tokens), 0.0)
+
     def _unloaded(self, base_tokens: int, num_drafts: int) -> float:
         plain = self._plain.seconds(max(base_tokens, 1))
-        return plain + (max(self._extra.seconds(num_drafts), 0.0) if num_drafts > 0 else 0.0)
+        if num_drafts <= 0:
+            return plain
+        return plain + self.sync_gap(base_tokens) + max(self._extra.seconds(num_drafts), 0.0)
 
     def seconds(self, base_tokens: int, num_drafts: int = 0) -> float:
         """Seconds of a step of `base_tokens` tokens without drafts that verifies `num_drafts`
@@ -169,8 +195,9 @@ class StepRateTable:
     def step_seconds(self, base_tokens: int) -> Callable[[int], float]:
         """D -> seconds(base_tokens, D): the admission's view of one step's batch."""
         plain, load, extra = self._plain.seconds(max(base_tokens, 1)), self.load, self._extra
-        return lambda num_drafts: load * (plain + (max(extra.seconds(num_drafts), 0.0)
-                                                   if num_drafts > 0 else 0.0))
+        blocking = plain + self.sync_gap(base_tokens)
+        return lambda num_drafts: load * (blocking + max(extra.seconds(num_drafts), 0.0)
+                                          if num_drafts > 0 else plain)
 
     def observe(self, base_tokens: int, num_drafts: int, seconds: float) -> None:
         """Re-measure: one executed step (B0 tokens without its drafts, D drafts scored) took
@@ -184,7 +211,8 @@ class StepRateTable:
             self.load *= (seconds / (self.load * predicted)) ** self.load_smoothing
         unloaded = seconds / self.load
         if num_drafts > 0:
-            unloaded = max(unloaded - self._plain.seconds(base_tokens), 0.0)
+            unloaded = max(unloaded - self._plain.seconds(base_tokens)
+                           - self.sync_gap(base_tokens), 0.0)
         curve.observe(key, unloaded)
 
     def measured(self, base_tokens: int, num_drafts: int = 0) -> int:

@@ -282,3 +282,20 @@ def test_a_bucket_whose_confidence_fell_too_low_still_gets_verified_now_and_then
                                 verify_seconds=0.0201)[1]) for _ in range(100)]
     assert set(scored) == {0, 1} and 2 <= scored.count(1) <= 5
     assert ("r0", 1, 1) in drafter.observed
+
+
+def test_with_overlapped_plain_steps_a_verify_step_also_pays_the_lost_overlap():
+    """H200 shape: the profile times a blocking plain step of 16 rows at 1.30 ms, the engine's
+    overlapped plain steps take 1.08 ms; a verify step blocks, so it costs the 0.22 ms gap on
+    top of its extra; its observation re-measures the extra net of that gap."""
+    table = StepRateTable({16: 1.30 * MS}, {16: 0.20 * MS}, window=4, load_smoothing=0.0)
+    table.overlapped_plain = True
+    for _ in range(4):
+        table.observe(16, 0, 1.08 * MS)
+    assert table.sync_gap(16) == pytest.approx(0.22 * MS)
+    assert table.seconds(16, 16) == pytest.approx((1.08 + 0.22 + 0.20) * MS)
+    table.observe(16, 16, 2.50 * MS)                       # the real verify step
+    table.observe(16, 16, 2.50 * MS)
+    assert table.seconds(16, 16) == pytest.approx(2.50 * MS)   # median of 0.2, 1.2, 1.2 + gap
+    table.overlapped_plain = False
+    assert table.seconds(16, 16) == pytest.approx((1.08 + 1.20) * MS)
