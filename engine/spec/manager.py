@@ -275,8 +275,13 @@ class SpecDecoder:
             if self._explore_baseline is not None and num_drafts:
                 self.explore_seconds += max(step_seconds - self._explore_baseline, 0.0)
             if self._look is not None and not num_drafts:
-                plain_seconds, drafter_seconds = self._look   # + the overlap it lost
-                blocking = max(step_seconds - plain_seconds, 0.0) if self.async_plain_steps else 0.0
+                plain_seconds, drafter_seconds = self._look   # + the overlap it lost: at
+                # least the profile's blocking-minus-overlapped gap (a plain estimate still at
+                # the blocking scale would make looks look free)
+                gap = self.step_rate.load * self.step_rate.sync_gap(
+                    scheduler_output.total_num_scheduled_tokens)
+                blocking = (max(step_seconds - plain_seconds, gap) if self.async_plain_steps
+                            else 0.0)
                 self._last_look_seconds = drafter_seconds + blocking
                 self.explore_seconds += self._last_look_seconds
         self._explore_baseline = self._look = None

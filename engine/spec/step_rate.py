@@ -24,11 +24,10 @@ from the engine's own step times (`observe`): per key the median of the last `wi
 observations (robust to the odd step slowed by another process), the start-up value counting
 as one observation until `window` real ones replaced it. A key not observed yet keeps the
 profile's shape at the engine's scale: its start-up value times the median observed / start-up
-ratio of the keys observed (once `SCALE_OBSERVATIONS` steps were) (on the H200 the engine's verify extra was ~10x the profile's, a
-blocking verify step with its host work against an overlapped plain step, where the profile
-times both blocking; priced at the profile's values, every verify key had to be run once
-before the admission stopped choosing it). A verify step's observation of extra(D)
-is its time minus the plain curve's plain(B0). Reads fit the medians with a weighted
+ratio of the keys observed, once `SCALE_OBSERVATIONS` steps were (on the H200 the engine's
+verify extra was several times the profile's: priced at the profile's values, every verify key
+had to be run once before the admission stopped choosing it). A verify step's observation of
+extra(D) is its time minus plain(B0) (and the sync gap). Reads fit the medians with a weighted
 non-decreasing least-squares fit (a bigger batch or more drafts is not cheaper: what says
 otherwise is timing noise), interpolate linearly between keys (flat before the first, along the
 last segment's slope after the last). Real curves are step-shaped (CUDA-graph buckets, tile
