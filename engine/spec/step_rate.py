@@ -37,8 +37,9 @@ Load. On a shared machine every step slows down together when another process ta
 but a key that is rarely run (a verify step, while nothing pays) keeps the times of the last
 time it ran. So the curves hold times divided by a load factor, the geometric moving average
 (weight `load_smoothing`) of observed / predicted over the steps at keys whose window holds only
-this engine's steps (a start-up value, a probe's first measurements or an interpolated key can
-be off by far more than the load: those steps only fill their window); reads multiply it back.
+this engine's steps (a start-up value, an exploration's first measurements or an interpolated
+key can be off by far more than the load: those steps only fill their window); reads multiply
+it back.
 The admission compares step times with each other, so the factor cancels there; what it buys
 is that a plain curve re-measured under today's load and an extra point measured under
 yesterday's stay comparable.

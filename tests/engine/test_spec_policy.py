@@ -10,8 +10,6 @@ fastest of 5, 2026-12-04): one decode row 14.9 ms, with 1 / 2 / 4 / 8 drafts 20.
 kernel): 5 ms at batch 1, 12 ms at batch 16.
 """
 
-import dataclasses
-
 import pytest
 from test_scheduler import make_request, make_scheduler
 
