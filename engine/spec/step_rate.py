@@ -30,8 +30,9 @@ had to be run once before the admission stopped choosing it). A verify step's ob
 extra(D) is its time minus plain(B0) (and the sync gap). Reads fit the medians with a weighted
 non-decreasing least-squares fit (a bigger batch or more drafts is not cheaper: what says
 otherwise is timing noise), interpolate linearly between keys (flat before the first, along the
-last segment's slope after the last). Real curves are step-shaped (CUDA-graph buckets, tile
-sizes): measured points keep their own key, so the steps stay.
+last segment's slope after the last); extra(D) never reads below `EXTRA_FLOOR` of its start-up
+value. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured points keep their
+own key, so the steps stay.
 
 Load. On a shared machine every step slows down together when another process takes the cores,
 but a key that is rarely run (a verify step, while nothing pays) keeps the times of the last
@@ -58,6 +59,12 @@ from collections.abc import Callable, Mapping
 # the keys not observed yet: one step can be an outlier (SmolLM2 on CPU: the first verify step
 # took 72 ms where later ones take 30, and scaled by it nothing was verified again)
 SCALE_OBSERVATIONS = 3
+# a verify step's extra never reads below this fraction of what the start-up profile timed for
+# its drafts: on the 2-core CPU box a plain estimate biased up by a few ms (a slow window pooled
+# by the monotone fit) made the extra of one or two drafts read 0, and such free drafts were
+# admitted, and explored, at most steps of chat at batch 16 (0.93x of off); half still lets a
+# profile slowed 2x by another process be re-measured down
+EXTRA_FLOOR = 0.5
 
 
 def nondecreasing(values: list[float], weights: list[float] | None = None) -> list[float]:
@@ -185,7 +192,13 @@ class StepRateTable:
         plain = self._plain.seconds(max(base_tokens, 1))
         if num_drafts <= 0:
             return plain
-        return plain + self.sync_gap(base_tokens) + max(self._extra.seconds(num_drafts), 0.0)
+        return plain + self.sync_gap(base_tokens) + self._extra_seconds(num_drafts)
+
+    def _extra_seconds(self, num_drafts: int) -> float:
+        """Unloaded extra(D) of D > 0 drafts: the fitted curve, floored at EXTRA_FLOOR x the
+        start-up value."""
+        return max(self._extra.seconds(num_drafts),
+                   EXTRA_FLOOR * self._extra.start(num_drafts), 0.0)
 
     def seconds(self, base_tokens: int, num_drafts: int = 0) -> float:
         """Seconds of a step of `base_tokens` tokens without drafts that verifies `num_drafts`
@@ -194,10 +207,11 @@ class StepRateTable:
 
     def step_seconds(self, base_tokens: int) -> Callable[[int], float]:
         """D -> seconds(base_tokens, D): the admission's view of one step's batch."""
-        plain, load, extra = self._plain.seconds(max(base_tokens, 1)), self.load, self._extra
+        plain, load = self._plain.seconds(max(base_tokens, 1)), self.load
+        extra = self._extra_seconds
         blocking = plain + self.sync_gap(base_tokens)
-        return lambda num_drafts: load * (blocking + max(extra.seconds(num_drafts), 0.0)
-                                          if num_drafts > 0 else plain)
+        return lambda num_drafts: load * (blocking + extra(num_drafts) if num_drafts > 0
+                                          else plain)
 
     def observe(self, base_tokens: int, num_drafts: int, seconds: float) -> None:
         """Re-measure: one executed step (B0 tokens without its drafts, D drafts scored) took

@@ -184,19 +184,22 @@ def test_exploration_finds_a_verify_step_cheaper_than_its_profile():
     for one draft, 300 ms for 80, so no count of sure drafts pays: the drafter is not called.
     Exploration (a tenth of the step time here) verifies the gate's best set, a first draft
     for each row, once 0.1 x the elapsed time covers its predicted cost without gain (106 ms:
-    the 22nd step). That step takes 70 ms, so drafts of confidence 0.9 pay: each following
-    step verifies what the walk admits plus half as much again while the exploration budget
-    allows (24, 36, then all 48 drafts), each re-measuring the extra of its draft count."""
+    the 22nd step). That step takes 70 ms, so drafts of confidence 0.9 pay: the walk admits 16,
+    exploration steps add half as much again while the budget allows, and from the 26th step on
+    every step verifies all 48 drafts. The extra never reads below half the profile's
+    (EXTRA_FLOOR): this profile overstates 48 drafts 8x, and they still pay at half its price."""
     scheduler = decoding_scheduler(16)
     drafter = CountingDrafter([1, 2, 3], [0.9, 0.9, 0.9])
     table = measured_table(COSTLY, load_smoothing=0.0)
     spec = spec_decoder(drafter, table, spec_explore_fraction=0.1)
     run(spec, scheduler)
     verified = [scored_drafts(run(spec, scheduler, accept=3)[1]) for _ in range(30)]
-    assert verified == [0] * 21 + [16, 24, 36] + [48] * 6
-    assert spec.num_explored_steps == 4 and len(drafter.asked) == 9
-    # the monotone fit pools the profile's 60 ms at one draft with the steps' 19.8 ms
-    assert table.seconds(16, 48) == pytest.approx(0.0502 + (0.060 + 9 * 0.0198) / 10)
+    assert verified == [0] * 21 + [16, 16, 16, 36] + [48] * 5
+    assert spec.num_explored_steps == 5 and len(drafter.asked) == 9
+    # measured: the monotone fit pools the profile's 60 ms at one draft with the steps' 19.8
+    # ms; read: floored at half the profile's 48 drafts (interpolated between 1 and 80)
+    assert table.as_milliseconds()["extra"][48] == pytest.approx((60 + 9 * 19.8) / 10)
+    assert table.seconds(16, 48) == pytest.approx(0.0502 + 0.5 * (0.060 + 47 / 79 * 0.240))
 
 
 def test_exploration_stays_within_its_share_of_the_step_time():
