@@ -24,9 +24,9 @@ below what pays after a few early misses, would never be tried (and so corrected
 exploration step verifies more than the admission chose, draft-independently: when nothing was
 admitted, the gate's best set of surest first drafts (`best_entry`); else the next-ranked
 candidates after the walk's stop, half as many again (`top_candidates`). It runs only while
-what all exploration steps cost (their measured time minus the predicted time the admission's
-choice takes to commit as many tokens, in expectation), plus this one's predicted cost, stays
-below `spec_explore_fraction` of the elapsed step time. On a fast device a blocking step costs
+what all exploration steps cost (their measured time minus the predicted time of the
+admission's choice, with no credit for what they may commit), plus this one's predicted cost,
+stays below `spec_explore_fraction` of the elapsed step time. On a fast device a blocking step costs
 several overlapped plain steps: probes at a fixed interval (every 8 steps without drafts) held
 chat at batch 16 on the H200 at 0.85x of speculation off.
 
@@ -46,8 +46,7 @@ from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpecDec
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry, capacity,
-                                             drafting_can_pay, ranked_candidates,
-                                             top_candidates)
+                                             drafting_can_pay, top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, Drafter
 from deepinfer.engine.spec.step_rate import StepRateTable
 
@@ -99,8 +98,8 @@ class SpecDecoder:
         self.num_explored_steps = 0   # ... that verified more than the admission chose
         self.elapsed_seconds = 0.0    # observed step time
         self.explore_seconds = 0.0    # ... of it, what exploration steps cost on top
-        # an exploration step's baseline: the predicted seconds the admission's own choice
-        # takes to commit the exploration's expected tokens (None: not exploring)
+        # an exploration step's baseline: the predicted seconds of the admission's own choice
+        # (None: not exploring)
         self._explore_baseline: float | None = None
         # a look: a step that called the drafter and verified nothing (on the GPU a blocking
         # plain step instead of an overlapped one): (predicted plain seconds, drafter seconds)
@@ -214,24 +213,23 @@ class SpecDecoder:
                  max_drafts: int) -> list[int]:
         """The admission's lengths, or an exploration step's when one fits the budget (module
         docstring); both are draft-independent. What exploring costs is its step time minus
-        what the admission's choice would take to commit as many tokens (expected)."""
+        the predicted time of the admission's choice (no credit for the tokens it may commit:
+        confidences can be overconfident, and then every exploration would look free)."""
         chosen = sum(lengths)
-        ranked = [a for a, _, _ in ranked_candidates(confidences)][:max_drafts]
         if chosen == 0:
             target, _ = best_entry([c[0] if c else 0.0 for c in confidences], step_seconds,
                                    base_committed=float(len(confidences)),
                                    max_drafts=max_drafts)
         else:
-            target = min(chosen + max(1, chosen // 2), len(ranked))
+            available = min(sum(len(c) for c in confidences), max_drafts)
+            target = min(chosen + max(1, chosen // 2), available)
         if target <= chosen:
             return lengths
-        gain = (len(confidences) + sum(ranked[:target])) / (len(confidences)
-                                                             + sum(ranked[:chosen]))
         baseline = step_seconds(chosen)
-        if not self._explore_due(step_seconds(target) - baseline * gain):
+        if not self._explore_due(step_seconds(target) - baseline):
             return lengths
         self.num_explored_steps += 1
-        self._explore_baseline = baseline * gain
+        self._explore_baseline = baseline
         return top_candidates(confidences, target)
 
     def _hand_over(self, scheduler: Scheduler, ids: list[str], admitted: dict[str, list[int]],

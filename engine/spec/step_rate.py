@@ -64,7 +64,7 @@ SCALE_OBSERVATIONS = 3
 # by the monotone fit) made the extra of one or two drafts read 0, and such free drafts were
 # admitted, and explored, at most steps of chat at batch 16 (0.93x of off); half still lets a
 # profile slowed 2x by another process be re-measured down
-EXTRA_FLOOR = 0.5
+EXTRA_FLOOR = 1.0
 
 
 def nondecreasing(values: list[float], weights: list[float] | None = None) -> list[float]:
