@@ -192,11 +192,15 @@ class SpecDecoder:
             max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
             # DSpark §5.2: a capacity from the last proposal's confidences (unconstrained:
             # this step's drafts cannot have set them) carries past a jump the first
-            # positions alone do not pay
+            # positions alone do not pay, when it needs
+            # positions past the first (a capacity no larger than the first positions is what
+            # the gate already priced, with fresher confidences)
             earlier = [self._last_confidences.get(i, []) for i in ids]
+            carried = capacity(earlier, step_seconds, max_drafts=max_drafts)
+            if carried <= sum(1 for c in earlier if c):
+                carried = 0
             lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
-                                   min_drafts=capacity(earlier, step_seconds,
-                                                       max_drafts=max_drafts))
+                                   min_drafts=carried)
             self._last_confidences = {i: c for i, c in zip(ids, confidences) if c}
             self._looks_pay = any(lengths)
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts)
