@@ -3,7 +3,8 @@
 Before each schedule, `propose` asks the drafter for drafts of every running request that
 decodes next (one known token behind, nothing in flight), decides how many of each
 to verify (varlen: DSpark's admission over the step-rate table, counting the prefill tokens the
-step will carry; fixed: num_speculative_tokens) and hands them to the scheduler
+step will carry, with a capacity from the last proposal's confidences when that capacity needs
+positions past the first; fixed: num_speculative_tokens) and hands them to the scheduler
 (`Scheduler.update_draft_token_ids`). After the step, `observe` tells the drafter how many drafts
 were accepted (its confidences learn from it), re-measures the step rate (plain or verify step)
 and counts the metrics (`SpecDecodeStats`).
