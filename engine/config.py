@@ -227,6 +227,15 @@ class SpeculativeConfig:
     speculative_model: the draft model directory (draft_model only).
     prompt_lookup_min, prompt_lookup_max: n-gram drafter's shortest and longest suffix matched
         (vLLM's names).
+    spec_explore_fraction: varlen's exploration budget, a fraction of the elapsed step time: a
+        verify step the admission would not have chosen (draft-independent: the surest first
+        drafts, or the next-ranked candidates after the walk's stop) runs when the extra time
+        all such steps cost so far, plus this one's predicted extra, stays below it. It re-measures
+        verify costs the admission would otherwise never try again (a profile or a step slowed
+        by another process). 0: never explore.
+    spec_max_backoff_steps: varlen: the longest a request whose drafts keep being rejected at
+        the first position goes unproposed (waits of 1, 2, 4, ... steps up to this; 0: no
+        back-off).
     """
 
     speculative_method: str | None = _field(None, env="DEEPINFER_SPECULATIVE_METHOD",
@@ -238,6 +247,8 @@ class SpeculativeConfig:
                                            flag="speculative_model")
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    spec_explore_fraction: float = 0.01
+    spec_max_backoff_steps: int = 8
 
     def __post_init__(self) -> None:
         method = self.speculative_method
@@ -253,6 +264,12 @@ class SpeculativeConfig:
                1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                f"prompt_lookup_min={self.prompt_lookup_min} must be in [1, prompt_lookup_max="
                f"{self.prompt_lookup_max}].")
+        _check("spec_explore_fraction", 0.0 <= self.spec_explore_fraction <= 0.5,
+               f"spec_explore_fraction={self.spec_explore_fraction} must be in [0, 0.5] (a "
+               "fraction of the elapsed step time; 0: never explore).")
+        _check("spec_max_backoff_steps", self.spec_max_backoff_steps >= 0,
+               f"spec_max_backoff_steps={self.spec_max_backoff_steps} must be >= 0 (0: no "
+               "back-off).")
 
     @property
     def enabled(self) -> bool:

@@ -145,6 +145,7 @@ class EngineCore:
                 async_scheduling = False
             else:   # varlen n-gram: steps without drafts stay asynchronous (`_non_block`)
                 self.spec.async_plain_steps = True
+                self.spec.step_rate.overlapped_plain = True
         self.async_scheduling = async_scheduling
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
@@ -231,9 +232,9 @@ class EngineCore:
                 self.executor.runner, max_num_seqs=scheduler.max_num_seqs,
                 num_speculative_tokens=config.num_speculative_tokens,
                 max_num_batched_tokens=scheduler.max_num_batched_tokens)
-            logger.info("speculative decoding (%s, varlen): verify steps/s by batch tokens %s",
-                        config.speculative_method,
-                        {b: round(r, 1) for b, r in step_rate.as_steps_per_second().items()})
+            logger.info("speculative decoding (%s, varlen): step ms (plain by batch tokens, "
+                        "verify extra by drafts) %s", config.speculative_method,
+                        step_rate.as_milliseconds())
         return SpecDecoder(config, drafter, step_rate, scheduler.max_num_batched_tokens)
 
     def close(self) -> None:
@@ -456,10 +457,8 @@ class EngineCore:
         core_outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
         if self.spec is not None:   # with async scheduling, a plain step's cost is its
             # period when overlapped, not a blocking plain step's (which the loop avoids)
-            timed = (step.non_block or not self.async_scheduling
-                     or bool(step.scheduler_output.scheduled_spec_decode_tokens))
-            self.spec.observe(step.scheduler_output, runner_output,
-                              step.seconds if timed else None)
+            self.spec.observe(step.scheduler_output, runner_output, step.seconds,
+                              measures_plain=step.non_block or not self.async_scheduling)
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)

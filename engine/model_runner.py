@@ -28,7 +28,7 @@ import torch
 from deepinfer.engine.async_step import AsyncRunnerOutput
 from deepinfer.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs, feed_tokens
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.engine.sampler import Sampler, SamplerOutput
+from deepinfer.engine.sampler import Sampler, SamplerOutput, greedy_argmax
 from deepinfer.engine.sampling_metadata import build_sampling_metadata
 from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.engine.models.layers import set_kernel_config
@@ -274,6 +274,16 @@ class ModelRunner:
         Returns:
             request id -> (committed token ids, their logprobs or None).
         """
+        if inputs.draft_token_ids is not None and all(
+                s.grammar is None for s in inputs.sampling_states):
+            # greedy requests without penalties, logprobs or pending min_tokens sample every
+            # position by one argmax: no per-position sampling states (a host cost that
+            # grows with the drafts of the step)
+            metadata = build_sampling_metadata(inputs.sampling_states, self.device,
+                                               eos_token_ids=self.eos_token_ids)
+            if metadata.argmax_only:
+                result = SamplerOutput(greedy_argmax(logits).tolist(), None)
+                return self._commit_drafts(inputs, result)
         row_states = self._row_states(inputs.sampling_states, inputs.draft_token_ids)
         metadata = build_sampling_metadata(row_states, self.device,
                                            eos_token_ids=self.eos_token_ids)

@@ -3,7 +3,8 @@
 - drafter.py: the drafter interface (drafts + per-position conditional confidences).
 - ngram.py: prompt/context lookup drafter with counter-calibrated confidences (pure Python).
 - admission.py: which drafts to verify (DSpark's confidence-scheduled varlen, or fixed).
-- step_rate.py: the steps/s-vs-batch-tokens table the varlen admission reads.
+- step_rate.py: step seconds (plain step by batch tokens + verify extra by drafts) the varlen
+  admission reads.
 - manager.py: `SpecDecoder`, the step loop's glue (propose before schedule, observe after).
 - mtp.py: the DeepSeek MTP drafter (torch), runs in the model runner after each step.
 - draft_model.py: a small same-tokenizer model as drafter (torch), likewise.

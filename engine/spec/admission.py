@@ -2,19 +2,32 @@
 
 Varlen (DSpark paper §2, Algorithm 1). Request r has confidences c_{r,1..} (conditional
 acceptance probabilities) and prefix-survival probabilities a_{r,j} = c_{r,1} ... c_{r,j}
-(non-increasing in j). Verifying l_r drafts of each of R requests costs B = B0 + sum(l_r) batch
-tokens (B0 = R decode tokens plus the step's prefill tokens) and commits, in expectation,
-tau = tau0 + sum_r sum_{j <= l_r} a_{r,j} tokens (tau0 = R: each decode row commits at least its
-correction or bonus token). Throughput is Theta = tau * SPS(B), SPS the verify steps per second at
-B tokens; the step without drafts runs at its own rate, the plain step's (the first draft row
-costs a jump: on CPU 7 ms on a 51 ms step of 16 decode rows), which is the Theta to beat. All
-(r, j) candidates are sorted by a (ties: smaller j, then earlier r) and admitted one at a time
-while Theta rises; the first candidate that does not raise it stops the search. Since a
-is non-increasing in j, the order respects each request's prefix order, so what is admitted is
-a prefix of each request's drafts. The stop at the first non-improvement is what keeps the
+(non-increasing in j). A step that verifies D drafts costs t(D) seconds (t(0): the plain step of
+the same rows and prefill tokens; engine/spec/step_rate.py) and commits, in expectation,
+tau = tau0 + (sum of the admitted a) tokens (tau0 = R: each decode row commits at least its
+correction or bonus token). Throughput is Theta = tau / t(D); the plain step's tau0 / t(0) is
+the Theta to beat.
+
+The walk. All (r, j) candidates are sorted by a (ties: smaller j, then earlier r) and admitted
+one at a time while Theta rises; the first candidate that does not raise it stops the search.
+Since a is non-increasing in j, the order respects each request's prefix order, so what is
+admitted is a prefix of each request's drafts. The stop at the first non-improvement keeps the
 admission of (r, j) a function of candidates with a >= a_{r,j} only, none of which may depend on
 draft j (Appendix A: a search for the best prefix overall lets a draft decide its own admission
 and biases the output distribution).
+
+The gate. Entering a verify step costs a jump (extra(1) of the table: other kernels, on the GPU
+a blocking step instead of an overlapped one) that no single draft pays at a large batch, though
+a draft for every row does: the walk alone would stop at its first candidate. So whether to
+verify at all is decided first from the first positions only: the best Theta over the K surest
+first drafts, K = 1..R, an unconstrained search (lossless: a_{r,1} = c_{r,1} depends on no
+draft). When it beats the plain step, the K* candidates ranked first are admitted (the rank of
+(r, j) depends only on candidates with a >= a_{r,j}) and the walk goes on from there on the
+verify curve; else nothing is verified. Where the jump is so large that only drafts past the
+first positions pay it (a host-bound step: SmolLM2-sized or smaller models), the first positions
+cannot open the gate; DSpark's production variant (§5.2) then helps: a capacity K from an
+earlier step's confidences (`capacity`, an unconstrained search, lossless since those cannot
+depend on this step's drafts) admits the K candidates ranked first, and the walk goes on.
 
 Fixed: every request verifies min(its drafts, num_speculative_tokens) (the scheduler then caps
 them by the token budget and the request's max_tokens).
@@ -36,59 +49,126 @@ def survival(confidences: Sequence[float]) -> list[float]:
     return products
 
 
-def admit_varlen(confidences: Sequence[Sequence[float]], steps_per_second: Callable[[int], float],
-                 *, base_tokens: int, base_committed: float | None = None,
-                 max_tokens: int | None = None,
-                 plain_steps_per_second: float | None = None) -> list[int]:
-    """Algorithm 1 of the DSpark paper: how many drafts each request verifies.
-
-    Args:
-        confidences: per decode request, c_{r,1..k_r} (k_r may differ; empty: no drafts).
-        steps_per_second: SPS(B), verify steps per second at B batch tokens (B >= base_tokens).
-        base_tokens: batch tokens without drafts (decode rows + prefill tokens in the step).
-        base_committed: tau0, expected tokens committed without drafts (default: one per
-            request).
-        max_tokens: the step's token budget; B never exceeds it.
-        plain_steps_per_second: steps per second of the step without drafts (default
-            SPS(base_tokens)): the Theta the first admitted draft must beat.
-    Returns:
-        l_r per request, 0 <= l_r <= k_r: verify the first l_r drafts.
-    """
-    num_requests = len(confidences)
-    lengths = [0] * num_requests
+def ranked_candidates(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int, int]]:
+    """(a_{r,j}, j, r) of every candidate with a > 0, surest first (ties: smaller j, then r);
+    j is 0-based."""
     survivals = [survival(c) for c in confidences]
     # position-major, then request order: sort is stable, so ties go to smaller j, then r
     candidates = [(a[j], j, r) for j in range(max((len(a) for a in survivals), default=0))
                   for r, a in enumerate(survivals) if j < len(a) and a[j] > 0.0]
     candidates.sort(key=lambda cand: -cand[0])
-    tokens = base_tokens
-    committed = float(num_requests if base_committed is None else base_committed)
-    best = committed * (steps_per_second(max(tokens, 1)) if plain_steps_per_second is None
-                        else plain_steps_per_second)
-    for probability, position, request in candidates:
-        if max_tokens is not None and tokens + 1 > max_tokens:
+    return candidates
+
+
+def best_entry(first_survivals: Sequence[float], step_seconds: Callable[[int], float], *,
+               base_committed: float, max_drafts: int | None = None) -> tuple[int, float]:
+    """The gate: (K*, Theta) of the best verify step over the K surest first drafts alone.
+
+    Args:
+        first_survivals: a_{r,1} of the requests with drafts (any order).
+        step_seconds: t(D), seconds of the step verifying D drafts (t(0): plain).
+        base_committed: tau0.
+        max_drafts: D never exceeds it (None: no cap).
+    Returns:
+        (K*, tau / t(K*)); (0, tau0 / t(0)) when there is no first draft.
+    """
+    ranked = sorted((a for a in first_survivals if a > 0.0), reverse=True)
+    if max_drafts is not None:
+        ranked = ranked[:max(max_drafts, 0)]
+    best_k, best = 0, base_committed / step_seconds(0)
+    committed = base_committed
+    first = True
+    for k, probability in enumerate(ranked, start=1):
+        committed += probability
+        theta = committed / step_seconds(k)
+        if first or theta > best:   # K >= 1 always has an entry, even below the plain step
+            best_k, best, first = k, theta, False
+    return best_k, best
+
+
+def capacity(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int], float], *,
+             base_committed: float | None = None, max_drafts: int | None = None) -> int:
+    """DSpark §5.2's capacity: the draft count K that maximises tau / t(K) over the K surest
+    candidates of `confidences`, an unconstrained search (0 when no K beats the plain step).
+    Lossless only for confidences this step's drafts cannot have set (an earlier step's)."""
+    committed = float(len(confidences) if base_committed is None else base_committed)
+    ranked = [a for a, _, _ in ranked_candidates(confidences)]
+    if max_drafts is not None:
+        ranked = ranked[:max(max_drafts, 0)]
+    best_k, best = 0, committed / step_seconds(0)
+    for k, probability in enumerate(ranked, start=1):
+        committed += probability
+        if committed / step_seconds(k) > best:
+            best_k, best = k, committed / step_seconds(k)
+    return best_k
+
+
+def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int], float],
+                 *, base_committed: float | None = None, max_drafts: int | None = None,
+                 min_drafts: int = 0) -> list[int]:
+    """The gate, then Algorithm 1's walk (module docstring): how many drafts each request
+    verifies.
+
+    Args:
+        confidences: per decode request, c_{r,1..k_r} (k_r may differ; empty: no drafts).
+        step_seconds: t(D), seconds of the step verifying D drafts; t(0) the plain step.
+        base_committed: tau0, expected tokens committed without drafts (default: one per
+            request).
+        max_drafts: the drafts the step's token budget leaves room for (None: no cap).
+        min_drafts: a capacity decided beforehand from confidences this step's drafts cannot
+            have set (`capacity` of the previous step's, DSpark §5.2): the candidates ranked
+            first up to it are admitted whatever the gate says, then the walk goes on.
+    Returns:
+        l_r per request, 0 <= l_r <= k_r: verify the first l_r drafts.
+    """
+    lengths = [0] * len(confidences)
+    committed = float(len(confidences) if base_committed is None else base_committed)
+    firsts = [c[0] if c else 0.0 for c in (survival(c[:1]) for c in confidences)]
+    entry, entry_theta = best_entry(firsts, step_seconds, base_committed=committed,
+                                    max_drafts=max_drafts)
+    if entry == 0 or entry_theta <= committed / step_seconds(0):
+        entry = 0
+    entry = max(entry, min_drafts)
+    if entry == 0:
+        return lengths
+    best = 0.0
+    for index, (probability, position, request) in enumerate(ranked_candidates(confidences)):
+        if max_drafts is not None and index + 1 > max_drafts:
             break
-        theta = (committed + probability) * steps_per_second(tokens + 1)
-        if theta <= best:
+        theta = (committed + probability) / step_seconds(index + 1)
+        if index >= entry and theta <= best:
             break                       # the first non-improvement ends the search
-        tokens += 1
         committed += probability
         best = theta
         lengths[request] = position + 1
     return lengths
 
 
-def drafting_can_pay(num_requests: int, steps_per_second: Callable[[int], float], *,
-                     base_tokens: int, plain_steps_per_second: float | None = None,
-                     max_tokens: int | None = None) -> bool:
-    """False when `admit_varlen` admits nothing whatever the confidences: even a draft sure
-    to be accepted (a = 1) does not raise Theta over the plain step, and the walk stops at its
-    first candidate. The step loop then skips the drafter altogether."""
-    if num_requests == 0 or (max_tokens is not None and base_tokens + 1 > max_tokens):
+def drafting_can_pay(num_requests: int, step_seconds: Callable[[int], float], *,
+                     max_drafts: int) -> bool:
+    """False when drafting cannot pay whatever the confidences: no count of sure drafts
+    (a = 1), up to `max_drafts` (the requests' gamma drafts each, within the token budget),
+    beats the plain step. The step loop then skips the drafter altogether."""
+    if num_requests == 0 or max_drafts <= 0:
         return False
-    plain = (steps_per_second(max(base_tokens, 1)) if plain_steps_per_second is None
-             else plain_steps_per_second)
-    return (num_requests + 1.0) * steps_per_second(base_tokens + 1) > num_requests * plain
+    plain = num_requests / step_seconds(0)
+    # (R + k) / t(k) is monotone between the kinks of a piecewise-linear t: a geometric grid
+    # (1, 2, 3, 4, 6, 8, 12, ...) and the end stand in for them
+    counts, k = {max_drafts}, 1
+    while k < max_drafts:
+        counts.update((k, k + k // 2))
+        k *= 2
+    return any((num_requests + k) / step_seconds(k) > plain
+               for k in counts if k <= max_drafts)
+
+
+def top_candidates(confidences: Sequence[Sequence[float]], num_drafts: int) -> list[int]:
+    """The lengths that verify the `num_drafts` candidates ranked first (an exploration step's
+    admission, DSpark §5.2's top-K: the rank of (r, j) reads only surer candidates)."""
+    lengths = [0] * len(confidences)
+    for _, position, request in ranked_candidates(confidences)[:max(num_drafts, 0)]:
+        lengths[request] = position + 1
+    return lengths
 
 
 def admit_fixed(num_drafts: Sequence[int], num_speculative_tokens: int) -> list[int]:

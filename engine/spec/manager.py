@@ -3,23 +3,33 @@
 Before each schedule, `propose` asks the drafter for drafts of every running request that
 decodes next (one known token behind, nothing in flight), decides how many of each
 to verify (varlen: DSpark's admission over the step-rate table, counting the prefill tokens the
-step will carry; fixed: num_speculative_tokens) and hands them to the scheduler
+step will carry, with a capacity from the last proposal's confidences when that capacity needs
+positions past the first; fixed: num_speculative_tokens) and hands them to the scheduler
 (`Scheduler.update_draft_token_ids`). After the step, `observe` tells the drafter how many drafts
 were accepted (its confidences learn from it), re-measures the step rate (plain or verify step)
 and counts the metrics (`SpecDecodeStats`).
 
 When drafting cannot pay, the step is a plain decode step and costs what one costs: with varlen,
-if even a sure draft would not raise the admission's Theta over the plain step
-(`drafting_can_pay`), the drafter is not called at all; and a request whose last
-`MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their first draft is not
-proposed for 1, 2, 4, ... up to `max_backoff_steps` steps (then proposed again; varlen only:
-fixed length verifies every request, the baseline it is). Every `probe_interval` steps without
-drafting (varlen; 4x as many once the verify step of one draft more than the plain batch was
-measured `PROBES` times), the surest first draft is verified anyway, a little exploration that
-keeps two traps open: a decision to stop drafting that rests on a start-up profile or a verify
-step another process slowed (the table's load factor keeps measured points comparable), and a
-confidence bucket whose estimate fell below what pays after a few early misses, which nothing
-would ever verify (and so correct) again.
+if even a sure first draft for every request would not open the admission's gate
+(`drafting_can_pay`), the drafter is not called at all. Where plain steps overlap the host
+(`async_plain_steps`), a look (a step that calls the drafter) is a blocking step: when sure
+drafts would pay but the last look admitted nothing, the next one waits for the exploration
+budget below, priced at what the last one cost (the overlap it lost, and the drafter's time).
+And a request whose last `MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their
+first draft is not proposed for 1, 2, 4, ... up to `spec_max_backoff_steps` steps (then
+proposed again; varlen only: fixed length verifies every request, the baseline it is).
+
+Exploration (varlen), bounded by its cost: the admission only re-measures the verify costs it
+chooses, so a cost that a profile or a slowed step overstated, or a confidence bucket that fell
+below what pays after a few early misses, would never be tried (and so corrected) again. An
+exploration step verifies more than the admission chose, draft-independently: when nothing was
+admitted, the gate's best set of surest first drafts (`best_entry`); else the next-ranked
+candidates after the walk's stop, half as many again (`top_candidates`). It runs only while
+what all exploration steps cost (their measured time minus the predicted time of the
+admission's choice, with no credit for what they may commit), plus this one's predicted cost,
+stays below `spec_explore_fraction` of the elapsed step time. On a fast device a blocking step costs
+several overlapped plain steps: probes at a fixed interval (every 8 steps without drafts) held
+chat at batch 16 on the H200 at 0.85x of speculation off.
 
 Acceptance itself happens in the model runner: a draft is accepted iff it equals the target's own
 sample at that position (greedy argmax, or the seeded exponential race), so outputs are those of
@@ -30,17 +40,19 @@ Pure module: no torch import.
 
 from __future__ import annotations
 
+import time
+
 from deepinfer.engine.config import SpeculativeConfig
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.spec.admission import admit_fixed, admit_varlen, drafting_can_pay
+from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry, capacity,
+                                             drafting_can_pay, top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, Drafter
 from deepinfer.engine.spec.step_rate import StepRateTable
 
 GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
 MISSES_BEFORE_BACKOFF = 2   # verified proposals rejected at draft 1 in a row before a back-off
-PROBES = 3                  # verify steps measured at B0 + 1 before probes grow 4x rarer
 PLAIN_MEASUREMENTS = 3      # async plain steps measured at a batch size before drafting there
 
 
@@ -67,21 +79,16 @@ class SpecDecoder:
     """Args:
         config: the speculative decoding settings.
         drafter: proposes drafts and confidences (engine/spec/drafter.py).
-        step_rate: SPS(B) for varlen admission (None: fixed length).
+        step_rate: step seconds for varlen admission (None: fixed length).
         max_num_batched_tokens: the step's token budget.
-        max_backoff_steps: the longest a request whose drafts keep failing goes unproposed.
-        probe_interval: varlen steps without drafting between two probes (0: never probe).
     """
 
     def __init__(self, config: SpeculativeConfig, drafter: Drafter,
-                 step_rate: StepRateTable | None, max_num_batched_tokens: int, *,
-                 max_backoff_steps: int = 8, probe_interval: int = 8):
+                 step_rate: StepRateTable | None, max_num_batched_tokens: int):
         self.config = config
         self.drafter = drafter
         self.step_rate = step_rate if config.spec_varlen else None
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_backoff_steps = max_backoff_steps
-        self.probe_interval = probe_interval
         self.stats = SpecDecodeStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
         # set by the engine when steps without drafts run asynchronously (varlen n-gram on
@@ -89,34 +96,67 @@ class SpecDecoder:
         self.async_plain_steps = False
         self.num_steps = 0            # propose calls
         self.num_skipped_steps = 0    # ... that did not call the drafter (drafting cannot pay)
-        self._steps_without_drafts = 0
+        self.num_explored_steps = 0   # ... that verified more than the admission chose
+        self.elapsed_seconds = 0.0    # observed step time
+        self.explore_seconds = 0.0    # ... of it, what exploration steps cost on top
+        # an exploration step's baseline: the predicted seconds of the admission's own choice
+        # (None: not exploring)
+        self._explore_baseline: float | None = None
+        # a look: a step that called the drafter and verified nothing (on the GPU a blocking
+        # plain step instead of an overlapped one): (predicted plain seconds, drafter seconds)
+        self._look: tuple[float, float] | None = None
+        self._looks_pay: bool | None = None   # the last look admitted drafts (None: no look)
+        self._last_look_seconds = 0.0    # what the last fruitless look cost
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
+        self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
         self._misses: dict[str, int] = {}           # request id -> rejected-at-once in a row
         self._resume_step: dict[str, int] = {}      # request id -> first step it is proposed
 
     def may_draft(self, scheduler: Scheduler) -> bool:
         """Whether the next step may carry drafts, asked before its requests' last tokens are
-        known (a step in flight): False only under varlen admission when no probe is due and
-        even a sure draft cannot pay at the running batch (`drafting_can_pay`). The engine
-        then launches the step without waiting for the one in flight (async scheduling), as
-        a plain decode step; fixed length drafts every step, so it always answers True.
+        known (a step in flight): False only under varlen admission when even a sure first
+        draft for every running request cannot pay at the running batch
+        (`drafting_can_pay`) and no exploration fits its budget. The engine then launches the
+        step without waiting for the one in flight (async scheduling), as a plain decode
+        step; fixed length drafts every step, so it always answers True.
         With `async_plain_steps`, a batch size whose overlapped plain step was measured fewer
-        than PLAIN_MEASUREMENTS times runs plain first: the start-up profile times blocking
-        steps, which overstates what a plain step costs when the host overlaps the device."""
+        than PLAIN_MEASUREMENTS times runs plain first (the start-up profile times blocking
+        steps, which overstates what a plain step costs when the host overlaps the device),
+        unless the last look admitted drafts: drafting that pays goes on while requests
+        finish and the batch shrinks (3 plain steps at each new batch size cost the synthetic
+        chart at batch 16 a quarter of its speedup)."""
         if self.step_rate is None:
             return True
         num_rows = len(scheduler.running)
         if num_rows == 0:
             return False
         base_tokens = num_rows + prefill_tokens_next(scheduler)
-        if self.async_plain_steps and self.step_rate.measured(
-                base_tokens, verify=False) < PLAIN_MEASUREMENTS:
+        if self.async_plain_steps and not self._looks_pay and self.step_rate.measured(
+                base_tokens) < PLAIN_MEASUREMENTS:
             return False   # measure what an overlapped plain step costs at this batch first
-        if self._probe_due(base_tokens):
-            return True
-        return drafting_can_pay(num_rows, self.step_rate, base_tokens=base_tokens,
-                                plain_steps_per_second=self.step_rate.plain_rate(base_tokens),
-                                max_tokens=self.max_num_batched_tokens)
+        return self._may_verify(num_rows, base_tokens)
+
+    def _may_verify(self, num_rows: int, base_tokens: int) -> bool:
+        """Whether to call the drafter for `num_rows` decode rows: drafting can pay (sure first
+        drafts would open the gate) and the last look found drafts worth verifying or looking
+        costs no overlap (plain steps block too), or a look or an exploration step (a first
+        draft for each row, the most the gate's exploration verifies) fits the exploration
+        budget."""
+        step_seconds = self.step_rate.step_seconds(base_tokens)
+        max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
+        if drafting_can_pay(num_rows, step_seconds, max_drafts=min(
+                max_drafts, num_rows * self.config.num_speculative_tokens)):
+            return (self._looks_pay is not False or not self.async_plain_steps
+                    or self._explore_due(self._last_look_seconds))
+        most = min(num_rows, max_drafts)
+        return most > 0 and self._explore_due(step_seconds(most) - step_seconds(0))
+
+    def _explore_due(self, extra_seconds: float) -> bool:
+        """An exploration step predicted to cost `extra_seconds` more than the admission's
+        choice fits the budget (`SpeculativeConfig.spec_explore_fraction`)."""
+        fraction = self.config.spec_explore_fraction
+        return fraction > 0.0 and (self.explore_seconds + max(extra_seconds, 0.0)
+                                   <= fraction * self.elapsed_seconds)
 
     def skip_step(self, scheduler: Scheduler) -> None:
         """The next step carries no drafts (`may_draft` said so): counted as a step that did
@@ -125,65 +165,92 @@ class SpecDecoder:
         self._hand_over(scheduler, [r.request_id for r in scheduler.running if decodes_next(r)],
                         {}, skipped=True)
 
-    def _probe_due(self, base_tokens: int) -> bool:
-        interval = self.probe_interval * (
-            1 if self.step_rate.measured(base_tokens + 1) < PROBES else 4)
-        return self.probe_interval > 0 and self._steps_without_drafts + 1 >= interval
-
     def propose(self, scheduler: Scheduler) -> dict[str, list[int]]:
         """Draft for the next step and hand the admitted drafts to the scheduler; returns them
         (request id -> draft ids, only requests with at least one)."""
         self.num_steps += 1
+        self._explore_baseline = self._look = None
         gamma = self.config.num_speculative_tokens
         decoding = [r for r in scheduler.running if decodes_next(r)]
         ids = [r.request_id for r in decoding]
         if not ids:
             return self._hand_over(scheduler, ids, {}, skipped=False)
         base_tokens = len(ids) + prefill_tokens_next(scheduler)
-        plain_rate = None
-        probe = False
-        if self.step_rate is not None:
-            plain_rate = self.step_rate.plain_rate(base_tokens)
-            probe = self._probe_due(base_tokens)
-            if not probe and not drafting_can_pay(
-                    len(ids), self.step_rate, base_tokens=base_tokens,
-                    plain_steps_per_second=plain_rate, max_tokens=self.max_num_batched_tokens):
-                return self._hand_over(scheduler, ids, {}, skipped=True)
+        if self.step_rate is not None and not self._may_verify(len(ids), base_tokens):
+            return self._hand_over(scheduler, ids, {}, skipped=True)
         views = [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens,
                               max_drafts=min(gamma, max(r.max_total_tokens - r.num_tokens - 1, 0)),
                               greedy=r.sampling_params.temperature < GREEDY_TEMPERATURE)
                  for r in decoding if self._resume_step.get(r.request_id, 0) <= self.num_steps]
         views = [v for v in views if v.max_drafts > 0]
+        start = time.perf_counter()
         proposals = self.drafter.propose(views) if views else {}
+        drafter_seconds = time.perf_counter() - start
         drafts = [proposals[i].token_ids if i in proposals else [] for i in ids]
         confidences = [proposals[i].confidences if i in proposals else [] for i in ids]
         if self.step_rate is not None:
-            lengths = admit_varlen(confidences, self.step_rate, base_tokens=base_tokens,
-                                   max_tokens=self.max_num_batched_tokens,
-                                   plain_steps_per_second=plain_rate)
-            if probe and not any(lengths):
-                lengths = probe_lengths(confidences)
+            step_seconds = self.step_rate.step_seconds(base_tokens)
+            max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
+            # DSpark §5.2: a capacity from the last proposal's confidences (unconstrained:
+            # this step's drafts cannot have set them) carries past a jump the first
+            # positions alone do not pay, when it needs
+            # positions past the first (a capacity no larger than the first positions is what
+            # the gate already priced, with fresher confidences)
+            earlier = [self._last_confidences.get(i, []) for i in ids]
+            carried = capacity(earlier, step_seconds, max_drafts=max_drafts)
+            if carried <= sum(1 for c in earlier if c):
+                carried = 0
+            lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
+                                   min_drafts=carried)
+            self._last_confidences = {i: c for i, c in zip(ids, confidences) if c}
+            self._looks_pay = any(lengths)
+            lengths = self._explore(confidences, lengths, step_seconds, max_drafts)
+            if not any(lengths):
+                self._look = (step_seconds(0), drafter_seconds)
         else:
             lengths = admit_fixed([len(d) for d in drafts], gamma)
         admitted = {i: d[:n] for i, d, n in zip(ids, drafts, lengths) if n > 0}
         for request_id in proposals.keys() - admitted.keys():
             self.drafter.observe(request_id, 0, 0)   # proposed, none verified
-        return self._hand_over(scheduler, ids, admitted, skipped=False, probed=probe)
+        return self._hand_over(scheduler, ids, admitted, skipped=False)
+
+    def _explore(self, confidences: list[list[float]], lengths: list[int], step_seconds,
+                 max_drafts: int) -> list[int]:
+        """The admission's lengths, or an exploration step's when one fits the budget (module
+        docstring); both are draft-independent. What exploring costs is its step time minus
+        the predicted time of the admission's choice (no credit for the tokens it may commit:
+        confidences can be overconfident, and then every exploration would look free)."""
+        chosen = sum(lengths)
+        if chosen == 0:
+            target, _ = best_entry([c[0] if c else 0.0 for c in confidences], step_seconds,
+                                   base_committed=float(len(confidences)),
+                                   max_drafts=max_drafts)
+        else:
+            available = min(sum(len(c) for c in confidences), max_drafts)
+            target = min(chosen + max(1, chosen // 2), available)
+        if target <= chosen:
+            return lengths
+        baseline = step_seconds(chosen)
+        if not self._explore_due(step_seconds(target) - baseline):
+            return lengths
+        self.num_explored_steps += 1
+        self._explore_baseline = baseline
+        return top_candidates(confidences, target)
 
     def _hand_over(self, scheduler: Scheduler, ids: list[str], admitted: dict[str, list[int]],
-                   *, skipped: bool, probed: bool = False) -> dict[str, list[int]]:
+                   *, skipped: bool) -> dict[str, list[int]]:
         """The step's drafts to the scheduler (none for the other decode rows)."""
         self.num_skipped_steps += skipped
-        self._steps_without_drafts = (0 if admitted or probed
-                                      else self._steps_without_drafts + 1)
         scheduler.update_draft_token_ids({i: admitted.get(i, []) for i in ids})
         self._proposed = admitted
         return admitted
 
     def observe(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-                step_seconds: float | None) -> None:
+                step_seconds: float | None, *, measures_plain: bool = True) -> None:
         """A step's results: acceptance per request to the drafter and the metrics, and the
-        step's time to the step-rate table (None: not timed)."""
+        step's time to the step-rate table (None: not timed; measures_plain False: a step
+        without drafts that does not time the plain step, a blocking one while plain steps
+        overlap the host) and to the exploration budget."""
         scored = scheduler_output.scheduled_spec_decode_tokens
         for request_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             drafts = scored.get(request_id)
@@ -203,20 +270,37 @@ class SpecDecoder:
             self.drafter.observe(request_id, 0, 0)   # admitted, but the budget left no room
         self._proposed = {}
         if self.step_rate is not None and step_seconds is not None:
-            self.step_rate.observe(scheduler_output.total_num_scheduled_tokens, step_seconds,
-                                   verify=bool(scored))
+            num_drafts = sum(len(d) for d in scored.values())
+            if num_drafts or measures_plain:
+                self.step_rate.observe(scheduler_output.total_num_scheduled_tokens
+                                       - num_drafts, num_drafts, step_seconds)
+            self.elapsed_seconds += step_seconds
+            if self._explore_baseline is not None and num_drafts:
+                self.explore_seconds += max(step_seconds - self._explore_baseline, 0.0)
+            if self._look is not None and not num_drafts:
+                plain_seconds, drafter_seconds = self._look   # + the overlap it lost: at
+                # least the profile's blocking-minus-overlapped gap (a plain estimate still at
+                # the blocking scale would make looks look free)
+                gap = self.step_rate.load * self.step_rate.sync_gap(
+                    scheduler_output.total_num_scheduled_tokens)
+                blocking = (max(step_seconds - plain_seconds, gap) if self.async_plain_steps
+                            else 0.0)
+                self._last_look_seconds = drafter_seconds + blocking
+                self.explore_seconds += self._last_look_seconds
+        self._explore_baseline = self._look = None
 
     def _back_off(self, request_id: str, num_accepted: int) -> None:
         """After a verify: a request rejected at its first draft `MISSES_BEFORE_BACKOFF` times
-        in a row (and more) skips proposals for 1, 2, 4, ... <= max_backoff_steps steps."""
+        in a row (and more) skips proposals for 1, 2, 4, ... <= spec_max_backoff_steps steps."""
         if num_accepted > 0:
             self._misses.pop(request_id, None)
             self._resume_step.pop(request_id, None)
             return
         misses = self._misses.get(request_id, 0) + 1
         self._misses[request_id] = misses
-        if misses >= MISSES_BEFORE_BACKOFF and self.max_backoff_steps > 0:
-            wait = min(2 ** (misses - MISSES_BEFORE_BACKOFF), self.max_backoff_steps)
+        limit = self.config.spec_max_backoff_steps
+        if misses >= MISSES_BEFORE_BACKOFF and limit > 0:
+            wait = min(2 ** (misses - MISSES_BEFORE_BACKOFF), limit)
             self._resume_step[request_id] = self.num_steps + 1 + wait
 
     def forget(self, request_ids) -> None:
@@ -225,13 +309,3 @@ class SpecDecoder:
             self._misses.pop(request_id, None)
             self._resume_step.pop(request_id, None)
 
-
-def probe_lengths(confidences: list[list[float]]) -> list[int]:
-    """A probe step's admission: the one first draft with the highest confidence (ties: the
-    earlier request); nothing else. Draft-independent like `admit_varlen`."""
-    lengths = [0] * len(confidences)
-    best = max(range(len(confidences)), key=lambda r: confidences[r][0] if confidences[r]
-               else -1.0, default=None)
-    if best is not None and confidences[best]:
-        lengths[best] = 1
-    return lengths

@@ -1,34 +1,49 @@
-"""SPS(B): steps per second of plain and verify steps, by the step's batch tokens B.
+"""Step seconds of plain and verify steps: what DSpark's admission (engine/spec/admission.py)
+prices drafts with.
 
-DSpark's scheduler (engine/spec/admission.py) compares the step without drafts (plain: every
-row one token, plus the step's prefill chunks) with the step that verifies k more draft tokens.
-The two are different kernel paths, not one curve: the first draft row costs a jump (SmolLM2 on
-the 2-core CPU box: 16 decode rows 51 ms, the same with one draft 58 ms), so the table keeps one
-curve per kind of step.
+Model. A step of R decode rows plus P prefill tokens (base tokens B0 = R + P) that verifies D
+draft tokens costs
+
+    seconds(B0, D) = plain(B0) + extra(D)          (extra(0) = 0)
+
+plain(B0) is the step without drafts; extra(D) is what scoring D drafts adds to it: the verify
+kernels' larger batch, the per-position sampling and commit on the host, and on the GPU the
+lost overlap (a verify step blocks, a plain one runs asynchronously). The two are different
+paths, not one curve of B: the first draft costs a jump (SmolLM2 on the 2-core CPU box: 16
+decode rows 51 ms, the same with one draft 58 ms), so extra(1) holds the jump and its growth
+with D the per-draft cost. Where plain steps overlap the host (`overlapped_plain`: async
+scheduling on the GPU), a verify step, which blocks, also costs what a blocking plain step
+costs over an overlapped one: the profile's (blocking) plain(B0) minus the measured one.
+Keying extra by D alone (not by (R, D)) is what lets the steps the engine runs re-measure the
+points its admission reads: a verify step at the running batch updates extra(D) for that batch,
+where a curve of B would keep start-up values of another row layout (a B of 96 profiled as 64
+rows with one draft each, run as 16 rows with five).
 
 Each curve starts from the start-up profile (engine/spec/profile.py) and is re-measured online
-from the engine's own step times (`observe`, B counting the step's prefill tokens): per B the
-median of the last `window` step times (robust to the odd step slowed by another process), the
-start-up value counting as one observation until `window` real ones replaced it (a profile taken
-while another process held the cores is gone after two steps at that B). Reads fit the medians
-with a weighted non-decreasing least-squares fit (a bigger batch is not faster: what says
-otherwise is timing noise), interpolate linearly between measured B (flat before the first,
-along the last segment's slope after the last), and never let a verify step cost less than the
-plain step of the same B. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured
-points keep their own B, so the steps stay.
+from the engine's own step times (`observe`): per key the median of the last `window`
+observations (robust to the odd step slowed by another process), the start-up value counting
+as one observation until `window` real ones replaced it. A key not observed yet keeps the
+profile's shape at the engine's scale: its start-up value times the median observed / start-up
+ratio of the keys observed, once `SCALE_OBSERVATIONS` steps were (on the H200 the engine's
+verify extra was several times the profile's: priced at the profile's values, every verify key
+had to be run once before the admission stopped choosing it). A verify step's observation of
+extra(D) is its time minus plain(B0) (and the sync gap). Reads fit the medians with a weighted
+non-decreasing least-squares fit (a bigger batch or more drafts is not cheaper: what says
+otherwise is timing noise), interpolate linearly between keys (flat before the first, along the
+last segment's slope after the last); extra(D) never reads below `EXTRA_FLOOR` of its start-up
+value. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured points keep their
+own key, so the steps stay.
 
 Load. On a shared machine every step slows down together when another process takes the cores,
-but a B that is rarely run (the verify step, while nothing pays) keeps the times of the last
-time it ran: the curves would compare times of different loads. So they hold times divided by a
-load factor, the geometric moving average (weight `load_smoothing`; 1/2 prices a doubled load in
-within a few steps, while the windows of measured B move only after half their size) of observed
-/ predicted over the steps at a B whose window holds only this engine's steps (a start-up value,
-say a verify point profiled during a burst of load, a probe's first measurements or an
-interpolated B could be off by far more than the load: those steps only fill their window);
-reads multiply it back. The admission
-compares step times with each other, so the factor cancels there; what it buys is that a plain
-curve re-measured under today's load and a verify point measured under yesterday's stay
-comparable.
+but a key that is rarely run (a verify step, while nothing pays) keeps the times of the last
+time it ran. So the curves hold times divided by a load factor, the geometric moving average
+(weight `load_smoothing`) of observed / predicted over the steps at keys whose window holds only
+this engine's steps (a start-up value, an exploration's first measurements or an interpolated
+key can be off by far more than the load: those steps only fill their window); reads multiply
+it back.
+The admission compares step times with each other, so the factor cancels there; what it buys
+is that a plain curve re-measured under today's load and an extra point measured under
+yesterday's stay comparable.
 
 Pure module: no torch import.
 """
@@ -38,7 +53,18 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+# observations (at keys with a start-up value) before their observed / start-up ratio rescales
+# the keys not observed yet: one step can be an outlier (SmolLM2 on CPU: the first verify step
+# took 72 ms where later ones take 30, and scaled by it nothing was verified again)
+SCALE_OBSERVATIONS = 3
+# a verify step's extra never reads below this fraction of what the start-up profile timed for
+# its drafts: on the 2-core CPU box a plain estimate biased up by a few ms (a slow window pooled
+# by the monotone fit) made the extra of one or two drafts read 0, and such free drafts were
+# admitted, and explored, at most steps of chat at batch 16 (0.93x of off); half still lets a
+# profile slowed 2x by another process be re-measured down
+EXTRA_FLOOR = 1.0
 
 
 def nondecreasing(values: list[float], weights: list[float] | None = None) -> list[float]:
@@ -56,67 +82,88 @@ def nondecreasing(values: list[float], weights: list[float] | None = None) -> li
 
 
 class _Curve:
-    """Step seconds by batch tokens: a window of recent times per B, fitted on read."""
+    """Seconds by an integer key: a window of recent times per key, fitted on read."""
 
-    def __init__(self, step_seconds: Mapping[int, float], window: int):
+    def __init__(self, seconds: Mapping[int, float], window: int):
         self.window = window
+        self._start = {int(k): float(s) for k, s in seconds.items()}   # start-up values
         self._times: dict[int, deque[float]] = {
-            int(b): deque([float(s)], maxlen=window) for b, s in step_seconds.items()}
-        self._measured: dict[int, int] = {}   # B -> steps observed there (not start-up values)
+            k: deque([s], maxlen=window) for k, s in self._start.items()}
+        self._measured: dict[int, int] = {}   # key -> steps observed there (not start-up)
+        self._observed: dict[int, deque[float]] = {}   # key -> its observations alone
         self._fitted: tuple[list[int], list[float]] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._times)
 
-    def __contains__(self, num_tokens: int) -> bool:
-        return num_tokens in self._times
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self._times.setdefault(num_tokens, deque(maxlen=self.window)).append(seconds)
-        self._measured[num_tokens] = self._measured.get(num_tokens, 0) + 1
+    def observe(self, key: int, seconds: float) -> None:
+        self._times.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self._observed.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self._measured[key] = self._measured.get(key, 0) + 1
         self._fitted = None
 
-    def measured(self, num_tokens: int) -> int:
-        return self._measured.get(num_tokens, 0)
+    def measured(self, key: int) -> int:
+        return self._measured.get(key, 0)
+
+    def start(self, key: int) -> float:
+        """The start-up value at `key` (interpolated; 0.0 without start-up values)."""
+        if not self._start:
+            return 0.0
+        keys = sorted(self._start)
+        index = bisect.bisect_left(keys, key)
+        if index == 0 or index == len(keys):
+            return self._start[keys[0] if index == 0 else keys[-1]]
+        low, high = keys[index - 1], keys[index]
+        weight = (key - low) / (high - low)
+        return self._start[low] * (1.0 - weight) + self._start[high] * weight
 
     def fitted(self) -> tuple[list[int], list[float]]:
+        """(keys, fitted seconds): window medians; once SCALE_OBSERVATIONS steps were observed
+        at keys with a start-up value, a key never observed takes its start-up value times
+        the median over those keys of observed / start-up (the profile's shape at the
+        engine's scale); then the non-decreasing fit."""
         if self._fitted is None:
             keys = sorted(self._times)
-            medians = [statistics.median(self._times[b]) for b in keys]
-            weights = [float(len(self._times[b])) for b in keys]
+            medians = [statistics.median(self._times[k]) for k in keys]
+            scaled = [k for k in self._observed if self._start.get(k, 0.0) > 0.0]
+            if sum(len(self._observed[k]) for k in scaled) >= SCALE_OBSERVATIONS:
+                ratio = statistics.median(statistics.median(self._observed[k]) / self._start[k]
+                                          for k in scaled)
+                medians = [m * ratio if k not in self._observed else m
+                           for k, m in zip(keys, medians)]
+            weights = [float(len(self._times[k])) for k in keys]
             self._fitted = keys, nondecreasing(medians, weights)
         return self._fitted
 
-    def seconds(self, num_tokens: int) -> float:
+    def seconds(self, key: int) -> float:
         keys, values = self.fitted()
-        index = bisect.bisect_left(keys, num_tokens)
-        if index < len(keys) and keys[index] == num_tokens:
+        index = bisect.bisect_left(keys, key)
+        if index < len(keys) and keys[index] == key:
             return values[index]
         if index == 0 or len(keys) == 1:
             return values[0] if index == 0 else values[-1]
         if index == len(keys):
             slope = max((values[-1] - values[-2]) / (keys[-1] - keys[-2]), 0.0)
-            return values[-1] + slope * (num_tokens - keys[-1])
+            return values[-1] + slope * (key - keys[-1])
         low, high = keys[index - 1], keys[index]
-        weight = (num_tokens - low) / (high - low)
+        weight = (key - low) / (high - low)
         return values[index - 1] * (1.0 - weight) + values[index] * weight
 
 
 class StepRateTable:
     """Args:
-        step_seconds: batch tokens -> seconds of one verify step (at least one entry).
-        plain_seconds: batch tokens -> seconds of one step without drafts (None or empty: plain
-            steps cost what verify steps of the same B cost, until some are observed).
-        window: recent step times kept per B and kind (0: never re-measure).
+        plain_seconds: base tokens B0 -> seconds of one step without drafts (>= 1 entry).
+        extra_seconds: drafted tokens D -> seconds a verify step adds to the plain step of its
+            batch (>= 1 entry; negative values count as 0).
+        window: recent observations kept per key and curve (0: never re-measure).
         load_smoothing: weight of one step in the load factor's moving average, in [0, 1]
             (0: no load factor).
     """
 
-    def __init__(self, step_seconds: Mapping[int, float],
-                 plain_seconds: Mapping[int, float] | None = None, window: int = 8,
-                 load_smoothing: float = 0.5):
-        if not step_seconds:
-            raise ValueError("a step-rate table needs at least one measured token count")
+    def __init__(self, plain_seconds: Mapping[int, float], extra_seconds: Mapping[int, float],
+                 window: int = 8, load_smoothing: float = 0.5):
+        if not plain_seconds or not extra_seconds:
+            raise ValueError("a step-rate table needs at least one plain and one verify point")
         if window < 0:
             raise ValueError(f"window={window} must be >= 0 (0: never re-measure)")
         if not 0.0 <= load_smoothing <= 1.0:
@@ -124,54 +171,71 @@ class StepRateTable:
         self.window = window
         self.load_smoothing = load_smoothing
         self.load = 1.0     # observed / start-up-scale step times, moving geometric average
-        self._verify = _Curve(step_seconds, max(window, 1))
-        self._plain = _Curve(plain_seconds or {}, max(window, 1))
+        # plain steps overlap the host (async scheduling): set by the engine. A verify step
+        # blocks, so it also costs the gap between the blocking plain step the profile timed
+        # and the overlapped one the plain curve measures (`sync_gap`)
+        self.overlapped_plain = False
+        self._plain = _Curve(plain_seconds, max(window, 1))
+        self._extra = _Curve({d: max(s, 0.0) for d, s in extra_seconds.items()},
+                             max(window, 1))
 
-    @classmethod
-    def from_steps_per_second(cls, sps: Mapping[int, float],
-                              plain_sps: Mapping[int, float] | None = None, window: int = 0
-                              ) -> "StepRateTable":
-        """A table from {B: steps per second} (DSpark's JSON profile shape)."""
-        return cls({b: 1.0 / rate for b, rate in sps.items()},
-                   {b: 1.0 / rate for b, rate in (plain_sps or {}).items()}, window)
+    def sync_gap(self, base_tokens: int) -> float:
+        """Unloaded seconds a blocking step adds over an overlapped plain step at B0: the
+        profile's blocking plain step minus the measured plain curve (0 unless
+        `overlapped_plain`)."""
+        if not self.overlapped_plain:
+            return 0.0
+        base_tokens = max(base_tokens, 1)
+        return max(self._plain.start(base_tokens) - self._plain.seconds(base_tokens), 0.0)
 
-    def seconds(self, num_tokens: int, *, verify: bool = True) -> float:
-        """Step time at `num_tokens` batch tokens, of a verify step (default) or a plain one, at
-        the current load; a verify step never costs less than the plain step of the same B."""
-        return self.load * self._unloaded(num_tokens, verify)
-
-    def _unloaded(self, num_tokens: int, verify: bool) -> float:
-        plain = self._plain.seconds(num_tokens) if self._plain else None
-        if not verify and plain is not None:
+    def _unloaded(self, base_tokens: int, num_drafts: int) -> float:
+        plain = self._plain.seconds(max(base_tokens, 1))
+        if num_drafts <= 0:
             return plain
-        verify_seconds = self._verify.seconds(num_tokens)
-        return verify_seconds if plain is None else max(verify_seconds, plain)
+        return plain + self.sync_gap(base_tokens) + self._extra_seconds(num_drafts)
 
-    def __call__(self, num_tokens: int) -> float:
-        """Verify steps per second at `num_tokens` batch tokens."""
-        return 1.0 / max(self.seconds(num_tokens), 1e-9)
+    def _extra_seconds(self, num_drafts: int) -> float:
+        """Unloaded extra(D) of D > 0 drafts: the fitted curve, floored at EXTRA_FLOOR x the
+        start-up value."""
+        return max(self._extra.seconds(num_drafts),
+                   EXTRA_FLOOR * self._extra.start(num_drafts), 0.0)
 
-    def plain_rate(self, num_tokens: int) -> float:
-        """Plain (draft-free) steps per second at `num_tokens` batch tokens."""
-        return 1.0 / max(self.seconds(num_tokens, verify=False), 1e-9)
+    def seconds(self, base_tokens: int, num_drafts: int = 0) -> float:
+        """Seconds of a step of `base_tokens` tokens without drafts that verifies `num_drafts`
+        draft tokens (0: a plain step), at the current load."""
+        return self.load * self._unloaded(base_tokens, num_drafts)
 
-    def observe(self, num_tokens: int, seconds: float, *, verify: bool = True) -> None:
-        """Re-measure: one executed step's time joins its B's window (a new point when it had
-        none); `verify`: the step scored drafts."""
-        if self.window <= 0 or num_tokens <= 0 or seconds <= 0.0:
+    def step_seconds(self, base_tokens: int) -> Callable[[int], float]:
+        """D -> seconds(base_tokens, D): the admission's view of one step's batch."""
+        plain, load = self._plain.seconds(max(base_tokens, 1)), self.load
+        extra = self._extra_seconds
+        blocking = plain + self.sync_gap(base_tokens)
+        return lambda num_drafts: load * (blocking + extra(num_drafts) if num_drafts > 0
+                                          else plain)
+
+    def observe(self, base_tokens: int, num_drafts: int, seconds: float) -> None:
+        """Re-measure: one executed step (B0 tokens without its drafts, D drafts scored) took
+        `seconds`. A plain step joins plain(B0)'s window, a verify step extra(D)'s (its time
+        minus plain(B0))."""
+        if self.window <= 0 or base_tokens <= 0 or seconds <= 0.0:
             return
-        curve = self._verify if verify else self._plain
-        if curve.measured(num_tokens) >= self.window:   # only settled B move the load
-            predicted = self._unloaded(int(num_tokens), verify)
+        curve, key = (self._extra, num_drafts) if num_drafts > 0 else (self._plain, base_tokens)
+        if curve.measured(key) >= self.window:   # only settled keys move the load
+            predicted = self._unloaded(base_tokens, num_drafts)
             self.load *= (seconds / (self.load * predicted)) ** self.load_smoothing
-        curve.observe(int(num_tokens), seconds / self.load)
+        unloaded = seconds / self.load
+        if num_drafts > 0:
+            unloaded = max(unloaded - self._plain.seconds(base_tokens)
+                           - self.sync_gap(base_tokens), 0.0)
+        curve.observe(key, unloaded)
 
-    def measured(self, num_tokens: int, *, verify: bool = True) -> int:
-        """How many executed steps of this kind were observed at exactly `num_tokens`."""
-        return (self._verify if verify else self._plain).measured(num_tokens)
+    def measured(self, base_tokens: int, num_drafts: int = 0) -> int:
+        """How many executed steps were observed at this key: plain(B0) when num_drafts is 0,
+        else extra(num_drafts)."""
+        return self._extra.measured(num_drafts) if num_drafts else self._plain.measured(
+            base_tokens)
 
-    def as_steps_per_second(self, *, verify: bool = True) -> dict[int, float]:
-        """{B: steps per second} of the measured points (fitted), of one kind of step."""
-        curve = self._verify if verify or not self._plain else self._plain
-        keys, values = curve.fitted()
-        return {b: 1.0 / max(self.seconds(b, verify=verify), 1e-9) for b in keys}
+    def as_milliseconds(self) -> dict[str, dict[int, float]]:
+        """{"plain": {B0: ms}, "extra": {D: ms}} of the keys held (fitted, unloaded)."""
+        return {name: {k: round(v * 1e3, 3) for k, v in zip(*curve.fitted())}
+                for name, curve in (("plain", self._plain), ("extra", self._extra))}

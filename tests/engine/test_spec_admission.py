@@ -5,21 +5,29 @@ import itertools
 
 import pytest
 
-from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, expected_committed,
-                                             survival)
+from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry, capacity,
+                                             drafting_can_pay, expected_committed,
+                                             ranked_candidates, survival, top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, observed_positions
 from deepinfer.engine.spec.ngram import NgramDrafter, longest_suffix_match
 from deepinfer.engine.spec.step_rate import StepRateTable, nondecreasing
 
 
-def linear_sps(per_token: float, fixed: float = 1.0):
-    """SPS(B) of a step costing `fixed + per_token * B` seconds."""
-    return lambda tokens: 1.0 / (fixed + per_token * tokens)
+def linear_seconds(per_draft: float, plain: float = 1.0, jump: float = 0.0):
+    """t(D) of a step costing `plain` seconds, plus `jump + per_draft * D` when it verifies
+    D > 0 drafts."""
+    return lambda drafts: plain + (jump + per_draft * drafts if drafts else 0.0)
 
 
-def theta(confidences, lengths, sps, base_tokens):
+def theta(confidences, lengths, seconds):
     committed = sum(expected_committed(c, n) for c, n in zip(confidences, lengths))
-    return committed * sps(base_tokens + sum(lengths))
+    return committed / seconds(sum(lengths))
+
+
+def brute_force_best_prefix(confidences, seconds):
+    """The exhaustive search the paper's Appendix A warns about: the best lengths overall."""
+    return list(max(itertools.product(*[range(len(c) + 1) for c in confidences]),
+                    key=lambda ls: theta(confidences, ls, seconds)))
 
 
 def test_survival_is_the_running_product():
@@ -29,99 +37,149 @@ def test_survival_is_the_running_product():
 
 def test_free_verification_admits_every_draft_and_costly_verification_none():
     confidences = [[0.9, 0.8, 0.7], [0.3], [0.5, 0.5]]
-    flat = lambda tokens: 100.0   # memory-bound: a bigger step costs nothing
-    assert admit_varlen(confidences, flat, base_tokens=3) == [3, 1, 2]
-    # each token costs as much as the whole step: no draft pays
-    assert admit_varlen(confidences, linear_sps(1.0, fixed=0.0), base_tokens=3) == [0, 0, 0]
-    assert admit_varlen([[], []], flat, base_tokens=2) == [0, 0]
+    flat = lambda drafts: 0.01   # memory-bound: drafts cost nothing
+    assert admit_varlen(confidences, flat) == [3, 1, 2]
+    # each draft costs as much as the whole step: no draft pays
+    assert admit_varlen(confidences, linear_seconds(1.0)) == [0, 0, 0]
+    assert admit_varlen([[], []], flat) == [0, 0]
 
 
 def test_candidates_go_by_survival_across_requests():
-    """Cost 0.1 of a step per token: a candidate pays while a > (tau) * 0.1 / (1 + 0.1 B)...
-    checked against brute force over all prefix-closed choices (Theta is unimodal here, so
-    the greedy walk finds the optimum)."""
+    """A draft costs 5 % of the plain step: checked against brute force over all prefix-closed
+    choices (Theta is unimodal here, so the gate and walk find the optimum)."""
     confidences = [[0.95, 0.9, 0.9, 0.5], [0.6, 0.9], [0.99, 0.99, 0.99, 0.99]]
-    sps = linear_sps(0.05)
-    lengths = admit_varlen(confidences, sps, base_tokens=3)
-    best = max(itertools.product(*[range(len(c) + 1) for c in confidences]),
-               key=lambda ls: theta(confidences, ls, sps, 3))
-    assert lengths == list(best)
-    assert lengths[2] == 4 and lengths[1] <= lengths[0]
+    seconds = linear_seconds(0.05, plain=1.15)
+    lengths = admit_varlen(confidences, seconds)
+    assert lengths == brute_force_best_prefix(confidences, seconds) == [4, 2, 4]
+    assert [(j, r) for _, j, r in ranked_candidates(confidences)][:4] == [
+        (0, 2), (1, 2), (2, 2), (3, 2)]    # 0.99 ** 4 = 0.961 > 0.95
 
 
 def test_ties_go_to_earlier_positions_then_earlier_requests():
-    # all survivals equal at 0.5; room for exactly two more tokens under the budget
+    # all survivals equal at 0.5; room for one or two drafts under the budget
     confidences = [[0.5, 1.0], [0.5, 1.0]]
-    assert admit_varlen(confidences, lambda b: 10.0, base_tokens=2, max_tokens=3) == [1, 0]
-    assert admit_varlen(confidences, lambda b: 10.0, base_tokens=2, max_tokens=4) == [1, 1]
+    assert admit_varlen(confidences, lambda drafts: 0.1, max_drafts=1) == [1, 0]
+    assert admit_varlen(confidences, lambda drafts: 0.1, max_drafts=2) == [1, 1]
+    assert top_candidates(confidences, 3) == [2, 1]
 
 
 def test_prefill_tokens_in_the_step_make_drafts_relatively_cheaper():
     confidences = [[0.6, 0.6, 0.6]]
-    sps = linear_sps(0.2)
-    alone = admit_varlen(confidences, sps, base_tokens=1)
-    with_prefill = admit_varlen(confidences, sps, base_tokens=1 + 64)
+    table = StepRateTable({1: 1.2, 65: 13.0}, {1: 0.2, 3: 0.6}, window=0)   # 0.2 s a token
+    alone = admit_varlen(confidences, table.step_seconds(1))
+    with_prefill = admit_varlen(confidences, table.step_seconds(1 + 64))
     assert alone == [2] and with_prefill == [3]   # Theta 1.23 > 1.21 at 3 alone
 
 
 def test_the_token_budget_caps_admission():
-    assert admit_varlen([[1.0] * 5, [1.0] * 5], lambda b: 1.0, base_tokens=2,
-                        max_tokens=6) == [2, 2]
+    assert admit_varlen([[1.0] * 5, [1.0] * 5], lambda drafts: 1.0, max_drafts=4) == [2, 2]
+    assert admit_varlen([[1.0] * 5], lambda drafts: 1.0, max_drafts=0) == [0]
 
 
-def brute_force_best_prefix(confidences, sps, base_tokens):
-    """The exhaustive search the paper's Appendix A warns about: the best lengths overall."""
-    return list(max(itertools.product(*[range(len(c) + 1) for c in confidences]),
-                    key=lambda ls: theta(confidences, ls, sps, base_tokens)))
+def test_the_gate_pays_the_jump_into_a_verify_step_with_a_draft_for_every_row():
+    """16 rows, drafts of confidence 0.9, entering a verify step costs 30 % of the plain step
+    and each draft 1 % more (the shape of a GPU batch: a blocking verify step against an
+    overlapped plain one). One draft alone does not pay the jump (16.9 / 1.31 < 16 / 1), which
+    stopped Algorithm 1's walk at its first candidate (H200, synthetic p = 0.9: one draft per
+    row where fixed length made 2.5x). The gate over the first positions opens at 16 drafts
+    (30.4 / 1.46 = 20.8 > 16), then the walk goes on while Theta rises: here to every draft."""
+    confidences = [[0.9] * 5] * 16
+    seconds = linear_seconds(0.01, jump=0.3)
+    assert (16 + 0.9) / seconds(1) < 16 / seconds(0)
+    assert best_entry([0.9] * 16, seconds, base_committed=16.0) == (
+        16, pytest.approx((16 + 16 * 0.9) / 1.46))
+    assert admit_varlen(confidences, seconds) == [5] * 16
+    assert drafting_can_pay(16, seconds, max_drafts=80)
+    # a 3 % draft price stops the walk after the fourth positions (at tau = 16 + 16 * 3.10
+    # and t = 1.3 + 0.03 * 64 a draft needs a > 0.61; a_5 = 0.59); at 4 % the gate stays shut
+    assert admit_varlen(confidences, linear_seconds(0.03, jump=0.3)) == [4] * 16
+    assert admit_varlen(confidences, linear_seconds(0.04, jump=0.3)) == [0] * 16
+    # a jump of 90 %: a draft for every row (tau 30.4) does not pay 1.9 x the step
+    assert admit_varlen(confidences, linear_seconds(0.01, jump=0.9)) == [0] * 16
+    # sure drafts for every position would pay a jump of the whole step (96 tokens for 2x the
+    # time), not one of five steps
+    assert drafting_can_pay(16, linear_seconds(0.0, jump=1.0), max_drafts=80)
+    assert not drafting_can_pay(16, linear_seconds(0.0, jump=5.0), max_drafts=80)
+
+
+def test_a_capacity_from_earlier_confidences_carries_past_a_jump_no_first_draft_pays():
+    """A host-bound step (a jump of three plain steps, drafts then free): 16 first drafts of
+    0.9 do not pay it (30.4 tokens for 4x the time), all 80 drafts do (75 tokens). The gate
+    reads first positions only, so it stays shut; DSpark §5.2's capacity, an unconstrained
+    search over an earlier step's confidences, admits the 80 candidates ranked first."""
+    confidences = [[0.9] * 5] * 16
+    seconds = linear_seconds(0.0, jump=3.0)
+    assert admit_varlen(confidences, seconds) == [0] * 16
+    assert capacity(confidences, seconds) == 80
+    assert admit_varlen(confidences, seconds, min_drafts=80) == [5] * 16
+    # the walk goes on past the capacity while Theta rises, and a capacity that does not pay
+    # is 0
+    assert admit_varlen(confidences, seconds, min_drafts=16) == [5] * 16
+    assert capacity([[0.2] * 5] * 16, seconds) == 0
 
 
 def test_appendix_a_admission_of_a_draft_never_depends_on_later_confidences():
-    """Appendix A's shape: a step-shaped SPS where one draft alone does not pay but two do.
-    With a draft-dependent (Markov-feature) confidence, c_2 is a function of draft 1; an
-    exhaustive search then admits draft 1 only when draft 1 makes c_2 high, which biases the
-    output (the paper's (0.7, 0.3) target became (0.85, 0.15)). The first-non-improvement stop
-    decides draft 1 from a_1 alone."""
-    sps_table = {1: 1.0, 2: 0.6, 3: 0.6}
-    sps = sps_table.__getitem__
+    """Appendix A's shape: one draft alone does not pay but two do (step seconds 1, 1/0.6,
+    1/0.6). With a draft-dependent (Markov-feature) confidence, c_2 is a function of draft 1;
+    an exhaustive search then admits draft 1 only when draft 1 makes c_2 high, which biases the
+    output (the paper's (0.7, 0.3) target became (0.85, 0.15)). The gate reads first positions
+    only and the walk stops at the first non-improvement: draft 1 is decided from a_1 alone."""
+    seconds = {0: 1.0, 1: 1 / 0.6, 2: 1 / 0.6}.__getitem__
     c1 = 0.5
     for c2 in (0.05, 0.5, 0.95):   # c_2 as draft 1 would set it
-        assert admit_varlen([[c1, c2]], sps, base_tokens=1) == [0]
+        assert admit_varlen([[c1, c2]], seconds) == [0]
     # what the exhaustive search would do: admit both exactly when draft 1 makes c_2 high
-    assert brute_force_best_prefix([[c1, 0.05]], sps, 1) == [0]
-    assert brute_force_best_prefix([[c1, 0.95]], sps, 1) == [2]
+    assert brute_force_best_prefix([[c1, 0.05]], seconds) == [0]
+    assert brute_force_best_prefix([[c1, 0.95]], seconds) == [2]
+    # the same shape across a batch: whether row 0's draft 1 is verified reads the first
+    # positions (and what ranks above it), never row 0's own c_2
+    batch_seconds = linear_seconds(0.05, jump=0.2)
+    for c2 in (0.05, 0.5, 0.95):
+        assert admit_varlen([[0.6, c2], [0.9, 0.9]], batch_seconds)[0] >= 1
 
 
 def test_admission_of_position_j_reads_only_candidates_at_least_as_likely():
     """Changing the confidence after a request's cut (which its drafts may set) never changes
     what was admitted before it."""
-    sps = linear_sps(0.1)
+    seconds = linear_seconds(0.1, plain=1.2)
     base = [[0.9, 0.7, 0.2], [0.8, 0.3]]
-    lengths = admit_varlen(base, sps, base_tokens=2)
+    lengths = admit_varlen(base, seconds)
+    assert lengths == [2, 1]
     for later in (0.0, 0.1, 0.3):
         changed = [c[:n + 1] + [later] * (len(c) - n - 1) for c, n in zip(base, lengths)]
-        assert admit_varlen(changed, sps, base_tokens=2) == lengths
+        assert admit_varlen(changed, seconds) == lengths
 
 
 def test_fixed_admission():
     assert admit_fixed([0, 3, 7], 5) == [0, 3, 5]
 
 
-def test_step_rate_table_interpolates_and_re_measures():
-    table = StepRateTable({1: 0.010, 4: 0.013, 8: 0.021}, window=3, load_smoothing=0.0)
+def test_step_rate_table_plain_plus_extra_interpolated_and_re_measured():
+    table = StepRateTable({1: 0.010, 4: 0.013, 8: 0.021}, {1: 0.004, 4: 0.007}, window=3,
+                          load_smoothing=0.0)
     assert table.seconds(2) == pytest.approx(0.011)
     assert table.seconds(16) == pytest.approx(0.037)         # last slope extended
-    assert table.seconds(0) == pytest.approx(0.010)
-    assert table(4) == pytest.approx(1 / 0.013)
-    table.observe(4, 0.017)                                  # median of 0.013, 0.017
+    assert table.seconds(4, 2) == pytest.approx(0.013 + 0.005)
+    assert table.step_seconds(4)(0) == pytest.approx(0.013)
+    table.observe(4, 0, 0.017)                               # median of 0.013, 0.017
     assert table.seconds(4) == pytest.approx(0.015)
-    table.observe(4, 0.017)
-    table.observe(4, 0.017)                                  # the start-up value is out
-    assert table.seconds(4) == pytest.approx(0.017)
-    table.observe(6, 0.027)             # a new point, pooled with 8 by the monotone fit
-    assert table.seconds(6) == pytest.approx(0.024) and table.seconds(8) == pytest.approx(0.024)
-    assert StepRateTable.from_steps_per_second({1: 100.0})(1) == pytest.approx(100.0)
+    table.observe(4, 0, 0.017)
+    table.observe(4, 0, 0.017)                               # the start-up value is out
+    assert table.seconds(4) == pytest.approx(0.017) and table.measured(4) == 3
+    # a verify step at the running batch re-measures extra(D): its time minus plain(B0)
+    for _ in range(3):
+        table.observe(4, 4, 0.017 + 0.012)
+    assert table.seconds(4, 4) == pytest.approx(0.029) and table.measured(4, 4) == 3
+    # a key not observed yet: its start-up value at the scale of the nearest observed key
+    # (4 drafts: 12 ms observed / 7 ms profiled)
+    assert table.seconds(4, 1) == pytest.approx(0.017 + 0.004 * 12 / 7)
+    table.observe(4, 2, 0.017 + 0.020)  # a new point, pooled with 4 by the monotone fit
+    assert table.seconds(4, 2) == pytest.approx(0.017 + 0.014)
+    assert table.as_milliseconds()["extra"] == {1: 6.857, 2: 14.0, 4: 14.0}
     assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert nondecreasing([1.0, 3.0, 2.0], [1.0, 1.0, 3.0]) == [1.0, 2.25, 2.25]
+    with pytest.raises(ValueError, match="plain and one verify"):
+        StepRateTable({1: 0.01}, {})
 
 
 def test_longest_suffix_match():
