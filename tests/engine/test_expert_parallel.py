@@ -209,7 +209,11 @@ def test_two_nodes_of_two_ranks_match_one_process_and_a_dead_remote_rank_stops_t
         core.step()
         os.kill(executor.remote_pids[3], signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(EngineDeadError, match="rank 3"):
+        # the dead rank is named, or (a race) a peer whose collective lost rank 3's
+        # connection fails first and is named with that cause
+        with pytest.raises(EngineDeadError,
+                           match=r"rank 3|rank \d failed during a step: (?s:.*)(Connection reset|"
+                                 r"Connection closed|Read error|Write error)"):
             for _ in range(100):
                 core.step()
         assert time.monotonic() - start < 30
