@@ -11,8 +11,10 @@ Accepted spellings, all mapped to `{"schema_type": "json"|"json_object"|"regex"|
 - vLLM's older `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice`.
 A request may use one of them. A choice list becomes a regex that matches one choice exactly.
 Whether the schema, regex or grammar compiles (and is not too long to compile quickly:
-`engine.structured.backend.MAX_SCHEMA_CHARS`) is checked by the engine (`compile_grammar`)
-before the request is queued; `check_compiles` turns its error into a 400 naming the field.
+`engine.structured.backend.MAX_SCHEMA_CHARS`; a JSON schema is also valid against its
+metaschema and satisfiable: `engine.structured.check_valid`, whichever backend) is checked by
+the engine (`compile_grammar`) before the request is queued; `check_compiles` turns its error
+into a 400 naming the parameter (`response_format.json_schema.schema`, `guided_json`, ...).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def request_backend(req: SamplingFields) -> str | None:
     return backend
 
 
-def _from_structured_outputs(spec: dict[str, Any]) -> dict[str, Any] | None:
+def _from_structured_outputs(spec: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
     given = [key for key in _STRUCTURED_OUTPUT_KEYS if spec.get(key) not in (None, False)]
     unknown = sorted(set(spec) - set(_STRUCTURED_OUTPUT_KEYS) - {"backend"})
     if unknown:
@@ -83,8 +85,8 @@ def _from_structured_outputs(spec: dict[str, Any]) -> dict[str, Any] | None:
         raise APIError(f"structured_outputs must set exactly one of "
                        f"{sorted(_STRUCTURED_OUTPUT_KEYS)}; got {given or 'none'}.",
                        param="structured_outputs", code="invalid_value")
-    key = given[0]
-    return _so_args(_STRUCTURED_OUTPUT_KEYS[key], spec[key], f"structured_outputs.{key}")
+    param = f"structured_outputs.{given[0]}"
+    return _so_args(_STRUCTURED_OUTPUT_KEYS[given[0]], spec[given[0]], param), param
 
 
 def _so_args(kind: str, value: Any, param: str) -> dict[str, Any]:
@@ -103,32 +105,34 @@ def _so_args(kind: str, value: Any, param: str) -> dict[str, Any]:
 
 
 def so_args_from_request(req: SamplingFields) -> tuple[dict[str, Any] | None, str | None]:
-    """The request's constraint as `so_args` and the field it came from (None, None if none).
+    """The request's constraint as `so_args` and the parameter that holds it, e.g.
+    "response_format.json_schema.schema" (None, None if none).
 
     Raises:
         APIError: 400 when fields conflict or have the wrong shape.
     """
-    found: list[tuple[str, dict[str, Any]]] = []
+    found: list[tuple[str, dict[str, Any], str]] = []   # (field, so_args, parameter)
     from_format = _from_response_format(req)
     if from_format is not None:
-        found.append(("response_format", from_format))
+        found.append(("response_format", from_format, "response_format.json_schema.schema"
+                      if from_format["schema_type"] == "json" else "response_format"))
     if req.structured_outputs is not None:
         from_spec = _from_structured_outputs(req.structured_outputs)
         if from_spec is not None:
-            found.append(("structured_outputs", from_spec))
+            found.append(("structured_outputs", *from_spec))
     legacy = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "ebnf",
               "guided_choice": "choice"}
     for field, kind in legacy.items():
         value = getattr(req, field)
         if value is not None:
-            found.append((field, _so_args(kind, value, field)))
+            found.append((field, _so_args(kind, value, field), field))
     if len(found) > 1:
-        names = ", ".join(name for name, _ in found)
+        names = ", ".join(name for name, _, _ in found)
         raise APIError(f"Only one structured-output constraint may be given, got {names}; keep "
                        "one of them.", param=found[1][0], code="invalid_value")
     if not found:
         return None, None
-    return with_backend(found[0][1], req), found[0][0]
+    return with_backend(found[0][1], req), found[0][2]
 
 
 def with_backend(so_args: dict[str, Any] | None, req: SamplingFields) -> dict[str, Any] | None:
@@ -139,12 +143,17 @@ def with_backend(so_args: dict[str, Any] | None, req: SamplingFields) -> dict[st
     return {**so_args, "backend": backend}
 
 
+def invalid_constraint(exc: ValueError, param: str) -> APIError:
+    """The 400 for a schema, regex or grammar the engine refused (`exc` says why)."""
+    reason = str(exc).rstrip(". ")   # the compiler's messages may end in a full stop
+    return APIError(f"Invalid {param}: {reason}. Fix it and retry.", param=param,
+                    code="invalid_schema")
+
+
 async def check_compiles(engine: Any, so_args: dict[str, Any], param: str) -> None:
     """Compile the constraint through the engine (cached for the request itself); a bad schema,
     regex or grammar is a 400 naming `param`, raised before anything is queued."""
     try:
         await engine.compile_grammar(so_args)
     except ValueError as exc:
-        reason = str(exc).rstrip(". ")   # the compiler's messages may end in a full stop
-        raise APIError(f"Invalid {param}: {reason}. Fix it and retry.", param=param,
-                       code="invalid_schema") from None
+        raise invalid_constraint(exc, param) from None

@@ -26,10 +26,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-
+from deepinfer.engine.structured import GrammarError, check_valid
 from deepinfer.server.errors import APIError
 from deepinfer.server.protocol import ChatCompletionRequest
+from deepinfer.server.structured import invalid_constraint
 from deepinfer.server.tool_parser import (TOOL_CALL_END, TOOL_CALL_START, CallArrayStreamer,
                                 HermesStreamer, NamedCallStreamer, ToolCallStreamer)
 
@@ -72,16 +72,16 @@ class ToolConfig:
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:
-    """A tool's parameters must be a valid JSON schema under any tool_choice, as OpenAI checks
-    (under "required" / named the grammar compiler also checks that it can enforce it)."""
-    validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    """A tool's parameters must be a valid, satisfiable JSON schema under any tool_choice, as
+    OpenAI checks (under "required" / named the grammar compiler also checks that it can
+    enforce it)."""
     try:
-        validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "".join(f"[{part!r}]" for part in exc.path) or " (its top level)"
-        raise APIError(f"{param} is not a valid JSON schema: {exc.message} at "
-                       f"{param}{where}; fix the schema.", param=param,
-                       code="invalid_schema") from None
+        check_valid(schema)
+    except GrammarError as exc:
+        raise invalid_constraint(exc, param) from None
+
+
+_FUNCTION_FIELD_TYPES = {"description": (str, "a string"), "strict": (bool, "true or false")}
 
 
 def _check_tools(tools: list[Any]) -> None:
@@ -95,6 +95,12 @@ def _check_tools(tools: list[Any]) -> None:
         if not isinstance(function, dict) or not _NAME.match(str(function.get("name", ""))):
             raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'.",
                            param=f"{where}.function.name", code="invalid_value")
+        for field, (kind, spelled) in _FUNCTION_FIELD_TYPES.items():
+            value = function.get(field)
+            if value is not None and not isinstance(value, kind):
+                raise APIError(f"{where}.function.{field} must be {spelled}, got {value!r}; send "
+                               f"{spelled} or omit it.", param=f"{where}.function.{field}",
+                               code="invalid_type")
         parameters = function.get("parameters")
         if parameters is not None and (not isinstance(parameters, dict)
                                        or parameters.get("type", "object") != "object"):

@@ -6,6 +6,9 @@ under such a schema can produce output that does not validate. This module refus
 schemas with a `GrammarError` (a 400 at the server) that names the keyword, where it is and
 what to send instead. Most entries were found by black-box testing against the real server
 (outputs checked with `jsonschema`).
+
+`check_valid` comes first, for every backend: a schema its metaschema rejects, or whose `const` /
+`enum` values contradict the rest of it, is refused the same way whichever backend compiles it.
 """
 
 from __future__ import annotations
@@ -222,6 +225,64 @@ def _check_object(schema: dict, path: str) -> None:
             raise GrammarError(f"'minProperties': {minimum} at {path}, but the object names "
                                f"{len(named)} properties and no others are generated; "
                                "declare them in 'properties'")
+
+
+def check_valid(schema: Any) -> None:
+    """Refuse (GrammarError) a JSON schema that is invalid or cannot be satisfied: one its
+    metaschema rejects (Draft 2020-12 unless `$schema` names another draft; e.g. `"type": []`,
+    `"anyOf": []`, `"$defs": 5`), `false`, and a `const` / `enum` value that fails the rest of
+    its own schema (`{"type": "string", "const": 5}`: XGrammar generated the 5, and
+    `"enum": ["a", null]` next to `"type": "string"` the null). `$ref`s resolve against the
+    whole document (`jsonschema`); one that does not resolve is left to the backend."""
+    import jsonschema
+    from referencing.exceptions import Unresolvable
+
+    if schema is False:
+        raise GrammarError("the JSON schema `false` allows no value; send a schema object")
+    validator_class = jsonschema.validators.validator_for(schema,
+                                                          jsonschema.Draft202012Validator)
+    try:
+        validator_class.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        reasons = "; ".join(dict.fromkeys(error.message for error in exc.context))
+        where = "#" + "".join(f"/{part}" for part in exc.path)
+        raise GrammarError(f"not a valid JSON schema: {exc.message}"
+                           f"{f' ({reasons})' if reasons else ''} at {where}; fix the schema "
+                           "(checked against the JSON Schema metaschema of Draft 2020-12, or "
+                           "of the draft its $schema names)") from None
+    root = validator_class(schema)
+    for path, node in _subschemas(schema, "#"):
+        constants = [("const", node["const"])] if "const" in node else []
+        if isinstance(node.get("enum"), list):
+            constants += [("enum", value) for value in node["enum"]]
+        rest = {key: value for key, value in node.items() if key not in ("const", "enum")}
+        for keyword, value in constants:
+            try:
+                error = next(root.descend(value, rest), None)
+            except Unresolvable:
+                break
+            if error is not None:
+                raise GrammarError(f"the {keyword!r} value {json.dumps(value)} at {path} fails "
+                                   f"the rest of its schema ({error.message}): no output can "
+                                   "take it; drop the value or change the other keywords to "
+                                   "allow it")
+
+
+def _subschemas(schema: Any, path: str):
+    """(JSON pointer, subschema) for `schema` and every schema object nested in it."""
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key in _SCHEMA_VALUES:
+        yield from _subschemas(schema.get(key), f"{path}/{key}")
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                yield from _subschemas(sub, f"{path}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                yield from _subschemas(sub, f"{path}/{key}/{i}")
 
 
 def check_enforceable(schema: Any, path: str = "#", in_branch: bool = False,

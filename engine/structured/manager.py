@@ -19,7 +19,9 @@ default, `--structured-outputs-backend`) picks one; "auto" compiles a JSON schem
 when every keyword of it is enforceable there (`check_enforceable`), else with LLGuidance, and
 regexes, EBNF grammars and `json_object` with XGrammar. Structural tags (tool_choice "auto":
 free text, then a call under its tool's schema) are XGrammar's whatever the choice. A schema neither backend can enforce is
-refused with both reasons (XGrammar's names the keyword and its path).
+refused with both reasons (XGrammar's names the keyword and its path). Before either, every JSON
+schema passes `check_valid` (its metaschema; `const` / `enum` values that fit the rest of it),
+so both backends refuse an invalid or contradictory schema with the same message.
 
 JSON outputs (`json`, `json_object`) are matched through `DigitBoundMatcher`, whatever the
 backend: numbers have bounded digits (number_bounds.py), as whitespace is never free.
@@ -43,7 +45,7 @@ from deepinfer.engine.structured.backend import (BACKENDS, GrammarBackend, Gramm
                                                  GrammarKey, GrammarMatcher, backend_choice,
                                                  grammar_key)
 from deepinfer.engine.structured.enforceable import (check_enforceable, check_ref_cycles,
-                                                     exclusive_one_of)
+                                                     check_valid, exclusive_one_of)
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,9 @@ class StructuredOutputManager:
         json_output = key[0] in ("json", "json_object")
         if key[0] == "json":
             from deepinfer.engine.structured.number_bounds import check_bounds_fit
-            schema = exclusive_one_of(json.loads(key[1]))
+            schema = json.loads(key[1])
+            check_valid(schema)
+            schema = exclusive_one_of(schema)
             check_bounds_fit(schema)
             check_ref_cycles(schema)
             key = ("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))

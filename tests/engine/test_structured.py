@@ -99,7 +99,14 @@ def test_grammar_key_is_canonical_and_checks_types():
 
 
 @pytest.mark.parametrize("so_args, message", [
-    ({"schema_type": "json", "schema": {"type": "foo"}}, 'JSON schema: Unsupported type "foo"'),
+    ({"schema_type": "json", "schema": {"type": "foo"}},
+     "not a valid JSON schema: 'foo' is not valid under any of the given schemas"),
+    # invalid per the metaschema, or a const / enum value the rest of its schema refuses: the
+    # offline path (LLM) refuses what the server does (XGrammar compiled each)
+    ({"schema_type": "json", "schema": {"anyOf": []}}, r"\[\] should be non-empty at #/anyOf"),
+    ({"schema_type": "json", "schema": {"type": "object", "properties": {
+        "n": {"type": "integer", "enum": [1, "two"]}}}},
+     "the 'enum' value \"two\" at #/properties/n fails the rest of its schema"),
     ({"schema_type": "json", "schema": {"$ref": "#/$defs/missing"}}, "JSON schema: Cannot find"),
     ({"schema_type": "regex", "schema": "a(b"}, "regex: Regex parsing error at position 4: The parenthesis"),
     ({"schema_type": "ebnf", "schema": "root ::= foo"}, 'EBNF grammar: .*Rule "foo" is not'),

@@ -110,3 +110,14 @@ def test_edges_within_range_are_served(engine):
     for reply in post_raw(engine, bodies):
         assert reply.status_code == 200, reply.text
         assert json.loads(reply.text)["usage"]["completion_tokens"] >= 1
+
+
+def test_a_negative_seed_wraps_modulo_2_64(engine):
+    """Seeds are taken in [-2**63, 2**64 - 1] (vLLM takes int64 seeds) and sample modulo 2**64:
+    seed -1 gives the tokens of seed 2**64 - 1, and another seed other tokens."""
+    body = '{"prompt": "Hi", "temperature": 1.0, "max_tokens": 12, "seed": %d}'
+    replies = post_raw(engine, [("/v1/completions", body % seed)
+                                for seed in (-1, 2**64 - 1, 2**64 - 2)])
+    texts = [reply.json()["choices"][0]["text"] for reply in replies]
+    assert all(reply.status_code == 200 for reply in replies), replies[0].text
+    assert texts[0] == texts[1] != texts[2], texts

@@ -1,10 +1,12 @@
 """The app in-process on the real AsyncLLM (embedded SmolLM2) through httpx's ASGI transport:
-the real tokenizer's chat template and bytes, stop strings, the context window, queue full."""
+the real tokenizer's chat template and bytes, stop strings, the context window, queue full,
+structured-output constraints the real compilers refuse (or honour)."""
 
 import asyncio
 import json
 
 import httpx
+import jsonschema
 import pytest
 
 from deepinfer.engine.config import EngineConfig
@@ -149,3 +151,81 @@ def test_chat_logprobs_end_with_the_text(engine):
               if line.startswith("data: {")]
     assert [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content") or []
             ] == content
+
+
+# found by a fresh-user test: each was a 200 under XGrammar (LLGuidance: "Unsatisfiable schema")
+BAD_SCHEMAS = [
+    ({"type": "string", "const": 5},
+     "the 'const' value 5 at # fails the rest of its schema (5 is not of type 'string')"),
+    ({"type": "integer", "enum": ["a", "b"]}, "the 'enum' value \"a\" at # fails"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "const": {"b": 1}}, "('a' is a required property)"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "additionalProperties": False, "const": {"a": 1, "b": 2}}, "('b' was unexpected)"),
+    ({"type": "string", "enum": ["a", None]}, "the 'enum' value null at #"),
+    ({"anyOf": []}, "[] should be non-empty at #/anyOf"),
+    ({"oneOf": []}, "[] should be non-empty at #/oneOf"),
+    ({"type": []}, "[] should be non-empty) at #/type"),
+    ({"type": ["string", "string"]}, "has non-unique elements) at #/type"),
+    ({"$defs": 5, "type": "object"}, "5 is not of type 'object' at #/$defs"),
+    ({"allOf": []}, "[] should be non-empty at #/allOf"),
+]
+# (path, the request's constraint fields, the parameter its 400 names): each surface, and the
+# backends auto (XGrammar for these), guidance and xgrammar
+SURFACES = [
+    ("/v1/chat/completions", lambda schema: {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+     "response_format.json_schema.schema"),
+    ("/v1/completions", lambda schema: {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", lambda schema: {"structured_outputs": {
+        "json": schema, "backend": "guidance"}}, "structured_outputs.json"),
+    ("/v1/completions", lambda schema: {"guided_json": schema,
+                                        "structured_outputs": {"backend": "xgrammar"}},
+     "guided_json"),
+]
+
+
+@pytest.mark.parametrize("path, fields, param", SURFACES)
+def test_invalid_or_unsatisfiable_schemas_are_the_same_400_everywhere(engine, path, fields,
+                                                                       param):
+    base = {"messages": QUESTION} if path == "/v1/chat/completions" else {"prompt": "Hi"}
+    bodies = [{**base, "max_tokens": 8, **fields(schema)} for schema, _ in BAD_SCHEMAS]
+    for (schema, text), response in zip(BAD_SCHEMAS, post_all(engine, *bodies, path=path)):
+        assert response.status_code == 400, (schema, response.text)
+        error = response.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error", param, "invalid_schema"), error
+        assert error["message"].startswith(f"Invalid {param}: "), error
+        assert text in error["message"], (text, error)
+        assert "drop the value or change the other keywords" in error["message"] or \
+            "fix the schema (checked against the JSON Schema metaschema" in error["message"]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_bad_regex_or_grammar_is_a_400_naming_it(engine, backend):
+    bodies = [{"messages": QUESTION, "structured_outputs": {"regex": "a(b", "backend": backend}},
+              {"messages": QUESTION, "structured_outputs": {"grammar": "root ::= (",
+                                                            "backend": backend}}]
+    for (param, text), response in zip(
+            [("structured_outputs.regex", "regex"), ("structured_outputs.grammar", "grammar")],
+            post_all(engine, *bodies)):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, "invalid_schema"), error
+        assert error["message"].startswith(f"Invalid {param}: ") and text in error["message"]
+
+
+def test_a_good_schema_gives_json_that_validates(engine):
+    schema = {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Lyon"]},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["city", "population_millions"], "additionalProperties": False}
+    response, = post_all(engine, {"messages": QUESTION, "temperature": 0, "max_tokens": 40,
+                                  "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "city", "schema": schema}}})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)

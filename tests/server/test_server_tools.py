@@ -79,7 +79,8 @@ def test_completions_take_structured_fields():
     ({"guided_regex": "a(INVALID"}, "guided_regex", "Invalid guided_regex: invalid or "
                                                     "unsupported regex: Regex parsing error"),
     ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "INVALID"}}}}, "response_format", "Invalid response"),
+        "name": "x", "schema": {"type": "INVALID"}}}}, "response_format.json_schema.schema",
+     "Invalid response_format.json_schema.schema: "),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "exactly one of"),
     ({"structured_outputs": {"whitespace": "x"}}, "structured_outputs", "unsupported field"),
@@ -90,9 +91,9 @@ def test_completions_take_structured_fields():
      "the limit is 65536"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(12000)}}}}},
-     "response_format", "Shorten it"),
+     "response_format.json_schema.schema", "Shorten it"),
     ({"structured_outputs": {"grammar": "root ::= \"a\"" + " " * 70000}},
-     "structured_outputs", "the constraint's text is 70012 characters"),
+     "structured_outputs.grammar", "the constraint's text is 70012 characters"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex",
      "cannot be used with it"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -115,6 +116,10 @@ def test_completions_take_structured_fields():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "nonsense"}}}}}]},
      "tools[0].function.parameters", "not a valid JSON schema: 'nonsense' is not valid"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": ["C", None]}}}}}]},
+     "tools[0].function.parameters", "Invalid tools[0].function.parameters: the 'enum' value "
+                                     "null at #/properties/unit fails the rest of its schema"),
     ({"guided_regex": "a+", "min_tokens": 3}, "min_tokens", "cannot be combined with "
                                                           "structured outputs"),
     ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos",
@@ -151,6 +156,20 @@ def test_bad_constraints_and_tools_are_400_before_queueing(fields, param, text):
     assert error["param"] == param and text in error["message"], error
     # found by black-box testing: "send a JSON object.. Fix it" (an ellipsis is fine)
     assert not re.search(r"(?<!\.)\.\.(?!\.)", error["message"]), error
+    assert engine.requests == {}
+
+
+@pytest.mark.parametrize("field, value, text", [("strict", "yes", "true or false, got 'yes'"),
+                                               ("description", 5, "a string, got 5")])
+def test_a_tool_field_of_the_wrong_type_is_invalid_type(field, value, text):
+    client, engine = client_for()
+    response = client.post("/v1/chat/completions", json={"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", field: value}}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (f"tools[0].function.{field}", "invalid_type")
+    assert error["message"] == f"tools[0].function.{field} must be {text}; send " \
+        f"{text.split(',')[0]} or omit it.", error
     assert engine.requests == {}
 
 
