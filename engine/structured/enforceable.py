@@ -241,15 +241,17 @@ def check_valid(schema: Any) -> None:
         raise GrammarError("the JSON schema `false` allows no value; send a schema object")
     validator_class = jsonschema.validators.validator_for(schema,
                                                           jsonschema.Draft202012Validator)
-    try:
-        validator_class.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        reasons = "; ".join(dict.fromkeys(error.message for error in exc.context))
-        where = "#" + "".join(f"/{part}" for part in exc.path)
-        raise GrammarError(f"not a valid JSON schema: {exc.message}"
+    # `check_schema` without its format checks: they read `pattern`s as Python regexes, which
+    # refuses ECMA-262 ones such as "\\p{L}" (a pattern is the backends' to check)
+    metaschema = validator_class(validator_class.META_SCHEMA)
+    invalid = jsonschema.exceptions.best_match(metaschema.iter_errors(schema))
+    if invalid is not None:
+        reasons = "; ".join(dict.fromkeys(error.message for error in invalid.context))
+        where = "#" + "".join(f"/{part}" for part in invalid.absolute_path)
+        raise GrammarError(f"not a valid JSON schema: {invalid.message}"
                            f"{f' ({reasons})' if reasons else ''} at {where}; fix the schema "
                            "(checked against the JSON Schema metaschema of Draft 2020-12, or "
-                           "of the draft its $schema names)") from None
+                           "of the draft its $schema names)")
     root = validator_class(schema)
     for path, node in _subschemas(schema, "#"):
         constants = [("const", node["const"])] if "const" in node else []
@@ -259,7 +261,7 @@ def check_valid(schema: Any) -> None:
         for keyword, value in constants:
             try:
                 error = next(root.descend(value, rest), None)
-            except Unresolvable:
+            except (Unresolvable, re.error):   # the backend names the $ref or pattern
                 break
             if error is not None:
                 raise GrammarError(f"the {keyword!r} value {json.dumps(value)} at {path} fails "

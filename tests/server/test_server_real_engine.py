@@ -165,8 +165,8 @@ BAD_SCHEMAS = [
     ({"type": "string", "enum": ["a", None]}, "the 'enum' value null at #"),
     ({"anyOf": []}, "[] should be non-empty at #/anyOf"),
     ({"oneOf": []}, "[] should be non-empty at #/oneOf"),
-    ({"type": []}, "[] should be non-empty) at #/type"),
-    ({"type": ["string", "string"]}, "has non-unique elements) at #/type"),
+    ({"type": []}, "not a valid JSON schema: [] should be non-empty at #/type"),
+    ({"type": ["string", "string"]}, "has non-unique elements at #/type"),
     ({"$defs": 5, "type": "object"}, "5 is not of type 'object' at #/$defs"),
     ({"allOf": []}, "[] should be non-empty at #/allOf"),
 ]
