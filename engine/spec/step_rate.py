@@ -19,8 +19,8 @@ runs re-measure the points its admission reads: a verify step at the running bat
 extra(D) for that batch, where a curve of B would keep start-up values of another row layout (a
 B of 96 profiled as 64 rows with one draft each, run as 16 rows with five). But extra(D) also
 depends on the batch it joins (the 2-core CPU box: the first draft adds 5 ms to one decode row,
-12 ms to 16), so there is one extra curve per batch bucket of B0 (`batch_bucket`: 1, 2-3, 4-7,
-8-15, 16-31, ...): extras measured at batch 1 do not price drafts at batch 16. A bucket's
+12 ms to 16), so there is one extra curve per batch bucket of B0 (`batch_bucket`: 1, 2, 3-5, 6-11,
+12-22, ...): extras measured at batch 1 do not price drafts at batch 16. A bucket's
 start-up values come from the profile of the nearest profiled row counts (the fewest rows that
 hold the drafts, and the full batch), interpolated linearly in rows between them.
 
@@ -169,8 +169,11 @@ class _Curve:
 
 def batch_bucket(base_tokens: int) -> int:
     """The verify extra's batch bucket of a step of `base_tokens` (B0) tokens without drafts:
-    the largest power of two <= B0 (1, 2, 4, 8, 16, ...)."""
-    return 1 << (max(base_tokens, 1).bit_length() - 1)
+    the power of two nearest B0 in log scale (1; 2; 3-5 -> 4; 6-11 -> 8; 12-22 -> 16; ...),
+    so that a batch of 16 that lost a few finished requests keeps the extras of 16."""
+    base_tokens = max(base_tokens, 1)
+    low = 1 << (base_tokens.bit_length() - 1)
+    return 2 * low if base_tokens * base_tokens >= 2 * low * low else low
 
 
 class StepRateTable:

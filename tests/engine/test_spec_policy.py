@@ -309,10 +309,10 @@ def test_with_overlapped_plain_steps_a_verify_step_also_pays_the_lost_overlap():
 
 def test_the_verify_extra_is_priced_per_batch_bucket():
     """Extras measured at batch 1 do not price drafts at batch 16: each batch bucket (B0 = 1,
-    2-3, 4-7, 8-15, 16-31, ...) keeps its own extra curve, started from the profile of its
+    2, 3-5, 6-11, 12-22, ...: the nearest power of two in log scale) keeps its own extra curve, started from the profile of its
     size (rows between two profiled row counts interpolate linearly)."""
-    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 15, 16, 31, 32)] == [
-        1, 2, 2, 4, 4, 8, 8, 16, 16, 32]
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 6, 11, 12, 16, 22, 23)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 16, 32]
     table = StepRateTable(PLAIN, EXTRA_BATCH_1, window=4, load_smoothing=0.0,
                           batch_extra_seconds={16: EXTRA_BATCH_16})
     assert table.seconds(1, 1) == pytest.approx(0.0149 + 0.0052)
@@ -329,7 +329,7 @@ def test_the_verify_extra_is_priced_per_batch_bucket():
     assert table.measured(1, 1) == 8 and table.measured(16, 1) == 0
     extras = table.as_milliseconds()["extra"]   # fitted, before the floor: batch 1 measured
     # 3 ms, the other buckets read their profiles at that scale (3 / 5.2)
-    assert sorted(extras) == [1, 8, 16] and extras[1][1] == pytest.approx(3.0)
+    assert sorted(extras) == [1, 8, 16, 32] and extras[1][1] == pytest.approx(3.0)
     assert extras[16][16] == pytest.approx(33.6 * 3.0 / 5.2, abs=1e-3)
 
 
