@@ -350,3 +350,24 @@ def test_a_new_batch_bucket_reads_its_profile_at_the_scale_the_others_showed():
     assert table.seconds(16, 1) == pytest.approx((1.3 + 0.4) * MS)
     with pytest.raises(ValueError, match="batch_extra_seconds"):
         StepRateTable({1: 0.01}, {1: 0.01}, batch_extra_seconds={16: {}})
+
+
+def test_the_gate_asks_for_a_margin_over_the_plain_step():
+    """Chat at batch 16, the 2-core CPU box: one first draft of 0.83 priced at 3 ms over a
+    97 ms plain step predicts +2.3 % (it cost 9 ms: -4 %); three drafts of 2.4 expected tokens
+    at 10 ms predict +4.6 %. With spec_min_gain 0.05 neither opens the gate; grounded prompts
+    at batch 1 (+100 % and more) are not touched, nor is the walk after the gate."""
+    table = StepRateTable({16: 0.097}, {1: 0.003, 3: 0.010}, window=0)
+    one = [[0.83]] + [[]] * 15
+    three = [[0.95, 0.9, 0.95]] + [[]] * 15
+    assert admit_varlen(one, table.step_seconds(16)) == [1] + [0] * 15
+    assert admit_varlen(three, table.step_seconds(16)) == [3] + [0] * 15
+    assert admit_varlen(one, table.step_seconds(16), min_gain=0.05) == [0] * 16
+    assert admit_varlen(three, table.step_seconds(16), min_gain=0.05) == [0] * 16
+    grounded = measured_table()
+    assert admit_varlen([GROUNDED], grounded.step_seconds(1), min_gain=0.05) == [5]
+    # no count of sure drafts beats the plain step by half: the drafter is not asked
+    assert drafting_can_pay(16, table.step_seconds(16), max_drafts=3)
+    assert not drafting_can_pay(16, table.step_seconds(16), max_drafts=3, min_gain=0.5)
+    with pytest.raises(ValueError, match="spec_min_gain"):
+        SpeculativeConfig(speculative_method="ngram", spec_min_gain=-0.1)
