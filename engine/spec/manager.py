@@ -14,9 +14,7 @@ if even a sure first draft for every request would not open the admission's gate
 (`drafting_can_pay`), the drafter is not called at all. Where plain steps overlap the host
 (`async_plain_steps`), a look (a step that calls the drafter) is a blocking step: when sure
 drafts would pay but the last look admitted nothing, the next one waits for the exploration
-budget below, priced at what the last one cost (the overlap it lost, and the drafter's time). There a
-verify step is timed like the plain steps it competes with: its whole loop iteration, from
-the propose (drafter and admission included) to its observation, not the blocking step alone.
+budget below, priced at what the last one cost (the overlap it lost, and the drafter's time).
 And a request whose last `MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their
 first draft is not proposed for 1, 2, 4, ... up to `spec_max_backoff_steps` steps (then
 proposed again; varlen only: fixed length verifies every request, the baseline it is).
@@ -109,9 +107,6 @@ class SpecDecoder:
         self._look: tuple[float, float] | None = None
         self._looks_pay: bool | None = None   # the last look admitted drafts (None: no look)
         self._last_look_seconds = 0.0    # what the last fruitless look cost
-        # when the last propose started (with async plain steps, a verify step costs its whole
-        # loop iteration from there: drafter, admission, schedule, blocking step, update)
-        self._propose_start: float | None = None
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
         self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
         self._misses: dict[str, int] = {}           # request id -> rejected-at-once in a row
@@ -168,14 +163,12 @@ class SpecDecoder:
         """The next step carries no drafts (`may_draft` said so): counted as a step that did
         not call the drafter, without asking it."""
         self.num_steps += 1
-        self._propose_start = None
         self._hand_over(scheduler, [r.request_id for r in scheduler.running if decodes_next(r)],
                         {}, skipped=True)
 
     def propose(self, scheduler: Scheduler) -> dict[str, list[int]]:
         """Draft for the next step and hand the admitted drafts to the scheduler; returns them
         (request id -> draft ids, only requests with at least one)."""
-        self._propose_start = time.perf_counter()
         self.num_steps += 1
         self._explore_baseline = self._look = None
         gamma = self.config.num_speculative_tokens
@@ -280,12 +273,6 @@ class SpecDecoder:
         self._proposed = {}
         if self.step_rate is not None and step_seconds is not None:
             num_drafts = sum(len(d) for d in scored.values())
-            if num_drafts and self.async_plain_steps and self._propose_start is not None:
-                # an overlapped plain step is timed by its period, which holds the host's work;
-                # a verify step's own time holds neither the drafter nor the host work around
-                # it (SmolLM2 chat at batch 16 on the H200: ~3 ms a verify loop iteration
-                # against 1.2 ms a plain period, priced from the step alone it looked cheap)
-                step_seconds = max(step_seconds, time.perf_counter() - self._propose_start)
             if num_drafts or measures_plain:
                 self.step_rate.observe(scheduler_output.total_num_scheduled_tokens
                                        - num_drafts, num_drafts, step_seconds)
@@ -302,7 +289,7 @@ class SpecDecoder:
                             else 0.0)
                 self._last_look_seconds = drafter_seconds + blocking
                 self.explore_seconds += self._last_look_seconds
-        self._explore_baseline = self._look = self._propose_start = None
+        self._explore_baseline = self._look = None
 
     def _back_off(self, request_id: str, num_accepted: int) -> None:
         """After a verify: a request rejected at its first draft `MISSES_BEFORE_BACKOFF` times
