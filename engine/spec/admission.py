@@ -23,7 +23,10 @@ verify at all is decided first from the first positions only: the best Theta ove
 first drafts, K = 1..R, an unconstrained search (lossless: a_{r,1} = c_{r,1} depends on no
 draft). When it beats the plain step, the K* candidates ranked first are admitted (the rank of
 (r, j) depends only on candidates with a >= a_{r,j}) and the walk goes on from there on the
-verify curve; else nothing is verified. Where the jump is so large that only drafts past the
+verify curve; else nothing is verified. The gate asks for a margin, `min_gain` (SpeculativeConfig.
+spec_min_gain): a predicted gain smaller than the error of the step-time estimates is as likely
+a loss (the 2-core CPU box, chat at batch 16: one draft of 0.83 priced at 3 ms over a 97 ms
+step, a predicted +2 %, cost 9 ms). Where the jump is so large that only drafts past the
 first positions pay it (a host-bound step: SmolLM2-sized or smaller models), the first positions
 cannot open the gate; DSpark's production variant (§5.2) then helps: a capacity K from an
 earlier step's confidences (`capacity`, an unconstrained search, lossless since those cannot
@@ -87,15 +90,17 @@ def best_entry(first_survivals: Sequence[float], step_seconds: Callable[[int], f
 
 
 def capacity(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int], float], *,
-             base_committed: float | None = None, max_drafts: int | None = None) -> int:
+             base_committed: float | None = None, max_drafts: int | None = None,
+             min_gain: float = 0.0) -> int:
     """DSpark §5.2's capacity: the draft count K that maximises tau / t(K) over the K surest
-    candidates of `confidences`, an unconstrained search (0 when no K beats the plain step).
-    Lossless only for confidences this step's drafts cannot have set (an earlier step's)."""
+    candidates of `confidences`, an unconstrained search (0 when no K beats the plain step by
+    the fraction `min_gain`). Lossless only for confidences this step's drafts cannot have set
+    (an earlier step's)."""
     committed = float(len(confidences) if base_committed is None else base_committed)
     ranked = [a for a, _, _ in ranked_candidates(confidences)]
     if max_drafts is not None:
         ranked = ranked[:max(max_drafts, 0)]
-    best_k, best = 0, committed / step_seconds(0)
+    best_k, best = 0, (1.0 + min_gain) * committed / step_seconds(0)
     for k, probability in enumerate(ranked, start=1):
         committed += probability
         if committed / step_seconds(k) > best:
@@ -105,7 +110,7 @@ def capacity(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int
 
 def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int], float],
                  *, base_committed: float | None = None, max_drafts: int | None = None,
-                 min_drafts: int = 0) -> list[int]:
+                 min_drafts: int = 0, min_gain: float = 0.0) -> list[int]:
     """The gate, then Algorithm 1's walk (module docstring): how many drafts each request
     verifies.
 
@@ -118,6 +123,8 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
         min_drafts: a capacity decided beforehand from confidences this step's drafts cannot
             have set (`capacity` of the previous step's, DSpark §5.2): the candidates ranked
             first up to it are admitted whatever the gate says, then the walk goes on.
+        min_gain: the gate opens only when the best entry's Theta beats the plain step's by
+            this fraction (a margin for the error of the step-time estimates).
     Returns:
         l_r per request, 0 <= l_r <= k_r: verify the first l_r drafts.
     """
@@ -126,7 +133,7 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
     firsts = [c[0] if c else 0.0 for c in (survival(c[:1]) for c in confidences)]
     entry, entry_theta = best_entry(firsts, step_seconds, base_committed=committed,
                                     max_drafts=max_drafts)
-    if entry == 0 or entry_theta <= committed / step_seconds(0):
+    if entry == 0 or entry_theta <= (1.0 + min_gain) * committed / step_seconds(0):
         entry = 0
     entry = max(entry, min_drafts)
     if entry == 0:
@@ -145,13 +152,14 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
 
 
 def drafting_can_pay(num_requests: int, step_seconds: Callable[[int], float], *,
-                     max_drafts: int) -> bool:
+                     max_drafts: int, min_gain: float = 0.0) -> bool:
     """False when drafting cannot pay whatever the confidences: no count of sure drafts
     (a = 1), up to `max_drafts` (the requests' gamma drafts each, within the token budget),
-    beats the plain step. The step loop then skips the drafter altogether."""
+    beats the plain step by the fraction `min_gain`. The step loop then skips the drafter
+    altogether."""
     if num_requests == 0 or max_drafts <= 0:
         return False
-    plain = num_requests / step_seconds(0)
+    plain = (1.0 + min_gain) * num_requests / step_seconds(0)
     # (R + k) / t(k) is monotone between the kinks of a piecewise-linear t: a geometric grid
     # (1, 2, 3, 4, 6, 8, 12, ...) and the end stand in for them
     counts, k = {max_drafts}, 1

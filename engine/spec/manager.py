@@ -145,7 +145,8 @@ class SpecDecoder:
         step_seconds = self.step_rate.step_seconds(base_tokens)
         max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
         if drafting_can_pay(num_rows, step_seconds, max_drafts=min(
-                max_drafts, num_rows * self.config.num_speculative_tokens)):
+                max_drafts, num_rows * self.config.num_speculative_tokens),
+                min_gain=self.config.spec_min_gain):
             return (self._looks_pay is not False or not self.async_plain_steps
                     or self._explore_due(self._last_look_seconds))
         most = min(num_rows, max_drafts)
@@ -197,11 +198,12 @@ class SpecDecoder:
             # positions past the first (a capacity no larger than the first positions is what
             # the gate already priced, with fresher confidences)
             earlier = [self._last_confidences.get(i, []) for i in ids]
-            carried = capacity(earlier, step_seconds, max_drafts=max_drafts)
+            carried = capacity(earlier, step_seconds, max_drafts=max_drafts,
+                               min_gain=self.config.spec_min_gain)
             if carried <= sum(1 for c in earlier if c):
                 carried = 0
             lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
-                                   min_drafts=carried)
+                                   min_drafts=carried, min_gain=self.config.spec_min_gain)
             self._last_confidences = {i: c for i, c in zip(ids, confidences) if c}
             self._looks_pay = any(lengths)
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts)

@@ -7,9 +7,11 @@ on synthetic decode rows against a context of `context_len` tokens. plain(B) is 
 without drafts, for B on a grid up to max_num_seqs. extra(D) is a verify step of D drafts spread
 over the fewest rows that hold them (ceil(D / gamma) rows: one row for D <= gamma, the batch that
 verifies every draft of each row above) minus the plain step of those rows, for D on a grid up to
-max_num_seqs x gamma (within the token budget). The fastest of `repeats` runs per point (taken
-round the grid, so that a burst of load from another process spoils one run of many points, not
-every run of one point), then the least non-decreasing fit of each curve (a bigger batch is not
+max_num_seqs x gamma (within the token budget); the full batch's extra, D drafts spread over
+max_num_seqs rows minus its plain step, on the powers of two of that grid (a draft costs more
+at a large batch: StepRateTable's batch buckets start from these). The fastest of `repeats`
+runs per point (taken round the grid, so that a burst of load from another process spoils one
+run of many points, not every run of one point), then the least non-decreasing fit of each curve (a bigger batch is not
 faster: what says otherwise is timing noise).
 
 What the profile cannot see, the engine's steps then measure: on the GPU plain steps overlap the
@@ -78,11 +80,18 @@ def profile_step_rate(runner, *, max_num_seqs: int, num_speculative_tokens: int,
     max_drafts = min(max_num_seqs * gamma, max_num_batched_tokens - max_num_seqs)
     plain_grid = token_grid(max_num_seqs)
     draft_grid = token_grid(max(max_drafts, 1))
+    # the full batch's extras, on a sparser grid (powers of two and the end): a draft at batch
+    # 16 costs what it does not at batch 1 (SmolLM2 on the 2-core CPU box: the first 12 ms
+    # against 5 ms), so the batch buckets between start from values of their own size
+    batch_grid = sorted({d for d in draft_grid if d & (d - 1) == 0} | {draft_grid[-1]})
     time_step(runner, max_num_seqs, max(max_drafts, 0), context_len)   # warm-up, not kept
     # (rows, drafts) per point: the plain points, then each extra point's verify step
     points = [(rows, 0) for rows in plain_grid] + [(-(-d // gamma), d) for d in draft_grid]
     for rows in {-(-d // gamma) for d in draft_grid} - set(plain_grid):   # their plain steps
         points.append((rows, 0))
+    few_rows = len(points)
+    if max_num_seqs > 1 and max_drafts > 0:
+        points += [(max_num_seqs, d) for d in batch_grid]
     fastest = [float("inf")] * len(points)
     for _ in range(repeats):
         for index, (rows, num_drafts) in enumerate(points):
@@ -91,5 +100,11 @@ def profile_step_rate(runner, *, max_num_seqs: int, num_speculative_tokens: int,
     plain_of = {rows: seconds for (rows, drafts), seconds in zip(points, fastest) if not drafts}
     plain = nondecreasing([plain_of[rows] for rows in plain_grid])
     extra = nondecreasing([max(seconds - plain_of[rows], 0.0)
-                           for (rows, drafts), seconds in zip(points, fastest) if drafts])
-    return StepRateTable(dict(zip(plain_grid, plain)), dict(zip(draft_grid, extra)), window)
+                           for (rows, drafts), seconds in zip(points[:few_rows], fastest)
+                           if drafts])
+    batch_extra = {}
+    if len(points) > few_rows:
+        batch_extra[max_num_seqs] = dict(zip(batch_grid, nondecreasing(
+            [max(seconds - plain_of[max_num_seqs], 0.0) for seconds in fastest[few_rows:]])))
+    return StepRateTable(dict(zip(plain_grid, plain)), dict(zip(draft_grid, extra)), window,
+                         batch_extra_seconds=batch_extra)

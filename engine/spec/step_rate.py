@@ -4,7 +4,7 @@ prices drafts with.
 Model. A step of R decode rows plus P prefill tokens (base tokens B0 = R + P) that verifies D
 draft tokens costs
 
-    seconds(B0, D) = plain(B0) + extra(D)          (extra(0) = 0)
+    seconds(B0, D) = plain(B0) + extra_bucket(B0)(D)          (extra(0) = 0)
 
 plain(B0) is the step without drafts; extra(D) is what scoring D drafts adds to it: the verify
 kernels' larger batch, the per-position sampling and commit on the host, and on the GPU the
@@ -14,19 +14,25 @@ decode rows 51 ms, the same with one draft 58 ms), so extra(1) holds the jump an
 with D the per-draft cost. Where plain steps overlap the host (`overlapped_plain`: async
 scheduling on the GPU), a verify step, which blocks, also costs what a blocking plain step
 costs over an overlapped one: the profile's (blocking) plain(B0) minus the measured one.
-Keying extra by D alone (not by (R, D)) is what lets the steps the engine runs re-measure the
-points its admission reads: a verify step at the running batch updates extra(D) for that batch,
-where a curve of B would keep start-up values of another row layout (a B of 96 profiled as 64
-rows with one draft each, run as 16 rows with five).
+Keying extra by D (not by the tokens B0 + D of one curve) is what lets the steps the engine
+runs re-measure the points its admission reads: a verify step at the running batch updates
+extra(D) for that batch, where a curve of B would keep start-up values of another row layout (a
+B of 96 profiled as 64 rows with one draft each, run as 16 rows with five). But extra(D) also
+depends on the batch it joins (the 2-core CPU box: the first draft adds 5 ms to one decode row,
+12 ms to 16), so there is one extra curve per batch bucket of B0 (`batch_bucket`: 1, 2, 3-5, 6-11,
+12-22, ...): extras measured at batch 1 do not price drafts at batch 16. A bucket's
+start-up values come from the profile of the nearest profiled row counts (the fewest rows that
+hold the drafts, and the full batch), interpolated linearly in rows between them.
 
 Each curve starts from the start-up profile (engine/spec/profile.py) and is re-measured online
 from the engine's own step times (`observe`): per key the median of the last `window`
 observations (robust to the odd step slowed by another process), the start-up value counting
 as one observation until `window` real ones replaced it. A key not observed yet keeps the
 profile's shape at the engine's scale: its start-up value times the median observed / start-up
-ratio of the keys observed, once `SCALE_OBSERVATIONS` steps were (on the H200 the engine's
-verify extra was several times the profile's: priced at the profile's values, every verify key
-had to be run once before the admission stopped choosing it). A verify step's observation of
+ratio of its bucket's keys observed, once `SCALE_OBSERVATIONS` steps were, else of every
+bucket's, once as many were (the scale is the device's, the absolute times the batch's; on the
+H200 the engine's verify extra was several times the profile's: priced at the profile's
+values, every verify key had to be run once before the admission stopped choosing it). A verify step's observation of
 extra(D) is its time minus plain(B0) (and the sync gap). Reads fit the medians with a weighted
 non-decreasing least-squares fit (a bigger batch or more drafts is not cheaper: what says
 otherwise is timing noise), interpolate linearly between keys (flat before the first, along the
@@ -92,6 +98,7 @@ class _Curve:
         self._measured: dict[int, int] = {}   # key -> steps observed there (not start-up)
         self._observed: dict[int, deque[float]] = {}   # key -> its observations alone
         self._fitted: tuple[list[int], list[float]] | None = None
+        self._fitted_ratio: float | None = None
 
     def __bool__(self) -> bool:
         return bool(self._times)
@@ -117,26 +124,36 @@ class _Curve:
         weight = (key - low) / (high - low)
         return self._start[low] * (1.0 - weight) + self._start[high] * weight
 
-    def fitted(self) -> tuple[list[int], list[float]]:
-        """(keys, fitted seconds): window medians; once SCALE_OBSERVATIONS steps were observed
-        at keys with a start-up value, a key never observed takes its start-up value times
-        the median over those keys of observed / start-up (the profile's shape at the
-        engine's scale); then the non-decreasing fit."""
-        if self._fitted is None:
+    def ratios(self, *, interpolated: bool = False) -> list[tuple[int, float]]:
+        """(observations, median observed / start-up) of each observed key with a start-up
+        value (interpolated: also keys between start-up keys, read off the interpolation)."""
+        starts = {k: self.start(k) if interpolated else self._start.get(k, 0.0)
+                  for k in self._observed}
+        return [(len(self._observed[k]), statistics.median(self._observed[k]) / starts[k])
+                for k in self._observed if starts[k] > 0.0]
+
+    def fitted(self, fallback_ratio: float | None = None) -> tuple[list[int], list[float]]:
+        """(keys, fitted seconds): window medians; a key never observed takes its start-up
+        value times the median over observed keys of observed / start-up (the profile's shape
+        at the engine's scale) once SCALE_OBSERVATIONS steps were observed at such keys, else
+        times `fallback_ratio` (None: 1); then the non-decreasing fit."""
+        if self._fitted is None or self._fitted_ratio != fallback_ratio:
             keys = sorted(self._times)
             medians = [statistics.median(self._times[k]) for k in keys]
-            scaled = [k for k in self._observed if self._start.get(k, 0.0) > 0.0]
-            if sum(len(self._observed[k]) for k in scaled) >= SCALE_OBSERVATIONS:
-                ratio = statistics.median(statistics.median(self._observed[k]) / self._start[k]
-                                          for k in scaled)
+            ratios = self.ratios()
+            ratio = fallback_ratio
+            if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS:
+                ratio = statistics.median(r for _, r in ratios)
+            if ratio is not None:
                 medians = [m * ratio if k not in self._observed else m
                            for k, m in zip(keys, medians)]
             weights = [float(len(self._times[k])) for k in keys]
             self._fitted = keys, nondecreasing(medians, weights)
+            self._fitted_ratio = fallback_ratio
         return self._fitted
 
-    def seconds(self, key: int) -> float:
-        keys, values = self.fitted()
+    def seconds(self, key: int, fallback_ratio: float | None = None) -> float:
+        keys, values = self.fitted(fallback_ratio)
         index = bisect.bisect_left(keys, key)
         if index < len(keys) and keys[index] == key:
             return values[index]
@@ -150,24 +167,41 @@ class _Curve:
         return values[index - 1] * (1.0 - weight) + values[index] * weight
 
 
+def batch_bucket(base_tokens: int) -> int:
+    """The verify extra's batch bucket of a step of `base_tokens` (B0) tokens without drafts:
+    the power of two nearest B0 in log scale (1; 2; 3-5 -> 4; 6-11 -> 8; 12-22 -> 16; ...),
+    so that a batch of 16 that lost a few finished requests keeps the extras of 16."""
+    base_tokens = max(base_tokens, 1)
+    low = 1 << (base_tokens.bit_length() - 1)
+    return 2 * low if base_tokens * base_tokens >= 2 * low * low else low
+
+
 class StepRateTable:
     """Args:
         plain_seconds: base tokens B0 -> seconds of one step without drafts (>= 1 entry).
         extra_seconds: drafted tokens D -> seconds a verify step adds to the plain step of its
-            batch (>= 1 entry; negative values count as 0).
+            batch, profiled on the fewest rows that hold the drafts (>= 1 entry; negative
+            values count as 0): the start-up extra of batch bucket 1.
         window: recent observations kept per key and curve (0: never re-measure).
         load_smoothing: weight of one step in the load factor's moving average, in [0, 1]
             (0: no load factor).
+        batch_extra_seconds: decode rows R -> {D: seconds D drafts spread over R rows add to
+            the plain step of R rows}: start-up extras of larger batches (buckets between two
+            profiled row counts interpolate linearly in R; above the last, the last).
     """
 
     def __init__(self, plain_seconds: Mapping[int, float], extra_seconds: Mapping[int, float],
-                 window: int = 8, load_smoothing: float = 0.5):
+                 window: int = 8, load_smoothing: float = 0.5, *,
+                 batch_extra_seconds: Mapping[int, Mapping[int, float]] | None = None):
         if not plain_seconds or not extra_seconds:
             raise ValueError("a step-rate table needs at least one plain and one verify point")
         if window < 0:
             raise ValueError(f"window={window} must be >= 0 (0: never re-measure)")
         if not 0.0 <= load_smoothing <= 1.0:
             raise ValueError(f"load_smoothing={load_smoothing} must be in [0, 1]")
+        profiles = {1: extra_seconds, **(batch_extra_seconds or {})}
+        if any(rows < 1 or not extra for rows, extra in profiles.items()):
+            raise ValueError("batch_extra_seconds needs rows >= 1, each with >= 1 verify point")
         self.window = window
         self.load_smoothing = load_smoothing
         self.load = 1.0     # observed / start-up-scale step times, moving geometric average
@@ -176,8 +210,43 @@ class StepRateTable:
         # and the overlapped one the plain curve measures (`sync_gap`)
         self.overlapped_plain = False
         self._plain = _Curve(plain_seconds, max(window, 1))
-        self._extra = _Curve({d: max(s, 0.0) for d, s in extra_seconds.items()},
-                             max(window, 1))
+        # start-up extras by profiled rows; the engine's extras by batch bucket (made on use)
+        self._profiles = sorted((int(rows), _Curve({d: max(s, 0.0) for d, s in extra.items()},
+                                                   1)) for rows, extra in profiles.items())
+        self._extras: dict[int, _Curve] = {}
+        self._pooled: dict[int, float | None] = {}   # bucket -> the other buckets' ratio
+
+    def _extra(self, base_tokens: int) -> _Curve:
+        """The extra curve of B0's batch bucket; a new one starts from the profile of the
+        nearest profiled rows (interpolated between two)."""
+        bucket = batch_bucket(base_tokens)
+        curve = self._extras.get(bucket)
+        if curve is None:
+            rows = [r for r, _ in self._profiles]
+            index = bisect.bisect_left(rows, bucket)
+            if index < len(rows) and rows[index] == bucket or index in (0, len(rows)):
+                _, profile = self._profiles[min(index, len(rows) - 1)]
+                start = dict(profile._start)
+            else:
+                (low, below), (high, above) = self._profiles[index - 1], self._profiles[index]
+                weight = (bucket - low) / (high - low)
+                start = {d: below.start(d) * (1.0 - weight) + above.start(d) * weight
+                         for d in set(below._start) | set(above._start)}
+            curve = self._extras[bucket] = _Curve(start, max(self.window, 1))
+        return curve
+
+    def _fallback_ratio(self, bucket: int) -> float | None:
+        """The observed / start-up ratio over the other buckets' observed keys (once
+        SCALE_OBSERVATIONS steps were observed there): a bucket not observed enough yet reads
+        its start-up values at the scale the others showed (on the H200 several times the
+        profile's, at every batch)."""
+        if bucket not in self._pooled:
+            ratios = [ratio for other, curve in self._extras.items() if other != bucket
+                      for ratio in curve.ratios(interpolated=True)]
+            self._pooled[bucket] = (statistics.median(r for _, r in ratios)
+                                    if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS
+                                    else None)
+        return self._pooled[bucket]
 
     def sync_gap(self, base_tokens: int) -> float:
         """Unloaded seconds a blocking step adds over an overlapped plain step at B0: the
@@ -192,13 +261,14 @@ class StepRateTable:
         plain = self._plain.seconds(max(base_tokens, 1))
         if num_drafts <= 0:
             return plain
-        return plain + self.sync_gap(base_tokens) + self._extra_seconds(num_drafts)
+        return plain + self.sync_gap(base_tokens) + self._extra_seconds(base_tokens, num_drafts)
 
-    def _extra_seconds(self, num_drafts: int) -> float:
-        """Unloaded extra(D) of D > 0 drafts: the fitted curve, floored at EXTRA_FLOOR x the
-        start-up value."""
-        return max(self._extra.seconds(num_drafts),
-                   EXTRA_FLOOR * self._extra.start(num_drafts), 0.0)
+    def _extra_seconds(self, base_tokens: int, num_drafts: int) -> float:
+        """Unloaded extra(D) of D > 0 drafts at B0's batch bucket: the fitted curve, floored
+        at EXTRA_FLOOR x the start-up value."""
+        curve = self._extra(base_tokens)
+        return max(curve.seconds(num_drafts, self._fallback_ratio(batch_bucket(base_tokens))),
+                   EXTRA_FLOOR * curve.start(num_drafts), 0.0)
 
     def seconds(self, base_tokens: int, num_drafts: int = 0) -> float:
         """Seconds of a step of `base_tokens` tokens without drafts that verifies `num_drafts`
@@ -208,10 +278,16 @@ class StepRateTable:
     def step_seconds(self, base_tokens: int) -> Callable[[int], float]:
         """D -> seconds(base_tokens, D): the admission's view of one step's batch."""
         plain, load = self._plain.seconds(max(base_tokens, 1)), self.load
-        extra = self._extra_seconds
         blocking = plain + self.sync_gap(base_tokens)
-        return lambda num_drafts: load * (blocking + extra(num_drafts) if num_drafts > 0
-                                          else plain)
+        extra, cache = self._extra_seconds, {}
+
+        def seconds(num_drafts: int) -> float:
+            if num_drafts <= 0:
+                return load * plain
+            if num_drafts not in cache:
+                cache[num_drafts] = load * (blocking + extra(base_tokens, num_drafts))
+            return cache[num_drafts]
+        return seconds
 
     def observe(self, base_tokens: int, num_drafts: int, seconds: float) -> None:
         """Re-measure: one executed step (B0 tokens without its drafts, D drafts scored) took
@@ -219,7 +295,8 @@ class StepRateTable:
         minus plain(B0))."""
         if self.window <= 0 or base_tokens <= 0 or seconds <= 0.0:
             return
-        curve, key = (self._extra, num_drafts) if num_drafts > 0 else (self._plain, base_tokens)
+        curve, key = ((self._extra(base_tokens), num_drafts) if num_drafts > 0
+                      else (self._plain, base_tokens))
         if curve.measured(key) >= self.window:   # only settled keys move the load
             predicted = self._unloaded(base_tokens, num_drafts)
             self.load *= (seconds / (self.load * predicted)) ** self.load_smoothing
@@ -228,14 +305,20 @@ class StepRateTable:
             unloaded = max(unloaded - self._plain.seconds(base_tokens)
                            - self.sync_gap(base_tokens), 0.0)
         curve.observe(key, unloaded)
+        if num_drafts > 0:
+            self._pooled.clear()
 
     def measured(self, base_tokens: int, num_drafts: int = 0) -> int:
         """How many executed steps were observed at this key: plain(B0) when num_drafts is 0,
-        else extra(num_drafts)."""
-        return self._extra.measured(num_drafts) if num_drafts else self._plain.measured(
-            base_tokens)
+        else extra(num_drafts) of B0's batch bucket."""
+        return (self._extra(base_tokens).measured(num_drafts) if num_drafts
+                else self._plain.measured(base_tokens))
 
-    def as_milliseconds(self) -> dict[str, dict[int, float]]:
-        """{"plain": {B0: ms}, "extra": {D: ms}} of the keys held (fitted, unloaded)."""
-        return {name: {k: round(v * 1e3, 3) for k, v in zip(*curve.fitted())}
-                for name, curve in (("plain", self._plain), ("extra", self._extra))}
+    def as_milliseconds(self) -> dict[str, dict[int, dict[int, float] | float]]:
+        """{"plain": {B0: ms}, "extra": {batch bucket: {D: ms}}} of the keys held (fitted,
+        unloaded; the extras of the buckets used so far, else of the profiled rows)."""
+        def rounded(curve: _Curve, ratio: float | None = None) -> dict[int, float]:
+            return {k: round(v * 1e3, 3) for k, v in zip(*curve.fitted(ratio))}
+        extras = ({b: rounded(c, self._fallback_ratio(b)) for b, c in sorted(self._extras.items())}
+                  or {rows: rounded(c) for rows, c in self._profiles})
+        return {"plain": rounded(self._plain), "extra": extras}

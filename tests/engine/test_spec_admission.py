@@ -175,7 +175,7 @@ def test_step_rate_table_plain_plus_extra_interpolated_and_re_measured():
     assert table.seconds(4, 1) == pytest.approx(0.017 + 0.004 * 12 / 7)
     table.observe(4, 2, 0.017 + 0.020)  # a new point, pooled with 4 by the monotone fit
     assert table.seconds(4, 2) == pytest.approx(0.017 + 0.014)
-    assert table.as_milliseconds()["extra"] == {1: 6.857, 2: 14.0, 4: 14.0}
+    assert table.as_milliseconds()["extra"] == {4: {1: 6.857, 2: 14.0, 4: 14.0}}
     assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert nondecreasing([1.0, 3.0, 2.0], [1.0, 1.0, 3.0]) == [1.0, 2.25, 2.25]
     with pytest.raises(ValueError, match="plain and one verify"):

@@ -18,7 +18,7 @@ from deepinfer.engine.outputs import ModelRunnerOutput
 from deepinfer.engine.spec.admission import admit_varlen, drafting_can_pay, survival
 from deepinfer.engine.spec.drafter import DraftProposal
 from deepinfer.engine.spec.manager import SpecDecoder
-from deepinfer.engine.spec.step_rate import StepRateTable
+from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket
 
 MS = 1e-3
 PLAIN = {1: 14.9 * MS, 16: 50.2 * MS}
@@ -198,16 +198,22 @@ def test_exploration_re_measures_but_never_prices_below_the_profile():
     assert spec.num_explored_steps == 3 and len(drafter.asked) == 3
     assert spec.explore_seconds == pytest.approx(3 * 0.0198)
     # measured: the monotone fit pools the profile's 60 ms at one draft with the steps' 19.8
-    assert table.as_milliseconds()["extra"][16] == pytest.approx((60 + 3 * 19.8) / 4)
+    assert table.as_milliseconds()["extra"][16][16] == pytest.approx((60 + 3 * 19.8) / 4)
     assert table.seconds(16, 16) == pytest.approx(0.0502 + 0.060 + 15 / 79 * 0.240)
 
 
-def test_exploration_stays_within_its_share_of_the_step_time():
+def test_exploration_stays_within_its_share_of_the_step_time(monkeypatch):
     """Chat at batch 16 where verify steps really cost 2.4x the plain step, and a profile that
     priced them at 1.2x: the first step verifies every draft (the admission's own choice) and
     re-measures the extra of 32 drafts, which shuts the gate. The one exploration step that
     follows (the surest first draft, when 1 % of the elapsed time covers its predicted cost)
-    costs its time minus the plain step's, and nothing else fits the budget in 150 steps."""
+    costs its time minus the plain step's, and nothing else fits the budget in 150 steps. When
+    a request is preempted (the KV blocks run out) the batch drops to 15 rows, a new batch
+    bucket of the verify extra whose start-up values no step re-measured yet: with two
+    observations so far (fewer than SCALE_OBSERVATIONS) they read unscaled, the admission
+    verifies there once, and the third observation scales every bucket's start-up values."""
+    # the fake drafter takes no time (a look's drafter seconds count as exploration)
+    monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
     scheduler = decoding_scheduler(16)
     drafter = CountingDrafter([1, 2], [0.3, 0.3])
     table = measured_table({1: 0.010}, load_smoothing=0.0)   # a profile far too cheap
@@ -215,10 +221,10 @@ def test_exploration_stays_within_its_share_of_the_step_time():
     run(spec, scheduler)
     verified = [scored_drafts(run(spec, scheduler, accept=0, verify_seconds=0.120)[1])
                 for _ in range(150)]
-    assert [(i, n) for i, n in enumerate(verified) if n] == [(0, 32), (18, 1)]
+    assert [(i, n) for i, n in enumerate(verified) if n] == [(0, 32), (18, 1), (59, 30)]
     assert spec.num_explored_steps == 1
     assert spec.explore_seconds <= 0.01 * spec.elapsed_seconds
-    assert spec.explore_seconds == pytest.approx(0.120 - 0.0502, abs=1e-3)
+    assert spec.explore_seconds == pytest.approx(0.120 - 0.0502)
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off_then_is_proposed_again():
@@ -264,7 +270,7 @@ def test_a_start_up_profile_spoiled_by_load_does_not_stop_batch_one():
     assert table.measured(1, 5) == 9
     # the monotone fit pools the spoiled 45 ms with the profile's 6.1 and 13 ms and the last 8
     # steps' 5.2 ms (9.6 ms); reads never go below the profile's 13 ms (EXTRA_FLOOR)
-    assert table.as_milliseconds()["extra"][5] == pytest.approx(
+    assert table.as_milliseconds()["extra"][1][5] == pytest.approx(
         (45 + 6.1 + 13 + 8 * 5.2) / 11, rel=1e-3)
     assert table.seconds(1, 5) == pytest.approx(0.0149 + 0.013)
 
@@ -300,3 +306,70 @@ def test_with_overlapped_plain_steps_a_verify_step_also_pays_the_lost_overlap():
     assert table.seconds(16, 16) == pytest.approx(2.50 * MS)   # median of 0.2, 1.2, 1.2 + gap
     table.overlapped_plain = False
     assert table.seconds(16, 16) == pytest.approx((1.08 + 1.20) * MS)
+
+
+def test_the_verify_extra_is_priced_per_batch_bucket():
+    """Extras measured at batch 1 do not price drafts at batch 16: each batch bucket (B0 = 1,
+    2, 3-5, 6-11, 12-22, ...: the nearest power of two in log scale) keeps its own extra curve, started from the profile of its
+    size (rows between two profiled row counts interpolate linearly)."""
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 6, 11, 12, 16, 22, 23)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 16, 32]
+    table = StepRateTable(PLAIN, EXTRA_BATCH_1, window=4, load_smoothing=0.0,
+                          batch_extra_seconds={16: EXTRA_BATCH_16})
+    assert table.seconds(1, 1) == pytest.approx(0.0149 + 0.0052)
+    assert table.seconds(16, 1) == pytest.approx(0.0502 + 0.0121)
+    assert table.seconds(31, 16) == pytest.approx(table.seconds(31) + 0.0336)
+    # bucket 8: 7/15 of the way from the batch-1 profile to the batch-16 one
+    assert table.seconds(8, 1) - table.seconds(8) == pytest.approx(0.0052 + 7 / 15 * 0.0069)
+    # chat at batch 16 after grounded prompts at batch 1 verified cheap drafts there: the
+    # batch-16 price stays its own
+    for _ in range(8):
+        table.observe(1, 1, 0.0149 + 0.0030)
+    assert table.seconds(1, 1) == pytest.approx(0.0149 + 0.0052)   # the profile is a floor
+    assert table.seconds(16, 1) == pytest.approx(0.0502 + 0.0121)
+    assert table.measured(1, 1) == 8 and table.measured(16, 1) == 0
+    extras = table.as_milliseconds()["extra"]   # fitted, before the floor: batch 1 measured
+    # 3 ms, the other buckets read their profiles at that scale (3 / 5.2)
+    assert sorted(extras) == [1, 8, 16, 32] and extras[1][1] == pytest.approx(3.0)
+    assert extras[16][16] == pytest.approx(33.6 * 3.0 / 5.2, abs=1e-3)
+
+
+def test_a_new_batch_bucket_reads_its_profile_at_the_scale_the_others_showed():
+    """H200 shape: verify steps cost 4x what the profile timed. After 3 observations at batch
+    1, batch 16 (never verified) reads its own profiled values at that scale; its own
+    observations then take over."""
+    table = StepRateTable({1: 1.0 * MS, 16: 1.3 * MS}, {1: 0.1 * MS, 5: 0.3 * MS}, window=4,
+                          load_smoothing=0.0, batch_extra_seconds={16: {1: 0.2 * MS,
+                                                                       80: 1.0 * MS}})
+    for _ in range(3):
+        table.observe(1, 3, (1.0 + 0.8) * MS)   # profile at 3 drafts: 0.2 ms (interpolated)
+    assert table.seconds(16, 80) == pytest.approx((1.3 + 4.0) * MS)
+    assert table.seconds(16, 1) == pytest.approx((1.3 + 0.8) * MS)
+    for _ in range(3):
+        table.observe(16, 80, (1.3 + 2.0) * MS)   # batch 16's own scale: 2x
+    assert table.seconds(16, 80) == pytest.approx((1.3 + 2.0) * MS)
+    assert table.seconds(16, 1) == pytest.approx((1.3 + 0.4) * MS)
+    with pytest.raises(ValueError, match="batch_extra_seconds"):
+        StepRateTable({1: 0.01}, {1: 0.01}, batch_extra_seconds={16: {}})
+
+
+def test_the_gate_asks_for_a_margin_over_the_plain_step():
+    """Chat at batch 16, the 2-core CPU box: one first draft of 0.83 priced at 3 ms over a
+    97 ms plain step predicts +2.3 % (it cost 9 ms: -4 %); three drafts of 2.4 expected tokens
+    at 10 ms predict +4.6 %. With spec_min_gain 0.05 neither opens the gate; grounded prompts
+    at batch 1 (+100 % and more) are not touched, nor is the walk after the gate."""
+    table = StepRateTable({16: 0.097}, {1: 0.003, 3: 0.010}, window=0)
+    one = [[0.83]] + [[]] * 15
+    three = [[0.95, 0.9, 0.95]] + [[]] * 15
+    assert admit_varlen(one, table.step_seconds(16)) == [1] + [0] * 15
+    assert admit_varlen(three, table.step_seconds(16)) == [3] + [0] * 15
+    assert admit_varlen(one, table.step_seconds(16), min_gain=0.05) == [0] * 16
+    assert admit_varlen(three, table.step_seconds(16), min_gain=0.05) == [0] * 16
+    grounded = measured_table()
+    assert admit_varlen([GROUNDED], grounded.step_seconds(1), min_gain=0.05) == [5]
+    # no count of sure drafts beats the plain step by half: the drafter is not asked
+    assert drafting_can_pay(16, table.step_seconds(16), max_drafts=3)
+    assert not drafting_can_pay(16, table.step_seconds(16), max_drafts=3, min_gain=0.5)
+    with pytest.raises(ValueError, match="spec_min_gain"):
+        SpeculativeConfig(speculative_method="ngram", spec_min_gain=-0.1)
+
