@@ -55,8 +55,11 @@ class MoETile:
 MOE_TILES = (MoETile(2, 16, 32, 64, 128, 4, 4), MoETile(8, 16, 64, 64, 128, 4, 3),
              MoETile(32, 32, 64, 128, 64, 4, 4), MoETile(256, 64, 128, 128, 64, 8, 3, 8),
              MoETile(1 << 30, 128, 64, 256, 64, 8, 3, 8))
-# pair tiles (`moe_pair_tiles_max_tokens`: one (token, k) pair per row tile, decode at batch 1)
-MOE_PAIR_TILE = MoETile(1, 16, 32, 64, 128, 4, 4)
+# pair tiles (`moe_pair_tiles_max_tokens`: one (token, k) pair per row tile, decode at batch 1).
+# H200, V2-Lite, 26 MoE layers in one graph (router + shared stream + routed + combine): the
+# swapped 64-column tile with 5 stages 40.3 us per layer against 42.7 for the unswapped 32-column
+# one (18 tiles swept); engine b=1 500.3 against 484.6 tok/s (h28c ab JSON in benchmarks/results)
+MOE_PAIR_TILE = MoETile(1, 16, 64, 64, 128, 4, 5, swap_ab=True)
 
 
 def _check(name: str, ok: bool, message: str) -> None:
