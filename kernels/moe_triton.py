@@ -27,7 +27,8 @@ code, with these departures):
    float atomics: deterministic), plus the shared experts' output where the caller passes it
    (one add kernel less per layer).
 
-Tile choice: `KernelConfig.moe_tiles` (kernels/settings.py), picked by the mean rows per expert.
+Tile choice: `KernelConfig.moe_tiles` (kernels/settings.py), picked by the mean rows per expert;
+`KernelConfig.moe_pair_tile` on the pair-tiles path.
 """
 
 from __future__ import annotations
@@ -177,10 +178,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
                     num_blocks, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                     stride_om, TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, PDL: tl.constexpr):
+                    GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, SWAP_AB: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots.
     FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128).
-    PAIR_TILES: row tile b holds pair b alone, block_expert_ptr is the pairs' expert ids."""
+    PAIR_TILES: row tile b holds pair b alone, block_expert_ptr is the pairs' expert ids.
+    SWAP_AB (bf16 / fp32 only): the accumulators are [BLOCK_N, BLOCK_M] = w . x^T, the weight
+    tile the MMA's M side (a few rows: BLOCK_N >= 64 fills Hopper's 64-row MMA, BLOCK_M does not)."""
     pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -194,16 +198,24 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
-              + offs_k[:, None])
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    if SWAP_AB:   # [BLOCK_N, BLOCK_K] weight tiles, accumulators [BLOCK_N, BLOCK_M]
+        g_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:         # [BLOCK_K, BLOCK_N] weight tiles, accumulators [BLOCK_M, BLOCK_N]
+        g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     u_ptrs = g_ptrs + N * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if SWAP_AB:
+            w_mask = n_ok[:, None] & k_ok[None, :]
+        else:
+            w_mask = k_ok[:, None] & n_ok[None, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
         if FP8:   # the activations quantized once for both dots
             a8, a_scale = _quantize_rows(a)
             s_row = s_ptr + expert.to(tl.int64) * stride_se + k
@@ -212,6 +224,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
             acc_u = _fp8_block_dot(a8, a_scale, u,
                                    tl.load(s_row + ((N + pid_n * BLOCK_N) // 128) * stride_sn),
                                    acc_u)
+        elif SWAP_AB:
+            acc_g = tl.dot(g, tl.trans(a), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(u, tl.trans(a), acc_u, input_precision=PRECISION)
         else:
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
@@ -219,9 +234,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     pdl.launch_dependents(PDL)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+    act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(out_ptr.dtype.element_ty)
+    if SWAP_AB:
+        o_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, act, mask=n_ok[:, None])
+    else:
+        o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, act, mask=n_ok[None, :])
 
 
 @triton.jit
@@ -229,9 +248,10 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
                  num_pairs, num_blocks, N, K, stride_am, stride_we, stride_wn, stride_se,
                  stride_sn, stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, PDL: tl.constexpr):
+                 GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, SWAP_AB: tl.constexpr,
+                 PDL: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
-    for the tile's real slots (PAIR_TILES: as `_gate_up_kernel`)."""
+    for the tile's real slots (PAIR_TILES, SWAP_AB: as `_gate_up_kernel`)."""
     pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -244,27 +264,40 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
-              + offs_k[:, None])
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    if SWAP_AB:
+        w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]   # [BLOCK_N, BLOCK_K]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None]   # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             a8, a_scale = _quantize_rows(a)
             acc = _fp8_block_dot(a8, a_scale, w, tl.load(s_ptr + expert.to(tl.int64) * stride_se
                                                           + k + (pid_n * BLOCK_N // 128)
                                                           * stride_sn), acc)
+        elif SWAP_AB:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
         else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     pdl.launch_dependents(PDL)
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-    acc = acc * weight[:, None]
-    y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if SWAP_AB:
+        y_ptrs = y_ptr + pair[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, (acc * weight[None, :]).to(y_ptr.dtype.element_ty),
+                 mask=row_ok[None, :] & n_ok[:, None])
+    else:
+        y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, (acc * weight[:, None]).to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -372,17 +405,17 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError("w13 and w2 must be row-major in their last dim")
     fp8 = w13_scale is not None
     num_pairs = num_tokens * top_k
-    tile = pick_tile(num_pairs, num_experts, settings)
+    pair_tiles = num_tokens <= settings.moe_pair_tiles_max_tokens
+    tile = settings.moe_pair_tile if pair_tiles else pick_tile(num_pairs, num_experts, settings)
     if fp8:
         if inter % 128 or hidden_size % 128 or w2_scale is None:
             raise ValueError("FP8 experts need intermediate and hidden sizes that are multiples "
                              "of 128 and both block-scale tensors")
         # one K step per 128-wide scale block; column tiles inside one scale block
         tile = dataclasses.replace(tile, block_k=128, block_n=min(tile.block_n, 128),
-                                   down_block_n=min(tile.down_block_n, 128))
+                                   down_block_n=min(tile.down_block_n, 128), swap_ab=False)
     # float32 models (the parity tests) multiply in full precision, not TF32
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    pair_tiles = num_tokens <= settings.moe_pair_tiles_max_tokens
     if pair_tiles:   # no alignment: row tile b is pair b (one token's k experts are distinct)
         block_expert = topk_ids.reshape(-1).contiguous()
         sorted_pairs, num_blocks = block_expert, num_pairs   # sorted_pairs unused
@@ -399,8 +432,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           s13.stride(1) if fp8 else 0, act.stride(0), TOP_K=top_k,
                           PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                          PAIR_TILES=pair_tiles, PDL=bool(options), num_warps=tile.num_warps,
-                          num_stages=tile.num_stages, **options)
+                          PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, PDL=bool(options),
+                          num_warps=tile.num_warps, num_stages=tile.num_stages, **options)
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     s2 = w2_scale if fp8 else w2
@@ -410,8 +443,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
                        y.stride(0), PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
                        BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                       PAIR_TILES=pair_tiles, PDL=bool(options), num_warps=tile.num_warps,
-                       num_stages=tile.num_stages, **options)
+                       PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, PDL=bool(options),
+                       num_warps=tile.num_warps, num_stages=tile.num_stages, **options)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     block_n = min(1024, triton.next_power_of_2(hidden_size))
     if shared_ready is not None:

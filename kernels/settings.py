@@ -33,6 +33,9 @@ class MoETile:
     group_m: launch order: groups of group_m row tiles, a group's row tiles side by side for
         one column tile before the next column tile (Triton's grouped ordering); 0 (default):
         one group of all row tiles.
+    swap_ab: bf16 / float32 experts (FP8 ignores it): each GEMM computes w . x^T, the weight
+        tile on the MMA's M side, so block_n / down_block_n (>= 64) fill Hopper's 64-row MMA
+        instead of the mostly empty block_m rows (the skinny linears' SWAP_AB).
     """
 
     max_rows: int
@@ -43,6 +46,7 @@ class MoETile:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 0
+    swap_ab: bool = False
 
 
 # decode (a few rows per expert) to prefill (hundreds): measured on the H200, RESULTS.md
@@ -51,6 +55,11 @@ class MoETile:
 MOE_TILES = (MoETile(2, 16, 32, 64, 128, 4, 4), MoETile(8, 16, 64, 64, 128, 4, 3),
              MoETile(32, 32, 64, 128, 64, 4, 4), MoETile(256, 64, 128, 128, 64, 8, 3, 8),
              MoETile(1 << 30, 128, 64, 256, 64, 8, 3, 8))
+# pair tiles (`moe_pair_tiles_max_tokens`: one (token, k) pair per row tile, decode at batch 1).
+# H200, V2-Lite, 26 MoE layers in one graph (router + shared stream + routed + combine): the
+# swapped 64-column tile with 5 stages 40.3 us per layer against 42.7 for the unswapped 32-column
+# one (18 tiles swept); engine b=1 500.3 against 484.6 tok/s (h28c ab JSON in benchmarks/results)
+MOE_PAIR_TILE = MoETile(1, 16, 64, 64, 128, 4, 5, swap_ab=True)
 
 
 def _check(name: str, ok: bool, message: str) -> None:
@@ -90,6 +99,8 @@ class KernelConfig:
         weight runs the AVX2 block-quantized kernel.
     moe_tiles: the Triton fused MoE's tile sizes by mean rows per expert (`MoETile`), in
         increasing max_rows; default `MOE_TILES`.
+    moe_pair_tile: the tile of the pair-tiles path (`moe_pair_tiles_max_tokens`; its max_rows
+        is not read); default `MOE_PAIR_TILE`.
     moe_align_one_program_max_pairs: up to this many (token, k) pairs (default 256) the Triton
         MoE aligns pairs to experts in one program (`moe_triton.align`); above, an atomic rank
         kernel and a parallel layout kernel.
@@ -159,6 +170,7 @@ class KernelConfig:
     norm_by_dot_rows: int = 32
     quantized_max_rows: int = 64
     moe_tiles: tuple[MoETile, ...] = MOE_TILES
+    moe_pair_tile: MoETile = MOE_PAIR_TILE
     moe_align_one_program_max_pairs: int = 256
     moe_pair_tiles_max_tokens: int = 1
     moe_fused_router_max_rows: int = 1
@@ -200,10 +212,14 @@ class KernelConfig:
                f"{self.norm_by_dot_rows} must be >= 1.")
         object.__setattr__(self, "moe_tiles", tuple(
             t if isinstance(t, MoETile) else MoETile(**t) for t in self.moe_tiles))
-        _check("moe_tiles", bool(self.moe_tiles) and all(
-            t.block_m >= 16 and t.block_k >= 16 and t.block_n >= 16 and t.down_block_n >= 16
-            and t.group_m >= 0 for t in self.moe_tiles),
-               "needs at least one tile, each block >= 16 (tl.dot), group_m >= 0.")
+        if not isinstance(self.moe_pair_tile, MoETile):
+            object.__setattr__(self, "moe_pair_tile", MoETile(**self.moe_pair_tile))
+        for name, tiles in (("moe_tiles", self.moe_tiles),
+                            ("moe_pair_tile", (self.moe_pair_tile,))):
+            _check(name, bool(tiles) and all(
+                t.block_m >= 16 and t.block_k >= 16 and t.block_n >= 16 and t.down_block_n >= 16
+                and t.group_m >= 0 for t in tiles),
+                   "needs at least one tile, each block >= 16 (tl.dot), group_m >= 0.")
         _check("moe_align_one_program_max_pairs", 0 <= self.moe_align_one_program_max_pairs
                <= 512, f"{self.moe_align_one_program_max_pairs} must be in [0, 512] (its "
                "[pairs, experts] one-hot matrix lives in registers; on the H200 3,000 pairs "

@@ -64,3 +64,8 @@ def test_moe_tiles_from_plain_dicts_and_checked():
     hash(config)
     with pytest.raises(ValueError, match="moe_tiles"):
         KernelConfig(moe_tiles=(MoETile(4, 8, 32, 64, 128),))
+    pair = KernelConfig(moe_pair_tile={"max_rows": 1, "block_m": 16, "block_n": 64,
+                                       "down_block_n": 64, "block_k": 128, "swap_ab": True})
+    assert pair.moe_pair_tile == MoETile(1, 16, 64, 64, 128, swap_ab=True)
+    with pytest.raises(ValueError, match="moe_pair_tile"):
+        KernelConfig(moe_pair_tile=MoETile(1, 16, 8, 64, 128))

@@ -66,6 +66,20 @@ def test_pair_tiles_without_alignment_match_reference(num_tokens, num_experts, t
     check(make_moe(num_tokens, num_experts, top_k, dtype=dtype, scores=scores), settings)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,pair_tiles_max_tokens", [(1, 1), (1, 0), (9, 0), (70, 0)])
+def test_swapped_operands_match_reference(num_tokens, pair_tiles_max_tokens, dtype):
+    """`MoETile.swap_ab` (weight tile on the MMA's M side, accumulators transposed): pair tiles
+    and aligned tiles, 64-wide column tiles over 48 gate_up / 64 down columns (a partial
+    column tile), expert 2 picked by every token (several row tiles of one expert at 70)."""
+    scores = torch.rand(num_tokens, 8, generator=torch.Generator().manual_seed(21))
+    scores[:, 2] = 2.0
+    tile = MoETile(1 << 30, 16, 64, 64, 32, swap_ab=True)
+    settings = KernelConfig(moe_tiles=(tile,), moe_pair_tile=tile,
+                            moe_pair_tiles_max_tokens=pair_tiles_max_tokens)
+    check(make_moe(num_tokens, 8, 3, dtype=dtype, scores=scores), settings)
+
+
 def test_experts_no_token_picked():
     scores = torch.rand(9, 16, generator=torch.Generator().manual_seed(3))
     scores[:, 4:] = -1.0  # only experts 0..3 can be picked: 12 experts get no token
