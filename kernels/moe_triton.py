@@ -374,6 +374,17 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return sorted_pairs, block_expert, num_blocks
 
 
+_SHARED_MEMORY_BYTES = 200 * 1024   # Hopper allows 227 KiB per block; room for the epilogue
+
+
+def _stages_that_fit(tile, element_size: int) -> int:
+    """The most pipeline stages (at most `tile.num_stages`) whose gate_up tiles - one
+    [block_m, block_k] activation tile and two [block_n, block_k] weight tiles per stage, Triton
+    buffering num_stages - 1 of them - fit in `_SHARED_MEMORY_BYTES`."""
+    stage = (tile.block_m + 2 * tile.block_n) * tile.block_k * element_size
+    return max(1, min(tile.num_stages, 1 + _SHARED_MEMORY_BYTES // stage))
+
+
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
@@ -416,6 +427,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                    down_block_n=min(tile.down_block_n, 128), swap_ab=False)
     # float32 models (the parity tests) multiply in full precision, not TF32
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    if w13.element_size() == 4:   # a stage's tiles double: keep the pipeline in shared memory
+        tile = dataclasses.replace(tile, num_stages=_stages_that_fit(tile, 4))
     if pair_tiles:   # no alignment: row tile b is pair b (one token's k experts are distinct)
         block_expert = topk_ids.reshape(-1).contiguous()
         sorted_pairs, num_blocks = block_expert, num_pairs   # sorted_pairs unused

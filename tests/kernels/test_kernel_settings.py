@@ -69,3 +69,18 @@ def test_moe_tiles_from_plain_dicts_and_checked():
     assert pair.moe_pair_tile == MoETile(1, 16, 64, 64, 128, swap_ab=True)
     with pytest.raises(ValueError, match="moe_pair_tile"):
         KernelConfig(moe_pair_tile=MoETile(1, 16, 8, 64, 128))
+
+
+def test_float32_experts_keep_the_pipeline_in_shared_memory():
+    """The batch-1 pair tile (5 stages, tuned for bf16) needs 288 KiB of shared memory in float32
+    (the parity tests' dtype: Hopper allows 227); float32 runs it with fewer stages, bf16 and the
+    aligned tiles keep theirs."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.moe_triton import _SHARED_MEMORY_BYTES, _stages_that_fit
+    from deepinfer.kernels.settings import MOE_PAIR_TILE, MOE_TILES
+
+    stages = _stages_that_fit(MOE_PAIR_TILE, 4)
+    weight_and_input = (MOE_PAIR_TILE.block_m + 2 * MOE_PAIR_TILE.block_n) * MOE_PAIR_TILE.block_k
+    assert stages == 3 and (stages - 1) * weight_and_input * 4 <= _SHARED_MEMORY_BYTES
+    assert _stages_that_fit(MOE_PAIR_TILE, 2) == MOE_PAIR_TILE.num_stages == 5
+    assert all(_stages_that_fit(tile, 4) == tile.num_stages for tile in MOE_TILES)
