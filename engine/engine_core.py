@@ -228,6 +228,9 @@ class EngineCore:
         scheduler = self.config.scheduler
         step_rate = None
         if config.spec_varlen:
+            logger.info("speculative decoding (%s, varlen): profiling the verify step's cost "
+                        "(a few seconds on a GPU, up to minutes on a loaded CPU)",
+                        config.speculative_method)
             step_rate = profile_step_rate(
                 self.executor.runner, max_num_seqs=scheduler.max_num_seqs,
                 num_speculative_tokens=config.num_speculative_tokens,

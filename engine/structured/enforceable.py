@@ -233,7 +233,17 @@ def check_valid(schema: Any) -> None:
     `"anyOf": []`, `"$defs": 5`), `false`, and a `const` / `enum` value that fails the rest of
     its own schema (`{"type": "string", "const": 5}`: XGrammar generated the 5, and
     `"enum": ["a", null]` next to `"type": "string"` the null). `$ref`s resolve against the
-    whole document (`jsonschema`); one that does not resolve is left to the backend."""
+    whole document (`jsonschema`); one that does not resolve is left to the backend. A schema
+    nested too deeply to walk (Python's recursion limit) is refused too."""
+    try:
+        _check_valid(schema)
+    except RecursionError:
+        raise GrammarError("the JSON schema nests too deeply to check (over ~100 levels); "
+                           "flatten it, e.g. name repeated parts in '$defs' and point to "
+                           "them with '$ref'") from None
+
+
+def _check_valid(schema: Any) -> None:
     import jsonschema
     from referencing.exceptions import Unresolvable
 
@@ -257,8 +267,9 @@ def check_valid(schema: Any) -> None:
         constants = [("const", node["const"])] if "const" in node else []
         if isinstance(node.get("enum"), list):
             constants += [("enum", value) for value in node["enum"]]
-        rest = {key: value for key, value in node.items() if key not in ("const", "enum")}
         for keyword, value in constants:
+            # the rest keeps the other keyword: a const outside its own enum is refused too
+            rest = {key: sub for key, sub in node.items() if key != keyword}
             try:
                 error = next(root.descend(value, rest), None)
             except (Unresolvable, re.error):   # the backend names the $ref or pattern

@@ -16,10 +16,12 @@ import dataclasses
 import json
 import re
 import shutil
+import sys
 import threading
 import time
 
 import jsonschema
+
 import pytest
 import torch
 
@@ -163,6 +165,20 @@ def test_ecma_patterns_pass_the_validity_check():
     check_valid({"type": "string", "pattern": r"^\p{L}+$", "enum": ["é"]})
     check_valid({"type": "string", "pattern": r"^(?<year>\d{4})$"})
     check_valid({"type": "string", "pattern": "(unclosed"})
+
+
+def test_const_outside_its_enum_and_deep_nesting_are_refused():
+    """A const its own enum excludes (XGrammar generated the const), and a schema nested past
+    Python's recursion limit (a RecursionError was a 500 on the tools path): GrammarError."""
+    with pytest.raises(GrammarError, match=r"'const' value 5 at # fails the rest of its schema "
+                                           r"\(5 is not one of \[6\]\)"):
+        check_valid({"const": 5, "enum": [6]})
+    check_valid({"const": "a", "enum": ["a"]})
+    deep = {"type": "string"}
+    for _ in range(sys.getrecursionlimit()):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(GrammarError, match="nests too deeply to check.*'\\$defs'"):
+        check_valid(deep)
 
 
 def test_enforceable_schemas_pass_the_keyword_check():
