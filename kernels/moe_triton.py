@@ -377,11 +377,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 _SHARED_MEMORY_BYTES = 200 * 1024   # Hopper allows 227 KiB per block; room for the epilogue
 
 
-def _stages_that_fit(tile, element_size: int) -> int:
+def _stages_that_fit(tile, activation_bytes: int, weight_bytes: int) -> int:
     """The most pipeline stages (at most `tile.num_stages`) whose gate_up tiles - one
-    [block_m, block_k] activation tile and two [block_n, block_k] weight tiles per stage, Triton
-    buffering num_stages - 1 of them - fit in `_SHARED_MEMORY_BYTES`."""
-    stage = (tile.block_m + 2 * tile.block_n) * tile.block_k * element_size
+    [block_m, block_k] activation tile and two [block_n, block_k] weight tiles per stage, of
+    `activation_bytes` / `weight_bytes` per element, Triton buffering num_stages - 1 of them -
+    fit in `_SHARED_MEMORY_BYTES` (a tile tuned for bf16 run on float32 weights needs fewer)."""
+    stage = (tile.block_m * activation_bytes + 2 * tile.block_n * weight_bytes) * tile.block_k
     return max(1, min(tile.num_stages, 1 + _SHARED_MEMORY_BYTES // stage))
 
 
@@ -427,8 +428,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                    down_block_n=min(tile.down_block_n, 128), swap_ab=False)
     # float32 models (the parity tests) multiply in full precision, not TF32
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    if w13.element_size() == 4:   # a stage's tiles double: keep the pipeline in shared memory
-        tile = dataclasses.replace(tile, num_stages=_stages_that_fit(tile, 4))
+    tile = dataclasses.replace(tile, num_stages=_stages_that_fit(tile, hidden.element_size(),
+                                                                 w13.element_size()))
     if pair_tiles:   # no alignment: row tile b is pair b (one token's k experts are distinct)
         block_expert = topk_ids.reshape(-1).contiguous()
         sorted_pairs, num_blocks = block_expert, num_pairs   # sorted_pairs unused

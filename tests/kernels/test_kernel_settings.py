@@ -2,6 +2,7 @@
 fallback. A device without a file, or a shape without an entry, gets None from the lookups, so
 the linear runs on cuBLAS / unfused: never an error. Host logic only (a fake device name)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -79,8 +80,12 @@ def test_float32_experts_keep_the_pipeline_in_shared_memory():
     from deepinfer.kernels.moe_triton import _SHARED_MEMORY_BYTES, _stages_that_fit
     from deepinfer.kernels.settings import MOE_PAIR_TILE, MOE_TILES
 
-    stages = _stages_that_fit(MOE_PAIR_TILE, 4)
+    stages = _stages_that_fit(MOE_PAIR_TILE, 4, 4)
     weight_and_input = (MOE_PAIR_TILE.block_m + 2 * MOE_PAIR_TILE.block_n) * MOE_PAIR_TILE.block_k
     assert stages == 3 and (stages - 1) * weight_and_input * 4 <= _SHARED_MEMORY_BYTES
-    assert _stages_that_fit(MOE_PAIR_TILE, 2) == MOE_PAIR_TILE.num_stages == 5
-    assert all(_stages_that_fit(tile, 4) == tile.num_stages for tile in MOE_TILES)
+    assert _stages_that_fit(MOE_PAIR_TILE, 2, 2) == MOE_PAIR_TILE.num_stages == 5
+    assert all(_stages_that_fit(tile, 4, 4) == tile.num_stages for tile in MOE_TILES)
+    # FP8 weights (1 byte) with bf16 activations: the FP8 path's 128-wide K tiles keep theirs
+    fp8_tiles = [dataclasses.replace(t, block_k=128, block_n=min(t.block_n, 128))
+                 for t in MOE_TILES]
+    assert all(_stages_that_fit(tile, 2, 1) == tile.num_stages for tile in fp8_tiles)
