@@ -27,7 +27,8 @@ from deepinfer.server.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                              DeltaMessage)
 from deepinfer.server.sse import ChunkHead, sse_event
 from deepinfer.server.structured import check_compiles, so_args_from_request, with_backend
-from deepinfer.server.tools import ToolConfig, tool_config, tool_so_args, tool_streamer
+from deepinfer.server.tools import (ToolConfig, check_tool_constraint, tool_config,
+                                    tool_so_args, tool_streamer)
 from deepinfer.server.validation import (build_params, chat_kwargs, check_kv_transfer_params, check_model,
                                fit_max_tokens)
 
@@ -64,15 +65,14 @@ class ChatServing:
         if tool_args is not None and tools.choice == "auto" and (
                 so_args is not None or req.stop or req.min_tokens or req.ignore_eos):
             tool_args = None     # auto calls are then parsed from free text, as before
-        if tool_args is not None:
-            if so_args is not None:
-                raise APIError(f"tool_choice={req.tool_choice!r} constrains the output to a "
-                               f"tool call, so {param} cannot be used with it; drop one.",
-                               param=param, code="invalid_value")
-            so_args, param = tool_args, "tools"
+        if tool_args is not None and so_args is not None:
+            raise APIError(f"tool_choice={req.tool_choice!r} constrains the output to a "
+                           f"tool call, so {param} cannot be used with it; drop one.",
+                           param=param, code="invalid_value")
+        await check_tool_constraint(self.engine, tools, tool_args)   # compiles tool_args
         if so_args is not None:
             await check_compiles(self.engine, so_args, param)
-        return so_args
+        return tool_args if tool_args is not None else so_args
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         check_model(req.model, self.engine.model_name)

@@ -11,7 +11,8 @@ prompt, constrain the output when a call is required, and pick the parser of the
 The arguments always parse and match the function's `parameters` schema (the grammar enforces
 it; with "auto" from the moment the model writes `<tool_call>`, through a lazily triggered
 XGrammar structural tag), except where `max_tokens` cuts the call, and for a function that
-says `"strict": false` (then any JSON object, as OpenAI reads it).
+says `"strict": false` (then any JSON object, as OpenAI reads it). Every tool's `parameters`
+must be a valid, satisfiable JSON schema under any tool_choice (`check_tool_constraint`).
 
 Tools reach the model through the chat template (`apply_chat_template(tools=...)`) when the
 template uses them; otherwise (SmolLM2's template ignores tools) a Hermes-style system prompt
@@ -21,6 +22,7 @@ as `<tool_response>` blocks, so a conversation round-trips through any template.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -71,20 +73,12 @@ class ToolConfig:
         return [tool["function"]["name"] for tool in self.tools]
 
 
-def _check_schema(schema: dict[str, Any], param: str) -> None:
-    """A tool's parameters must be a valid, satisfiable JSON schema under any tool_choice, as
-    OpenAI checks (under "required" / named the grammar compiler also checks that it can
-    enforce it)."""
-    try:
-        check_valid(schema)
-    except GrammarError as exc:
-        raise invalid_constraint(exc, param) from None
-
-
 _FUNCTION_FIELD_TYPES = {"description": (str, "a string"), "strict": (bool, "true or false")}
 
 
 def _check_tools(tools: list[Any]) -> None:
+    """The tools' shapes (cheap, on the event loop); `check_tool_constraint` checks their
+    schemas."""
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -108,8 +102,6 @@ def _check_tools(tools: list[Any]) -> None:
                            "'object' (the arguments are a JSON object), e.g. {\"type\": "
                            "\"object\", \"properties\": {...}}.",
                            param=f"{where}.function.parameters", code="invalid_value")
-        if parameters is not None:
-            _check_schema(parameters, f"{where}.function.parameters")
     names = [tool["function"]["name"] for tool in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -146,6 +138,58 @@ def tool_config(req: ChatCompletionRequest) -> ToolConfig | None:
         raise APIError(f"tool_choice names function {name!r}, which is not in tools "
                        f"({', '.join(names)}).", param="tool_choice", code="invalid_value")
     return ToolConfig(tools, "named", name, parallel)
+
+
+def _held_tools(config: ToolConfig, so_args: dict[str, Any] | None) -> list[int]:
+    """Indices of the tools whose own `parameters` the tool constraint `so_args`
+    (`tool_so_args`) holds the output to, as they are: every one under "required", the named
+    one under a named choice; not a `"strict": false` tool's nor a missing `parameters`."""
+    if so_args is None or config.choice not in ("required", "named"):
+        return []
+    return [i for i, tool in enumerate(config.tools)
+            if tool["function"].get("parameters") is not None
+            and tool["function"].get("strict") is not False
+            and (config.choice == "required" or tool["function"]["name"] == config.name)]
+
+
+def _check_schemas(config: ToolConfig, indices: list[int]) -> None:
+    for i in indices:
+        try:
+            check_valid(config.tools[i]["function"]["parameters"])
+        except GrammarError as exc:
+            raise invalid_constraint(exc, f"tools[{i}].function.parameters") from None
+
+
+async def check_tool_constraint(engine: Any, config: ToolConfig | None,
+                                so_args: dict[str, Any] | None) -> None:
+    """Check every tool's `parameters` (`check_valid`: a valid, satisfiable JSON schema, under
+    any tool_choice, as OpenAI checks) and compile the tool constraint `so_args`
+    (`tool_so_args`; None: the output is free) through the engine, each schema checked once
+    per request: the engine's compile checks those `so_args` holds the output to as they are
+    (its first check is `check_valid`), the others are checked here, in a worker thread
+    (`check_valid` caches its verdicts, but a first check of a large schema took 0.49 s,
+    which every stream would have waited for on the event loop).
+
+    Raises:
+        APIError: 400 naming `tools[i].function.parameters` of the refused schema; "tools"
+            when the engine refuses the constraint for a reason no tool's schema alone gives.
+    """
+    if config is None:
+        return
+    held = _held_tools(config, so_args)
+    others = [i for i, tool in enumerate(config.tools)
+              if tool["function"].get("parameters") is not None and i not in held]
+    await asyncio.to_thread(_check_schemas, config, others)
+    if so_args is None:
+        return
+    try:
+        await engine.compile_grammar(so_args)
+    except ValueError as exc:
+        if config.choice == "named" and held:    # the constraint is that one schema
+            raise invalid_constraint(exc, f"tools[{held[0]}].function.parameters") from None
+        # "required": which tool's schema, if one alone is invalid (only once refused)
+        await asyncio.to_thread(_check_schemas, config, held)
+        raise invalid_constraint(exc, "tools") from None
 
 
 def tool_so_args(config: ToolConfig | None) -> dict[str, Any] | None:

@@ -5,8 +5,9 @@
   Efficient Structured Generation Engine for Large Language Models", arXiv 2411.15100).
 - `manager.py` — `StructuredOutputManager`: the compile cache (thread-safe, so compilation runs
   off the step loop) and one matcher per request.
-- `enforceable.py` — `check_valid` (a JSON schema is valid and satisfiable; every backend's
-  first check, and the server's for tool parameters) and what XGrammar enforces exactly.
+- `enforceable.py` — `check_valid` (a JSON schema is valid and satisfiable, its verdict cached;
+  every backend's first check, and the server's for tool parameters) and what XGrammar enforces
+  exactly.
 
 Light on purpose: importing this package imports neither torch nor xgrammar.
 """

@@ -102,7 +102,7 @@ def test_grammar_key_is_canonical_and_checks_types():
 
 @pytest.mark.parametrize("so_args, message", [
     ({"schema_type": "json", "schema": {"type": "foo"}},
-     "not a valid JSON schema: 'foo' is not valid under any of the given schemas"),
+     "not a valid JSON schema: \"foo\" is not valid under any of the given schemas"),
     # invalid per the metaschema, or a const / enum value the rest of its schema refuses: the
     # offline path (LLM) refuses what the server does (XGrammar compiled each)
     ({"schema_type": "json", "schema": {"anyOf": []}}, r"\[\] should be non-empty at #/anyOf"),
@@ -179,6 +179,57 @@ def test_const_outside_its_enum_and_deep_nesting_are_refused():
         deep = {"type": "array", "items": deep}
     with pytest.raises(GrammarError, match="nests too deeply to check.*'\\$defs'"):
         check_valid(deep)
+
+
+def test_validity_verdicts_are_cached_by_the_schemas_json(monkeypatch):
+    """A schema checked before is not checked again (a first check of a large schema took
+    0.49 s), whatever the order of its keys; a refusal is cached with its message."""
+    from deepinfer.engine.structured import enforceable
+
+    checked = []
+    real = enforceable._problem
+    monkeypatch.setattr(enforceable, "_problem", lambda schema: checked.append(schema)
+                        or real(schema))
+    fresh = f"cache-{time.monotonic_ns()}"      # a schema no other test checked
+    valid = {"type": "object", "description": fresh, "properties": {"a": {"type": "integer"}}}
+    check_valid(valid)
+    check_valid({"properties": {"a": {"type": "integer"}}, "description": fresh,
+                 "type": "object"})
+    assert checked == [valid]
+    invalid = {"type": "string", "description": fresh, "enum": ["a", None]}
+    messages = []
+    for _ in range(2):
+        with pytest.raises(GrammarError) as refused:
+            check_valid(invalid)
+        messages.append(str(refused.value))
+    assert checked == [valid, invalid]
+    assert messages[0] == messages[1]
+    # the values a client sent spelled as JSON, not as Python (None, True, 'a')
+    assert "(null is not of type \"string\")" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize("url", ["https://json-schema.org/draft/2020-12/schema",
+                                 "https://json-schema.org/draft/2019-09/schema",
+                                 "http://json-schema.org/draft-07/schema#",
+                                 "http://json-schema.org/draft-04/schema"])
+def test_known_metaschema_urls_are_accepted(url):
+    check_valid({"$schema": url, "type": "object"})
+
+
+@pytest.mark.parametrize("url", ["http://example.com/not-a-metaschema", "", 5,
+                                 "https://json-schema.org/draft/2030-01/schema"])
+def test_an_unknown_metaschema_url_is_refused(url):
+    """`jsonschema` reads an unknown `$schema` as the latest draft, with a warning that this
+    "will raise an error in the future"; the refusal lists the URLs it knows."""
+    with pytest.raises(GrammarError) as refused:
+        check_valid({"$schema": url, "type": "object"})
+    message = str(refused.value)
+    assert message.startswith(f"'$schema': {json.dumps(url)} at # is not the URL of a JSON "
+                              "Schema meta-schema"), message
+    for known in ('"http://json-schema.org/draft-07/schema"',
+                  '"https://json-schema.org/draft/2019-09/schema"',
+                  '"https://json-schema.org/draft/2020-12/schema"'):
+        assert known in message
 
 
 def test_enforceable_schemas_pass_the_keyword_check():

@@ -7,6 +7,7 @@ tested in milliseconds; the slow tests run the same app on the real AsyncLLM.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from jinja2 import TemplateError
@@ -82,12 +83,14 @@ class ScriptedEngine:
 
     async def compile_grammar(self, so_args: dict) -> None:
         """Records the constraint; refuses what the real engine's key check refuses (bad
-        shape, too long: `grammar_key`) and, standing in for the compiler, a schema that
-        mentions INVALID."""
-        from deepinfer.engine.structured import grammar_key
+        shape, too long: `grammar_key`), then what its first check of a JSON schema refuses
+        (`check_valid`) and, standing in for the compiler, a schema that mentions INVALID."""
+        from deepinfer.engine.structured import check_valid, grammar_key
 
         self.compiled.append(so_args)
-        grammar_key(so_args)
+        kind, text = grammar_key(so_args)
+        if kind == "json":
+            check_valid(json.loads(text))
         if "INVALID" in str(so_args.get("schema")):
             raise ValueError("invalid or unsupported regex: Regex parsing error at position 3.")
 

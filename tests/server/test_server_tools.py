@@ -2,10 +2,14 @@
 every spelling maps to the right `so_args`, bad constraints are 400s before anything is queued,
 tool calls come back in OpenAI's shape, streamed or not, and tool turns reach the template."""
 
+import asyncio
 import json
 import random
 import re
+import threading
+import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -115,7 +119,7 @@ def test_completions_take_structured_fields():
     # found by black-box testing: an invalid schema was refused only when a call was forced
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "nonsense"}}}}}]},
-     "tools[0].function.parameters", "not a valid JSON schema: 'nonsense' is not valid"),
+     "tools[0].function.parameters", 'not a valid JSON schema: "nonsense" is not valid'),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"unit": {"type": "string", "enum": ["C", None]}}}}}]},
      "tools[0].function.parameters", "Invalid tools[0].function.parameters: the 'enum' value "
@@ -522,3 +526,103 @@ def test_a_broken_block_of_a_whole_output_is_content_not_a_call(body):
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
     assert [(c.name, json.loads(c.arguments)) for c in good.calls] == [
         ("get_weather", {"city": "Rome"})]
+
+
+def fresh_tool(name: str) -> dict:
+    """A tool whose schema no other test checked (so its validity is not cached yet)."""
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "description": f"{name}-{time.monotonic_ns()}",
+        "properties": {"q": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none", "required",
+                                         {"type": "function", "function": {"name": "first"}}])
+def test_each_tool_schema_is_checked_once_and_then_cached(monkeypatch, tool_choice):
+    """Each tool's parameters reach `check_valid` once per request, whatever the tool_choice:
+    the server checks those the output is not held to, the engine's compile (standing in:
+    the double's `check_valid`) the rest; a second identical request checks nothing again."""
+    from deepinfer.engine import structured
+    from deepinfer.engine.structured import enforceable
+    from deepinfer.server import tools
+
+    seen, checked = [], []
+    real_check, real_problem = structured.check_valid, enforceable._problem
+
+    def spy(schema):
+        seen.append(json.dumps(schema))
+        real_check(schema)
+
+    monkeypatch.setattr(tools, "check_valid", spy)
+    monkeypatch.setattr(structured, "check_valid", spy)    # the double's compile
+    monkeypatch.setattr(enforceable, "_problem", lambda schema: checked.append(schema)
+                        or real_problem(schema))
+    first, second = fresh_tool("first"), fresh_tool("second")
+    payload = {"messages": USER, "tools": [first, second], "tool_choice": tool_choice}
+    client, engine = client_for('[{"name": "first", "arguments": {}}]')
+    assert client.post("/v1/chat/completions", json=payload).status_code == 200
+    for tool in (first, second):
+        parameters = json.dumps(tool["function"]["parameters"])
+        assert sum(parameters in text for text in seen) == 1, (tool_choice, seen)
+    assert len(checked) == len(seen)
+    assert client.post("/v1/chat/completions", json=payload).status_code == 200
+    assert len(checked) == len(seen) // 2, "the second request checked a schema again"
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required",
+                                         {"type": "function", "function": {"name": "bad"}}])
+def test_an_invalid_tool_schema_names_its_tool_under_every_choice(tool_choice):
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean", "const": None}}}}}
+    client, engine = client_for()
+    response = client.post("/v1/chat/completions", json={
+        "messages": USER, "tools": [WEATHER, bad], "tool_choice": tool_choice})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools[1].function.parameters", error
+    assert error["message"] == (
+        "Invalid tools[1].function.parameters: the 'const' value null at #/properties/on "
+        "fails the rest of its schema (null is not of type \"boolean\"): no output can take "
+        "it; drop the value or change the other keywords to allow it. Fix it and retry.")
+    assert engine.requests == {}
+
+
+def test_a_slow_first_schema_check_does_not_stall_other_requests(monkeypatch):
+    """The check runs in a worker thread: while it is held, a plain request is served start
+    to finish on the same event loop, and only then is the check let go."""
+    from deepinfer.engine.structured import enforceable
+
+    started, release = threading.Event(), threading.Event()
+    real = enforceable._problem
+
+    def held(schema):
+        started.set()
+        if not release.wait(60):    # a guard against hanging, not a timing assertion
+            raise AssertionError("the event loop was blocked while the schema was checked")
+        return real(schema)
+
+    monkeypatch.setattr(enforceable, "_problem", held)
+    finished = []
+
+    async def run():
+        app = build_app(ScriptedEngine(max_model_len=4096))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            async def with_tools():
+                response = await client.post("/v1/chat/completions", json={
+                    "messages": USER, "tools": [fresh_tool("slow")]})
+                finished.append("tools")
+                return response
+
+            async def plain():
+                while not started.is_set():
+                    await asyncio.sleep(0.01)
+                response = await client.post("/v1/chat/completions", json={"messages": USER})
+                finished.append("plain")
+                release.set()
+                return response
+
+            return await asyncio.gather(with_tools(), plain())
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    assert finished == ["plain", "tools"]
