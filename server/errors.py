@@ -8,7 +8,9 @@ their statuses: queue full -> 429, prompt too long / bad sampling values -> 400,
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -106,13 +108,29 @@ def _is_type_tag(part: Any) -> bool:
             or part[:1].isupper())
 
 
-def _param(loc: tuple) -> str | None:
-    parts = [p for p in loc if p != "body" and not _is_type_tag(p)]
-    return ".".join(str(p) for p in parts) or None
+def param_path(loc: Sequence[str | int]) -> str | None:
+    """The parameter a pydantic error's `loc` names, as OpenAI spells it and every `param` of
+    this server is written: list indices in brackets, object keys after dots
+    (`messages[0].content[1].text`, `logit_bias.50256`); None for the body itself."""
+    path = ""
+    for part in loc:
+        if part == "body" or _is_type_tag(part):
+            continue
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else part
+    return path or None
+
+
+def spelled(value: Any) -> str:
+    """`value` as the client wrote it, in JSON (`null`, `true`, `"a"`, `{"k": 1}`), for error
+    messages; `repr` for what JSON cannot hold (bytes)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    text = spelled(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -135,7 +153,7 @@ VLLM_FIELDS_NOT_SERVED = frozenset({
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One 400 from pydantic's error list: the first offending parameter, all its failures."""
     first = errors[0]
-    param = _param(tuple(first.get("loc", ())))
+    param = param_path(first.get("loc", ()))
     kind = first.get("type", "")
     if kind == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "malformed JSON")
@@ -159,10 +177,11 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"The request body was not read as JSON ({_short(first.get('input'))}); "
                         "send a JSON object with Content-Type: application/json.",
                         code="invalid_type")
-    params = [_param(tuple(e.get("loc", ()))) or "" for e in errors]
+    params = [param_path(e.get("loc", ())) or "" for e in errors]
     if param and any(_is_type_tag(part) for part in first.get("loc", ())):
         # a union: what each of its forms needed, inside it too ([104, true] as token ids)
-        same = [e for e, p in zip(errors, params) if p == param or p.startswith(param + ".")]
+        same = [e for e, p in zip(errors, params)
+                if p == param or p.startswith((param + ".", param + "["))]
     else:
         same = [e for e, p in zip(errors, params) if p == (param or "")]
     reasons = "; or ".join(dict.fromkeys(e.get("msg", "invalid") for e in same))

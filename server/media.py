@@ -44,7 +44,7 @@ def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
         for j, part in enumerate(message.content):
             if part.type not in IMAGE_PART_TYPES:
                 continue
-            where = f"messages.{i}.content.{j}"
+            where = f"messages[{i}].content[{j}]"
             value = (part.model_extra or {}).get(part.type)
             url = value.get("url") if isinstance(value, dict) else value
             if not isinstance(url, str) or not url:

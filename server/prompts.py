@@ -40,15 +40,15 @@ def _content_parts(message: ChatMessage, index: int) -> list[dict[str, Any]]:
 def _flatten_content(message: ChatMessage, index: int) -> str:
     if message.content is None:
         if message.role != "assistant":   # only an assistant turn (tool calls) may omit it
-            raise APIError(f"messages.{index}.content is missing or null; a '{message.role}' "
+            raise APIError(f"messages[{index}].content is missing or null; a '{message.role}' "
                            "message needs content: a string or a list of text parts.",
-                           param=f"messages.{index}.content", code="invalid_value")
+                           param=f"messages[{index}].content", code="invalid_value")
         return ""
     if isinstance(message.content, str):
         return message.content
     texts = []
     for j, part in enumerate(message.content):
-        where = f"messages.{index}.content.{j}"
+        where = f"messages[{index}].content[{j}]"
         if part.type in _NON_TEXT_PARTS:
             raise APIError(f"{where} is an '{part.type}' part, but this model accepts text "
                            "only; send text parts only.", param=where,
@@ -87,10 +87,10 @@ def chat_template_messages(messages: list[ChatMessage], multimodal: bool = False
         if multimodal:
             content = _content_parts(message, i)
             for part in content:
-                check_unicode(part.get("text", ""), f"messages.{i}.content")
+                check_unicode(part.get("text", ""), f"messages[{i}].content")
         else:
             content = _flatten_content(message, i)
-            check_unicode(content, f"messages.{i}.content")   # not its place in the template
+            check_unicode(content, f"messages[{i}].content")   # not its place in the template
         item = {**extra, "role": "system" if message.role == "developer" else message.role,
                 "content": content}
         if message.name is not None:

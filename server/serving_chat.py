@@ -17,7 +17,7 @@ from fastapi import Request, Response
 from deepinfer.engine.config import MultiModalConfig
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server import generation as gen
-from deepinfer.server.errors import APIError
+from deepinfer.server.errors import APIError, spelled
 from deepinfer.server.media import load_images, process_images
 from deepinfer.server.logprobs import TokenDecoder, chat_logprobs, shown_logprobs
 from deepinfer.server.metrics import ServerMetrics
@@ -66,7 +66,7 @@ class ChatServing:
                 so_args is not None or req.stop or req.min_tokens or req.ignore_eos):
             tool_args = None     # auto calls are then parsed from free text, as before
         if tool_args is not None and so_args is not None:
-            raise APIError(f"tool_choice={req.tool_choice!r} constrains the output to a "
+            raise APIError(f"tool_choice={spelled(req.tool_choice)} constrains the output to a "
                            f"tool call, so {param} cannot be used with it; drop one.",
                            param=param, code="invalid_value")
         await check_tool_constraint(self.engine, tools, tool_args)   # compiles tool_args

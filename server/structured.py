@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer.server.errors import APIError
+from deepinfer.server.errors import APIError, spelled
 from deepinfer.server.protocol import SamplingFields
 
 _REGEX_SPECIAL = set("\\.^$|?*+()[]{}/-")
@@ -32,7 +32,7 @@ def choice_regex(choices: Any, param: str) -> str:
     if (not isinstance(choices, list) or not choices
             or not all(isinstance(c, str) and c for c in choices)):
         raise APIError(f"{param} must be a non-empty list of non-empty strings, got "
-                       f"{choices!r}.", param=param, code="invalid_value")
+                       f"{spelled(choices)}.", param=param, code="invalid_value")
     escaped = ["".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in choice)
                for choice in choices]
     return "(" + "|".join(escaped) + ")"
@@ -65,7 +65,7 @@ def request_backend(req: SamplingFields) -> str | None:
     spec = req.structured_outputs
     backend = spec.get("backend") if isinstance(spec, dict) else None
     if backend is not None and backend not in _BACKENDS:
-        raise APIError(f"structured_outputs.backend={backend!r} is not one of "
+        raise APIError(f"structured_outputs.backend={spelled(backend)} is not one of "
                        f"{', '.join(_BACKENDS)}; pick one or leave it out (default: the "
                        "server's --structured-outputs-backend).",
                        param="structured_outputs.backend", code="invalid_value")
@@ -76,14 +76,15 @@ def _from_structured_outputs(spec: dict[str, Any]) -> tuple[dict[str, Any], str]
     given = [key for key in _STRUCTURED_OUTPUT_KEYS if spec.get(key) not in (None, False)]
     unknown = sorted(set(spec) - set(_STRUCTURED_OUTPUT_KEYS) - {"backend"})
     if unknown:
-        raise APIError(f"structured_outputs has unsupported field(s) {unknown}; use one of "
-                       f"{sorted(_STRUCTURED_OUTPUT_KEYS)} (and optionally 'backend').",
+        raise APIError(f"structured_outputs has unsupported field(s) {spelled(unknown)}; use one "
+                       f"of {spelled(sorted(_STRUCTURED_OUTPUT_KEYS))} (and optionally 'backend').",
                        param="structured_outputs", code="unsupported_parameter")
     if not given and "backend" in spec:
         return None
     if len(given) != 1:
         raise APIError(f"structured_outputs must set exactly one of "
-                       f"{sorted(_STRUCTURED_OUTPUT_KEYS)}; got {given or 'none'}.",
+                       f"{spelled(sorted(_STRUCTURED_OUTPUT_KEYS))}; got "
+                       f"{spelled(given) if given else 'none'}.",
                        param="structured_outputs", code="invalid_value")
     param = f"structured_outputs.{given[0]}"
     return _so_args(_STRUCTURED_OUTPUT_KEYS[given[0]], spec[given[0]], param), param

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.engine.structured import GrammarError, check_valid
-from deepinfer.server.errors import APIError
+from deepinfer.server.errors import APIError, spelled
 from deepinfer.server.protocol import ChatCompletionRequest
 from deepinfer.server.structured import invalid_constraint
 from deepinfer.server.tool_parser import (TOOL_CALL_END, TOOL_CALL_START, CallArrayStreamer,
@@ -89,11 +89,12 @@ def _check_tools(tools: list[Any]) -> None:
         if not isinstance(function, dict) or not _NAME.match(str(function.get("name", ""))):
             raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'.",
                            param=f"{where}.function.name", code="invalid_value")
-        for field, (kind, spelled) in _FUNCTION_FIELD_TYPES.items():
+        for field, (kind, expected) in _FUNCTION_FIELD_TYPES.items():
             value = function.get(field)
             if value is not None and not isinstance(value, kind):
-                raise APIError(f"{where}.function.{field} must be {spelled}, got {value!r}; send "
-                               f"{spelled} or omit it.", param=f"{where}.function.{field}",
+                raise APIError(f"{where}.function.{field} must be {expected}, got "
+                               f"{spelled(value)}; send {expected} or omit it.",
+                               param=f"{where}.function.{field}",
                                code="invalid_type")
         parameters = function.get("parameters")
         if parameters is not None and (not isinstance(parameters, dict)
@@ -105,8 +106,8 @@ def _check_tools(tools: list[Any]) -> None:
     names = [tool["function"]["name"] for tool in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise APIError(f"tools[{i}].function.name {name!r} repeats an earlier tool's name; "
-                           "give each function a unique name.",
+            raise APIError(f"tools[{i}].function.name {spelled(name)} repeats an earlier "
+                           "tool's name; give each function a unique name.",
                            param=f"tools[{i}].function.name", code="invalid_value")
 
 
@@ -120,7 +121,7 @@ def tool_config(req: ChatCompletionRequest) -> ToolConfig | None:
     tools, choice = req.tools or [], req.tool_choice
     if not tools:
         if choice not in (None, "none"):
-            raise APIError(f"tool_choice={choice!r} needs tools; send tools or drop "
+            raise APIError(f"tool_choice={spelled(choice)} needs tools; send tools or drop "
                            "tool_choice.", param="tool_choice", code="invalid_value")
         return None
     _check_tools(tools)
@@ -131,11 +132,11 @@ def tool_config(req: ChatCompletionRequest) -> ToolConfig | None:
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
-        raise APIError(f"tool_choice={choice!r} must be 'none', 'auto', 'required' or "
+        raise APIError(f"tool_choice={spelled(choice)} must be \"none\", \"auto\", \"required\" or "
                        "{\"type\": \"function\", \"function\": {\"name\": ...}}.",
                        param="tool_choice", code="invalid_value")
     if name not in names:
-        raise APIError(f"tool_choice names function {name!r}, which is not in tools "
+        raise APIError(f"tool_choice names function {spelled(name)}, which is not in tools "
                        f"({', '.join(names)}).", param="tool_choice", code="invalid_value")
     return ToolConfig(tools, "named", name, parallel)
 
@@ -305,9 +306,9 @@ def _check_tool_messages(conversation: list[dict[str, Any]]) -> None:
         if calls is not None and (not isinstance(calls, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("function"), dict)
                 and "name" in c["function"] for c in calls)):
-            raise APIError(f"messages.{i}.tool_calls must be a list of "
+            raise APIError(f"messages[{i}].tool_calls must be a list of "
                            "{\"id\", \"type\": \"function\", \"function\": {\"name\", "
-                           "\"arguments\"}}.", param=f"messages.{i}.tool_calls",
+                           "\"arguments\"}}.", param=f"messages[{i}].tool_calls",
                            code="invalid_value")
         if message["role"] != "tool":
             ids = [c.get("id") for c in calls or ()]
@@ -316,20 +317,21 @@ def _check_tool_messages(conversation: list[dict[str, Any]]) -> None:
             continue
         call_id = message.get("tool_call_id")
         if not call_id:
-            raise APIError(f"messages.{i} has role 'tool' but no tool_call_id; send the id of "
-                           "the assistant tool call it answers.", param=f"messages.{i}",
+            raise APIError(f"messages[{i}] has role 'tool' but no tool_call_id; send the id of "
+                           "the assistant tool call it answers.", param=f"messages[{i}]",
                            code="missing_required_parameter")
         if answered is None:
-            raise APIError(f"messages.{i} has role 'tool' but does not follow an assistant "
+            raise APIError(f"messages[{i}] has role 'tool' but does not follow an assistant "
                            "message with tool_calls; a tool message answers one of the calls "
-                           "of the assistant message before it.", param=f"messages.{i}",
+                           "of the assistant message before it.", param=f"messages[{i}]",
                            code="invalid_value")
         index, ids = answered
         if ids is not None and call_id not in ids:
-            raise APIError(f"messages.{i}.tool_call_id {call_id!r} is not the id of a call in "
-                           f"messages.{index}.tool_calls ({', '.join(sorted(map(repr, ids)))}); "
+            raise APIError(f"messages[{i}].tool_call_id {spelled(call_id)} is not the id of a "
+                           f"call in messages[{index}].tool_calls "
+                           f"({', '.join(sorted(map(spelled, ids)))}); "
                            "send the id of the call it answers.",
-                           param=f"messages.{i}.tool_call_id", code="invalid_value")
+                           param=f"messages[{i}].tool_call_id", code="invalid_value")
 
 
 def template_inputs(tokenizer: Any, conversation: list[dict[str, Any]],

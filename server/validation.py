@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from deepinfer.engine.sampling_params import MAX_INT32, SEED_RANGE, SamplingParams
-from deepinfer.server.errors import APIError, check_unicode
+from deepinfer.server.errors import APIError, check_unicode, param_path, spelled
 from deepinfer.server.protocol import (CHAT_FIELDS_NOT_SERVED, ChatCompletionRequest, CompletionRequest,
                              KVTransferParams, SamplingFields)
 
@@ -52,7 +52,7 @@ def _check_numbers(req: SamplingFields) -> None:
     _in_range("seed", req.seed, *SEED_RANGE)
     _in_range("seq_seed", req.seq_seed, *SEED_RANGE)
     for i, token_id in enumerate(req.stop_token_ids or []):
-        _in_range(f"stop_token_ids.{i}", token_id, 0, MAX_INT32)
+        _in_range(f"stop_token_ids[{i}]", token_id, 0, MAX_INT32)
     for token, bias in (req.logit_bias or {}).items():
         _in_range(f"logit_bias.{token}", bias, -100.0, 100.0)
 
@@ -79,7 +79,7 @@ def _common_kwargs(req: SamplingFields) -> dict[str, Any]:
                        param="logit_bias", code="unsupported_parameter")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     for i, text in enumerate(stop):
-        check_unicode(text, "stop" if isinstance(req.stop, str) else f"stop.{i}")
+        check_unicode(text, "stop" if isinstance(req.stop, str) else f"stop[{i}]")
     if req.cache_salt is not None:
         check_unicode(req.cache_salt, "cache_salt")
         if not req.cache_salt:
@@ -122,7 +122,7 @@ def _check_not_served(req: ChatCompletionRequest) -> None:
             raise APIError(f"'{name}' is not supported by this server: {fix}. Remove it or send "
                            "null.", param=name, code="unsupported_parameter")
     if req.modalities is not None and set(req.modalities) - {"text"}:
-        raise APIError(f"modalities={req.modalities} asks for output this server cannot "
+        raise APIError(f"modalities={spelled(req.modalities)} asks for output this server cannot "
                        "produce; it produces text only: send [\"text\"] or omit modalities.",
                        param="modalities", code="unsupported_parameter")
 
@@ -217,7 +217,7 @@ def build_params(kwargs: dict[str, Any], max_tokens: int) -> SamplingParams:
         # reported as finished); stop_token_ids are fine: the grammar allows them only at the end
         for name in ("ignore_eos", "min_tokens", "stop"):
             if kwargs.get(name):
-                raise APIError(f"{name}={kwargs[name]!r} cannot be combined with structured "
+                raise APIError(f"{name}={spelled(kwargs[name])} cannot be combined with structured "
                                "outputs (response_format, structured_outputs, guided_*) or a "
                                "'required' / named tool_choice: the output ends where its "
                                f"grammar is complete; drop {name}.", param=name,
@@ -253,8 +253,8 @@ def _check_kv_transfer_types(params: dict[str, Any]) -> None:
         KVTransferParams.model_validate(params)
     except ValidationError as exc:
         error = exc.errors()[0]
-        name = ".".join(str(part) for part in error["loc"])
-        value = repr(error.get("input"))
+        name = param_path(error["loc"])
+        value = spelled(error.get("input"))
         value = value if len(value) <= 40 else value[:37] + "..."
         if name in ("do_remote_decode", "do_remote_prefill"):
             fix = "must be true or false (a JSON boolean)"

@@ -111,7 +111,7 @@ def test_encoder_endpoint_needs_the_key_and_names_bad_parts(vlm_dir, redis_serve
     assert refused.status_code == 401
     assert done.status_code == 200 and done.json()["images"][0]["stored"] is True
     assert invalid.status_code == 400
-    assert invalid.json()["error"]["param"] == "messages.0.content.0"
+    assert invalid.json()["error"]["param"] == "messages[0].content[0]"
     assert "deepinfer:mm_encoder_images_encoded_total" in metrics
 
 

@@ -161,7 +161,7 @@ def test_completions_logprobs_and_stream(client):
     ({}, 400, "messages", "missing_required_parameter", "Missing required parameter"),
     ({"messages": USER, "model": "gpt-9"}, 404, "model", "model_not_found", "does not exist"),
     ({"messages": USER, "temperature": 3}, 400, "temperature", "invalid_value", "[0, 2]"),
-    ({"messages": USER, "temperature": "hot"}, 400, "temperature", "invalid_type", "'hot'"),
+    ({"messages": USER, "temperature": "hot"}, 400, "temperature", "invalid_type", '"hot"'),
     ({"messages": USER, "top_p": 0}, 400, "top_p", "invalid_value", "(0, 1]"),
     ({"messages": USER, "n": 200}, 400, "n", "invalid_value", "[1, 128]"),
     ({"messages": USER, "max_tokens": 0}, 400, "max_tokens", "invalid_value",
@@ -172,7 +172,7 @@ def test_completions_logprobs_and_stream(client):
      "context_length_exceeded", "max_model_len=64"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
-     "messages.0.content.0", "unsupported_content", "accepts text only"),
+     "messages[0].content[0]", "unsupported_content", "accepts text only"),
     ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
      "response_format.json_schema", "missing_required_parameter", "needs json_schema.schema"),
     ({"messages": USER, "stop": 5}, 400, "stop", "invalid_type", "Invalid value for 'stop'"),

@@ -173,7 +173,7 @@ def test_bad_images_are_400s_naming_the_part(engine, media_server):
         (response,), _ = call(engine, body, media=MEDIA.get(case, default))
         error = response.json()["error"]
         assert response.status_code == 400, (case, response.text)
-        assert error["param"] == "messages.0.content.1", (case, error)
+        assert error["param"] == "messages[0].content[1]", (case, error)
         assert words in error["message"], (case, error)
         if case in SSRF:
             assert "--allow-private-media-hosts" in error["message"], error
@@ -189,7 +189,7 @@ def test_text_only_model_refuses_image_parts(smollm2_tokenizer):
     message = ChatMessage(**image_message(data_url(PNG))[0])
     with pytest.raises(APIError, match="accepts text only") as caught:
         chat_prompt_ids(smollm2_tokenizer, [message], 512)
-    assert caught.value.param == "messages.0.content.0"
+    assert caught.value.param == "messages[0].content[0]"
 
 
 def fetch(url: str, media: MultiModalConfig, client: httpx.AsyncClient | None = None) -> bytes:
@@ -219,7 +219,7 @@ def test_redirects_are_followed_and_every_hop_is_checked(media_server):
 
     with pytest.raises(APIError, match="127.0.0.1, a loopback address") as caught:
         asyncio.run(run(MultiModalConfig()))
-    assert caught.value.param == "messages.0.content.0"
+    assert caught.value.param == "messages[0].content[0]"
     assert seen == [("http://93.184.215.14/cat.png", "93.184.215.14")]
     # the same chain with private hosts allowed: followed, the connection pinned to the address
     seen.clear()

@@ -145,16 +145,16 @@ def test_an_empty_content_array_is_400(client):
         "messages": [{"role": "user", "content": []}], "max_tokens": 4})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"].startswith("messages.0.content") and "at least 1" in error["message"]
+    assert error["param"].startswith("messages[0].content") and "at least 1" in error["message"]
 
 
 @pytest.mark.parametrize("params, named", [
-    ({"do_remote_prefill": True, "num_stored_tokens": "lots"}, "num_stored_tokens='lots'"),
+    ({"do_remote_prefill": True, "num_stored_tokens": "lots"}, 'num_stored_tokens="lots"'),
     ({"do_remote_prefill": True, "num_stored_tokens": -16}, "num_stored_tokens=-16"),
     ({"do_remote_prefill": True, "block_size": 0}, "block_size=0"),
     ({"do_remote_prefill": True, "block_size": 1.5}, "block_size=1.5"),
     ({"do_remote_prefill": True, "model_fingerprint": 7}, "model_fingerprint=7"),
-    ({"do_remote_prefill": "yes"}, "do_remote_prefill='yes' must be true or false"),
+    ({"do_remote_prefill": "yes"}, 'do_remote_prefill="yes" must be true or false'),
 ])
 def test_malformed_kv_transfer_params_are_400(client, params, named):
     for path, extra in (("/v1/completions", {"prompt": "hi"}),

@@ -90,13 +90,13 @@ def test_pydantic_errors_become_openai_400s():
     assert missing.message == "Missing required parameter: 'messages'."
     assert (missing.status_code, missing.param) == (400, "messages")
     wrong = validation_error(_errors({"messages": [{"role": "user", "content": 5}]}))
-    assert wrong.param == "messages.0.content"
-    assert "Invalid value for 'messages.0.content': 5." in wrong.message
+    assert wrong.param == "messages[0].content"
+    assert "Invalid value for 'messages[0].content': 5." in wrong.message
     assert "valid string" in wrong.message and "valid list" in wrong.message
     typo = validation_error(_errors({"messages": [], "max_token": 3}))
     assert typo.message.startswith("Unrecognized request argument supplied: 'max_token'")
     role = validation_error(_errors({"messages": [{"role": "wizard", "content": "x"}]}))
-    assert role.param == "messages.0.role" and "'wizard'" in role.message
+    assert role.param == "messages[0].role" and '"wizard"' in role.message
     bad_json = validation_error([{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON",
                                   "ctx": {"error": "Expecting value"}}])
     assert bad_json.message.startswith("The request body is not valid JSON (Expecting value)")

@@ -103,15 +103,16 @@ def test_completions_take_structured_fields():
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "not in tools"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "must be 'none'"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice",
+     'must be "none", "auto", "required" or'),
     ({"tools": [{"type": "retrieval"}]}, "tools[0]", "only function tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
      "tools[0].function.name", "letters, digits"),
     # found by black-box testing: a non-object "function" in tool_choice was a 500
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
-     "tool_choice", "must be 'none'"),
+     "tool_choice", 'must be "none", "auto", "required" or'),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": ["x"]}},
-     "tool_choice", "must be 'none'"),
+     "tool_choice", 'must be "none", "auto", "required" or'),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "string"}}}], "tool_choice": "required"},
      "tools[0].function.parameters", "of type 'object'"),
@@ -131,26 +132,26 @@ def test_completions_take_structured_fields():
     # a stop string cut a required call's arguments to '{"city": "Paris", "' with
     # finish_reason "tool_calls"
     ({"tools": [WEATHER], "tool_choice": "required", "stop": ["unit"]}, "stop",
-     "stop=['unit'] cannot be combined"),
+     'stop=["unit"] cannot be combined'),
     ({"guided_json": SCHEMA, "stop": "}"}, "stop", "drop stop"),
     ({"tools": [WEATHER], "messages": USER + [{"role": "tool", "content": "sunny"}]},
-     "messages.1", "no tool_call_id"),
+     "messages[1]", "no tool_call_id"),
     # tool results that answer no call reached the template
     ({"tools": [WEATHER], "messages": USER + [
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]},
-     "messages.1", "does not follow an assistant message with tool_calls"),
+     "messages[1]", "does not follow an assistant message with tool_calls"),
     ({"tools": [WEATHER], "messages": USER + [
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_9", "content": "rain"}]},
-     "messages.3.tool_call_id", "'call_9' is not the id of a call in messages.1.tool_calls "
-                                "('call_1')"),
+     "messages[3].tool_call_id", '"call_9" is not the id of a call in messages[1].tool_calls '
+                                '("call_1")'),
     ({"tools": [WEATHER], "messages": USER + [
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "user", "content": "and tomorrow?"},
         {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]},
-     "messages.4", "does not follow an assistant message with tool_calls"),
+     "messages[4]", "does not follow an assistant message with tool_calls"),
 ])
 def test_bad_constraints_and_tools_are_400_before_queueing(fields, param, text):
     client, engine = client_for()
@@ -163,7 +164,7 @@ def test_bad_constraints_and_tools_are_400_before_queueing(fields, param, text):
     assert engine.requests == {}
 
 
-@pytest.mark.parametrize("field, value, text", [("strict", "yes", "true or false, got 'yes'"),
+@pytest.mark.parametrize("field, value, text", [("strict", "yes", 'true or false, got "yes"'),
                                                ("description", 5, "a string, got 5")])
 def test_a_tool_field_of_the_wrong_type_is_invalid_type(field, value, text):
     client, engine = client_for()

@@ -61,7 +61,7 @@ def test_max_completion_tokens_wins_and_seq_seed_is_seed():
     ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
     ({"seed": 1, "seq_seed": 2}, "seq_seed", "disagree"),
-    ({"stop": ["ok", "\udc00"]}, "stop.1", "lone UTF-16 surrogate"),
+    ({"stop": ["ok", "\udc00"]}, "stop[1]", "lone UTF-16 surrogate"),
     ({"stop": "\ud800x"}, "stop", "lone UTF-16 surrogate"),
 ])
 def test_chat_bad_values_are_400_naming_the_param(fields, param, text):
@@ -181,7 +181,7 @@ def test_content_parts_the_model_cannot_take_are_400(part, text):
     request = ChatCompletionRequest(messages=[{"role": "user", "content": [part]}])
     with pytest.raises(APIError) as info:
         chat_prompt_ids(CharTokenizer(), request.messages, 4096)
-    assert text in info.value.message and info.value.param == "messages.0.content.0"
+    assert text in info.value.message and info.value.param == "messages[0].content[0]"
 
 
 def test_an_assistant_refusal_part_reads_as_its_text():
@@ -203,7 +203,7 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistants(role):
     with pytest.raises(APIError, match="content is missing or null") as info:
         chat_prompt_ids(CharTokenizer(), ChatCompletionRequest(
             messages=[{"role": role, "content": None}]).messages, 4096)
-    assert info.value.param == "messages.0.content"
+    assert info.value.param == "messages[0].content"
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None},
                 {"role": "user", "content": "ok"}]
     chat_prompt_ids(CharTokenizer(), ChatCompletionRequest(messages=messages).messages, 4096)
@@ -237,12 +237,12 @@ def test_lone_surrogates_and_hopelessly_long_text_are_400_before_tokenizing():
     with pytest.raises(APIError, match="lone UTF-16 surrogate at character 0") as info:
         completion_prompts(tok, "\ud800 hi", 4096)
     assert info.value.status_code == 400 and info.value.param == "prompt"
-    with pytest.raises(APIError, match="messages.1.content holds a lone UTF-16 surrogate at "
+    with pytest.raises(APIError, match=r"messages\[1\]\.content holds a lone UTF-16 surrogate at "
                                        "character 3") as info:   # not the template's offset
         chat_prompt_ids(tok, ChatCompletionRequest(
             messages=[{"role": "system", "content": "Be brief."},
                       {"role": "user", "content": "hi \udfff"}]).messages, 4096)
-    assert info.value.param == "messages.1.content"
+    assert info.value.param == "messages[1].content"
     with pytest.raises(APIError, match="more than max_model_len=16 tokens can hold") as info:
         completion_prompts(tok, "a" * 17, 16)  # CharTokenizer: one character per token at most
     assert info.value.code == "context_length_exceeded"
