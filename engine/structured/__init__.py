@@ -5,14 +5,14 @@
   Efficient Structured Generation Engine for Large Language Models", arXiv 2411.15100).
 - `manager.py` — `StructuredOutputManager`: the compile cache (thread-safe, so compilation runs
   off the step loop) and one matcher per request.
-- `enforceable.py` — `check_valid` (a JSON schema is valid and satisfiable, its verdict cached;
-  every backend's first check, and the server's for tool parameters) and what XGrammar enforces
-  exactly.
+- `validity.py` — `check_valid` (a JSON schema is valid and satisfiable, its verdict cached;
+  every backend's first check, and the server's for tool parameters).
+- `enforceable.py` — what XGrammar enforces exactly.
 
 Light on purpose: importing this package imports neither torch nor xgrammar.
 """
 
 from deepinfer.engine.structured.backend import GrammarError, grammar_key
-from deepinfer.engine.structured.enforceable import check_valid
+from deepinfer.engine.structured.validity import check_valid
 
 __all__ = ["GrammarError", "check_valid", "grammar_key"]

@@ -7,17 +7,15 @@ schemas with a `GrammarError` (a 400 at the server) that names the keyword, wher
 what to send instead. Most entries were found by black-box testing against the real server
 (outputs checked with `jsonschema`).
 
-`check_valid` comes first, for every backend: a schema its metaschema rejects, or whose `const` /
-`enum` values contradict the rest of it, is refused the same way whichever backend compiles it.
+`check_valid` (validity.py) comes first, for every backend: a schema its metaschema rejects, or
+whose `const` / `enum` values contradict the rest of it, is refused the same way whichever
+backend compiles it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import threading
-from collections import OrderedDict
 from typing import Any
 
 from deepinfer.engine.structured.backend import GrammarError
@@ -146,24 +144,30 @@ def _exclusive(branches: list, root: Any) -> bool:
                for name in names)
 
 
+def _names(keywords: list[str]) -> str:
+    """Schema keywords as the messages name them: 'pattern', 'format'."""
+    return ", ".join(f"'{keyword}'" for keyword in keywords)
+
+
 def _check_values(schema: dict, path: str) -> None:
     """Refuse value keywords XGrammar drops in combination (see _VALUE_KEYWORDS), and regex
     lookarounds in `pattern` (XGrammar accepts and ignores them)."""
     if "enum" in schema or "const" in schema:
         dropped = [key for key in _VALUE_KEYWORDS if key in schema]
         if dropped:
-            raise GrammarError(f"{dropped} next to 'enum' / 'const' at {path} cannot be "
-                               "enforced; keep only the allowed values that satisfy them and "
-                               "drop those keywords")
+            raise GrammarError(f"{_names(dropped)} next to 'enum' / 'const' at {path} cannot "
+                               "be enforced; keep only the allowed values that satisfy them "
+                               "and drop those keywords")
     lengths = [key for key in ("minLength", "maxLength") if key in schema]
     shaped = [key for key in ("pattern", "format") if key in schema]
     if lengths and shaped:
-        raise GrammarError(f"{lengths} together with {shaped} at {path} cannot be enforced "
-                           "(the length is dropped); write the length into the pattern, "
-                           "e.g. '^[a-z]{1,3}$'")
+        raise GrammarError(f"{_names(lengths)} together with {_names(shaped)} at {path} "
+                           "cannot be enforced (the length is dropped); write the length into "
+                           "the pattern, e.g. '^[a-z]{1,3}$'")
     pattern = schema.get("pattern")
     patterns = [("pattern", pattern)] + [
-        (f"patternProperties key {key!r}", key) for key in schema.get("patternProperties") or {}
+        (f"patternProperties key {json.dumps(key)}", key)
+        for key in schema.get("patternProperties") or {}
         if isinstance(schema.get("patternProperties"), dict)]
     for where, text in patterns:
         if isinstance(text, str) and _JSON_ESCAPED.search(_without_escaped_pairs(text)):
@@ -218,8 +222,9 @@ def _check_object(schema: dict, path: str) -> None:
     if schema.get("additionalProperties") not in (None, False):
         open_keys.append("additionalProperties")
     if counts and open_keys:
-        raise GrammarError(f"{counts} with {open_keys} at {path} cannot be enforced (generated "
-                           "keys may repeat); name the properties in 'properties' instead")
+        raise GrammarError(f"{_names(counts)} with {_names(open_keys)} at {path} cannot be "
+                           "enforced (generated keys may repeat); name the properties in "
+                           "'properties' instead")
     minimum = schema.get("minProperties")
     properties, required = schema.get("properties") or {}, schema.get("required") or []
     if isinstance(properties, dict) and isinstance(required, list):
@@ -230,165 +235,21 @@ def _check_object(schema: dict, path: str) -> None:
                                "declare them in 'properties'")
 
 
-# check_valid's verdicts kept (least recently used dropped first): a SHA-256 digest and None or
-# a message each, so a few hundred bytes however large the schema
-_VERDICTS_KEPT = 1024
-_verdicts: OrderedDict[bytes, str | None] = OrderedDict()
-_verdicts_lock = threading.Lock()
-
-
-def check_valid(schema: Any) -> None:
-    """Refuse (GrammarError) a JSON schema that is invalid or cannot be satisfied: one its
-    metaschema rejects (Draft 2020-12 unless `$schema` names another draft; e.g. `"type": []`,
-    `"anyOf": []`, `"$defs": 5`), a `$schema` that names no meta-schema `jsonschema` knows
-    (`SUPPORTED_METASCHEMAS`), `false`, and a `const` / `enum` value that fails the rest of
-    its own schema (`{"type": "string", "const": 5}`: XGrammar generated the 5, and
-    `"enum": ["a", null]` next to `"type": "string"` the null). `$ref`s resolve against the
-    whole document (`jsonschema`); one that does not resolve is left to the backend. A schema
-    nested too deeply to walk (Python's recursion limit) is refused too.
-
-    The verdict is cached by the schema's canonical JSON (keys sorted, which changes no
-    verdict), the last `_VERDICTS_KEPT` of them: a schema seen before costs one hash, where a
-    first check of a large one took 0.49 s. Thread-safe; callers on an event loop run it in a
-    worker thread (two threads checking one new schema at once both check it).
-    """
-    try:
-        canonical = json.dumps(schema, sort_keys=True, ensure_ascii=False,
-                               separators=(",", ":"))
-    except RecursionError:
-        raise GrammarError(_TOO_DEEP) from None
-    digest = hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).digest()
-    with _verdicts_lock:
-        cached = digest in _verdicts
-        if cached:
-            _verdicts.move_to_end(digest)
-            problem = _verdicts[digest]
-    if not cached:
-        problem = _problem(schema)
-        with _verdicts_lock:
-            _verdicts[digest] = problem
-            while len(_verdicts) > _VERDICTS_KEPT:
-                _verdicts.popitem(last=False)
-    if problem is not None:
-        raise GrammarError(problem)
-
-
-_TOO_DEEP = ("the JSON schema nests too deeply to check (over ~100 levels); flatten it, e.g. "
-             "name repeated parts in '$defs' and point to them with '$ref'")
-
-
-def _problem(schema: Any) -> str | None:
-    """Why `schema` is refused (check_valid), or None when it is valid."""
-    try:
-        _check_valid(schema)
-    except GrammarError as exc:
-        return str(exc)
-    except RecursionError:
-        return _TOO_DEEP
-    return None
-
-
-def _validator_class(schema: Any) -> Any:
-    """The `jsonschema` validator of the draft `schema`'s `$schema` names (Draft 2020-12 when
-    it names none).
-
-    Raises:
-        GrammarError: `$schema` names a meta-schema `jsonschema` does not know (its
-            `validator_for` falls back to the latest draft with a warning that this "will
-            raise an error in the future"; the backends would read the schema as they please).
-    """
-    import jsonschema
-
-    if not isinstance(schema, dict) or "$schema" not in schema:
-        return jsonschema.Draft202012Validator
-    named = schema["$schema"]
-    found = (jsonschema.validators.validator_for(schema, None) if isinstance(named, str)
-             else None)
-    if found is not None:
-        return found
-    raise GrammarError(f"'$schema': {json.dumps(named, ensure_ascii=False)} at # is not the "
-                       "URL of a JSON Schema meta-schema this server knows; use one of "
-                       f"{', '.join(json.dumps(url) for url in SUPPORTED_METASCHEMAS)} (or "
-                       "leave '$schema' out for Draft 2020-12)")
-
-
-# the meta-schemas `jsonschema` validates against, newest first (`$schema` may end in "#")
-SUPPORTED_METASCHEMAS = ("https://json-schema.org/draft/2020-12/schema",
-                         "https://json-schema.org/draft/2019-09/schema",
-                         "http://json-schema.org/draft-07/schema",
-                         "http://json-schema.org/draft-06/schema",
-                         "http://json-schema.org/draft-04/schema",
-                         "http://json-schema.org/draft-03/schema")
-
-
-def _json_spelled(error: Any) -> str:
-    """A `jsonschema` error's message with the values it quotes written as JSON (`null`,
-    `true`, `"a"`, not Python's `None`, `True`, `'a'`): it builds them with `repr` of the
-    instance and of the keyword's value, or of their items (`type` lists, an object's keys)."""
-    message = error.message
-    values = [error.instance, error.validator_value]
-    values += [item for value in values if isinstance(value, (list, dict)) for item in value]
-    for value in values:
-        try:
-            spelled = json.dumps(value, ensure_ascii=False)
-        except (TypeError, ValueError, RecursionError):
-            continue
-        message = message.replace(repr(value), spelled)
-    return message
-
-
-def _check_valid(schema: Any) -> None:
-    import jsonschema
-    from referencing.exceptions import Unresolvable
-
-    if schema is False:
-        raise GrammarError("the JSON schema `false` allows no value; send a schema object")
-    validator_class = _validator_class(schema)
-    # `check_schema` without its format checks: they read `pattern`s as Python regexes, which
-    # refuses ECMA-262 ones such as "\\p{L}" (a pattern is the backends' to check)
-    metaschema = validator_class(validator_class.META_SCHEMA)
-    invalid = jsonschema.exceptions.best_match(metaschema.iter_errors(schema))
-    if invalid is not None:
-        reasons = "; ".join(dict.fromkeys(_json_spelled(error) for error in invalid.context))
-        where = "#" + "".join(f"/{part}" for part in invalid.absolute_path)
-        raise GrammarError(f"not a valid JSON schema: {_json_spelled(invalid)}"
-                           f"{f' ({reasons})' if reasons else ''} at {where}; fix the schema "
-                           "(checked against the JSON Schema metaschema of Draft 2020-12, or "
-                           "of the draft its $schema names)")
-    root = validator_class(schema)
-    for path, node in _subschemas(schema, "#"):
-        constants = [("const", node["const"])] if "const" in node else []
-        if isinstance(node.get("enum"), list):
-            constants += [("enum", value) for value in node["enum"]]
-        for keyword, value in constants:
-            # the rest keeps the other keyword: a const outside its own enum is refused too
-            rest = {key: sub for key, sub in node.items() if key != keyword}
-            try:
-                error = next(root.descend(value, rest), None)
-            except (Unresolvable, re.error):   # the backend names the $ref or pattern
-                break
-            if error is not None:
-                raise GrammarError(f"the {keyword!r} value {json.dumps(value)} at {path} fails "
-                                   f"the rest of its schema ({_json_spelled(error)}): no output can "
-                                   "take it; drop the value or change the other keywords to "
-                                   "allow it")
-
-
-def _subschemas(schema: Any, path: str):
+def subschemas(schema: Any, path: str):
     """(JSON pointer, subschema) for `schema` and every schema object nested in it."""
     if not isinstance(schema, dict):
         return
     yield path, schema
     for key in _SCHEMA_VALUES:
-        yield from _subschemas(schema.get(key), f"{path}/{key}")
+        yield from subschemas(schema.get(key), f"{path}/{key}")
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
-                yield from _subschemas(sub, f"{path}/{key}/{name}")
+                yield from subschemas(sub, f"{path}/{key}/{name}")
     for key in _SCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
-                yield from _subschemas(sub, f"{path}/{key}/{i}")
+                yield from subschemas(sub, f"{path}/{key}/{i}")
 
 
 def check_enforceable(schema: Any, path: str = "#", in_branch: bool = False,
@@ -422,8 +283,8 @@ def check_enforceable(schema: Any, path: str = "#", in_branch: bool = False,
                            "required property with a distinct 'const' in each)")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
-        raise GrammarError(f"'$ref': {ref!r} at {path} points outside the schema; only local "
-                           "references ('#/$defs/...') are supported, so inline it")
+        raise GrammarError(f"'$ref': {json.dumps(ref)} at {path} points outside the schema; "
+                           "only local references ('#/$defs/...') are supported, so inline it")
     _check_values(schema, path)
     _check_object(schema, path)
     required, properties = schema.get("required"), schema.get("properties") or {}

@@ -45,7 +45,8 @@ from deepinfer.engine.structured.backend import (BACKENDS, GrammarBackend, Gramm
                                                  GrammarKey, GrammarMatcher, backend_choice,
                                                  grammar_key)
 from deepinfer.engine.structured.enforceable import (check_enforceable, check_ref_cycles,
-                                                     check_valid, exclusive_one_of)
+                                                     exclusive_one_of)
+from deepinfer.engine.structured.validity import check_valid
 
 
 @dataclass(frozen=True)

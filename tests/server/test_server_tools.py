@@ -543,11 +543,11 @@ def test_each_tool_schema_is_checked_once_and_then_cached(monkeypatch, tool_choi
     the server checks those the output is not held to, the engine's compile (standing in:
     the double's `check_valid`) the rest; a second identical request checks nothing again."""
     from deepinfer.engine import structured
-    from deepinfer.engine.structured import enforceable
+    from deepinfer.engine.structured import validity
     from deepinfer.server import tools
 
     seen, checked = [], []
-    real_check, real_problem = structured.check_valid, enforceable._problem
+    real_check, real_problem = structured.check_valid, validity._problem
 
     def spy(schema):
         seen.append(json.dumps(schema))
@@ -555,7 +555,7 @@ def test_each_tool_schema_is_checked_once_and_then_cached(monkeypatch, tool_choi
 
     monkeypatch.setattr(tools, "check_valid", spy)
     monkeypatch.setattr(structured, "check_valid", spy)    # the double's compile
-    monkeypatch.setattr(enforceable, "_problem", lambda schema: checked.append(schema)
+    monkeypatch.setattr(validity, "_problem", lambda schema: checked.append(schema)
                         or real_problem(schema))
     first, second = fresh_tool("first"), fresh_tool("second")
     payload = {"messages": USER, "tools": [first, second], "tool_choice": tool_choice}
@@ -590,10 +590,10 @@ def test_an_invalid_tool_schema_names_its_tool_under_every_choice(tool_choice):
 def test_a_slow_first_schema_check_does_not_stall_other_requests(monkeypatch):
     """The check runs in a worker thread: while it is held, a plain request is served start
     to finish on the same event loop, and only then is the check let go."""
-    from deepinfer.engine.structured import enforceable
+    from deepinfer.engine.structured import validity
 
     started, release = threading.Event(), threading.Event()
-    real = enforceable._problem
+    real = validity._problem
 
     def held(schema):
         started.set()
@@ -601,7 +601,7 @@ def test_a_slow_first_schema_check_does_not_stall_other_requests(monkeypatch):
             raise AssertionError("the event loop was blocked while the schema was checked")
         return real(schema)
 
-    monkeypatch.setattr(enforceable, "_problem", held)
+    monkeypatch.setattr(validity, "_problem", held)
     finished = []
 
     async def run():
