@@ -208,6 +208,26 @@ def test_invalid_or_unsatisfiable_schemas_are_the_same_400_everywhere(engine, pa
             "(or leave '$schema' out for Draft 2020-12)")), error
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", "required",
+                                         {"type": "function", "function": {"name": "unit"}}])
+def test_a_bad_tool_schema_is_a_400_naming_its_tool_under_every_choice(engine, tool_choice):
+    """Under "required" / named the engine's compile is the schema's only check (the server
+    checks the other tools'); its refusal still names the tool, not "tools"."""
+    city = {"type": "function", "function": {"name": "city", "parameters": {
+        "type": "object", "properties": {"name": {"type": "string"}}}}}
+    unit = {"type": "function", "function": {"name": "unit", "parameters": {
+        "$defs": {"u": {"type": "string", "enum": ["C", None]}}, "type": "object",
+        "properties": {"u": {"$ref": "#/$defs/u"}}}}}
+    [response] = post_all(engine, {"messages": QUESTION, "max_tokens": 8,
+                                   "tools": [city, unit], "tool_choice": tool_choice})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("tools[1].function.parameters",
+                                               "invalid_schema"), error
+    assert ("the 'enum' value null at #/$defs/u fails the rest of its schema (null is not of "
+            'type "string")') in error["message"], error
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_a_bad_regex_or_grammar_is_a_400_naming_it(engine, backend):
     bodies = [{"messages": QUESTION, "structured_outputs": {"regex": "a(b", "backend": backend}},
