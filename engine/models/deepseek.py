@@ -15,6 +15,13 @@
 - FP8 block-scaled checkpoints (V3 §3.3): on devices with the FP8 GEMM the attention / dense
   MLP / shared-expert linears stay FP8 with their scales; everything else (and every weight on
   CPU) is dequantized at load (`engine.models.fp8`).
+- Decode fusions (`kernels.fused_linear`, as Llama's; CUDA bf16 / fp16 with plain q and kv_a
+  weights): each layer's input RMSNorm weight is folded into the merged q + kv_a GEMM, which
+  applies the norm; o_proj and the MLPs' down projections (on MoE layers the shared experts')
+  add their output into the residual stream in their epilogue. Each runs fused where the
+  device's sweep file says it is faster (`benchmarks/fused_linear_sweep.py --model
+  deepseek-v2-lite`), else as the unfused ops. The post-attention RMSNorm stays a kernel: it
+  feeds the router and the experts.
 
 DeepSeek's rotary dims come in interleaved pairs (x0, x1), (x2, x3), ... At load the rope rows
 of the q and kv_a projections are permuted to (x0, x2, ..., x1, x3, ...), so the shared

@@ -47,6 +47,18 @@ def test_folded_norm_weight_gives_the_same_function_unfused():
     assert relative_error(gated, F.silu(gate) * up) < 1e-5
 
 
+def test_fold_refuses_an_fp8_weight():
+    """A float8 weight's value is codes x block scales: folding g into the codes would be
+    wrong, so the fold refuses and leaves both tensors as they were."""
+    codes = _randn(8, 16, seed=16).to(torch.float8_e4m3fn)
+    norm_weight = _randn(16, seed=17) + 1.0
+    before = (codes.clone(), norm_weight.clone())
+    with pytest.raises(ValueError, match="FP8"):
+        fold_norm_weight(norm_weight, codes)
+    assert torch.equal(codes.view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(norm_weight, before[1])
+
+
 def test_unfused_norm_linear_takes_added_rows_as_already_added():
     """An AddedRows pending (a fused residual GEMM's) on the unfused path: the stream is
     normed as it is, the partials are not needed."""
