@@ -331,7 +331,6 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
     pre-norm block of `PreNormDecoderLayer`. `kernel_config`: the fused kernels' choices
     (`layers.set_kernel_config`)."""
 
-    norms_folded = False
     kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, hf_config, layer_idx: int, routing: RoutingConfig | None,
@@ -346,19 +345,6 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
                   and layer_idx % freq == 0)
         self.mlp = (DeepseekMoEBlock(c, routing, dtype) if is_moe else
                     GatedMLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype))
-
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor | None,
-                residual: torch.Tensor | None, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata
-                ) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
-        """`PreNormDecoderLayer.forward`'s contract; when folded, the returned hidden may be
-        None or `kernels.fused_linear.AddedRows`, meaning the residual stream already holds
-        the MLP's output."""
-        if not self.norms_folded:
-            return super().forward(rope, hidden, residual, kv_cache, attn_metadata)
-        if residual is None:           # the first layer: the embeddings are the stream
-            hidden, residual = None, hidden
-        return self.forward_folded(rope, hidden, residual, kv_cache, attn_metadata)
 
     def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
                        pending: torch.Tensor | AddedRows | None, residual: torch.Tensor,
