@@ -8,20 +8,18 @@ at decode; the shared experts run on the second stream (decode-sized rows), thei
 projection adding into the stream that the routed combine then adds onto. Every routed expert
 is picked by every token (top-k = all experts), so bf16 rounding cannot flip an expert choice,
 a discontinuity that would make logits of the two paths differ by more than rounding. The
-relative error of 8 decode steps' logits, fed the same tokens on both sides, must stay < 5e-2
+relative error of NEW_TOKENS decode steps' logits, fed the same tokens on both sides, must stay < 5e-2
 (as the Llama test's: bf16 rounding through 3 random layers).
 """
 
-import json
-
 import pytest
 import torch
-from test_llama_parity import PagedDriver
+from test_fused_llama_gpu import (NEW_TOKENS, decode_logits, save_with_random_norms,
+                                  write_fused_config)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-NEW_TOKENS = 8
 HIDDEN, HEADS, NOPE, ROPE, V, KV_LORA = 256, 8, 64, 32, 64, 128
 INTER, MOE_INTER = 512, 128
 
@@ -38,14 +36,7 @@ def tiny_bf16_dir(tmp_path):
         qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=V, topk_method="greedy",
         routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=1024,
         initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = DeepseekV2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-    model.save_pretrained(tmp_path)
-    return tmp_path
+    return save_with_random_norms(DeepseekV2ForCausalLM, config, tmp_path)
 
 
 @pytest.fixture
@@ -61,25 +52,9 @@ def fused_everywhere(monkeypatch, tmp_path_factory):
                 "config": {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2,
                            "SPLIT_K": 2 if fusion == "residual" else 1},
                 "fused_faster": True} for fusion, n, k in shapes]
-    directory = tmp_path_factory.mktemp("configs")
-    monkeypatch.setattr(backends, "CONFIG_DIR", directory)
-    backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
-                                ).write_text(json.dumps({"entries": entries}))
-    backends.tuned_table.cache_clear()
+    write_fused_config(monkeypatch, tmp_path_factory.mktemp("configs"), entries)
     yield fused_linear
     backends.tuned_table.cache_clear()
-
-
-def _decode_logits(model, prompts, continuations):
-    """Prefill all prompts in one step, then NEW_TOKENS decode steps fed `continuations`;
-    [NEW_TOKENS, num_prompts, vocab] float32 logits of the decode steps."""
-    driver = PagedDriver(model, num_blocks=64, block_size=16, device="cuda")
-    driver.step({seq: prompt for seq, prompt in enumerate(prompts)})
-    steps = []
-    for step in range(NEW_TOKENS):
-        rows = driver.step({seq: [tokens[step]] for seq, tokens in enumerate(continuations)})
-        steps.append(torch.stack([rows[seq] for seq in range(len(prompts))]))
-    return torch.stack(steps)
 
 
 def test_fused_folded_decode_matches_unfused(tiny_bf16_dir, fused_everywhere, monkeypatch):
@@ -98,10 +73,10 @@ def test_fused_folded_decode_matches_unfused(tiny_bf16_dir, fused_everywhere, mo
     monkeypatch.setattr(fused_everywhere, "fused_norm_linear",
                         lambda *args, **kwargs: norm_gemms.append(1)
                         or fused_norm_linear(*args, **kwargs))
-    fused = _decode_logits(ours, prompts, continuations)
+    fused = decode_logits(ours, prompts, continuations)
     # every decode step's every layer found the stream with nothing pending
     assert len(norm_gemms) == NEW_TOKENS * len(ours.layers)
     set_kernel_config(ours, KernelConfig(fused_linears=False))
-    unfused = _decode_logits(ours, prompts, continuations)
+    unfused = decode_logits(ours, prompts, continuations)
     error = float((fused.double() - unfused.double()).norm() / unfused.double().norm())
     assert error < 5e-2
