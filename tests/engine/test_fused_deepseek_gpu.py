@@ -8,8 +8,8 @@ at decode; the shared experts run on the second stream (decode-sized rows), thei
 projection adding into the stream that the routed combine then adds onto. Every routed expert
 is picked by every token (top-k = all experts), so bf16 rounding cannot flip an expert choice,
 a discontinuity that would make logits of the two paths differ by more than rounding. The
-relative error of NEW_TOKENS decode steps' logits, fed the same tokens on both sides, must stay < 5e-2
-(as the Llama test's: bf16 rounding through 3 random layers).
+relative error of NEW_TOKENS decode steps' logits, fed the same tokens on both sides, must
+stay < 5e-2 (as the Llama test's: bf16 rounding through 3 random layers).
 """
 
 import pytest
