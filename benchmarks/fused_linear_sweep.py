@@ -43,7 +43,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the checkout root last, as `deepinfer` puts it: first, its kernels/ would shadow HF's `kernels`
+# distribution for everything imported later (transformers, or a test session importing this)
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gemv_sweep import (BUCKETS, SHAPES, SWAP_CONFIGS,  # noqa: E402
                                    graph_us_per_call)
