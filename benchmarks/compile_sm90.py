@@ -24,7 +24,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the checkout root last, as `deepinfer` puts it: first, its kernels/ would shadow HF's `kernels`
+# distribution for everything imported later (transformers, or a test session importing this)
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 GEMM_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "residual_ptr": "*bf16",
              "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "ss_ptr": "*fp32",

@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the checkout root last, as `deepinfer` puts it: first, its kernels/ would shadow HF's `kernels`
+# distribution for everything imported later (transformers, or a test session importing this)
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 # name -> (out_features, in_features); the names are the config file's keys, unique over models
 MODELS = {

@@ -19,7 +19,8 @@ One process, in order (JSON rewritten after each stage, so a cut-short run keeps
 6. deepinfer's `EngineCore` (CUDA graphs for decode, async scheduling): decode tokens/s at batch
    1, 8, 64, 256 (128-token prompts, 128 new tokens; timed once every request has its first
    token), then, in a second engine without graphs and a 4k context, prefill tokens/s of
-   2,048-token prompts.
+   PREFILL_PROMPTS 2,048-token prompts, timed after a warm-up of the same prompts (the prefill
+   step's shapes compile and tune outside the timed region, whatever ran before).
 
 Rooflines. Decode step bytes = every weight except the routed experts and the embedding table
 (only B rows of it are read; the LM head is included) + per MoE layer the expected distinct
@@ -29,9 +30,10 @@ FLOPs / bf16 matmul rate, FLOPs = 2 x active parameters per token (non-expert, s
 experts; LM head once per prompt) x tokens + causal MLA attention (expanded: 2 x (192 + 128) x
 heads x L^2 / 2 per layer).
 
-7. with `--fp8-experts` (after the bf16 decode runs): the routed experts quantized to FP8
-   (e4m3, 128x128 block scales; linears stay bf16), decode again against the roofline with the
-   experts' bytes halved (the prefill after it then runs FP8 experts too);
+7. with `--fp8-experts` (after the bf16 decode and prefill runs): the routed experts quantized
+   to FP8 (e4m3, 128x128 block scales; linears stay bf16), decode again against the roofline
+   with the experts' bytes halved, then the prefill again (JSON `prefill_fp8_experts`, same
+   warm-up and roofline);
 8. with `--moe-sweep`: the routed experts alone at batch 1, 64, 256 under candidate tiles.
 
 Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf] [--moe-sweep]
@@ -66,6 +68,7 @@ V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,
                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                initializer_range=0.02)
 PROMPT_TOKENS, NEW_TOKENS, PREFILL_TOKENS, HF_NEW_TOKENS = 128, 128, 2048, 32
+PREFILL_PROMPTS = 4   # one 8,192-token step (the engine's max_num_batched_tokens)
 DECODE_BATCHES, HF_BATCHES = (1, 8, 64, 256), (1, 8)
 LATENT = 512 + 64
 
@@ -352,6 +355,20 @@ def engine_prefill(core, vocab: int, num_prompts: int) -> float:
     return num_prompts * PREFILL_TOKENS / (time.perf_counter() - start)
 
 
+def prefill_run(model_dir: Path, model, vocab: int, costs, ceilings) -> dict:
+    """Prefill tok/s of PREFILL_PROMPTS prompts of PREFILL_TOKENS in a fresh eager engine,
+    timed after a warm-up prefill of the same prompts, against the prefill roofline."""
+    _free()   # the decode engine before it
+    core = build_engine(model_dir, model, max_model_len=PREFILL_TOKENS + 64, enforce_eager=True)
+    engine_prefill(core, vocab, PREFILL_PROMPTS)   # warm-up: the exact timed shapes compile
+    tok_s = engine_prefill(core, vocab, PREFILL_PROMPTS)
+    core = None
+    _free()
+    roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
+    return {"tok_s": tok_s, "roofline_tok_s": roof, "fraction": tok_s / roof,
+            "prompts": PREFILL_PROMPTS}
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -422,17 +439,19 @@ def main() -> int:
         save()
     core = None
     _free()
+    results["prefill"] = run = prefill_run(model_dir, ours, vocab, costs, ceilings)
+    rows.append((f"prefill {PREFILL_TOKENS}, bf16 experts", run["tok_s"], run["roofline_tok_s"],
+                 None))
+    save()
     if args.fp8_experts:
         rows += fp8_decode(ours, model_dir, costs, ceilings, distinct, context, results,
                            args.fp8_batches)
         save()
-    core = build_engine(model_dir, ours, max_model_len=PREFILL_TOKENS + 64, enforce_eager=True)
-    engine_prefill(core, vocab, 1)   # warm-up: the prefill-shaped kernels compile
-    tok_s = engine_prefill(core, vocab, 4)
-    roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
-    results["prefill"] = {"tok_s": tok_s, "roofline_tok_s": roof, "fraction": tok_s / roof}
-    rows.append((f"prefill {PREFILL_TOKENS}", tok_s, roof, None))
-    save()
+        results["prefill_fp8_experts"] = run = prefill_run(model_dir, ours, vocab, costs,
+                                                           ceilings)
+        rows.append((f"prefill {PREFILL_TOKENS}, FP8 experts", run["tok_s"],
+                     run["roofline_tok_s"], None))
+        save()
     print_rows(rows)
     if args.moe_sweep:
         results["moe_sweep"] = moe_sweep(ours, costs, distinct)

@@ -11,6 +11,8 @@ RESULTS.md run 10). Here they ride on the GEMMs (`kernels/linear_triton.py`):
   rows per program) and scales its accumulator by the inverse RMS. With `gated`, SiLU(gate) *
   up is applied in the same epilogue.
 - `linear_add`: a linear whose epilogue adds the residual stream in place.
+DeepSeek (engine/models/deepseek.py) uses the same two at its input norm (the merged q + kv_a
+GEMM) and at o_proj and the MLPs' down projections; its post-attention norm feeds the router.
 
 The residual stream travels as (pending, residual): the hidden state is residual + pending, and
 pending is None once an epilogue has added it, or `AddedRows` when that epilogue also wrote the
@@ -61,8 +63,16 @@ def fold_norm_weight(norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
 
     Args:
         norm_weight: [in_features] g, the RMSNorm weight; set to ones.
-        weight: [out_features, in_features], the linear's weight; scaled column-wise.
+        weight: [out_features, in_features], the linear's weight (bf16 / fp16 / float32);
+            scaled column-wise.
+    Raises:
+        ValueError: an FP8 weight. Its value is codes x a scale per 128 x 128 block, so W * g
+            is not its codes times g: it would need new codes and scales (a re-quantization,
+            whose rounding the checkpoint did not choose). FP8 linears keep their norm.
     """
+    if weight.dtype.itemsize == 1:
+        raise ValueError(f"fold_norm_weight got a {weight.dtype} weight: a block-scaled FP8 "
+                         "weight cannot absorb a column scale; keep the RMSNorm unfolded.")
     weight.copy_((weight.float() * norm_weight.float()[None, :]).to(weight.dtype))
     norm_weight.fill_(1.0)
 

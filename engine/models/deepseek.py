@@ -15,6 +15,13 @@
 - FP8 block-scaled checkpoints (V3 §3.3): on devices with the FP8 GEMM the attention / dense
   MLP / shared-expert linears stay FP8 with their scales; everything else (and every weight on
   CPU) is dequantized at load (`engine.models.fp8`).
+- Decode fusions (`kernels.fused_linear`, as Llama's; CUDA bf16 / fp16 with plain q and kv_a
+  weights): each layer's input RMSNorm weight is folded into the merged q + kv_a GEMM, which
+  applies the norm; o_proj and the MLPs' down projections (on MoE layers the shared experts')
+  add their output into the residual stream in their epilogue. Each runs fused where the
+  device's sweep file says it is faster (`benchmarks/fused_linear_sweep.py --model
+  deepseek-v2-lite`), else as the unfused ops. The post-attention RMSNorm stays a kernel: it
+  feeds the router and the experts.
 
 DeepSeek's rotary dims come in interleaved pairs (x0, x1), (x2, x3), ... At load the rope rows
 of the q and kv_a projections are permuted to (x0, x2, ..., x1, x3, ...), so the shared
@@ -44,6 +51,7 @@ from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, rope_paramet
 from deepinfer.engine.moe.gating import RoutingConfig
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.fp8 import fp8_supported
+from deepinfer.kernels.fused_linear import AddedRows, add_norm_linear, fold_norm_weight
 from deepinfer.kernels.linear import linear
 from deepinfer.kernels.mla_attention import mla_attention, rotate_and_write_latent
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
@@ -110,7 +118,7 @@ class MLAAttention(nn.Module):
         self.interleaved_rope = interleaved_rope
         self.w_uk: torch.Tensor | None = None  # [H, Dn, L], set by finish_loading
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L]
-        # [Q + L + R, hidden]: q_proj's (q_a_proj's) rows, kv_a's; CUDA only (_merge_q_kv_a)
+        # [Q + L + R, hidden]: q_proj's (q_a_proj's) rows, kv_a's (merge_q_kv_a)
         self.q_kv_a_weight: torch.Tensor | None = None
 
     def _permute_q_rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -137,47 +145,80 @@ class MLAAttention(nn.Module):
 
     def finish_loading(self) -> None:
         """Point W_UK [H, Dn, L] and W_UV [H, Dv, L] at kv_b_proj's rows (views, no copy); the
-        attention kernels use them, never kv_b_proj's forward, so its packed copy is dropped."""
+        attention kernels use them, never kv_b_proj's forward, so its packed copy is dropped.
+        On CUDA also `merge_q_kv_a`."""
         per_head = self.kv_b_proj.weight.data.view(self.num_heads, self.nope_dim + self.v_dim,
                                                    self.kv_lora_rank)
         self.w_uk = per_head[:, :self.nope_dim]
         self.w_uv = per_head[:, self.nope_dim:]
         self.kv_b_proj.packed_weight = self.kv_b_proj.quantized_weight = None
-        self._merge_q_kv_a()
+        if self.kv_a_proj_with_mqa.weight.is_cuda:   # CPU keeps its packed copies per Linear
+            self.merge_q_kv_a()
 
-    def _merge_q_kv_a(self) -> None:
-        """On CUDA, q_proj's (q_a_proj's) and kv_a_proj_with_mqa's weights in one tensor, the
-        two Linears' weights its views: one GEMM, one launch less per layer at decode. Not for
-        biases, FP8 weights or CPU (whose packed copies are per Linear)."""
-        first = self.q_a_proj if self.q_lora_rank else self.q_proj
-        second = self.kv_a_proj_with_mqa
-        if (not first.weight.is_cuda or first.bias is not None or second.bias is not None
+    def merge_q_kv_a(self) -> bool:
+        """Put q_proj's (q_a_proj's) and kv_a_proj_with_mqa's weights in one tensor
+        `q_kv_a_weight`, the two Linears' weights its views: one GEMM, one launch less per layer
+        at decode. Not for biases or FP8 weights; returns whether the weights are merged."""
+        if self.q_kv_a_weight is not None:
+            return True
+        first, second = self._first_projection(), self.kv_a_proj_with_mqa
+        if (first.bias is not None or second.bias is not None
                 or first.weight_scale_inv is not None or second.weight_scale_inv is not None):
-            return
+            return False
         merged = torch.cat([first.weight.data, second.weight.data])
         first.weight.data = merged[:first.out_features]
         second.weight.data = merged[first.out_features:]
         self.q_kv_a_weight = merged
+        return True
+
+    def fold_input_norm(self, norm_weight: torch.Tensor) -> None:
+        """`kernels.fused_linear.fold_norm_weight` of the input RMSNorm's weight [hidden_size]
+        (set to ones) into the merged q + kv_a weight (`merge_q_kv_a` first), then the two
+        Linears' packed copies refreshed."""
+        fold_norm_weight(norm_weight, self.q_kv_a_weight)
+        self._first_projection().pack()
+        self.kv_a_proj_with_mqa.pack()
+
+    def _first_projection(self) -> Linear:
+        """The projection of the hidden state towards the queries: q_a_proj or q_proj."""
+        return self.q_a_proj if self.q_lora_rank else self.q_proj
+
+    def split_q_kv_a(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The merged GEMM's output [T, Q + L + R] -> (q_proj's (q_a_proj's) [T, Q], kv_a
+        [T, L + R]), views."""
+        kv_a_rows = self.kv_a_proj_with_mqa.out_features
+        first, kv_a = fused.split([fused.shape[1] - kv_a_rows, kv_a_rows], dim=1)
+        return first, kv_a
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden_size] -> (query [T, H * (Dn + R)], kv_a [T, L + R]), views of one
-        GEMM's output where the weights are merged."""
+        """hidden [T, hidden_size] -> (q_proj's (q_a_proj's) output [T, Q], kv_a [T, L + R]),
+        views of one GEMM's output where the weights are merged."""
         if self.q_kv_a_weight is not None:
-            fused = linear(hidden, self.q_kv_a_weight, settings=self.kernel_config)
-            first, kv_a = fused.split([fused.shape[1] - self.kv_a_proj_with_mqa.out_features,
-                                       self.kv_a_proj_with_mqa.out_features], dim=1)
-        else:
-            first = self.q_a_proj(hidden) if self.q_lora_rank else self.q_proj(hidden)
-            kv_a = self.kv_a_proj_with_mqa(hidden)
-        query = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora_rank else first
-        return query, kv_a
+            return self.split_q_kv_a(linear(hidden, self.q_kv_a_weight,
+                                            settings=self.kernel_config))
+        return self._first_projection()(hidden), self.kv_a_proj_with_mqa(hidden)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]. kv_cache: [num_blocks, block_size,
         L + R], this step's latents written at attn_metadata.slot_mapping."""
-        num_tokens = hidden.shape[0]
-        query, kv_a = self._project(hidden)  # [T, H * (Dn + R)], [T, L + R]
+        first, kv_a = self._project(hidden)
+        return self.o_proj(self.attend(rope, first, kv_a, kv_cache, attn_metadata))
+
+    def attend(self, rope: tuple[torch.Tensor, torch.Tensor], first: torch.Tensor,
+               kv_a: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+               ) -> torch.Tensor:
+        """The attention between the first projections and o_proj.
+
+        Args:
+            first: [T, Q] q_proj's output (Q = H * (Dn + R)), or q_a_proj's ([T, q_lora_rank]).
+            kv_a: [T, L + R] kv_a_proj_with_mqa's output; its latent part is normed by
+                kv_a_layernorm and written to kv_cache with the rotated rope part.
+        Returns:
+            [T, H * Dv], o_proj's input.
+        """
+        num_tokens = first.shape[0]
+        query = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora_rank else first
         query = query.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         norm = self.kv_a_layernorm
         q_pe = rotate_and_write_latent(  # [T, H, R], query's rope dims rotated in place
@@ -186,7 +227,7 @@ class MLAAttention(nn.Module):
         out = mla_attention(query[..., :self.nope_dim], q_pe, kv_cache, attn_metadata,
                             self.w_uk, self.w_uv, self.scale,
                             settings=self.kernel_config)  # [T, H, Dv]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return out.reshape(num_tokens, self.num_heads * self.v_dim)
 
 
 @functools.cache
@@ -231,27 +272,67 @@ class DeepseekMoEBlock(nn.Module):
         return targets
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, hidden_size] -> [T, hidden_size]. The shared experts run first (or on
-        the second stream); their output is added in the routed experts' combine (no separate
-        add kernel)."""
+        """hidden: [T, hidden_size] -> [T, hidden_size]."""
         if self.shared_experts is None:
             return self.moe(hidden)
+        return self._routed_plus(hidden, self.shared_experts)
+
+    def forward_add(self, hidden: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The block's output added to the residual stream where that saves a kernel.
+
+        The shared experts' down projection runs `Linear.forward_add`: where it runs fused it
+        adds the shared output into the stream, the routed experts' combine then adds onto the
+        stream, and the next layer's first norm finds nothing pending (it takes the sums of
+        squares from the stream: the combine changed it after the down projection wrote them).
+
+        Args:
+            hidden: [T, hidden_size] the normed input.
+            residual: [T, hidden_size] the residual stream (overwritten where fused).
+        Returns:
+            (None, the stream with this block's output added) or (the block's output, residual).
+        """
+        if self.shared_experts is None:
+            return self.moe(hidden), residual
+        pending = None
+
+        def shared_into_stream(x: torch.Tensor) -> torch.Tensor:
+            nonlocal pending
+            pending, stream = self.shared_experts.forward_add(x, residual)
+            return pending if isinstance(pending, torch.Tensor) else stream
+
+        out = self._routed_plus(hidden, shared_into_stream)
+        return (out, residual) if isinstance(pending, torch.Tensor) else (None, out)
+
+    def _routed_plus(self, hidden: torch.Tensor,
+                     shared: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The routed experts' output plus `shared(hidden)` [T, hidden_size], added by the
+        combine kernel (no separate add). `shared` runs first, or, up to
+        `moe_shared_stream_max_rows` CUDA tokens, on the second stream."""
         if not (hidden.is_cuda
                 and hidden.shape[0] <= self.kernel_config.moe_shared_stream_max_rows):
-            return self.moe(hidden, self.shared_experts(hidden))
+            return self.moe(hidden, shared(hidden))
         main = torch.cuda.current_stream(hidden.device)
         side = _shared_experts_stream(hidden.device)
-        # the side stream starts after hidden is written; main reads `shared` only after the
-        # event, and everything main does later (freeing or reusing hidden's and shared's
-        # memory included) comes after it, as does the side stream's next layer (this wait)
+        # the side stream starts after hidden (and the residual stream) are written; main reads
+        # the shared output only after the event, and everything main does later (freeing or
+        # reusing hidden's and the output's memory included) comes after it, as does the side
+        # stream's next layer (this wait)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            shared = self.shared_experts(hidden)
+            shared_output = shared(hidden)
             shared_ready = side.record_event()
-        return self.moe(hidden, shared, shared_ready)
+        return self.moe(hidden, shared_output, shared_ready)
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
+    """With `norms_folded` (set by `DeepseekForCausalLM.fold_norms`) the input RMSNorm's weight
+    lives in the merged q + kv_a projection and the layer runs `forward_folded`; otherwise the
+    pre-norm block of `PreNormDecoderLayer`. `kernel_config`: the fused kernels' choices
+    (`layers.set_kernel_config`)."""
+
+    kernel_config: KernelConfig = DEFAULT
+
     def __init__(self, hf_config, layer_idx: int, routing: RoutingConfig | None,
                  dtype: torch.dtype, *, interleaved_rope: bool) -> None:
         super().__init__()
@@ -264,6 +345,27 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
                   and layer_idx % freq == 0)
         self.mlp = (DeepseekMoEBlock(c, routing, dtype) if is_moe else
                     GatedMLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype))
+
+    def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
+                       pending: torch.Tensor | AddedRows | None, residual: torch.Tensor,
+                       kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+                       ) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
+        """The layer over the stream residual + pending ([T, hidden_size] each; pending None
+        or AddedRows when already added): the input RMSNorm in the merged q + kv_a GEMM and the
+        residual adds in o_proj's and the MLP's last GEMM where `kernels.fused_linear` runs
+        fused kernels. The post-attention RMSNorm stays a kernel of its own (with the add
+        still pending, if any): it feeds the router and the experts, which are not such GEMMs.
+        Returns (pending, residual)."""
+        attn, norm1, norm2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        fused, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
+                                          attn.q_kv_a_weight, settings=self.kernel_config)
+        out = attn.attend(rope, *attn.split_q_kv_a(fused), kv_cache, attn_metadata)
+        pending, residual = attn.o_proj.forward_add(out, residual)
+        if isinstance(pending, torch.Tensor):
+            hidden, residual = norm2(pending, residual)
+        else:
+            hidden = norm2(residual)
+        return self.mlp.forward_add(hidden, residual)
 
     def checkpoint_targets(self, prefix: str) -> Targets:
         targets = self.self_attn.checkpoint_targets(f"{prefix}self_attn.")
@@ -407,6 +509,8 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches[:self.num_hidden_layers], strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        if not isinstance(hidden, torch.Tensor):   # folded layers added their last output
+            return self.norm(residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -521,6 +625,32 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         for module in self.modules():
             if isinstance(module, MLAAttention):
                 module.finish_loading()
+        # on CUDA the merged q + kv_a GEMM applies the input norm; not with FP8 or biased
+        # projections (no merged weight: `fold_norms`); CPU float32 keeps the norms as they are
+        if (self.embed_tokens.weight.is_cuda and self.dtype in (torch.bfloat16, torch.float16)
+                and all(layer.self_attn.q_kv_a_weight is not None for layer in self.layers)):
+            self.fold_norms()
+
+    def fold_norms(self) -> None:
+        """Fold each decoder layer's input RMSNorm weight into its merged q + kv_a projection
+        (`kernels.fused_linear.fold_norm_weight`; the norm keeps an all-ones weight) and switch
+        the layers to `DeepseekDecoderLayer.forward_folded`. Same function, rounded
+        differently. Called once, after loading. The MTP modules' blocks stay unfolded.
+
+        The fold needs plain weights: a column scale on an FP8 block-scaled weight is not a
+        multiply of its codes (each 128 x 128 block shares one scale, so W * g would have to
+        be re-quantized, changing every code), so layers whose projections stay FP8 (or carry
+        a bias) cannot merge and the model is left unfolded.
+
+        Raises:
+            ValueError: a layer's q + kv_a projections cannot be merged (FP8 or biased).
+        """
+        if not all(layer.self_attn.merge_q_kv_a() for layer in self.layers):
+            raise ValueError("fold_norms needs every layer's q and kv_a projections merged; "
+                             "FP8 or biased projections cannot be (the model stays unfolded).")
+        for layer in self.layers:
+            layer.self_attn.fold_input_norm(layer.input_layernorm.weight)
+            layer.norms_folded = True
 
 
 class DeepseekV2ForCausalLM(DeepseekForCausalLM):

@@ -71,7 +71,6 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     layer runs `forward_folded`; otherwise the pre-norm block of `PreNormDecoderLayer`.
     `kernel_config`: the fused kernels' choices (`layers.set_kernel_config`)."""
 
-    norms_folded = False
     kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, hf_config, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool) -> None:
@@ -82,19 +81,6 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
                             bias=getattr(hf_config, "mlp_bias", False), dtype=dtype)
-
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor | None,
-                residual: torch.Tensor | None, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """`PreNormDecoderLayer.forward`'s contract; when folded, the returned hidden may be
-        None or `kernels.fused_linear.AddedRows`, meaning the residual stream already holds
-        the MLP output."""
-        if not self.norms_folded:
-            return super().forward(rope, hidden, residual, kv_cache, attn_metadata)
-        if residual is None:           # the first layer: the embeddings are the stream
-            hidden, residual = None, hidden
-        return self.forward_folded(rope, hidden, residual, kv_cache, attn_metadata)
 
     def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
                        pending: torch.Tensor | AddedRows | None, residual: torch.Tensor,

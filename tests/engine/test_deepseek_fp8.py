@@ -144,6 +144,9 @@ def test_fp8_linears_kept_in_fp8_generate_like_the_dequantized_model(fp8_dirs):
     assert "layers.0.self_attn.o_proj" in kept
     for name in kept:
         assert ours.get_submodule(name).weight.dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="merged"):   # FP8 q_a / kv_a: the input norms stay
+        ours.fold_norms()
+    assert not any(layer.norms_folded for layer in ours.layers)
     prompts = [[5, 9, 200, 31, 7, 64, 3], list(range(100, 121))]
     tokens, logits = generate_greedy(PagedDriver(ours, num_blocks=64, block_size=4), prompts)
     reference = load_model(reference_dir, torch.float32, "cpu")

@@ -11,6 +11,9 @@ mixed varlen steps (staggered arrivals, 5-token prefill chunks next to decodes),
 `LLM.generate` batched with other requests.
 """
 
+import importlib.util
+import os
+
 import pytest
 import torch
 from deepseek_configs import VARIANTS, randomize_router_bias, tiny_deepseek_config
@@ -174,3 +177,82 @@ def test_bfloat16_model_tracks_hf_bfloat16(deepseek_pair):
         expected = hf_model(torch.tensor([prompt])).logits[0, -1].float()
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected, atol=0.06, rtol=0.02)
+
+
+# ---------------------------------------------------------------- folded input norms
+
+FOLDABLE = [v for v in VARIANTS if v != "v3_tied_bias_no_interleave"]   # no attention biases
+
+
+@pytest.mark.parametrize("variant", FOLDABLE)
+def test_folded_input_norms_match_hf(variant, tmp_path):
+    """`fold_norms` (what CUDA bf16 loads do): each input RMSNorm weight moved into the merged
+    q + kv_a weight, the layers on `forward_folded` (the residual stream as (pending,
+    residual)); on CPU every op takes its unfused form, so this checks the merge, the fold and
+    the stream, in float32, against HF (atol 1e-4, as the unfolded model)."""
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_deepseek(tmp_path, variant)
+    folded = load_model(tmp_path, torch.float32, "cpu")
+    assert all(layer.self_attn.q_kv_a_weight is None for layer in folded.layers)   # CPU
+    folded.fold_norms()
+    for layer in folded.layers:
+        assert layer.norms_folded and layer.self_attn.q_kv_a_weight is not None
+        assert torch.equal(layer.input_layernorm.weight,
+                           torch.ones_like(layer.input_layernorm.weight))
+    prompts = _prompts()
+    tokens, logits = generate_greedy(PagedDriver(folded, num_blocks=96, block_size=4, seed=3),
+                                     prompts, chunk_size=5, stagger=True)
+    _assert_matches_hf(load_hf_reference(AutoModelForCausalLM, tmp_path), prompts, tokens,
+                       logits)
+
+
+def test_fold_is_refused_for_biased_projections(tmp_path):
+    """A biased q_a / kv_a projection cannot merge, so nothing is folded (an FP8 one neither:
+    `DeepseekForCausalLM.fold_norms`)."""
+    save_tiny_deepseek(tmp_path, "v3_tied_bias_no_interleave")
+    model = load_model(tmp_path, torch.float32, "cpu")
+    norm_weights = [layer.input_layernorm.weight.clone() for layer in model.layers]
+    with pytest.raises(ValueError, match="merged"):
+        model.fold_norms()
+    assert not any(layer.norms_folded for layer in model.layers)
+    assert all(torch.equal(layer.input_layernorm.weight, before)
+               for layer, before in zip(model.layers, norm_weights))
+
+
+@pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1"
+                         and importlib.util.find_spec("triton")),
+                    reason="runs the fused kernels through TRITON_INTERPRET=1 on CPU")
+def test_fused_kernels_carry_the_stream_through_the_layers(monkeypatch, tmp_path):
+    """Every fused kernel the folded layers can run (`kernels.fused_linear.fused_config`
+    forced to a small tile config; float32 through Triton's interpreter): the input norm in
+    the q + kv_a GEMM, the residual adds in o_proj, the dense down projection (its AddedRows
+    read by the next layer's norm) and the shared experts' down projection (the routed
+    combine adding onto the stream). Every layer's input norm must find nothing pending, and
+    the logits of a prefill and 3 decode steps equal the unfolded model's (atol 1e-4)."""
+    from deepinfer.engine.models.layers.linear import Linear
+    from deepinfer.kernels import fused_linear
+
+    save_tiny_deepseek(tmp_path, "v2_lite_greedy")
+    reference, model = (load_model(tmp_path, torch.float32, "cpu") for _ in range(2))
+    model.fold_norms()
+    for module in model.modules():   # CPU packed copies would take the unfused path
+        if isinstance(module, Linear):
+            module.packed_weight = module.quantized_weight = None
+    asked = []
+
+    def every_shape_fused(fusion, x, weight, settings=None):
+        asked.append(fusion)
+        return {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2,
+                "SPLIT_K": 2 if fusion == "residual" else 1}
+
+    monkeypatch.setattr(fused_linear, "fused_config", every_shape_fused)
+    drivers = [PagedDriver(m, num_blocks=8, block_size=4) for m in (reference, model)]
+    chunk, num_layers = _prompts()[1], len(model.layers)
+    for _ in range(4):
+        expected, got = (driver.step({0: chunk})[0] for driver in drivers)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        # one norm GEMM per layer (nothing pending), residual GEMMs in o_proj and the MLPs
+        assert asked.count("norm") == num_layers and asked.count("residual") == 2 * num_layers
+        asked.clear()
+        chunk = [int(expected.argmax())]

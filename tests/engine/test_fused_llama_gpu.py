@@ -34,14 +34,20 @@ def tiny_bf16_dir(tmp_path):
                          num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
                          max_position_embeddings=1024, initializer_range=0.1,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return save_with_random_norms(LlamaForCausalLM, config, tmp_path)
+
+
+def save_with_random_norms(model_class, config, path):
+    """An HF `model_class(config)` of seed-0 random weights, its RMSNorm weights randomised
+    around 1 (HF's ones would make a fold a no-op), saved to `path`; returns path."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
-    model.save_pretrained(tmp_path)
-    return tmp_path
+    model.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(params=[(16, 3), (64, 40)], ids=["16_rows", "64_rows"])
@@ -58,16 +64,23 @@ def fused_everywhere(request, monkeypatch, tmp_path_factory):
               ("residual", 256, 256), ("residual", 256, 512)]           # o, down
     entries = [{"fusion": fusion, "block_m": block_m, "out_features": n, "in_features": k,
                 "config": config, "fused_faster": True} for fusion, n, k in shapes]
-    directory = tmp_path_factory.mktemp("configs")
-    monkeypatch.setattr(backends, "CONFIG_DIR", directory)
-    backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
-                                ).write_text(json.dumps({"entries": entries}))
-    backends.tuned_table.cache_clear()
+    write_fused_config(monkeypatch, tmp_path_factory.mktemp("configs"), entries)
     yield fused_linear, num_prompts
     backends.tuned_table.cache_clear()
 
 
-def _decode_logits(model, prompts, continuations):
+def write_fused_config(monkeypatch, directory, entries: list[dict]) -> None:
+    """Point the tuned-config directory at `directory` and write there this device's
+    fused_linear file with `entries` (the tables are rebuilt on their next use)."""
+    from deepinfer.kernels import backends, fused_linear
+
+    monkeypatch.setattr(backends, "CONFIG_DIR", directory)
+    backends.device_config_path(fused_linear.CONFIG_KIND, torch.cuda.get_device_name()
+                                ).write_text(json.dumps({"entries": entries}))
+    backends.tuned_table.cache_clear()
+
+
+def decode_logits(model, prompts, continuations):
     """Prefill all prompts in one step, then NEW_TOKENS decode steps fed `continuations`;
     [NEW_TOKENS, num_prompts, vocab] float32 logits of the decode steps."""
     driver = PagedDriver(model, num_blocks=256, block_size=16, device="cuda")
@@ -97,9 +110,9 @@ def test_fused_folded_decode_matches_unfused_and_hf(tiny_bf16_dir, fused_everywh
     qkv_rows = torch.zeros(num_prompts, 256, dtype=torch.bfloat16, device="cuda")
     assert fused_everywhere.fused_config("norm", qkv_rows, ours.layers[0].self_attn.qkv_proj
                                          .weight) is not None
-    fused = _decode_logits(ours, prompts, continuations)
+    fused = decode_logits(ours, prompts, continuations)
     set_kernel_config(ours, KernelConfig(fused_linears=False))
-    unfused = _decode_logits(ours, prompts, continuations)
+    unfused = decode_logits(ours, prompts, continuations)
     assert _rel(fused, unfused) < 5e-2
     hf = LlamaForCausalLM.from_pretrained(tiny_bf16_dir, dtype=torch.bfloat16).cuda().eval()
     for seq, (prompt, tokens) in enumerate(zip(prompts, continuations)):

@@ -47,6 +47,18 @@ def test_folded_norm_weight_gives_the_same_function_unfused():
     assert relative_error(gated, F.silu(gate) * up) < 1e-5
 
 
+def test_fold_refuses_an_fp8_weight():
+    """A float8 weight's value is codes x block scales: folding g into the codes would be
+    wrong, so the fold refuses and leaves both tensors as they were."""
+    codes = _randn(8, 16, seed=16).to(torch.float8_e4m3fn)
+    norm_weight = _randn(16, seed=17) + 1.0
+    before = (codes.clone(), norm_weight.clone())
+    with pytest.raises(ValueError, match="FP8"):
+        fold_norm_weight(norm_weight, codes)
+    assert torch.equal(codes.view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(norm_weight, before[1])
+
+
 def test_unfused_norm_linear_takes_added_rows_as_already_added():
     """An AddedRows pending (a fused residual GEMM's) on the unfused path: the stream is
     normed as it is, the partials are not needed."""
@@ -116,3 +128,69 @@ def test_fused_kernels_run_where_the_config_file_says_and_match_the_unfused_ops(
     assert relative_error(fused_qkv, no_handoff_qkv) < 1e-2
     assert relative_error(fused_stream, unfused_stream) < 1e-2   # both hold every add
     assert relative_error(fused_qkv, qkv) < 1e-2
+
+
+# the sweep's launch configs that V2-Lite's shapes pick from: SWAP_AB split-K 8 (the 2048-wide
+# outputs' winner in gemv_sweep), SWAP_AB one split, and the plain x W^T tile
+V2_LITE_CONFIGS = {
+    "swap_split_k": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4,
+                     "SPLIT_K": 8, "SWAP_AB": True},
+    "swap": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 8, "SPLIT_K": 1,
+             "SWAP_AB": True},
+    "plain": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SPLIT_K": 1},
+}
+
+
+@pytest.mark.gpu
+@requires_triton
+@pytest.mark.parametrize("label", ["attn_to_moe", "moe_to_attn"])
+@pytest.mark.parametrize("residual_config", ["swap_split_k", "plain"])
+def test_sweep_chains_at_deepseek_v2_lite_shapes(label, residual_config):
+    """`benchmarks/fused_linear_sweep.py --model deepseek-v2-lite`'s two chains at V2-Lite's
+    real shapes and one row (o_proj 2048 x 2048 -> RMSNorm; shared-experts down 2048 x 2816 ->
+    q + kv_a 3648 x 2048 with the norm): fused equals unfused (float32 1e-5 on CPU through
+    TRITON_INTERPRET=1, float64 references' tolerance for bf16 1e-2 on CUDA)."""
+    from benchmarks.fused_linear_sweep import BOUNDARIES, fused_chain, unfused_boundary
+    from benchmarks.gemv_sweep import SHAPES
+
+    boundary = BOUNDARIES[label]
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    names = [boundary.first] + ([boundary.second] if boundary.second else [])
+    weights = [_randn(*SHAPES[name], dtype=dtype, seed=20 + i, scale=SHAPES[name][1] ** -0.5,
+                      device=DEVICE) for i, name in enumerate(names)]
+    hidden = SHAPES[boundary.first][0]
+    x = _randn(1, SHAPES[boundary.first][1], dtype=dtype, seed=23, device=DEVICE)
+    residual = _randn(1, hidden, dtype=dtype, seed=24, device=DEVICE)
+    ones = torch.ones(hidden, dtype=dtype, device=DEVICE)
+    configs = [V2_LITE_CONFIGS[residual_config], V2_LITE_CONFIGS["swap"]]
+    expected = unfused_boundary(boundary, x, weights, residual.clone(), ones)
+    got = fused_chain(boundary, x, weights, residual.clone(), configs, ones)
+    assert got.shape == (1, SHAPES[names[-1]][0])
+    assert relative_error(got, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_a_v2_lite_sweep_is_merged_into_the_llama_entries(monkeypatch, tmp_path):
+    """`fused_linear_sweep.py --model deepseek-v2-lite --write-configs` on a device whose file
+    holds Llama's entries (the H200's, copied): those stay as they were, the V2-Lite ones join
+    them, each bucket's boundaries in `BOUNDARIES` order, residual GEMM before norm GEMM."""
+    from benchmarks.fused_linear_sweep import MODELS, config_key
+    from deepinfer.kernels import backends
+
+    device = "NVIDIA H200"
+    llama = json.loads(backends.device_config_path(fused_linear.CONFIG_KIND, device)
+                       .read_text())["entries"]
+    monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: device)
+    backends.write_device_config(fused_linear.CONFIG_KIND, llama, "the H200's file")
+    swept = [{"block_m": bucket, "boundary": label, "shape": shape, "fused_faster": True}
+             for bucket in (64, 16) for label, boundary in MODELS["deepseek-v2-lite"].items()
+             for shape in filter(None, (boundary.second, boundary.first))]
+    path = backends.update_device_config(fused_linear.CONFIG_KIND, swept, "a V2-Lite sweep",
+                                         key=config_key)
+    merged = json.loads(path.read_text())["entries"]
+    assert [e for e in merged if e in llama] == llama and len(merged) == len(llama) + 6
+    assert [(e["block_m"], e["shape"]) for e in merged if e not in llama] == [
+        (16, "v2lite_o"), (16, "v2lite_shared_down"), (16, "v2lite_q_kv_a"),
+        (64, "v2lite_o"), (64, "v2lite_shared_down"), (64, "v2lite_q_kv_a")]
+    assert [e["shape"] for e in merged[:6]] == ["o", "gate_up", "down", "qkv", "v2lite_o",
+                                                "v2lite_shared_down"]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.fp8 import fp8_block_linear
+from deepinfer.kernels.fused_linear import AddedRows, linear_add
 from deepinfer.kernels.linear import linear, linear_row_argmax, pack_linear_weight, quantize_linear_weight
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
@@ -51,6 +52,18 @@ class Linear(nn.Module):
                                     block_size=self.fp8_block_size, settings=self.kernel_config)
         return linear(x, self.weight, self.bias, self.packed_weight, self.quantized_weight,
                       settings=self.kernel_config)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
+        """`kernels.fused_linear.linear_add`: x [num_tokens, in_features], residual
+        [num_tokens, out_features] the residual stream -> (pending, residual), the add done in
+        the GEMM's epilogue where the fused kernel runs (pending None or AddedRows, residual
+        overwritten), else (`forward(x)`, residual). FP8 weights and CPU packed / quantized
+        copies always take `forward` (the fused kernel reads a plain weight of x's dtype)."""
+        if (self.weight_scale_inv is not None or self.packed_weight is not None
+                or self.quantized_weight is not None):
+            return self.forward(x), residual
+        return linear_add(x, self.weight, self.bias, residual, settings=self.kernel_config)
 
     def forward_row_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(`forward(x)`, each row's first maximal column [num_tokens] int64 where the GEMM's

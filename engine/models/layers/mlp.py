@@ -7,6 +7,7 @@ from torch import nn
 
 from deepinfer.engine.models.layers.linear import Linear
 from deepinfer.kernels.activation import silu_and_mul
+from deepinfer.kernels.fused_linear import AddedRows
 
 
 class GatedMLP(nn.Module):
@@ -24,3 +25,9 @@ class GatedMLP(nn.Module):
         """x: [num_tokens, hidden_size] -> [num_tokens, hidden_size], same dtype."""
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         return self.down_proj(silu_and_mul(gate_up))  # Triton on CUDA, torch ops elsewhere
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
+        """x, residual: [num_tokens, hidden_size] -> (pending, residual): down_proj's
+        `Linear.forward_add`, the residual add in its epilogue where that runs fused."""
+        return self.down_proj.forward_add(silu_and_mul(self.gate_up_proj(x)), residual)
