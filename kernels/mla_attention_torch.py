@@ -113,9 +113,8 @@ ABSORBED_MAX_QUERY = 16
 
 
 def rows_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: list[int],
-                  max_seq_len: int, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
     """Rows of several new tokens (the last query_len positions of each sequence's context),
     attention in the latent space, all rows in one batch (padded to the longest row).
 
@@ -124,9 +123,9 @@ def rows_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
             order, num_tokens = sum(query_lens).
         kv_cache: [num_blocks, block_size, L + R].
         block_tables: [num_rows, max_num_blocks_per_seq] int32.
-        seq_lens: [num_rows] int32 context lengths (each <= max_seq_len); token j of row i
-            sits at seq_lens[i] - query_lens[i] + j and sees the positions up to its own.
-        query_lens: the rows' new tokens (host ints, each >= 1).
+        query_lens, seq_lens: per row, its new tokens (>= 1) and its context length (host
+            ints); token j of row i sits at seq_lens[i] - query_lens[i] + j and sees the
+            positions up to its own.
         w_uk: [H, Dn, L]; w_uv: [H, Dv, L].
     Returns:
         [num_tokens, H, Dv], q_nope's dtype.
@@ -134,26 +133,32 @@ def rows_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     num_rows, longest = len(query_lens), max(query_lens)
     num_heads, kv_lora_rank = q_nope.shape[1], w_uk.shape[2]
     device = q_nope.device
+    # host-built indices: padded slot (i, j) reads token `tokens` and sees positions < `limits`
+    # (a padding slot: token 0's query over position 0 alone; its output is dropped)
+    tokens, limits, kept, start = [], [], [], 0
+    for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        tokens += [start + j if j < query_len else 0 for j in range(longest)]
+        limits += [seq_len - query_len + j + 1 if j < query_len else 1 for j in range(longest)]
+        kept += range(row * longest, row * longest + query_len)
+        start += query_len
+    padded = len(kept) < num_rows * longest
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
     query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, L + R]
-    lens = torch.tensor(query_lens, device=device)
-    starts = torch.cumsum(lens, 0) - lens
-    offsets = torch.arange(longest, device=device)
-    valid = offsets[None, :] < lens[:, None]  # [rows, longest]
-    tokens = torch.where(valid, starts[:, None] + offsets[None, :], 0)  # padding reads token 0
-    padded = query[tokens.reshape(-1)].view(num_rows, longest * num_heads, -1)
-    num_blocks = -(-max_seq_len // kv_cache.shape[1])
+    if padded:
+        query = query[torch.tensor(tokens, device=device)]
+    query = query.reshape(num_rows, longest * num_heads, -1)
+    num_blocks = -(-max(seq_lens) // kv_cache.shape[1])
     latents = _gather_blocks(kv_cache, block_tables, num_blocks)  # [rows, L_pad, L + R]
-    scores = torch.bmm(padded, latents.transpose(1, 2)).mul_(scale)  # [rows, longest*H, L_pad]
-    # token j of row i sees positions < seq_len - query_len + j + 1 (padding: position 0 only)
-    limits = torch.where(valid, (seq_lens[:, None] - lens[:, None]) + offsets[None, :] + 1, 1)
-    positions = torch.arange(latents.shape[1], device=device)
-    hidden = positions[None, None, :] >= limits[:, :, None]  # [rows, longest, L_pad]
-    scores.view(num_rows, longest, num_heads, -1).masked_fill_(hidden[:, :, None, :],
-                                                              float("-inf"))
+    scores = torch.bmm(query, latents.transpose(1, 2)).mul_(scale)  # [rows, longest*H, L_pad]
+    hidden = (torch.arange(latents.shape[1], device=device)
+              >= torch.tensor(limits, device=device)[:, None])  # [rows * longest, L_pad]
+    scores.view(num_rows, longest, num_heads, -1).masked_fill_(
+        hidden.view(num_rows, longest, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out_latent = torch.bmm(probs, latents[:, :, :kv_lora_rank])  # [rows, longest*H, L]
-    out_latent = out_latent.view(num_rows * longest, num_heads, -1)[valid.reshape(-1)]
+    out_latent = out_latent.view(num_rows * longest, num_heads, -1)
+    if padded:
+        out_latent = out_latent[torch.tensor(kept, device=device)]
     return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
@@ -225,8 +230,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         seqs = torch.tensor(short_seqs, device=q_nope.device)
         rows = torch.tensor(short_rows, device=q_nope.device)
         out[rows] = rows_absorbed(q_nope[rows], q_pe[rows], kv_cache, metadata.block_tables[seqs],
-                                  metadata.seq_lens[seqs],
                                   [metadata.query_lens_cpu[seq] for seq in short_seqs],
-                                  max(metadata.seq_lens_cpu[seq] for seq in short_seqs),
+                                  [metadata.seq_lens_cpu[seq] for seq in short_seqs],
                                   w_uk, w_uv, scale)
     return out
