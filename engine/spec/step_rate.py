@@ -98,6 +98,9 @@ class _Curve:
             k: deque([s], maxlen=window) for k, s in self._start.items()}
         self._measured: dict[int, int] = {}   # key -> steps observed there (not start-up)
         self._observed: dict[int, deque[float]] = {}   # key -> its observations alone
+        # the medians of those windows, kept up to date by `observe` (one key changes a step)
+        self._medians = dict(self._start)
+        self._observed_medians: dict[int, float] = {}
         self._fitted: tuple[list[int], list[float]] | None = None
         self._fitted_ratio: float | None = None
 
@@ -105,8 +108,12 @@ class _Curve:
         return bool(self._times)
 
     def observe(self, key: int, seconds: float) -> None:
-        self._times.setdefault(key, deque(maxlen=self.window)).append(seconds)
-        self._observed.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        times = self._times.setdefault(key, deque(maxlen=self.window))
+        times.append(seconds)
+        observed = self._observed.setdefault(key, deque(maxlen=self.window))
+        observed.append(seconds)
+        self._medians[key] = statistics.median(times)
+        self._observed_medians[key] = statistics.median(observed)
         self._measured[key] = self._measured.get(key, 0) + 1
         self._fitted = None
 
@@ -130,7 +137,7 @@ class _Curve:
         value (interpolated: also keys between start-up keys, read off the interpolation)."""
         starts = {k: self.start(k) if interpolated else self._start.get(k, 0.0)
                   for k in self._observed}
-        return [(len(self._observed[k]), statistics.median(self._observed[k]) / starts[k])
+        return [(len(self._observed[k]), self._observed_medians[k] / starts[k])
                 for k in self._observed if starts[k] > 0.0]
 
     def fitted(self, fallback_ratio: float | None = None) -> tuple[list[int], list[float]]:
@@ -140,7 +147,7 @@ class _Curve:
         times `fallback_ratio` (None: 1); then the non-decreasing fit."""
         if self._fitted is None or self._fitted_ratio != fallback_ratio:
             keys = sorted(self._times)
-            medians = [statistics.median(self._times[k]) for k in keys]
+            medians = [self._medians[k] for k in keys]
             ratios = self.ratios()
             ratio = fallback_ratio
             if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS:
