@@ -120,6 +120,11 @@ class _Curve:
     def measured(self, key: int) -> int:
         return self._measured.get(key, 0)
 
+    @property
+    def start_keys(self) -> list[int]:
+        """The keys with a start-up value, ascending."""
+        return self._start_keys
+
     def start(self, key: int) -> float:
         """The start-up value at `key` (interpolated; 0.0 without start-up values)."""
         if not self._start:
@@ -246,12 +251,12 @@ class StepRateTable:
             index = bisect.bisect_left(rows, bucket)
             if index < len(rows) and rows[index] == bucket or index in (0, len(rows)):
                 _, profile = self._profiles[min(index, len(rows) - 1)]
-                start = dict(profile._start)
+                start = {d: profile.start(d) for d in profile.start_keys}
             else:
                 (low, below), (high, above) = self._profiles[index - 1], self._profiles[index]
                 weight = (bucket - low) / (high - low)
                 start = {d: below.start(d) * (1.0 - weight) + above.start(d) * weight
-                         for d in set(below._start) | set(above._start)}
+                         for d in set(below.start_keys) | set(above.start_keys)}
             curve = self._extras[bucket] = _Curve(start, max(self.window, 1))
         return curve
 
