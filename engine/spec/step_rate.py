@@ -93,10 +93,14 @@ class _Curve:
     def __init__(self, seconds: Mapping[int, float], window: int):
         self.window = window
         self._start = {int(k): float(s) for k, s in seconds.items()}   # start-up values
+        self._start_keys = sorted(self._start)
         self._times: dict[int, deque[float]] = {
             k: deque([s], maxlen=window) for k, s in self._start.items()}
         self._measured: dict[int, int] = {}   # key -> steps observed there (not start-up)
         self._observed: dict[int, deque[float]] = {}   # key -> its observations alone
+        # the medians of those windows, kept up to date by `observe` (one key changes a step)
+        self._medians = dict(self._start)
+        self._observed_medians: dict[int, float] = {}
         self._fitted: tuple[list[int], list[float]] | None = None
         self._fitted_ratio: float | None = None
 
@@ -104,19 +108,28 @@ class _Curve:
         return bool(self._times)
 
     def observe(self, key: int, seconds: float) -> None:
-        self._times.setdefault(key, deque(maxlen=self.window)).append(seconds)
-        self._observed.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        times = self._times.setdefault(key, deque(maxlen=self.window))
+        times.append(seconds)
+        observed = self._observed.setdefault(key, deque(maxlen=self.window))
+        observed.append(seconds)
+        self._medians[key] = statistics.median(times)
+        self._observed_medians[key] = statistics.median(observed)
         self._measured[key] = self._measured.get(key, 0) + 1
         self._fitted = None
 
     def measured(self, key: int) -> int:
         return self._measured.get(key, 0)
 
+    @property
+    def start_keys(self) -> list[int]:
+        """The keys with a start-up value, ascending."""
+        return self._start_keys
+
     def start(self, key: int) -> float:
         """The start-up value at `key` (interpolated; 0.0 without start-up values)."""
         if not self._start:
             return 0.0
-        keys = sorted(self._start)
+        keys = self._start_keys
         index = bisect.bisect_left(keys, key)
         if index == 0 or index == len(keys):
             return self._start[keys[0] if index == 0 else keys[-1]]
@@ -129,7 +142,7 @@ class _Curve:
         value (interpolated: also keys between start-up keys, read off the interpolation)."""
         starts = {k: self.start(k) if interpolated else self._start.get(k, 0.0)
                   for k in self._observed}
-        return [(len(self._observed[k]), statistics.median(self._observed[k]) / starts[k])
+        return [(len(self._observed[k]), self._observed_medians[k] / starts[k])
                 for k in self._observed if starts[k] > 0.0]
 
     def fitted(self, fallback_ratio: float | None = None) -> tuple[list[int], list[float]]:
@@ -139,7 +152,7 @@ class _Curve:
         times `fallback_ratio` (None: 1); then the non-decreasing fit."""
         if self._fitted is None or self._fitted_ratio != fallback_ratio:
             keys = sorted(self._times)
-            medians = [statistics.median(self._times[k]) for k in keys]
+            medians = [self._medians[k] for k in keys]
             ratios = self.ratios()
             ratio = fallback_ratio
             if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS:
@@ -205,16 +218,28 @@ class StepRateTable:
         self.window = window
         self.load_smoothing = load_smoothing
         self.load = 1.0     # observed / start-up-scale step times, moving geometric average
-        # plain steps overlap the host (async scheduling): set by the engine. A verify step
-        # blocks, so it also costs the gap between the blocking plain step the profile timed
-        # and the overlapped one the plain curve measures (`sync_gap`)
-        self.overlapped_plain = False
+        self._overlapped_plain = False
         self._plain = _Curve(plain_seconds, max(window, 1))
         # start-up extras by profiled rows; the engine's extras by batch bucket (made on use)
         self._profiles = sorted((int(rows), _Curve({d: max(s, 0.0) for d, s in extra.items()},
                                                    1)) for rows, extra in profiles.items())
         self._extras: dict[int, _Curve] = {}
         self._pooled: dict[int, float | None] = {}   # bucket -> the other buckets' ratio
+        # B0 -> its `step_seconds` reader, valid until the next observation (the admission,
+        # the gate and the exploration budget of one step read the same prices)
+        self._readers: dict[int, Callable[[int], float]] = {}
+
+    @property
+    def overlapped_plain(self) -> bool:
+        """Plain steps overlap the host (async scheduling): set by the engine. A verify step
+        blocks, so it also costs the gap between the blocking plain step the profile timed
+        and the overlapped one the plain curve measures (`sync_gap`)."""
+        return self._overlapped_plain
+
+    @overlapped_plain.setter
+    def overlapped_plain(self, value: bool) -> None:
+        self._overlapped_plain = value
+        self._readers.clear()
 
     def _extra(self, base_tokens: int) -> _Curve:
         """The extra curve of B0's batch bucket; a new one starts from the profile of the
@@ -226,12 +251,12 @@ class StepRateTable:
             index = bisect.bisect_left(rows, bucket)
             if index < len(rows) and rows[index] == bucket or index in (0, len(rows)):
                 _, profile = self._profiles[min(index, len(rows) - 1)]
-                start = dict(profile._start)
+                start = {d: profile.start(d) for d in profile.start_keys}
             else:
                 (low, below), (high, above) = self._profiles[index - 1], self._profiles[index]
                 weight = (bucket - low) / (high - low)
                 start = {d: below.start(d) * (1.0 - weight) + above.start(d) * weight
-                         for d in set(below._start) | set(above._start)}
+                         for d in set(below.start_keys) | set(above.start_keys)}
             curve = self._extras[bucket] = _Curve(start, max(self.window, 1))
         return curve
 
@@ -276,7 +301,14 @@ class StepRateTable:
         return self.load * self._unloaded(base_tokens, num_drafts)
 
     def step_seconds(self, base_tokens: int) -> Callable[[int], float]:
-        """D -> seconds(base_tokens, D): the admission's view of one step's batch."""
+        """D -> seconds(base_tokens, D): the admission's view of one step's batch (the same
+        reader, its prices memoised, until the next `observe`)."""
+        reader = self._readers.get(base_tokens)
+        if reader is None:
+            reader = self._readers[base_tokens] = self._reader(base_tokens)
+        return reader
+
+    def _reader(self, base_tokens: int) -> Callable[[int], float]:
         plain, load = self._plain.seconds(max(base_tokens, 1)), self.load
         blocking = plain + self.sync_gap(base_tokens)
         extra, cache = self._extra_seconds, {}
@@ -295,6 +327,7 @@ class StepRateTable:
         minus plain(B0))."""
         if self.window <= 0 or base_tokens <= 0 or seconds <= 0.0:
             return
+        self._readers.clear()
         curve, key = ((self._extra(base_tokens), num_drafts) if num_drafts > 0
                       else (self._plain, base_tokens))
         if curve.measured(key) >= self.window:   # only settled keys move the load
