@@ -5,7 +5,7 @@ DeepSeek's MLA (`yarn_apply_mscale`)."""
 import pytest
 import torch
 
-from deepinfer.engine.models.deepseek import softmax_scale
+from deepinfer.engine.models.layers.mla import softmax_scale
 from deepinfer.engine.models.layers.rotary import (RotaryEmbedding, inverse_frequencies,
                                          rotary_attention_factor)
 
