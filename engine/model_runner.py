@@ -318,7 +318,8 @@ class ModelRunner:
         allows what its grammar allows after its drafts before j (the matcher advanced over
         them, then rolled back). Rows after a draft the grammar refuses stay unmasked: that
         draft never equals the target's masked sample before it, so nothing from them is
-        committed.
+        committed. So do rows after a draft that ends the grammar (its stop token: the
+        request ends there, and a terminated matcher has no next mask).
 
         Returns:
             ([num_rows, ceil(V / 32)] int32 bitmask, the masked rows).
@@ -333,10 +334,11 @@ class ModelRunner:
                 for j in range(len(draft_ids) + 1):
                     matcher.fill_bitmask(bitmask, row + j)
                     masked.append(row + j)
-                    if (j == len(draft_ids) or matcher.is_terminated()
-                            or not matcher.accept_token(draft_ids[j])):
+                    if j == len(draft_ids) or not matcher.accept_token(draft_ids[j]):
                         break
                     advanced += 1
+                    if matcher.is_terminated():
+                        break
                 matcher.rollback(advanced)
             row += 1 + len(draft_ids)
         return bitmask, masked
@@ -358,6 +360,8 @@ class ModelRunner:
             committed = scored[:num_accepted + 1]
             state.token_ids.extend(committed)
             for token_id in committed if state.grammar is not None else ():
+                if state.grammar.is_terminated():   # past its stop token: the request ends
+                    break
                 if not state.grammar.accept_token(token_id):
                     logger.warning("request %s: committed token %d outside its grammar",
                                    state.request_id, token_id)

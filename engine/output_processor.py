@@ -132,11 +132,8 @@ class OutputProcessor:
 
     def _process_one(self, state: _RequestState, output: EngineCoreOutput,
                      now: float) -> RequestOutput:
-        new_token_ids = output.new_token_ids
-        state.output_token_ids.extend(new_token_ids)
+        new_token_ids = list(output.new_token_ids)
         new_logprobs = output.new_logprobs if state.logprobs is not None else None
-        if new_logprobs:
-            state.logprobs.extend(new_logprobs)
         if new_token_ids:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
@@ -144,15 +141,32 @@ class OutputProcessor:
 
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         token_stop = finish_reason == "stop" and not isinstance(stop_reason, str)
-        searched_chars = len(state.text)
-        state.text += state.detokenizer.step(new_token_ids[:-1] if token_stop else new_token_ids)
-        if finish_reason is not None:
-            state.text += state.detokenizer.flush()
         stop = state.params.stop
-        # as vLLM: stop strings count once more than min_tokens tokens exist, in the text of
-        # the step that passed it and after (a string may span into it from before)
-        match = (find_stop_string(state.text, searched_chars, stop)
-                 if stop and len(state.output_token_ids) > state.params.min_tokens else None)
+        shown = new_token_ids[:-1] if token_stop else new_token_ids
+        match = None
+        if stop and len(shown) > 1:
+            # a step that committed drafts: a stop string that ends at one of its tokens ends
+            # the output there, the tokens after it (and their logprobs) dropped, as the
+            # token-a-step path would have ended it
+            match, kept = self._detokenize_until_stop(state, shown)
+            if match is not None:
+                del new_token_ids[kept:]
+                new_logprobs = new_logprobs[:kept] if new_logprobs else new_logprobs
+                finish_reason = "stop"
+        else:
+            searched_chars = len(state.text)
+            state.text += state.detokenizer.step(shown)
+            if stop and len(state.output_token_ids) + len(new_token_ids) > (
+                    state.params.min_tokens):
+                match = find_stop_string(state.text, searched_chars, stop)
+        state.output_token_ids.extend(new_token_ids)
+        if new_logprobs:
+            state.logprobs.extend(new_logprobs)
+        if finish_reason is not None and match is None:
+            searched_chars = len(state.text)
+            state.text += state.detokenizer.flush()
+            if stop and len(state.output_token_ids) > state.params.min_tokens:
+                match = find_stop_string(state.text, searched_chars, stop)
         if match is not None:
             start, stop_string = match
             state.text = state.text[:start]
@@ -177,6 +191,24 @@ class OutputProcessor:
             text=state.text if finished else None,
             token_ids=state.output_token_ids if finished else None,
             logprobs=state.logprobs if finished else None)
+
+
+    @staticmethod
+    def _detokenize_until_stop(state: _RequestState, token_ids: list[int]
+                               ) -> tuple[tuple[int, str] | None, int]:
+        """Detokenize `token_ids` one at a time into state.text, stopping at the first token
+        whose text completes a stop string (counted once more than min_tokens tokens exist,
+        as vLLM counts). Returns (find_stop_string's match or None, tokens of token_ids
+        kept: up to and including that token, else all)."""
+        stop, min_tokens = state.params.stop, state.params.min_tokens
+        for index, token_id in enumerate(token_ids):
+            searched_chars = len(state.text)
+            state.text += state.detokenizer.step([token_id])
+            if len(state.output_token_ids) + index + 1 > min_tokens:
+                match = find_stop_string(state.text, searched_chars, stop)
+                if match is not None:
+                    return match, index + 1
+        return None, len(token_ids)
 
 
 class TokenOutputProcessor:

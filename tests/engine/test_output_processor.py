@@ -54,7 +54,9 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed_in_part():
     last = outs[-1]
     assert last.finished and last.finish_reason == "stop" and last.stop_reason == "STOP"
     assert last.text == "Hello world"
-    assert last.token_ids == ids("Hello worldSTOP and")      # every generated token is kept
+    # the token completing the stop string is the last one kept: a step of several tokens (a
+    # verify step's commit) ends where one token a step would have ended
+    assert last.token_ids == ids("Hello worldSTOP")
     assert stopped == ["r"] and processor.num_unfinished_requests == 0
     assert all(not o.finished for o in outs[:-1])
 
@@ -148,9 +150,12 @@ def test_logprobs_deltas_and_totals_and_metrics():
     outs = []
     for step, (chunk, lps) in enumerate(steps):
         outs += processor.process([EngineCoreOutput("r", chunk, lps)], now=5.0 + step)[0]
-    assert outs[0].new_logprobs == logprobs[:2] and outs[1].new_logprobs == logprobs[2:]
-    assert outs[-1].logprobs == logprobs                    # kept past the stop string
-    assert outs[-1].text == "ab" and outs[-1].num_output_tokens == 4
+    # the step's tokens after the one completing the stop string ("c") are dropped, with
+    # their logprobs: usage and logprobs as one token a step would give them
+    assert outs[0].new_logprobs == logprobs[:2] and outs[1].new_logprobs == logprobs[2:3]
+    assert outs[-1].logprobs == logprobs[:3] and outs[-1].token_ids == ids("ab!")
+    assert outs[-1].text == "ab" and outs[-1].num_output_tokens == 3
+    assert outs[-1].new_token_ids == ids("!")
     first, last = outs[0].metrics, outs[-1].metrics
     assert (first.arrival_time, first.first_token_time, first.last_token_time) == (1.0, 5.0, 5.0)
     assert first.finished_time is None

@@ -270,3 +270,49 @@ def test_varlen_keeps_async_scheduling_for_steps_that_carry_no_drafts(tiny_llama
     assert core.spec.stats.num_accepted_tokens > 0
     pool = core.scheduler.kv_cache_manager.block_pool
     assert not core.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def smollm2_fixed_and_plain(smollm2_dir):
+    """(SmolLM2 with fixed-length n-gram drafts (5 every step), SmolLM2 without)."""
+    spec = make_llm(smollm2_dir, SpeculativeConfig(speculative_method="ngram",
+                                                   num_speculative_tokens=5,
+                                                   spec_varlen=False))
+    return spec, make_llm(smollm2_dir)
+
+
+def test_drafts_past_the_grammars_end_are_left_unmasked(smollm2_fixed_and_plain):
+    """A prompt the answer repeats: the n-gram drafts copy the choice, then the chat
+    template's end-of-turn token (which completes the grammar) and the tokens after it. The
+    positions after the grammar's end get no mask (the matcher has terminated; nothing after
+    the end-of-turn token is committed); the output is the plain one."""
+    spec, plain = smollm2_fixed_and_plain
+    text = "the quick brown fox jumps over the lazy dog"
+    messages = [{"role": "user", "content": text}]
+    prompt = spec.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, so_args={
+        "schema_type": "regex", "schema": f"({text}|no)", "backend": "xgrammar"})
+    before = spec.engine_core.spec.stats.num_accepted_tokens
+    [got] = spec.generate([prompt], [params])
+    assert spec.engine_core.spec.stats.num_accepted_tokens > before
+    [want] = plain.generate([prompt], [params])
+    assert got.token_ids == want.token_ids and got.text in (text, "no")
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(smollm2_fixed_and_plain):
+    """Drafts accepted past the token that completes a stop string are not output: token ids,
+    logprobs and the token count equal plain decoding's (before, " e" gave 7 tokens for
+    plain's 5, and "f g a" 13 for 8)."""
+    spec, plain = smollm2_fixed_and_plain
+    prompt = " ".join(["a b c d e f g"] * 4)   # continued by copying: drafts pass
+    params = [SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], logprobs=1)
+              for stop in (" e", "f g a")]
+    before = spec.engine_core.spec.stats.num_accepted_tokens
+    got = spec.generate([prompt] * 2, params)
+    assert spec.engine_core.spec.stats.num_accepted_tokens > before
+    want = plain.generate([prompt] * 2, params)
+    same_outputs(want, got)
+    for g, w in zip(got, want):
+        assert g.finish_reason == w.finish_reason == "stop" and g.text == w.text
+        assert len(g.logprobs) == len(g.token_ids) == len(w.token_ids)
