@@ -7,8 +7,9 @@ request before reading its body) every `--max-concurrent-requests` slot. Two gua
 - `guarded_protocol(limits)`: uvicorn's h11 protocol with a header deadline (a request's header
   must arrive within `header_timeout_s` of its first byte, or of the connection's opening; else
   408 and close), a cap on open connections per client address (beyond it: 429 and close), and
-  OpenAI-shaped JSON for the 400 uvicorn sends on a malformed or oversized header (a header
-  larger than `max_header_bytes` is refused by h11 itself).
+  OpenAI-shaped JSON for the 400 uvicorn sends on a malformed header, and a JSON 400 for a
+  header larger than `max_header_bytes` (counted here: h11's own bound only applies to a
+  header still incomplete, so one that arrived whole in a single read passed at any size).
 - `BodyLimitMiddleware`: reads a POST body to its end before the app runs, within
   `body_timeout_s` (else 408) and `max_body_bytes` (else 413), then hands the app the whole
   body. So a handler, and the in-flight counts it keeps, only ever sees complete requests.
@@ -79,6 +80,8 @@ def guarded_protocol(limits: HTTPLimits) -> type[H11Protocol]:
         _header_timer: asyncio.TimerHandle | None = None
         _counted: str | None = None
         _discarding = False
+        _header_bytes = 0     # bytes received since the header being awaited began
+        _header_tail = b""    # their last 3, for a terminator split across reads
 
         def connection_made(self, transport: Any) -> None:   # type: ignore[override]
             super().connection_made(transport)
@@ -109,9 +112,27 @@ def guarded_protocol(limits: HTTPLimits) -> type[H11Protocol]:
                 return   # refused: what the client still sends is dropped
             if self._header_timer is None and self._awaiting_header():
                 self._arm_header_timer()   # the next request on a kept-alive connection
+            if self._awaiting_header() and self._header_size(data) > limits.max_header_bytes:
+                self._refuse(400, "Bad Request", error_json(
+                    f"The request's headers exceed {limits.max_header_bytes} bytes; send "
+                    "smaller headers.", type="invalid_request_error",
+                    code="invalid_http_request"))
+                return
             super().data_received(data)
             if not self._awaiting_header():
                 self._cancel_header_timer()
+                self._header_bytes, self._header_tail = 0, b""
+
+        def _header_size(self, data: bytes) -> int:
+            """The size of the awaited header so far, `data` included: up to its end
+            (CRLF CRLF) where that is in sight, else every byte received since it began."""
+            seen = self._header_tail + data
+            end = seen.find(b"\r\n\r\n")
+            size = (self._header_bytes - len(self._header_tail) + end + 4 if end >= 0
+                    else self._header_bytes + len(data))
+            self._header_bytes += len(data)
+            self._header_tail = seen[-3:]
+            return size
 
         def send_400_response(self, msg: str) -> None:
             self._refuse(400, "Bad Request", error_json(
