@@ -35,14 +35,18 @@ _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")
 
 def strict_schema(schema: Any, in_all_of: bool = False) -> Any:
     """The schema as a strict output reads it: an object schema with `properties` and no
-    word on other keys gets `additionalProperties: false` (not inside `allOf`, whose
-    subschemas each name only some of the keys), and every `required` name is declared."""
+    word on other keys gets `additionalProperties: false`, and every `required` name is
+    declared. Inside `allOf` each subschema names only some of the keys, so there the
+    `allOf`'s holder takes the union of its object subschemas' properties and closes the
+    object instead (`_close_all_of`)."""
     if isinstance(schema, list):
         return [strict_schema(item, in_all_of) for item in schema]
     if not isinstance(schema, dict):
         return schema
     schema = {key: value if key in _NOT_SCHEMAS else strict_schema(value, key == "allOf")
               for key, value in schema.items()}
+    if not in_all_of:
+        schema = _close_all_of(schema)
     properties, required = schema.get("properties"), schema.get("required")
     if not isinstance(properties, dict):
         return schema
@@ -55,6 +59,22 @@ def strict_schema(schema: Any, in_all_of: bool = False) -> Any:
             and not (isinstance(minimum, int) and minimum > len(properties))):
         schema["additionalProperties"] = False
     return schema
+
+
+def _close_all_of(schema: dict) -> dict:
+    """A schema whose `allOf` holds only object subschemas with `properties` (no `$ref`, no
+    word on other keys, here or there), with those properties declared on itself (each as
+    `{}`: the subschemas constrain them) so that the strict rule closes it: the output takes
+    no key none of them names. Any other schema is returned as it is."""
+    all_of = schema.get("allOf")
+    if not (isinstance(all_of, list) and all_of and all(
+            isinstance(sub, dict) and isinstance(sub.get("properties"), dict)
+            and "$ref" not in sub and not any(key in sub for key in _OPEN_KEYS)
+            for sub in all_of)) or any(key in schema for key in _OPEN_KEYS):
+        return schema
+    own = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    named = {name: {} for sub in all_of for name in sub["properties"]}
+    return {**schema, "properties": {**named, **own}}
 
 
 class GuidanceMatcher:

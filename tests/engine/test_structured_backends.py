@@ -312,3 +312,23 @@ def test_auto_tool_calls_follow_their_tool_schema_once_started(manager, tokenize
             assert isinstance(arguments, dict)
         calls += 1
     assert calls >= 4
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+               {"type": "object", "properties": {"b": {"type": "integer"}}}]},
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}]},
+    {"properties": {"c": {"type": "string"}},
+     "allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]},
+])
+def test_all_of_objects_take_no_other_keys(manager, tokenizer, closing, schema):
+    """Strict outputs through `allOf` too (LLGuidance): keys are those its object subschemas
+    (and the holder) name; before, each subschema was left open and any key came out."""
+    names = {name for sub in schema["allOf"] for name in sub["properties"]} | set(
+        schema.get("properties", {}))
+    finished, _ = walk_texts(manager, tokenizer, json_args(schema, "guidance"), closing,
+                             seeds=12, max_tokens=120, prefer_p=0.3)
+    assert len(finished) >= 6
+    for text in finished:
+        validate(text, schema)
+        assert set(json.loads(text)) <= names, text
