@@ -249,9 +249,16 @@ class HermesStreamer(ToolCallStreamer):
         while True:
             index = self.pending.find(TOOL_CALL_END, start)
             if index < 0:
-                held = 0 if self.block.in_string else _held_prefix(self.pending, TOOL_CALL_END)
-                cut = len(self.pending) - held
+                # a partial closing tag at the end is held back, unless the text before it
+                # leaves the scanner inside a JSON string (then it is the call's text): asked
+                # after feeding that text, not before (a name's opening quote in the last
+                # feed made a tag that followed the object count as string text, and every
+                # later character went into the call)
+                cut = len(self.pending) - _held_prefix(self.pending, TOOL_CALL_END)
                 pieces += self._feed_block(self.pending[:cut])
+                if self.block.in_string:
+                    pieces += self._feed_block(self.pending[cut:])
+                    cut = len(self.pending)
                 self.pending = self.pending[cut:]
                 return False, pieces
             pieces += self._feed_block(self.pending[:index])

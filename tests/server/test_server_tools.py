@@ -347,6 +347,25 @@ def test_tool_aware_templates_get_tools_and_argument_objects():
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
 
 
+def test_text_after_a_call_streams_however_the_text_is_split():
+    """Every split of a reply into three deltas (speculative decoding and a lagging stream
+    send several tokens at once) streams what the whole reply parses to. A delta that opened
+    the name's string, then one that closed the object and began the closing tag, once sent
+    everything after the call into the call (the tag's "<" was taken for string text)."""
+    text = ('Call within <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "c"}}\n</tool_call> \n\n* After the "call" text')
+    whole = HermesStreamer(["get_weather"]).run(text)
+    want = (whole.content, [(c.name, c.arguments) for c in whole.calls])
+    assert want[0] == 'Call within  \n\n* After the "call" text' and len(want[1]) == 1
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            streamer = HermesStreamer(["get_weather"])
+            pieces = (streamer.feed(text[:i]) + streamer.feed(text[i:j])
+                      + streamer.feed(text[j:]) + streamer.finish())
+            content = "".join(p.get("content", "") for p in pieces) or None
+            assert (content, [(c.name, c.arguments) for c in streamer.calls]) == want, (i, j)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_streamers_give_the_same_calls_however_the_text_is_split(seed):
     rng = random.Random(seed)
