@@ -237,12 +237,14 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward the scheduled tokens, sample, commit (module docstring)."""
-        return self.execute_and_score(scheduler_output)[0]
+        return self.execute_and_score(scheduler_output, score=False)[0]
 
     @torch.inference_mode()
-    def execute_and_score(self, scheduler_output: SchedulerOutput
+    def execute_and_score(self, scheduler_output: SchedulerOutput, *, score: bool = True
                           ) -> tuple[ModelRunnerOutput, StepLogits | None]:
-        """`execute`, also returning the logits sampled from (None when no row sampled)."""
+        """`execute`, also returning the logits sampled from (None when no row sampled, or
+        `score` is False: `execute`'s greedy steps then commit a replayed graph's own argmax
+        without making float32 logits)."""
         states = self._update_states(scheduler_output)
         if not states:
             return ModelRunnerOutput(), None
@@ -254,9 +256,10 @@ class ModelRunner:
         sampled: dict[str, tuple[list[int], list | None]] = {}
         step_logits = None
         if inputs.sampling_states:
-            logits = self._logits(inputs, hidden, graph_outputs)
-            sampled = self._sample(inputs, logits)
-            step_logits = StepLogits(logits, inputs.sampling_states, inputs.draft_token_ids)
+            sampled, logits = self._sample_step(inputs, hidden, graph_outputs,
+                                                keep_logits=score)
+            if logits is not None:
+                step_logits = StepLogits(logits, inputs.sampling_states, inputs.draft_token_ids)
         if self.drafter is not None:   # after the commit: it drafts after the newest tokens
             self.drafter.after_step(inputs, hidden, states)
         for state, num_tokens in zip(states, num_scheduled):
@@ -266,6 +269,19 @@ class ModelRunner:
             sampled_token_ids=[sampled.get(s.request_id, ([], None))[0] for s in states],
             logprobs=[sampled.get(s.request_id, ([], None))[1] for s in states])
         return output, step_logits
+
+    def _sample_step(self, inputs: StepInputs, hidden: torch.Tensor,
+                     graph_outputs: GraphOutputs | None, *, keep_logits: bool = False
+                     ) -> tuple[dict[str, tuple[list[int], list | None]], torch.Tensor | None]:
+        """Sample a step's rows and commit them: (what `_sample` returns, the float32 logits
+        sampled from, or None). A greedy step whose replayed graph took the argmax of its rows
+        commits the graph's ids unless `keep_logits`: no float copy of the logits and no
+        second argmax pass (tens of us of a verify step on the H200)."""
+        greedy_ids = None if keep_logits else self._graph_greedy_ids(inputs, graph_outputs)
+        if greedy_ids is not None:
+            return self._commit(inputs, SamplerOutput(greedy_ids.tolist(), None)), None
+        logits = self._logits(inputs, hidden, graph_outputs)
+        return self._sample(inputs, logits), logits
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor
                 ) -> dict[str, tuple[list[int], list | None]]:
@@ -298,7 +314,29 @@ class ModelRunner:
                 [s.grammar for s in row_states])
             metadata = dataclasses.replace(metadata, grammar_bitmask=bitmask,
                                            grammar_rows=grammar_rows)
-        result = self.sampler(logits, metadata)
+        return self._commit(inputs, self.sampler(logits, metadata))
+
+    def _graph_greedy_ids(self, inputs: StepInputs, graph_outputs: GraphOutputs | None
+                          ) -> torch.Tensor | None:
+        """[num_rows] int64 on the device: the replayed graph's own argmax of every sampled
+        row, when the rows it scored are the sampled rows and sampling is one argmax (greedy,
+        no penalties, logprobs, masks or grammar: `greedy_argmax`, the graph's rule); else
+        None."""
+        if not self._graph_rows_sample(inputs, graph_outputs) or any(
+                s.grammar is not None for s in inputs.sampling_states):
+            return None
+        metadata = build_sampling_metadata(inputs.sampling_states, self.device,
+                                           eos_token_ids=self.eos_token_ids)
+        return graph_outputs.greedy_ids if metadata.argmax_only else None
+
+    def _commit(self, inputs: StepInputs, result: SamplerOutput
+                ) -> dict[str, tuple[list[int], list | None]]:
+        """Commit a step's samples (one per logits row) to its requests' states: with drafts
+        `_commit_drafts`, else each row's token, its grammar advanced over it.
+
+        Returns:
+            request id -> (committed token ids, their logprobs or None).
+        """
         if inputs.draft_token_ids is not None:
             return self._commit_drafts(inputs, result)
         sampled = {}

@@ -14,10 +14,11 @@ grid would need ~9 x gamma graphs and still not cover varlen rows. This works be
 attention kernels multi-token rows take read the row layout from the device and only host
 bounds from the metadata:
 
-- Llama (`kernels/paged_attention_triton._prefill`): grid (ceil(max_query_len / BLOCK_M),
-  num_seqs, heads); each program loads its row's start and length from `query_start_loc` and
-  returns early when the row is shorter. BLOCK_M is 16 for any max_query_len <= 16, so the
-  graph (bound 1 + gamma) and an eager step run the same tiles: the same numerics.
+- Llama (`kernels/paged_attention_triton._rows_kernel`, split-K over the context): grid
+  (num_seqs, kv heads, splits); each program loads its row's start and length from
+  `query_start_loc` (an empty row returns at once) and attends the row's tokens x the group's
+  heads. BLOCK_Q and the split count come from the host bounds (1 + gamma, max_model_len), so
+  an eager step of the same rows may tile them otherwise: float32 agrees to ~1e-6.
 - DeepSeek MLA (`kernels/mla_decode_triton.latent_attention`, absorbed): grid (num_seqs, head
   tiles, splits x query tiles) with per-row lengths from `query_start_loc`, rows longer than
   `max_q_len` skipped; needs 1 + gamma <= `KernelConfig.mla_decode_max_query_len`.

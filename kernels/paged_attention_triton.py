@@ -11,6 +11,13 @@ Three kernels, each reading the paged cache in place through the block tables (n
   running max and sum; the reduce kernel combines the splits. The split count depends only on
   the batch size and `metadata.max_seq_len` (host ints), so a captured CUDA graph stays valid for
   any context up to that bound. With one split the decode kernel writes the output itself.
+- `_rows_kernel` (+ the same reduce): rows of a few new tokens each (speculative verify rows
+  of 1 + k tokens, up to `ROWS_MAX_QUERY_LEN`): the decode kernel's split-K, with program
+  (sequence, kv head, split) attending all the row's query tokens x the group's query heads
+  (BLOCK_Q x BLOCK_G rows, causal by each token's position) to one slice of the context, so
+  the context is read once per kv head and split over the SMs at batch 1 (FlashMLA's idea
+  for MLA: every head and query token of a row share the context rows it loads). The prefill
+  kernel gave such a row one program per query head walking the whole context alone.
 - `_prefill_kernel`: varlen causal attention (FlashAttention-2's loop, Dao 2023) for batches
   with several new tokens per sequence: program (query tile, sequence, query head) walks the
   context, cached prefix and this step's tokens alike, through the block table; query token j of
@@ -38,6 +45,8 @@ DECODE_BLOCK_N = 64      # context tokens per decode tile
 DECODE_LAUNCH = (4, 2)   # (num_warps, num_stages): swept in run 12 (benchmarks/RESULTS.md)
 MAX_SPLITS = 32          # split-K partitions at most (a power of two)
 WAVES = 2                # split so that the programs fill ~this many waves over the SMs
+ROWS_MAX_QUERY_LEN = 16  # rows of at most this many new tokens run `_rows_kernel`
+ROWS_MAX_TILE = 64       # ... when BLOCK_Q x BLOCK_G query rows fit one tile of this many
 
 
 @triton.jit
@@ -158,6 +167,51 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, pa
 
 
 @triton.jit
+def _rows_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+                 part_ptr, m_ptr, l_ptr, scale, q_stride_t, q_stride_h, bt_stride, out_stride_t,
+                 out_stride_h, v_offset, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if query_len == 0:   # an empty row (a CUDA graph's padding): no token to write
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    begin = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(begin + tiles_per_split * BLOCK_N, seq_len)
+
+    r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    j = r // BLOCK_G                                                   # query token of row r
+    g = r % BLOCK_G                                                    # its head in the group
+    row_ok = (j < query_len) & (g < GROUP)
+    heads = kv_head * GROUP + g
+    tokens = (q_start + j).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + tokens[:, None] * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                mask=mask, other=0.0)                                  # [Q * G, D]
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    m, l, acc = attend_context(q, cache_ptr, table, begin, end, kv_head, d, d_ok, scale,
+                                v_offset, seq_len - query_len + j, NUM_KV_HEADS, HEAD_DIM,
+                                BLOCK_SIZE, BLOCK_N, PRECISION, CAUSAL=True)
+    if NUM_SPLITS == 1:
+        out = acc / tl.maximum(l, 1e-30)[:, None]
+        tl.store(out_ptr + tokens[:, None] * out_stride_t + heads[:, None] * out_stride_h
+                 + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:   # partials by token, as the decode kernel's by sequence: the same reduce
+        row = (tokens * NUM_Q_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+        tl.store(m_ptr + row, m, mask=row_ok)
+        tl.store(l_ptr + row, l, mask=row_ok)
+
+
+@triton.jit
 def _decode_reduce_kernel(part_ptr, m_ptr, l_ptr, out_ptr, out_stride_t, out_stride_h,
                           NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -195,36 +249,66 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     return triton.next_power_of_2(splits) if splits > 1 else 1
 
 
-def _decode(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-            scale: float) -> torch.Tensor:
-    num_seqs, num_q_heads, head_dim = query.shape
+def _split_k(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+             scale: float, block_q: int) -> torch.Tensor:
+    """Split-K attention of rows of up to `block_q` new tokens each (1: `_decode_kernel`, one
+    token per sequence; more: `_rows_kernel`, token j of a row at position seq_len - query_len
+    + j), then the reduce over splits per token and head."""
+    num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
+    num_seqs = metadata.num_seqs
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_sms = backends.num_sms(query.device.index or 0) if query.is_cuda else 8
     splits = num_decode_splits(num_seqs, num_kv_heads, metadata.max_seq_len, num_sms)
     part = m = l = out  # placeholders when one split writes the output directly
     if splits > 1:
-        part = torch.empty(num_seqs * num_q_heads * splits, head_dim, dtype=torch.float32,
+        part = torch.empty(num_tokens * num_q_heads * splits, head_dim, dtype=torch.float32,
                            device=query.device)
-        m = torch.empty(num_seqs * num_q_heads * splits, dtype=torch.float32,
+        m = torch.empty(num_tokens * num_q_heads * splits, dtype=torch.float32,
                         device=query.device)
         l = torch.empty_like(m)
     block_d = triton.next_power_of_2(head_dim)
     block_tables = metadata.block_tables
-    _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        query, kv_cache, block_tables, metadata.seq_lens, out, part, m, l, scale,
-        query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        kv_cache[0].numel(), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits,
-        PRECISION=precision(query), num_warps=DECODE_LAUNCH[0],
-        num_stages=DECODE_LAUNCH[1])
+    shared = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+                  HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+                  BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=precision(query),
+                  num_warps=DECODE_LAUNCH[0], num_stages=DECODE_LAUNCH[1])
+    grid = (num_seqs, num_kv_heads, splits)
+    if block_q == 1:
+        _decode_kernel[grid](
+            query, kv_cache, block_tables, metadata.seq_lens, out, part, m, l, scale,
+            query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0),
+            out.stride(1), kv_cache[0].numel(),
+            BLOCK_G=max(16, triton.next_power_of_2(group)), **shared)
+    else:
+        _rows_kernel[grid](
+            query, kv_cache, block_tables, metadata.seq_lens, metadata.query_start_loc, out,
+            part, m, l, scale, query.stride(0), query.stride(1), block_tables.stride(0),
+            out.stride(0), out.stride(1), kv_cache[0].numel(),
+            BLOCK_G=rows_block_g(group, block_q), BLOCK_Q=block_q, **shared)
     if splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        _decode_reduce_kernel[(num_tokens, num_q_heads)](
             part, m, l, out, out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4)
     return out
+
+
+def rows_block_g(group: int, block_q: int) -> int:
+    """Query-head slots per token in a `_rows_kernel` tile: the group, padded to a power of
+    two and so that the tile has >= 16 rows (tl.dot's minimum)."""
+    return max(triton.next_power_of_2(group), 16 // block_q, 1)
+
+
+def rows_block_q(metadata: AttentionMetadata, num_q_heads: int, num_kv_heads: int) -> int:
+    """BLOCK_Q of `_rows_kernel` for a batch with longer queries than decode (0: the batch
+    runs the prefill kernel: a row longer than ROWS_MAX_QUERY_LEN, or a tile past
+    ROWS_MAX_TILE rows)."""
+    if metadata.max_query_len > ROWS_MAX_QUERY_LEN:
+        return 0
+    block_q = triton.next_power_of_2(metadata.max_query_len)
+    group = num_q_heads // num_kv_heads
+    return block_q if block_q * rows_block_g(group, block_q) <= ROWS_MAX_TILE else 0
 
 
 @triton.jit
@@ -299,8 +383,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
                     scale: float) -> torch.Tensor:
     """`kernels.paged_attention.paged_attention`'s contract (shapes there).
 
-    Decode-only batches run the split-K decode kernel; any batch with a longer query runs the
-    varlen prefill kernel (decode rows included). Tolerances vs the float32 reference: bf16
+    Decode-only batches run the split-K decode kernel; batches of rows of at most
+    ROWS_MAX_QUERY_LEN new tokens (speculative verify rows) its multi-token form
+    (`_rows_kernel`); any other batch the varlen prefill kernel (decode rows included). Tolerances vs the float32 reference: bf16
     ~1e-2 relative (P rounded to bf16), float32 ~1e-5.
 
     Args:
@@ -316,7 +401,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     if query.shape[0] == 0:
         return torch.empty_like(query)
     if metadata.is_decode_only:
-        return _decode(query, kv_cache, metadata, scale)
+        return _split_k(query, kv_cache, metadata, scale, 1)
+    block_q = rows_block_q(metadata, query.shape[1], kv_cache.shape[3])
+    if block_q:
+        return _split_k(query, kv_cache, metadata, scale, block_q)
     return _prefill(query, kv_cache, metadata, scale)
 
 

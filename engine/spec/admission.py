@@ -47,7 +47,7 @@ def survival(confidences: Sequence[float]) -> list[float]:
     """[a_1, ..., a_k]: running products of the confidences (each clamped to [0, 1])."""
     products, running = [], 1.0
     for c in confidences:
-        running *= min(max(float(c), 0.0), 1.0)
+        running *= 0.0 if c < 0.0 else 1.0 if c > 1.0 else c
         products.append(running)
     return products
 
@@ -97,20 +97,22 @@ def capacity(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int
     the fraction `min_gain`). Lossless only for confidences this step's drafts cannot have set
     (an earlier step's)."""
     committed = float(len(confidences) if base_committed is None else base_committed)
-    ranked = [a for a, _, _ in ranked_candidates(confidences)]
+    ranked = sorted((a for c in confidences for a in survival(c) if a > 0.0), reverse=True)
     if max_drafts is not None:
         ranked = ranked[:max(max_drafts, 0)]
     best_k, best = 0, (1.0 + min_gain) * committed / step_seconds(0)
     for k, probability in enumerate(ranked, start=1):
         committed += probability
-        if committed / step_seconds(k) > best:
-            best_k, best = k, committed / step_seconds(k)
+        theta = committed / step_seconds(k)
+        if theta > best:
+            best_k, best = k, theta
     return best_k
 
 
 def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int], float],
                  *, base_committed: float | None = None, max_drafts: int | None = None,
-                 min_drafts: int = 0, min_gain: float = 0.0) -> list[int]:
+                 min_drafts: int = 0, min_gain: float = 0.0,
+                 ranked: list[tuple[float, int, int]] | None = None) -> list[int]:
     """The gate, then Algorithm 1's walk (module docstring): how many drafts each request
     verifies.
 
@@ -125,12 +127,13 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
             first up to it are admitted whatever the gate says, then the walk goes on.
         min_gain: the gate opens only when the best entry's Theta beats the plain step's by
             this fraction (a margin for the error of the step-time estimates).
+        ranked: `ranked_candidates(confidences)`, when the caller has it.
     Returns:
         l_r per request, 0 <= l_r <= k_r: verify the first l_r drafts.
     """
     lengths = [0] * len(confidences)
     committed = float(len(confidences) if base_committed is None else base_committed)
-    firsts = [c[0] if c else 0.0 for c in (survival(c[:1]) for c in confidences)]
+    firsts = [min(max(c[0], 0.0), 1.0) if c else 0.0 for c in confidences]
     entry, entry_theta = best_entry(firsts, step_seconds, base_committed=committed,
                                     max_drafts=max_drafts)
     if entry == 0 or entry_theta <= (1.0 + min_gain) * committed / step_seconds(0):
@@ -139,7 +142,9 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
     if entry == 0:
         return lengths
     best = 0.0
-    for index, (probability, position, request) in enumerate(ranked_candidates(confidences)):
+    if ranked is None:
+        ranked = ranked_candidates(confidences)
+    for index, (probability, position, request) in enumerate(ranked):
         if max_drafts is not None and index + 1 > max_drafts:
             break
         theta = (committed + probability) / step_seconds(index + 1)

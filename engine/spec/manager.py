@@ -47,7 +47,8 @@ from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpecDec
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry, capacity,
-                                             drafting_can_pay, top_candidates)
+                                             drafting_can_pay, ranked_candidates,
+                                             top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, Drafter
 from deepinfer.engine.spec.step_rate import StepRateTable
 
@@ -111,6 +112,9 @@ class SpecDecoder:
         self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
         self._misses: dict[str, int] = {}           # request id -> rejected-at-once in a row
         self._resume_step: dict[str, int] = {}      # request id -> first step it is proposed
+        # `drafting_can_pay` of the last (rows, base tokens, step-rate reader) asked: may_draft
+        # and propose ask it of the same step
+        self._can_pay: tuple[tuple | None, bool] = (None, False)
 
     def may_draft(self, scheduler: Scheduler) -> bool:
         """Whether the next step may carry drafts, asked before its requests' last tokens are
@@ -144,9 +148,12 @@ class SpecDecoder:
         budget."""
         step_seconds = self.step_rate.step_seconds(base_tokens)
         max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
-        if drafting_can_pay(num_rows, step_seconds, max_drafts=min(
+        key = (num_rows, base_tokens, step_seconds)   # the reader lasts until an observation
+        if self._can_pay[0] != key:
+            self._can_pay = key, drafting_can_pay(num_rows, step_seconds, max_drafts=min(
                 max_drafts, num_rows * self.config.num_speculative_tokens),
-                min_gain=self.config.spec_min_gain):
+                min_gain=self.config.spec_min_gain)
+        if self._can_pay[1]:
             return (self._looks_pay is not False or not self.async_plain_steps
                     or self._explore_due(self._last_look_seconds))
         most = min(num_rows, max_drafts)
@@ -197,13 +204,18 @@ class SpecDecoder:
             # positions alone do not pay, when it needs
             # positions past the first (a capacity no larger than the first positions is what
             # the gate already priced, with fresher confidences)
-            earlier = [self._last_confidences.get(i, []) for i in ids]
-            carried = capacity(earlier, step_seconds, max_drafts=max_drafts,
-                               min_gain=self.config.spec_min_gain)
-            if carried <= sum(1 for c in earlier if c):
-                carried = 0
+            ranked = ranked_candidates(confidences)
             lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
-                                   min_drafts=carried, min_gain=self.config.spec_min_gain)
+                                   min_gain=self.config.spec_min_gain, ranked=ranked)
+            earlier = [self._last_confidences.get(i, []) for i in ids]
+            if sum(lengths) < min(sum(len(c) for c in earlier), max_drafts):
+                # the capacity could admit more than the gate and the walk did
+                carried = capacity(earlier, step_seconds, max_drafts=max_drafts,
+                                   min_gain=self.config.spec_min_gain)
+                if carried > max(sum(lengths), sum(1 for c in earlier if c)):
+                    lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
+                                           min_drafts=carried,
+                                           min_gain=self.config.spec_min_gain, ranked=ranked)
             self._last_confidences = {i: c for i, c in zip(ids, confidences) if c}
             self._looks_pay = any(lengths)
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts)

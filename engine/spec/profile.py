@@ -66,7 +66,7 @@ def time_step(runner, num_rows: int, num_drafts: int, context_len: int) -> float
     inputs = build_step_inputs(states, per_row, runner.block_size, runner.device,
                                draft_token_ids=drafts)
     hidden, graph_outputs = runner._forward(inputs)
-    runner._sample(inputs, runner._logits(inputs, hidden, graph_outputs))
+    runner._sample_step(inputs, hidden, graph_outputs)
     return time.perf_counter() - start
 
 

@@ -103,6 +103,7 @@ class _Curve:
         self._observed_medians: dict[int, float] = {}
         self._fitted: tuple[list[int], list[float]] | None = None
         self._fitted_ratio: float | None = None
+        self._start_dense: list[float] = []
 
     def __bool__(self) -> bool:
         return bool(self._times)
@@ -179,6 +180,45 @@ class _Curve:
         weight = (key - low) / (high - low)
         return values[index - 1] * (1.0 - weight) + values[index] * weight
 
+    def dense(self, first: int, count: int, fallback_ratio: float | None = None) -> list[float]:
+        """[seconds(first), ..., seconds(count)] in one pass over the fitted keys (what
+        `seconds` reads key by key; the admission reads every draft count up to the step's)."""
+        keys, values = self.fitted(fallback_ratio)
+        return _interpolated(keys, values, first, count, extend=True)
+
+    def start_dense(self, count: int) -> list[float]:
+        """[start(1), ..., start(count)] (flat outside the start-up keys); kept."""
+        have = len(self._start_dense)
+        if have < count:
+            count = max(count, 2 * have)
+            keys = self._start_keys
+            self._start_dense += (_interpolated(keys, [self._start[k] for k in keys], have + 1,
+                                                count, extend=False)
+                                  if keys else [0.0] * (count - have))
+        return self._start_dense
+
+
+def _interpolated(keys: list[int], values: list[float], first: int, count: int, *,
+                  extend: bool) -> list[float]:
+    """Values at first..count of the piecewise-linear function through (keys, values): flat
+    before the first key; after the last flat, or along the last segment's non-negative
+    slope (extend)."""
+    out, last = [], len(keys) - 1
+    index = bisect.bisect_left(keys, first)
+    slope = (max((values[-1] - values[-2]) / (keys[-1] - keys[-2]), 0.0)
+             if extend and last >= 1 else 0.0)
+    for key in range(first, count + 1):
+        while index <= last and keys[index] < key:
+            index += 1
+        if index == 0 or index <= last and keys[index] == key:
+            out.append(values[index])
+        elif index > last:
+            out.append(values[-1] + slope * (key - keys[-1]))
+        else:
+            low, high = keys[index - 1], keys[index]
+            weight = (key - low) / (high - low)
+            out.append(values[index - 1] * (1.0 - weight) + values[index] * weight)
+    return out
 
 def batch_bucket(base_tokens: int) -> int:
     """The verify extra's batch bucket of a step of `base_tokens` (B0) tokens without drafts:
@@ -311,14 +351,21 @@ class StepRateTable:
     def _reader(self, base_tokens: int) -> Callable[[int], float]:
         plain, load = self._plain.seconds(max(base_tokens, 1)), self.load
         blocking = plain + self.sync_gap(base_tokens)
-        extra, cache = self._extra_seconds, {}
+        curve = self._extra(base_tokens)   # `_extra_seconds` with its curve and ratio bound
+        ratio = self._fallback_ratio(batch_bucket(base_tokens))
+        prices: list[float] = [load * plain]   # D -> seconds, made for D up to the largest read
 
         def seconds(num_drafts: int) -> float:
             if num_drafts <= 0:
-                return load * plain
-            if num_drafts not in cache:
-                cache[num_drafts] = load * (blocking + extra(base_tokens, num_drafts))
-            return cache[num_drafts]
+                return prices[0]
+            have = len(prices)
+            if num_drafts >= have:
+                count = max(num_drafts, 2 * have)
+                start = curve.start_dense(count)
+                prices.extend(load * (blocking + max(fitted, EXTRA_FLOOR * start[d - 1], 0.0))
+                              for d, fitted in enumerate(curve.dense(have, count, ratio),
+                                                         start=have))
+            return prices[num_drafts]
         return seconds
 
     def observe(self, base_tokens: int, num_drafts: int, seconds: float) -> None:

@@ -76,3 +76,43 @@ def test_after_a_graph_replay_rows_that_do_not_all_sample_copy_only_the_indices(
     got = ModelRunner._logits(runner, inputs, hidden, graph)
     assert torch.equal(got, hidden[[1, 3]] * 2)
     assert inputs._device_inputs is None          # the batch was not copied
+
+
+def test_a_greedy_step_commits_the_graphs_own_argmax_unless_asked_for_logits():
+    """`execute` (keep_logits False): a greedy step whose replayed graph scored exactly its
+    sampled rows commits the graph's greedy ids, without float32 logits; `execute_and_score`
+    (keep_logits) and a step that samples (temperature > 0) take the logits path. The graph's
+    ids here differ from the logits' argmax on purpose, to tell the paths apart."""
+    import functools
+
+    import torch
+
+    from deepinfer.engine.input_batch import CachedRequestState
+    from deepinfer.engine.sampling_params import SamplingParams
+
+    def state(request_id, temperature):
+        return CachedRequestState(request_id, [5, 6, 7], 3, [0], 2,
+                                  SamplingParams(temperature=temperature), 0)
+
+    logits = torch.zeros(2, 16)
+    logits[:, 3] = 1.0                                     # the logits' argmax: 3
+    graph = SimpleNamespace(logits=logits, greedy_ids=torch.tensor([9, 11]))
+    runner = SimpleNamespace(device=torch.device("cpu"), eos_token_ids=[2])
+    for name in ("_graph_greedy_ids", "_commit", "_commit_drafts", "_logits", "_row_states"):
+        setattr(runner, name, functools.partial(getattr(ModelRunner, name), runner))
+    runner._graph_rows_sample = ModelRunner._graph_rows_sample
+    runner._sample = lambda inputs, got: {s.request_id: ([int(got[i].argmax())], None)
+                                          for i, s in enumerate(inputs.sampling_states)}
+
+    def step(temperature, keep_logits):
+        inputs = _inputs(2, 2)
+        inputs.sampling_states = [state("a", temperature), state("b", temperature)]
+        inputs.draft_token_ids = None
+        return ModelRunner._sample_step(runner, inputs, None, graph, keep_logits=keep_logits)
+
+    sampled, got = step(0.0, keep_logits=False)
+    assert sampled == {"a": ([9], None), "b": ([11], None)} and got is None
+    sampled, got = step(0.0, keep_logits=True)
+    assert sampled == {"a": ([3], None), "b": ([3], None)} and torch.equal(got, logits)
+    sampled, got = step(0.8, keep_logits=False)
+    assert sampled["a"] == ([3], None) and got is not None

@@ -9,7 +9,7 @@ from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_ent
                                              drafting_can_pay, expected_committed,
                                              ranked_candidates, survival, top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, observed_positions
-from deepinfer.engine.spec.ngram import NgramDrafter, longest_suffix_match
+from deepinfer.engine.spec.ngram import NgramDrafter, TokenIndex, longest_suffix_match
 from deepinfer.engine.spec.step_rate import StepRateTable, nondecreasing
 
 
@@ -189,6 +189,43 @@ def test_longest_suffix_match():
     assert longest_suffix_match(tokens, 4, 4) == (0, -1)       # "3 4 ... 4"? no 4-gram match
     assert longest_suffix_match([7, 8, 9], 1, 3) == (0, -1)
     assert longest_suffix_match([5, 5, 5, 5], 1, 2) == (2, 3)
+
+
+def test_the_token_index_finds_what_the_scan_finds_as_tokens_grow():
+    """`TokenIndex` keeps each token's positions as a request's tokens grow (one proposal per
+    step then costs the last token's occurrences, not a scan); the match is the scan's, also
+    after the list it indexed changed under it (re-indexed)."""
+    import random
+
+    rng = random.Random(0)
+    index, tokens = TokenIndex(), []
+    for step in range(200):
+        tokens.extend(rng.randrange(6) for _ in range(rng.randint(1, 4)))
+        if step == 120:
+            tokens = tokens[:50]                         # shrank: re-indexed
+        if step == 150:
+            tokens[index.indexed - 1] += 100             # changed: re-indexed
+        occurrences = index.occurrences(tokens)
+        assert list(occurrences) == [e for e in range(len(tokens) - 1)
+                                     if tokens[e] == tokens[-1]]
+        assert (longest_suffix_match(tokens, 1, 4, occurrences)
+                == longest_suffix_match(tokens, 1, 4))
+    assert TokenIndex().occurrences([]) == () and TokenIndex().occurrences([3]) == ()
+
+
+def test_the_step_rate_reader_prices_every_draft_count_as_the_table_does():
+    """The admission's reader (prices made for every D up to the largest read, in one pass)
+    reads what `seconds` reads key by key, below, between and past the profiled keys, after
+    observations in two batch buckets."""
+    table = StepRateTable({1: 0.010, 8: 0.012, 32: 0.030}, {1: 0.002, 5: 0.004, 40: 0.010},
+                          batch_extra_seconds={16: {1: 0.003, 80: 0.020}})
+    for base, drafts, seconds in [(1, 5, 0.02), (16, 3, 0.05), (16, 0, 0.02), (1, 60, 0.04),
+                                  (3, 2, 0.03), (16, 70, 0.09)]:
+        table.observe(base, drafts, seconds)
+    for base in (1, 3, 12, 16, 40):
+        reader = table.step_seconds(base)
+        for drafts in (0, 1, 2, 200, 7, 41, 80, 3, 120):
+            assert reader(drafts) == pytest.approx(table.seconds(base, drafts), rel=1e-12)
 
 
 def test_ngram_drafts_and_their_confidences():

@@ -46,6 +46,12 @@ CASES = {
     "prefill_with_prefix": ([20], [45], 4, 2, 32, 16),
     "mixed": ([1, 33, 1, 5], [30, 0, 3, 16], 8, 2, 32, 16),
     "head_dim_80": ([1, 12], [9, 4], 4, 2, 80, 16),
+    # rows of 1 + k tokens (speculative verify): the split-K rows kernel
+    "verify_rows": ([6, 1, 4, 6], [40, 7, 130, 0], 8, 2, 32, 16),
+    "verify_row_long_context_splits": ([6], [700], 9, 3, 64, 16),
+    "verify_rows_mha_block8": ([2, 3], [20, 9], 4, 4, 16, 8),
+    "verify_rows_of_16": ([16, 2], [90, 33], 4, 2, 32, 16),
+    "rows_past_the_tile_run_prefill": ([9, 1], [50, 5], 16, 2, 32, 16),
 }
 
 
@@ -61,6 +67,48 @@ def test_paged_attention_matches_reference(case, dtype):
     ref = _reference(query, kv_cache, metadata, scale)
     assert out.shape == query.shape and out.dtype == dtype
     assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_rows_kernel_takes_short_rows_whose_tile_fits():
+    """Which batches the split-K rows kernel takes (BLOCK_Q, 0: the prefill kernel)."""
+    from types import SimpleNamespace
+
+    block_q = _triton().rows_block_q
+    assert block_q(SimpleNamespace(max_query_len=6), 9, 3) == 8      # SmolLM2, gamma 5
+    assert block_q(SimpleNamespace(max_query_len=6), 32, 8) == 8     # Llama-3-8B
+    assert block_q(SimpleNamespace(max_query_len=2), 4, 4) == 2      # 2 x 8 head slots
+    assert block_q(SimpleNamespace(max_query_len=17), 8, 2) == 0     # a prefill chunk
+    assert block_q(SimpleNamespace(max_query_len=9), 16, 2) == 0     # 16 x 8 rows: too many
+    assert _triton().rows_block_g(3, 8) == 4 and _triton().rows_block_g(1, 2) == 8
+
+
+def test_verify_rows_padded_as_in_a_graph_give_zeros_for_padding_and_skip_empty_rows():
+    """A verify graph's layout: real rows, then one-token padding rows with seq_len 0, then
+    empty rows (query length 0), split count from the captured bound. Real rows match the
+    reference; padding rows come out zero."""
+    query, kv_cache, metadata = random_paged_batch(
+        [4, 3, 1, 1], [30, 12, 0, 0], num_q_heads=8, num_kv_heads=2, head_dim=32,
+        block_size=16, dtype=torch.float32, seed=5)
+    from dataclasses import replace
+
+    metadata.seq_lens[2:] = 0
+    qsl = metadata.query_start_loc
+    empty = torch.cat([qsl, qsl[-1:].repeat(3)])                    # + three empty rows
+    table = metadata.block_tables
+    padded = replace(metadata, query_start_loc=empty,
+                     seq_lens=torch.cat([metadata.seq_lens, metadata.seq_lens.new_zeros(3)]),
+                     block_tables=torch.cat([table, table.new_zeros(3, table.shape[1])]),
+                     max_seq_len=512, max_query_len=6,
+                     query_lens_cpu=metadata.query_lens_cpu + [0, 0, 0],
+                     seq_lens_cpu=metadata.seq_lens_cpu[:2] + [0] * 5)
+    out = _triton().paged_attention(query, kv_cache, padded, 32 ** -0.5)
+    real = replace(metadata, query_start_loc=qsl[:3], seq_lens=metadata.seq_lens[:2],
+                   block_tables=table[:2], max_query_len=4,
+                   query_lens_cpu=metadata.query_lens_cpu[:2],
+                   seq_lens_cpu=metadata.seq_lens_cpu[:2])
+    ref = _reference(query[:7], kv_cache, real, 32 ** -0.5)
+    assert relative_error(out[:7], ref) < TOLERANCE[torch.float32]
+    assert torch.equal(out[7:].cpu(), torch.zeros_like(out[7:].cpu()))
 
 
 def test_decode_splits_follow_batch_and_context():
