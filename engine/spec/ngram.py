@@ -26,6 +26,7 @@ Pure module: no torch import.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from deepinfer.engine.spec.drafter import BetaCounter, DraftProposal, DraftRequest
@@ -71,7 +72,7 @@ class TokenIndex:
     __slots__ = ("positions", "indexed", "last_indexed")
 
     def __init__(self) -> None:
-        self.positions: dict[int, list[int]] = {}
+        self.positions: dict[int, array] = {}   # int32 arrays: 4 bytes a position
         self.indexed = 0          # tokens[:indexed] are in `positions`
         self.last_indexed = -1    # tokens[indexed - 1], to notice a list that changed
 
@@ -87,7 +88,7 @@ class TokenIndex:
             token = token_ids[position]
             found = positions.get(token)
             if found is None:
-                positions[token] = [position]
+                positions[token] = array("i", (position,))
             else:
                 found.append(position)
         if stop > self.indexed:
