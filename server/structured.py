@@ -147,8 +147,8 @@ def with_backend(so_args: dict[str, Any] | None, req: SamplingFields) -> dict[st
 def invalid_constraint(exc: ValueError, param: str) -> APIError:
     """The 400 for a schema, regex or grammar the engine refused (`exc` says why)."""
     reason = str(exc).rstrip(". ")   # the compiler's messages may end in a full stop
-    return APIError(f"Invalid {param}: {reason}. Fix it and retry.", param=param,
-                    code="invalid_schema")
+    advice = "" if "fix the" in reason.lower() else " Fix it and retry."   # said once
+    return APIError(f"Invalid {param}: {reason}.{advice}", param=param, code="invalid_schema")
 
 
 async def check_compiles(engine: Any, so_args: dict[str, Any], param: str) -> None:
