@@ -63,7 +63,7 @@ from deepinfer.kernels.attention_metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 VERIFY_TOKEN_BUCKETS = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-MAX_VERIFY_QUERY_LEN = 16   # the Triton varlen kernel's BLOCK_M for short rows (module doc)
+MAX_VERIFY_QUERY_LEN = 16   # = paged_attention_triton.ROWS_MAX_QUERY_LEN: rows of this many tokens at most
 INT32_MAX = np.iinfo(np.int32).max
 
 

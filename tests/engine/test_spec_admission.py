@@ -150,6 +150,32 @@ def test_admission_of_position_j_reads_only_candidates_at_least_as_likely():
         assert admit_varlen(changed, seconds) == lengths
 
 
+def test_the_walk_looks_past_a_step_of_the_cost_curve():
+    """A step-shaped t (SmolLM2 on the CPU box at batch 1: 1 draft +2.3 ms, 2 drafts +7.6 ms,
+    4 drafts +8.3 ms): the second draft alone lowers Theta, drafts 2-4 together raise it. The
+    walk crosses the step when the candidate's own survival, counted for the ones after it,
+    could pay it; never when even that could not; and what it admits still reads no confidence
+    past the candidate (changing them changes nothing before it)."""
+    steps = {0: 11.7, 1: 14.0, 2: 19.3, 3: 19.3, 4: 20.0, 5: 23.4}.__getitem__
+    grounded = [[0.98, 0.48, 0.99, 1.0, 0.66]]     # survivals .98 .47 .47 .47 .31
+    assert admit_varlen(grounded, steps) == [4]
+    assert theta(grounded, [4], steps) > theta(grounded, [1], steps)
+    assert admit_varlen([[0.98, 0.2, 0.2, 0.2, 0.2]], steps) == [1]   # .2 x 3 cannot pay 5.3 ms
+    for later in (0.0, 0.5, 1.0):                   # past draft 4, nothing read
+        assert admit_varlen([[0.98, 0.48, 0.99, 1.0, later]], steps)[0] >= 4
+    # a linear t: the look ahead agrees with the first non-improvement
+    seconds = linear_seconds(0.1, plain=1.2)
+    for confidences in ([[0.9, 0.7, 0.2], [0.8, 0.3]], [[0.95] * 5, [0.5] * 5]):
+        lengths = admit_varlen(confidences, seconds)
+        walked, current, committed = [0, 0], 0.0, 2.0
+        for index, (a, position, request) in enumerate(ranked_candidates(confidences)):
+            if (committed + a) / seconds(index + 1) <= current:
+                break
+            committed, current = committed + a, (committed + a) / seconds(index + 1)
+            walked[request] = position + 1
+        assert lengths == walked
+
+
 def test_fixed_admission():
     assert admit_fixed([0, 3, 7], 5) == [0, 3, 5]
 
