@@ -57,7 +57,6 @@ Pure module: no torch import.
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -72,6 +71,15 @@ SCALE_OBSERVATIONS = 3
 # profile slowed 2x by another process be re-measured down
 EXTRA_FLOOR = 1.0
 
+
+def median(values) -> float:
+    """`statistics.median` of a few floats, without its type dispatch (the admission's tables
+    take several medians a step; this one costs a sort)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if not ordered:
+        raise ValueError("no median of no values")
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 def nondecreasing(values: list[float], weights: list[float] | None = None) -> list[float]:
     """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
@@ -113,8 +121,8 @@ class _Curve:
         times.append(seconds)
         observed = self._observed.setdefault(key, deque(maxlen=self.window))
         observed.append(seconds)
-        self._medians[key] = statistics.median(times)
-        self._observed_medians[key] = statistics.median(observed)
+        self._medians[key] = median(times)
+        self._observed_medians[key] = median(observed)
         self._measured[key] = self._measured.get(key, 0) + 1
         self._fitted = None
 
@@ -157,7 +165,7 @@ class _Curve:
             ratios = self.ratios()
             ratio = fallback_ratio
             if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS:
-                ratio = statistics.median(r for _, r in ratios)
+                ratio = median(r for _, r in ratios)
             if ratio is not None:
                 medians = [m * ratio if k not in self._observed else m
                            for k, m in zip(keys, medians)]
@@ -308,7 +316,7 @@ class StepRateTable:
         if bucket not in self._pooled:
             ratios = [ratio for other, curve in self._extras.items() if other != bucket
                       for ratio in curve.ratios(interpolated=True)]
-            self._pooled[bucket] = (statistics.median(r for _, r in ratios)
+            self._pooled[bucket] = (median(r for _, r in ratios)
                                     if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS
                                     else None)
         return self._pooled[bucket]
