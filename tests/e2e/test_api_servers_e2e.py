@@ -28,12 +28,18 @@ NEW_TOKENS = 12
 DRAIN_TOKENS = 480
 
 
-async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                  on_first=None) -> dict:
+    """One streamed completion; `on_first()` is called when its first event arrives."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    events = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
-        events = [line[6:] async for line in response.aiter_lines()
-                  if line.startswith("data: ")]
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if on_first is not None and len(events) == 1:
+                    on_first()
     assert response.status_code == 200 and events[-1] == "[DONE]", events
     chunks = [json.loads(e) for e in events[:-1]]
     return {"server": response.headers["x-deepinfer-api-server"],
@@ -41,11 +47,13 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int)
             "tokens": chunks[-1]["usage"]["completion_tokens"]}
 
 
-async def _streams(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+async def _streams(url: str, prompts: list[list[int]], max_tokens: int,
+                   on_first=None) -> list[dict]:
     # a new connection per request: the kernel hashes each to one API server's socket
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        return await asyncio.gather(*(_stream(client, p, max_tokens) for p in prompts))
+        return await asyncio.gather(*(_stream(client, p, max_tokens, on_first)
+                                      for p in prompts))
 
 
 def _wait_for(condition, what: str, server: ServerProcess, timeout_s: float = 20) -> None:
@@ -112,12 +120,17 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
         children = child_pids(server.proc.pid)
         assert len(children) == 3     # the core and two API servers
         finished: list[dict] = []
+        started = threading.Semaphore(0)   # released by each stream's first event
         clients = [threading.Thread(target=lambda: finished.extend(asyncio.run(
-            _streams(server.url, prompts[:4], DRAIN_TOKENS)))) for _ in range(2)]
+            _streams(server.url, prompts[:4], DRAIN_TOKENS, started.release))))
+            for _ in range(2)]
         for client in clients:
             client.start()
-        _wait_for(lambda: metric(server.url, "deepinfer:num_requests_running") >= 4,
-                  "streams never started", server)
+        # every stream is in flight (a scrape of num_requests_running could miss them all
+        # on a loaded box: 480 tokens of the tiny model take ~1-2 s)
+        for _ in range(8):
+            assert started.acquire(timeout=60), f"streams never started:\n{server.log()}"
+        assert not finished
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         health = httpx.get(server.url + "/health", timeout=10)
