@@ -70,6 +70,9 @@ from deepinfer.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 READER_POLL_MS = 200       # how often the reader checks that the core process is alive
+# a send to the core gives up after this long: a PUSH socket whose core died has no peer and
+# would block for ever (with SNDHWM 0 a live core never blocks a send)
+SEND_TIMEOUT_MS = 2000
 DEFAULT_STARTUP_TIMEOUT_S = 3600.0
 
 
@@ -109,6 +112,7 @@ class MPAsyncLLM:
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.bind(endpoints.input_address(client_index))
         self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.setsockopt(zmq.RCVHWM, 0)
@@ -184,9 +188,15 @@ class MPAsyncLLM:
             self._processor.add_request(request_id, list(prompt_token_ids), sampling_params,
                                         time.monotonic())
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._send(EngineInput(adds=[AddRequest(request_id, list(prompt_token_ids),
-                                                sampling_params, kv_transfer_params,
-                                                list(mm_inputs) if mm_inputs else None)]))
+        try:
+            self._send(EngineInput(adds=[AddRequest(request_id, list(prompt_token_ids),
+                                                    sampling_params, kv_transfer_params,
+                                                    list(mm_inputs) if mm_inputs else None)]))
+        except EngineDeadError:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                self._processor.abort_request(request_id)
+            raise
         finished, pending = False, None
         try:
             while not finished:
@@ -209,7 +219,7 @@ class MPAsyncLLM:
                 self._streams.pop(request_id, None)
                 self._processor.abort_request(request_id)
             if not finished and self._error is None:
-                self._send(EngineInput(aborts=[request_id]))
+                self._send_quietly(EngineInput(aborts=[request_id]))
 
     async def compile_grammar(self, so_args: dict) -> None:
         """Compile a structured-output constraint in the core process's grammar threads
@@ -233,7 +243,7 @@ class MPAsyncLLM:
                 self._compiles.pop(ticket, None)
 
     async def abort(self, request_id: str) -> None:
-        self._send(EngineInput(aborts=[request_id]))
+        self._send_quietly(EngineInput(aborts=[request_id]))
 
     def abort_all(self, reason: str) -> int:
         """As `AsyncLLM.abort_all`. Thread-safe."""
@@ -243,7 +253,7 @@ class MPAsyncLLM:
         for _, (loop, stream) in targets:
             _call(loop, stream.put_nowait, error)
         if targets:
-            self._send(EngineInput(aborts=[request_id for request_id, _ in targets]))
+            self._send_quietly(EngineInput(aborts=[request_id for request_id, _ in targets]))
         return len(targets)
 
     def get_stats(self) -> SchedulerStats:
@@ -284,16 +294,11 @@ class MPAsyncLLM:
 
     def _stop_process(self, timeout_s: float) -> None:
         if self._proc is None:   # another's core: say this API server is done; it stops
-            try:                 # once every API server has
-                self._send(EngineInput(shutdown=True))
-            except zmq.ZMQError:
-                pass
+            if self._core_alive():   # once every API server has
+                self._send_quietly(EngineInput(shutdown=True))
             return
         if self._proc.is_alive():
-            try:
-                self._send(EngineInput(shutdown=True))
-            except zmq.ZMQError:
-                pass
+            self._send_quietly(EngineInput(shutdown=True))
             self._proc.join(timeout_s)
         if self._proc.is_alive():
             self._proc.kill()
@@ -308,11 +313,28 @@ class MPAsyncLLM:
             shutil.rmtree(self._endpoints.ipc_dir, ignore_errors=True)
 
     def _send(self, message: EngineInput) -> None:
+        """Send to the core.
+
+        Raises:
+            EngineDeadError: the core took nothing for SEND_TIMEOUT_MS (it is gone).
+        """
         message.client_index = self.client_index
         data = INPUT_ENCODER.encode(message)
         with self._send_lock:
             if not self._input.closed:
-                self._input.send(data, copy=False)
+                try:
+                    self._input.send(data, copy=False)
+                except zmq.Again:
+                    raise EngineDeadError(f"the engine core stopped taking requests "
+                                          f"({self._core_exit()}); restart the "
+                                          "server.") from None
+
+    def _send_quietly(self, message: EngineInput) -> None:
+        """`_send` for what a gone core need not hear (aborts, goodbyes)."""
+        try:
+            self._send(message)
+        except (EngineDeadError, zmq.ZMQError):
+            pass
 
     # ---- reader thread --------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -361,7 +383,7 @@ class MPAsyncLLM:
             for ticket in message.compiled:
                 self._resolve_compile(ticket, None)
         if stopped:   # a stop string ended them here: the core still runs them
-            self._send(EngineInput(aborts=stopped))
+            self._send_quietly(EngineInput(aborts=stopped))
         for loop, items in deliveries.items():
             _call(loop, _put_all, items)
 

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deepinfer.engine.config import MultiModalConfig
-from deepinfer.server.errors import APIError, install_error_handlers
+from deepinfer.server.errors import APIError, install_error_handlers, with_restart_advice
 from deepinfer.server.http_limits import APIKeyMiddleware, BodyLimitMiddleware, HTTPLimits
 from deepinfer.server.logprobs import TokenDecoder
 from deepinfer.server.metrics import ServerMetrics
@@ -173,7 +173,7 @@ def build_app(engine: Any, *, api_key: str | tuple[str, ...] | None = None,
         try:
             engine.check_health()
         except Exception as exc:
-            raise APIError(f"The inference engine is not running: {exc}. Restart the server.",
+            raise APIError(f"The inference engine is not running: {with_restart_advice(exc)}",
                            status_code=503, type="server_error", code="engine_dead") from exc
 
     @app.get("/liveness")

@@ -47,6 +47,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
+def with_restart_advice(exc: BaseException) -> str:
+    """`exc`'s message ending in "restart the server." once (engine errors often say it)."""
+    reason = str(exc).rstrip(". ")
+    if "restart the server" in reason.lower():
+        return f"{reason}."
+    return f"{reason}; restart the server."
+
+
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -65,7 +73,7 @@ def from_engine_error(exc: Exception) -> APIError | None:
                         type="server_error", code="server_shutting_down",
                         headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
-        return APIError(f"The inference engine has stopped: {exc} Restart the server.",
+        return APIError(f"The inference engine has stopped: {with_restart_advice(exc)}",
                         status_code=503, type="server_error", code="engine_dead")
     if isinstance(exc, RequestFailedError):   # the engine goes on; the message says why
         return APIError(f"The engine could not process this request: {exc}", status_code=500,

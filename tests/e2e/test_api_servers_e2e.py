@@ -143,3 +143,37 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
         assert "deepinfer: stopped" in server.log()
     finally:
         server.kill()
+
+
+def test_a_dead_core_is_a_503_everywhere_and_sigterm_still_stops_every_process(
+        tmp_path, smollm2_tokenizer):
+    """The core SIGKILLed under two API servers: both answer 503 `engine_dead` (its advice
+    said once), and SIGTERM still stops every process within the grace period (an API server's
+    goodbye to the gone core used to block for ever in a ZMQ send, so nothing but SIGKILL
+    ended the server)."""
+    import os
+
+    model_dir = save_tiny_llama(tmp_path / "tiny", smollm2_tokenizer)
+    server = ServerProcess("server", deepinfer(
+        "serve", str(model_dir), "--device", "cpu", "--api-server-count", "2",
+        "--served-model-name", "tiny", "--num-kv-blocks", "64",
+        "--graceful-shutdown-s", "20"), tmp_path / "server.log")
+    try:
+        server.wait_ready(300)
+        children = child_pids(server.proc.pid)
+        assert len(children) == 3     # the core (started first) and two API servers
+        os.kill(min(children), signal.SIGKILL)
+        _wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503,
+                  "/health still 200 after the core died", server)
+        for _ in range(4):            # new connections: both API servers answer
+            answer = httpx.post(server.url + "/v1/completions", timeout=30, headers={
+                "connection": "close"}, json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+            error = answer.json()["error"]
+            assert (answer.status_code, error["code"]) == (503, "engine_dead"), answer.text
+            assert error["message"].lower().count("restart the server") == 1, error
+            assert ".." not in error["message"], error
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(40) is not None, server.log()
+        assert not [pid for pid in children if running(pid)]
+    finally:
+        server.kill()
