@@ -19,12 +19,14 @@ into a 400 naming the parameter (`response_format.json_schema.schema`, `guided_j
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from deepinfer.server.errors import APIError, spelled
 from deepinfer.server.protocol import SamplingFields
 
 _REGEX_SPECIAL = set("\\.^$|?*+()[]{}/-")
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # OpenAI's rule for json_schema.name
 
 
 def choice_regex(choices: Any, param: str) -> str:
@@ -50,6 +52,15 @@ def _from_response_format(req: SamplingFields) -> dict[str, Any] | None:
                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": "
                        "{...}}}.", param="response_format.json_schema",
                        code="missing_required_parameter")
+    if spec.name is None:
+        raise APIError("response_format.json_schema needs a name (OpenAI's and vLLM's rule): "
+                       "add \"name\": \"my_schema\" (letters, digits, '_' and '-', up to 64).",
+                       param="response_format.json_schema.name",
+                       code="missing_required_parameter")
+    if not _SCHEMA_NAME.fullmatch(spec.name):
+        raise APIError(f"response_format.json_schema.name={spelled(spec.name)} may hold only "
+                       "letters, digits, '_' and '-', 1 to 64 of them; rename it.",
+                       param="response_format.json_schema.name", code="invalid_value")
     return {"schema_type": "json", "schema": spec.schema_}
 
 

@@ -175,6 +175,13 @@ def test_completions_logprobs_and_stream(client):
      "messages[0].content[0]", "unsupported_content", "accepts text only"),
     ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
      "response_format.json_schema", "missing_required_parameter", "needs json_schema.schema"),
+    # OpenAI's (and vLLM's) rule for the schema's name
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "integer"}}}}, 400, "response_format.json_schema.name",
+     "missing_required_parameter", "needs a name"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "my schema!", "schema": {"type": "integer"}}}}, 400,
+     "response_format.json_schema.name", "invalid_value", "letters, digits, '_' and '-'"),
     ({"messages": USER, "stop": 5}, 400, "stop", "invalid_type", "Invalid value for 'stop'"),
     ({"messages": "hi"}, 400, "messages", "invalid_type", "valid list"),
     # as OpenAI: no coercion of strings or booleans into numbers and flags
