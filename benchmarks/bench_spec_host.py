@@ -78,43 +78,11 @@ def build_engine(model_dir: Path, perm: torch.Tensor, speculation: str | None):
     return EngineCore(EngineConfig().replace(**fields), model=model)
 
 
-class HostTimer:
-    """Host seconds spent in a few methods of one engine while active."""
-
-    METHODS = (("spec", "may_draft"), ("spec", "propose"), ("spec", "observe"),
-               ("scheduler", "schedule"), ("scheduler", "update_from_output"),
-               ("executor.runner", "_sample_step"))
-
-    def __init__(self, core) -> None:
-        self.core, self.seconds = core, {}
-
-    def _owner(self, path: str):
-        obj = self.core
-        for attr in path.split("."):
-            obj = getattr(obj, attr)
-        return obj
-
-    def __enter__(self) -> "HostTimer":
-        for owner, name in self.METHODS:
-            obj = self._owner(owner)
-            if obj is not None:
-                setattr(obj, name, self._wrap(getattr(obj, name), f"{owner}.{name}"))
-        return self
-
-    def _wrap(self, fn, label: str):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
-        return timed
-
-    def __exit__(self, *exc) -> None:
-        for owner, name in self.METHODS:
-            obj = self._owner(owner)
-            if obj is not None and name in vars(obj):
-                delattr(obj, name)
+# host time of the speculative decoder, the scheduler and the runner's sampling + commit
+STAGES = (("spec", "may_draft"), ("spec", "propose"), ("spec", "observe"),
+          ("scheduler", "schedule"), ("scheduler", "update_from_output"),
+          ("executor.runner", "_sample_step"))
+SPEC_STAGES = ("may_draft", "propose", "observe")
 
 
 def run(core, prompts: list[list[int]]) -> dict:
@@ -128,14 +96,16 @@ def run(core, prompts: list[list[int]]) -> dict:
     started: set[str] = set()
     while len(started) < len(prompts):
         started.update(out.request_id for out in core.step())
+    from gpu_decode import StageTimer
+
     tokens = steps = 0
-    with HostTimer(core) as timer:
+    with StageTimer(core, STAGES) as timer:
         start = time.perf_counter()
         while core.has_unfinished_requests():
             tokens += sum(len(out.new_token_ids) for out in core.step())
             steps += 1
         seconds = time.perf_counter() - start
-    spec = sum(v for k, v in timer.seconds.items() if k.startswith("spec."))
+    spec = sum(v for k, v in timer.seconds.items() if k in SPEC_STAGES)
     return {"step_ms": 1e3 * seconds / steps, "tokens_per_step": tokens / steps,
             "tok_s": tokens / seconds, "spec_host_ms_per_step": 1e3 * spec / steps,
             **{f"{k}_ms_per_step": 1e3 * v / steps for k, v in sorted(timer.seconds.items())}}

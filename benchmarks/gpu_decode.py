@@ -359,17 +359,22 @@ def engine_prefill(core, vocab: int, num_prompts: int) -> float:
 
 
 class StageTimer:
-    """Host wall time per engine stage while active (instance attributes wrap the methods)."""
+    """Host wall time per engine stage while active (instance attributes wrap the methods).
+
+    stages: (owner path from the core, method name) pairs (default STAGES); an owner that is
+    None (e.g. `spec` without speculation) is left out; times are keyed by method name."""
 
     STAGES = (("scheduler", "schedule"), ("executor.runner", "execute"),
               ("executor.runner", "execute_async"), ("scheduler", "update_from_output"),
               ("output_processor", "process"))
 
-    def __init__(self, core) -> None:
+    def __init__(self, core, stages: tuple[tuple[str, str], ...] | None = None) -> None:
         self.core, self.seconds, self.calls = core, {}, 0
+        self.stages = [(owner, name) for owner, name in stages or self.STAGES
+                       if self._owner(owner) is not None]
 
     def __enter__(self) -> "StageTimer":
-        for owner, name in self.STAGES:
+        for owner, name in self.stages:
             obj = self._owner(owner)
             setattr(obj, name, self._wrap(getattr(obj, name), name))
         return self
@@ -385,7 +390,7 @@ class StageTimer:
         return timed
 
     def __exit__(self, *exc) -> None:
-        for owner, name in self.STAGES:
+        for owner, name in self.stages:
             delattr(self._owner(owner), name)
 
     def _owner(self, path: str):
