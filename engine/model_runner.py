@@ -29,7 +29,7 @@ from deepinfer.engine.async_step import AsyncRunnerOutput
 from deepinfer.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs, feed_tokens
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplerOutput, greedy_argmax
-from deepinfer.engine.sampling_metadata import build_sampling_metadata
+from deepinfer.engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.engine.models.layers import set_kernel_config
 from deepinfer.kernels.cpu_extension import cpu_extension
@@ -274,35 +274,44 @@ class ModelRunner:
                      graph_outputs: GraphOutputs | None, *, keep_logits: bool = False
                      ) -> tuple[dict[str, tuple[list[int], list | None]], torch.Tensor | None]:
         """Sample a step's rows and commit them: (what `_sample` returns, the float32 logits
-        sampled from, or None). A greedy step whose replayed graph took the argmax of its rows
-        commits the graph's ids unless `keep_logits`: no float copy of the logits and no
-        second argmax pass (tens of us of a verify step on the H200)."""
-        greedy_ids = None if keep_logits else self._graph_greedy_ids(inputs, graph_outputs)
-        if greedy_ids is not None:
-            return self._commit(inputs, SamplerOutput(greedy_ids.tolist(), None)), None
-        logits = self._logits(inputs, hidden, graph_outputs)
-        return self._sample(inputs, logits), logits
+        sampled from, or None).
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor
-                ) -> dict[str, tuple[list[int], list | None]]:
-        """Sample every logits row and commit each request's tokens to its state.
-
-        Returns:
-            request id -> (committed token ids, their logprobs or None).
-        """
-        if inputs.draft_token_ids is not None and all(
+        Greedy requests without penalties, logprobs, pending min_tokens or grammar sample
+        every row by one argmax: a verify step then needs no per-position sampling states (a
+        host cost that grows with its drafts), and a step whose replayed graph scored exactly
+        its sampled rows commits the graph's own argmax unless `keep_logits` (no float32 copy
+        of the logits, no second argmax pass: tens of us of a verify step on the H200)."""
+        graph_rows = self._graph_rows_sample(inputs, graph_outputs)
+        metadata = None   # of the requests' own states, where a shortcut may apply
+        if (inputs.draft_token_ids is not None or graph_rows) and all(
                 s.grammar is None for s in inputs.sampling_states):
-            # greedy requests without penalties, logprobs or pending min_tokens sample every
-            # position by one argmax: no per-position sampling states (a host cost that
-            # grows with the drafts of the step)
             metadata = build_sampling_metadata(inputs.sampling_states, self.device,
                                                eos_token_ids=self.eos_token_ids)
             if metadata.argmax_only:
-                result = SamplerOutput(greedy_argmax(logits).tolist(), None)
-                return self._commit_drafts(inputs, result)
+                logits = None
+                if graph_rows and not keep_logits:
+                    token_ids = graph_outputs.greedy_ids
+                else:
+                    logits = self._logits(inputs, hidden, graph_outputs)
+                    token_ids = greedy_argmax(logits)
+                return self._commit(inputs, SamplerOutput(token_ids.tolist(), None)), logits
+        logits = self._logits(inputs, hidden, graph_outputs)
+        return self._sample(inputs, logits, metadata), logits
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor,
+                metadata: SamplingMetadata | None = None
+                ) -> dict[str, tuple[list[int], list | None]]:
+        """Sample every logits row and commit each request's tokens to its state.
+
+        metadata: `build_sampling_metadata` of `inputs.sampling_states` when the caller made
+            it (a step without drafts samples those rows: it is reused).
+        Returns:
+            request id -> (committed token ids, their logprobs or None).
+        """
         row_states = self._row_states(inputs.sampling_states, inputs.draft_token_ids)
-        metadata = build_sampling_metadata(row_states, self.device,
-                                           eos_token_ids=self.eos_token_ids)
+        if metadata is None or inputs.draft_token_ids is not None:
+            metadata = build_sampling_metadata(row_states, self.device,
+                                               eos_token_ids=self.eos_token_ids)
         if inputs.draft_token_ids is not None and any(
                 s.grammar is not None for s in inputs.sampling_states):
             bitmask, grammar_rows = self._draft_bitmask(inputs.sampling_states,
@@ -315,19 +324,6 @@ class ModelRunner:
             metadata = dataclasses.replace(metadata, grammar_bitmask=bitmask,
                                            grammar_rows=grammar_rows)
         return self._commit(inputs, self.sampler(logits, metadata))
-
-    def _graph_greedy_ids(self, inputs: StepInputs, graph_outputs: GraphOutputs | None
-                          ) -> torch.Tensor | None:
-        """[num_rows] int64 on the device: the replayed graph's own argmax of every sampled
-        row, when the rows it scored are the sampled rows and sampling is one argmax (greedy,
-        no penalties, logprobs, masks or grammar: `greedy_argmax`, the graph's rule); else
-        None."""
-        if not self._graph_rows_sample(inputs, graph_outputs) or any(
-                s.grammar is not None for s in inputs.sampling_states):
-            return None
-        metadata = build_sampling_metadata(inputs.sampling_states, self.device,
-                                           eos_token_ids=self.eos_token_ids)
-        return graph_outputs.greedy_ids if metadata.argmax_only else None
 
     def _commit(self, inputs: StepInputs, result: SamplerOutput
                 ) -> dict[str, tuple[list[int], list | None]]:

@@ -98,11 +98,16 @@ def test_a_greedy_step_commits_the_graphs_own_argmax_unless_asked_for_logits():
     logits[:, 3] = 1.0                                     # the logits' argmax: 3
     graph = SimpleNamespace(logits=logits, greedy_ids=torch.tensor([9, 11]))
     runner = SimpleNamespace(device=torch.device("cpu"), eos_token_ids=[2])
-    for name in ("_graph_greedy_ids", "_commit", "_commit_drafts", "_logits", "_row_states"):
+    for name in ("_commit", "_commit_drafts", "_logits", "_row_states"):
         setattr(runner, name, functools.partial(getattr(ModelRunner, name), runner))
     runner._graph_rows_sample = ModelRunner._graph_rows_sample
-    runner._sample = lambda inputs, got: {s.request_id: ([int(got[i].argmax())], None)
-                                          for i, s in enumerate(inputs.sampling_states)}
+    reused = []   # the requests' sampling metadata handed to `_sample` (made once a step)
+
+    def sample(inputs, got, metadata=None):
+        reused.append(metadata)
+        return {s.request_id: ([int(got[i].argmax())], None)
+                for i, s in enumerate(inputs.sampling_states)}
+    runner._sample = sample
 
     def step(temperature, keep_logits):
         inputs = _inputs(2, 2)
@@ -112,7 +117,8 @@ def test_a_greedy_step_commits_the_graphs_own_argmax_unless_asked_for_logits():
 
     sampled, got = step(0.0, keep_logits=False)
     assert sampled == {"a": ([9], None), "b": ([11], None)} and got is None
-    sampled, got = step(0.0, keep_logits=True)
+    sampled, got = step(0.0, keep_logits=True)   # the argmax of the logits it returns
     assert sampled == {"a": ([3], None), "b": ([3], None)} and torch.equal(got, logits)
     sampled, got = step(0.8, keep_logits=False)
     assert sampled["a"] == ([3], None) and got is not None
+    assert len(reused) == 1 and not reused[0].all_greedy   # built once, handed on
