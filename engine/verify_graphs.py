@@ -18,7 +18,8 @@ bounds from the metadata:
   (num_seqs, kv heads, splits); each program loads its row's start and length from
   `query_start_loc` (an empty row returns at once) and attends the row's tokens x the group's
   heads. BLOCK_Q and the split count come from the host bounds (1 + gamma, max_model_len), so
-  an eager step of the same rows may tile them otherwise: float32 agrees to ~1e-6.
+  an eager step of the same rows may tile them otherwise (the same result up to summation
+  order: within the kernel tests' 1e-5 in float32).
 - DeepSeek MLA (`kernels/mla_decode_triton.latent_attention`, absorbed): grid (num_seqs, head
   tiles, splits x query tiles) with per-row lengths from `query_start_loc`, rows longer than
   `max_q_len` skipped; needs 1 + gamma <= `KernelConfig.mla_decode_max_query_len`.
@@ -63,7 +64,7 @@ from deepinfer.kernels.attention_metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 VERIFY_TOKEN_BUCKETS = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-MAX_VERIFY_QUERY_LEN = 16   # = paged_attention_triton.ROWS_MAX_QUERY_LEN: rows of this many tokens at most
+MAX_VERIFY_QUERY_LEN = 16   # longest row: paged_attention_triton.ROWS_MAX_QUERY_LEN
 INT32_MAX = np.iinfo(np.int32).max
 
 

@@ -385,8 +385,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
 
     Decode-only batches run the split-K decode kernel; batches of rows of at most
     ROWS_MAX_QUERY_LEN new tokens (speculative verify rows) its multi-token form
-    (`_rows_kernel`); any other batch the varlen prefill kernel (decode rows included). Tolerances vs the float32 reference: bf16
-    ~1e-2 relative (P rounded to bf16), float32 ~1e-5.
+    (`_rows_kernel`); any other batch the varlen prefill kernel (decode rows included).
+    Tolerances vs the float32 reference: bf16 ~1e-2 relative (P rounded to bf16), float32
+    ~1e-5.
 
     Args:
         query: [num_tokens, num_q_heads, head_dim], bf16 / fp16 / fp32, unit stride on head_dim.

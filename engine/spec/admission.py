@@ -19,7 +19,8 @@ token buckets, kernel row tiles: a second draft can cost more than the next thre
 a candidate that does not raise Theta by itself is still admitted when it and the candidates
 after it, each counted at its own survival (an upper bound for theirs, so no later
 confidence is read), could (`pays_ahead`). Without that look, the walk stopped at the first
-step: SmolLM2 at batch 1 on grounded prompts verified one draft of five sure ones.
+step: SmolLM2 at batch 1 on grounded prompts (CPU box) verified one draft in 15 of 65 steps
+where its drafts 3-5 had confidences of ~0.99 and all five paid.
 
 The gate. Entering a verify step costs a jump (extra(1) of the table: other kernels, on the GPU
 a blocking step instead of an overlapped one) that no single draft pays at a large batch, though

@@ -29,7 +29,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from deepinfer.engine.spec.drafter import BetaCounter, DraftProposal, DraftRequest
+from deepinfer.engine.spec.drafter import (BetaCounter, DraftProposal, DraftRequest,
+                                           observed_positions)
 
 
 def longest_suffix_match(token_ids: Sequence[int], min_n: int, max_n: int,
@@ -134,31 +135,27 @@ class NgramDrafter:
             self._counters[key] = BetaCounter(0.0, 0.0)
         return self._counters[key]
 
-    def pooled_mean(self, greedy: bool, outcome: int, position: int) -> float:
-        """The pooled posterior mean at `position`: its counts, with the pooled mean of the
-        position before as prior (`prior_strength` pseudo-trials; position 0: `prior`)."""
-        mean = self.pooled(greedy, outcome, 0).mean
-        for j in range(1, position + 1):
+    def pooled_means(self, greedy: bool, outcome: int, count: int) -> list[float]:
+        """Pooled posterior means of positions 0..count-1: each its counts, with the pooled
+        mean of the position before as prior (`prior_strength` pseudo-trials; position 0:
+        `prior`)."""
+        means, mean = [], 0.0
+        for j in range(count):
             counts = self.pooled(greedy, outcome, j)
-            mean = ((counts.accepted + self.prior_strength * mean)
+            mean = (counts.mean if j == 0 else (counts.accepted + self.prior_strength * mean)
                     / (counts.trials + self.prior_strength))
-        return mean
+            means.append(mean)
+        return means
 
-    def confidence(self, match_len: int, greedy: bool, position: int,
-                   outcome: int = NEW) -> float:
-        """Posterior mean of the bucket, its prior the pooled mean with `prior_strength`."""
-        own = self.counter(match_len, greedy, position, outcome)
-        pooled = self.pooled_mean(greedy, outcome, position)
-        return (own.accepted + self.prior_strength * pooled) / (own.trials + self.prior_strength)
+    def pooled_mean(self, greedy: bool, outcome: int, position: int) -> float:
+        return self.pooled_means(greedy, outcome, position + 1)[position]
 
     def confidences(self, match_len: int, greedy: bool, outcome: int,
                     count: int) -> list[float]:
-        """`confidence` of positions 0..count-1 of one bucket, the pooled chain walked once."""
-        strength, pooled, values = self.prior_strength, 0.0, []
-        for j in range(count):
-            counts = self.pooled(greedy, outcome, j)
-            pooled = (counts.mean if j == 0 else
-                      (counts.accepted + strength * pooled) / (counts.trials + strength))
+        """Drafts 0..count-1's confidences after a match of `match_len` tokens: each the
+        posterior mean of its bucket, its prior the pooled mean with `prior_strength`."""
+        strength, values = self.prior_strength, []
+        for j, pooled in enumerate(self.pooled_means(greedy, outcome, count)):
             own = self.counter(match_len, greedy, j, outcome)
             values.append((own.accepted + strength * pooled) / (own.trials + strength))
         return values
@@ -195,9 +192,7 @@ class NgramDrafter:
         if key is None or num_verified == 0:
             return
         match_len, greedy, outcome = key
-        # observed_positions(num_verified, num_accepted), inline: a step observes every row
-        for position in range(min(num_accepted + 1, num_verified)):
-            accepted = position < num_accepted
+        for position, accepted in observed_positions(num_verified, num_accepted):
             self.counter(match_len, greedy, position, outcome).add(accepted)
             self.pooled(greedy, outcome, position).add(accepted)
         self._outcome[request_id] = self.HIT if num_accepted == num_verified else self.MISS

@@ -81,6 +81,7 @@ def median(values) -> float:
         raise ValueError("no median of no values")
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
+
 def nondecreasing(values: list[float], weights: list[float] | None = None) -> list[float]:
     """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
     weights = weights or [1.0] * len(values)
@@ -135,16 +136,12 @@ class _Curve:
         return self._start_keys
 
     def start(self, key: int) -> float:
-        """The start-up value at `key` (interpolated; 0.0 without start-up values)."""
+        """The start-up value at `key` (interpolated, flat outside; 0.0 without start-up
+        values)."""
         if not self._start:
             return 0.0
         keys = self._start_keys
-        index = bisect.bisect_left(keys, key)
-        if index == 0 or index == len(keys):
-            return self._start[keys[0] if index == 0 else keys[-1]]
-        low, high = keys[index - 1], keys[index]
-        weight = (key - low) / (high - low)
-        return self._start[low] * (1.0 - weight) + self._start[high] * weight
+        return _interpolated(keys, [self._start[k] for k in keys], key, key, extend=False)[0]
 
     def ratios(self, *, interpolated: bool = False) -> list[tuple[int, float]]:
         """(observations, median observed / start-up) of each observed key with a start-up
@@ -176,17 +173,7 @@ class _Curve:
 
     def seconds(self, key: int, fallback_ratio: float | None = None) -> float:
         keys, values = self.fitted(fallback_ratio)
-        index = bisect.bisect_left(keys, key)
-        if index < len(keys) and keys[index] == key:
-            return values[index]
-        if index == 0 or len(keys) == 1:
-            return values[0] if index == 0 else values[-1]
-        if index == len(keys):
-            slope = max((values[-1] - values[-2]) / (keys[-1] - keys[-2]), 0.0)
-            return values[-1] + slope * (key - keys[-1])
-        low, high = keys[index - 1], keys[index]
-        weight = (key - low) / (high - low)
-        return values[index - 1] * (1.0 - weight) + values[index] * weight
+        return _interpolated(keys, values, key, key, extend=True)[0]
 
     def dense(self, first: int, count: int, fallback_ratio: float | None = None) -> list[float]:
         """[seconds(first), ..., seconds(count)] in one pass over the fitted keys (what
@@ -227,6 +214,7 @@ def _interpolated(keys: list[int], values: list[float], first: int, count: int, 
             weight = (key - low) / (high - low)
             out.append(values[index - 1] * (1.0 - weight) + values[index] * weight)
     return out
+
 
 def batch_bucket(base_tokens: int) -> int:
     """The verify extra's batch bucket of a step of `base_tokens` (B0) tokens without drafts:
