@@ -192,7 +192,6 @@ class OutputProcessor:
             token_ids=state.output_token_ids if finished else None,
             logprobs=state.logprobs if finished else None)
 
-
     @staticmethod
     def _detokenize_until_stop(state: _RequestState, token_ids: list[int]
                                ) -> tuple[tuple[int, str] | None, int]:
