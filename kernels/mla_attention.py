@@ -85,7 +85,7 @@ def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
         slot_mapping: [num_tokens] int64; -1 = do not store the token's latent.
         backend: "auto" or one of BACKENDS: "triton" / "flash_mla" run one Triton kernel, the
             others the torch ops (`kernels.rotary`, `kernels.rms_norm`, `write_latent`).
-        settings: kernel choices (the RMSNorm of the torch ops).
+        settings: kernel choices (the Triton kernel's PDL launch; the RMSNorm of the torch ops).
     Returns:
         q_pe: [num_tokens, num_heads, qk_rope_head_dim], the rotated view of `query`.
     Numerics: the same rounding steps either way (bf16 within one ulp).
@@ -93,7 +93,8 @@ def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
     name = _BACKENDS.resolve(backend, query.device)
     if name in _TAKES_SETTINGS:
         return _BACKENDS.load("triton").rotate_and_write_latent(
-            query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache, slot_mapping)
+            query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache, slot_mapping,
+            settings=settings)
     from deepinfer.kernels.rms_norm import rms_norm
     from deepinfer.kernels.rotary import apply_rotary
 

@@ -79,7 +79,11 @@ def _rotate_write_latent_kernel(query_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr,
                                 slot_ptr, q_stride_t, q_stride_h, kv_a_stride, cos_stride,
                                 sin_stride, num_heads, eps, NOPE: tl.constexpr,
                                 LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                                BLOCK_HALF: tl.constexpr, BLOCK_L: tl.constexpr):
+                                BLOCK_HALF: tl.constexpr, BLOCK_L: tl.constexpr,
+                                PDL: tl.constexpr):
+    # no loop: the next kernel (W_UK's absorption) launches at once and loads its weight tile
+    # while this one runs
+    pdl.wait_and_release(PDL, True)
     token = tl.program_id(0).to(tl.int64)
     dtype = query_ptr.dtype.element_ty
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -118,10 +122,12 @@ def _rotate_write_latent_kernel(query_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr,
 
 def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor,
                             eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
-                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """`kernels.mla_attention.rotate_and_write_latent`'s contract (shapes there), one program
     per token: the queries' rope dims rotated in place, the latent normalised, its rope part
-    rotated, both stored at the token's slot (slot -1: not stored)."""
+    rotated, both stored at the token's slot (slot -1: not stored). Launched with PDL where
+    `settings` has it on (`kernels.pdl`), releasing the next kernel right after its wait."""
     if not kv_cache.is_contiguous():
         raise ValueError("the MLA kv_cache must be contiguous ([num_blocks, block_size, "
                          "latent_dim]); the Triton kernels address it by slot.")
@@ -129,13 +135,14 @@ def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
     rope_dim = cos.shape[-1]
     lora = kv_a.shape[-1] - rope_dim
     if num_tokens:
+        options = pdl.launch_options(query.device, settings)
         _rotate_write_latent_kernel[(num_tokens,)](
             query, kv_a, norm_weight, cos, signed_sin, kv_cache, slot_mapping, query.stride(0),
             query.stride(1), kv_a.stride(0), cos.stride(0), signed_sin.stride(0), num_heads, eps,
             NOPE=head_dim - rope_dim, LORA=lora, HALF=rope_dim // 2,
             BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
-            BLOCK_L=triton.next_power_of_2(lora), num_warps=4)
+            BLOCK_L=triton.next_power_of_2(lora), PDL=bool(options), num_warps=4, **options)
     return query[..., head_dim - rope_dim:]
 
 
