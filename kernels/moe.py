@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.backends import Backends, triton_available
-from deepinfer.kernels.rms_norm import rms_norm
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
@@ -57,9 +56,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 w13_scale: torch.Tensor | None = None,
                 w2_scale: torch.Tensor | None = None,
                 shared_output: torch.Tensor | None = None,
-                shared_ready: torch.cuda.Event | None = None,
-                norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """Each token's routing-weighted sum of its top-k SwiGLU experts (plus `shared_output`).
 
     Args:
@@ -82,13 +79,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             shared_output after its kernels: the current stream waits for it just before
             shared_output is read (the Triton backend: before its combine kernel), so the
             shared experts may run on another stream concurrently with the routed ones.
-        norm: None, or (residual [num_tokens, hidden_size], weight [hidden_size], eps) of the
-            RMSNorm with residual add that follows (`kernels.rms_norm.rms_norm`'s contract):
-            the Triton backend applies it in its combine kernel (one launch less a MoE layer:
-            the next layer's input norm), the others call `rms_norm` after.
     Returns:
-        [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32); with `norm`,
-        (normed, output + residual), both [num_tokens, hidden_size] (residual is not written).
+        [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32).
     """
     name = _BACKENDS.resolve(backend, hidden.device)
     if (backend == "auto" and name == "triton" and hidden.dtype == torch.bfloat16
@@ -99,8 +91,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return _BACKENDS.load(name).moe_experts(hidden, w13, w2, topk_weights, topk_ids,
                                                 w13_scale=w13_scale, w2_scale=w2_scale,
                                                 shared_output=shared_output,
-                                                shared_ready=shared_ready, norm=norm,
-                                                settings=settings)
+                                                shared_ready=shared_ready, settings=settings)
     if w13_scale is not None:
         w13 = dequantize_blocks(w13, w13_scale, hidden.dtype)
         w2 = dequantize_blocks(w2, w2_scale, hidden.dtype)
@@ -111,9 +102,4 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         out = experts.moe_experts(hidden, w13, w2, topk_weights, topk_ids)
     if shared_ready is not None:
         torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
-    if shared_output is not None:
-        out = out + shared_output
-    if norm is None:
-        return out
-    residual, weight, eps = norm
-    return rms_norm(out, weight, eps, residual, settings=settings)
+    return out if shared_output is None else out + shared_output

@@ -301,13 +301,9 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
 
 
 @triton.jit
-def _combine_kernel(y_ptr, add_ptr, out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, N,
-                    stride_add, eps, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
-                    NORM: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """out[t, n] = add[t, n] (HAS_ADD) + sum over k in order of y[t * TOP_K + k, n].
-    NORM (one program per token, BLOCK_N >= N): then out += residual and normed =
-    RMSNorm(out) * norm_weight, rounded step by step as `elementwise_triton`'s add + norm
-    kernel (the same block and warps, so the same sum of squares)."""
+def _combine_kernel(y_ptr, add_ptr, out_ptr, N, stride_add, TOP_K: tl.constexpr,
+                    HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """out[t, n] = add[t, n] (HAS_ADD) + sum over k in order of y[t * TOP_K + k, n]."""
     pdl.wait_and_release(PDL, True)
     token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -318,18 +314,7 @@ def _combine_kernel(y_ptr, add_ptr, out_ptr, residual_ptr, norm_weight_ptr, norm
     for k in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (token * TOP_K + k) * N + offs_n, mask=n_ok,
                        other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    if NORM:
-        residual = tl.load(residual_ptr + token * N + offs_n, mask=n_ok, other=0.0)
-        x = (acc.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
-        tl.store(out_ptr + token * N + offs_n, x, mask=n_ok)
-        xf = x.to(tl.float32)
-        mean_square = tl.sum(xf * xf, 0) / N
-        normed = (xf * tl.rsqrt(mean_square + eps)).to(dtype)
-        weight = tl.load(norm_weight_ptr + offs_n, mask=n_ok, other=0.0)
-        tl.store(normed_ptr + token * N + offs_n, normed * weight, mask=n_ok)
-    else:
-        tl.store(out_ptr + token * N + offs_n, acc.to(dtype), mask=n_ok)
+    tl.store(out_ptr + token * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def pick_tile(num_pairs: int, num_experts: int, settings: KernelConfig) -> MoETile:
@@ -406,9 +391,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                 shared_output: torch.Tensor | None = None,
                 shared_ready: torch.cuda.Event | None = None,
-                norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                settings: KernelConfig = DEFAULT
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Same contract as `kernels.reference.moe.moe_experts` (CUDA tensors, or any device under
     TRITON_INTERPRET=1), plus `shared_output` ([num_tokens, hidden_size] or None) added in the
     combine; four kernel launches at decode (alignment in one program), three up to
@@ -418,9 +401,6 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     `shared_ready`: an event recorded after the kernels writing shared_output on another
     stream; the current stream waits for it just before the combine (so the shared experts
     run concurrently with the alignment and the expert GEMMs).
-    `norm`: (residual [num_tokens, hidden_size], weight [hidden_size], eps) of the RMSNorm that
-    follows (`kernels.moe.moe_experts`): the combine also adds the residual and normalises,
-    one program per token, and returns (normed, output + residual).
 
     FP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [E, 2I / 128, H / 128] and w2_scale
     [E, H / 128, I / 128] float32 128x128 block scales (DeepSeek-V3's `weight_scale_inv`);
@@ -480,22 +460,14 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, PDL=bool(options),
                        num_warps=tile.num_warps, num_stages=tile.num_stages, **options)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    block_n = min(1024, triton.next_power_of_2(hidden_size))
     if shared_ready is not None:
         torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
     if shared_output is not None and shared_output.stride(-1) != 1:
         shared_output = shared_output.contiguous()
     add = shared_output if shared_output is not None else out
-    if norm is None:
-        block_n, warps, normed, residual, norm_weight = (
-            min(1024, triton.next_power_of_2(hidden_size)), 4, out, out, out)
-    else:   # the add + norm kernel's block and warps (elementwise_triton.rms_norm)
-        residual, norm_weight, eps = norm
-        block_n = triton.next_power_of_2(hidden_size)
-        warps = min(16, max(1, block_n // 256))
-        normed = torch.empty_like(out)
-        residual = residual.contiguous()
     _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        y, add, out, residual, norm_weight, normed, hidden_size, add.stride(0),
-        eps if norm is not None else 0.0, TOP_K=top_k, HAS_ADD=shared_output is not None,
-        NORM=norm is not None, BLOCK_N=block_n, PDL=bool(options), num_warps=warps, **options)
-    return out if norm is None else (normed, out)
+        y, add, out, hidden_size, add.stride(0), TOP_K=top_k,
+        HAS_ADD=shared_output is not None, BLOCK_N=block_n, PDL=bool(options), num_warps=4,
+        **options)
+    return out

@@ -117,10 +117,6 @@ class KernelConfig:
     moe_shared_stream_max_rows: up to this many tokens (default 16) a CUDA DeepSeek MoE layer
         runs its shared experts on a second stream, concurrently with the routed experts
         (`engine.models.deepseek.DeepseekMoEBlock`); above, one after the other. 0: never.
-    moe_combine_norm_max_tokens: up to this many tokens (default 1 << 30: always) a CUDA
-        DeepSeek MoE layer's combine kernel also applies the next RMSNorm with its residual
-        add (`DeepseekMoEBlock.forward_norm`: one program per token instead of the next
-        layer's norm kernel; bitwise the same). 0: never.
     moe_deep_gemm_min_rows: from this many mean rows per expert (default 128: prefill) a bf16
         MoE call on backend "auto" runs DeepGEMM's grouped GEMM where `deep_gemm` is installed
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
@@ -179,7 +175,6 @@ class KernelConfig:
     moe_pair_tiles_max_tokens: int = 1
     moe_fused_router_max_rows: int = 1
     moe_shared_stream_max_rows: int = 16
-    moe_combine_norm_max_tokens: int = 1 << 30
     moe_deep_gemm_min_rows: int = 128
     batch_invariant: bool = False
     mla_decode_block_h: int = 64
@@ -236,9 +231,6 @@ class KernelConfig:
                f"{self.moe_pair_tiles_max_tokens} must be >= 0; 0 always aligns.")
         _check("moe_shared_stream_max_rows", self.moe_shared_stream_max_rows >= 0,
                f"{self.moe_shared_stream_max_rows} must be >= 0; 0 turns the second stream off.")
-        _check("moe_combine_norm_max_tokens", self.moe_combine_norm_max_tokens >= 0,
-               f"{self.moe_combine_norm_max_tokens} must be >= 0; 0 keeps the norm a kernel "
-               f"of its own.")
         for name in ("mla_decode_block_h", "mla_decode_block_n", "mla_decode_max_splits",
                      "mla_prefill_block_m", "mla_prefill_block_n"):
             value = getattr(self, name)

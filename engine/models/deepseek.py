@@ -28,7 +28,7 @@ from torch import nn
 
 from deepinfer.engine.kv_cache.spec import MLAAttentionSpec
 from deepinfer.engine.models.fp8 import Fp8LinearStaging, dequantize_fp8_weights, fp8_block_size
-from deepinfer.engine.models.layers.decoder import NormedRows, PreNormDecoderLayer
+from deepinfer.engine.models.layers.decoder import PreNormDecoderLayer
 from deepinfer.engine.models.layers.linear import Linear
 from deepinfer.engine.models.layers.lm_head import CausalLMLogits
 from deepinfer.engine.models.layers.mla import MLAAttention, Targets
@@ -39,8 +39,7 @@ from deepinfer.engine.models.layers.rotary import RotaryEmbedding, rope_paramete
 from deepinfer.engine.moe.gating import RoutingConfig
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.fp8 import fp8_supported
-from deepinfer.kernels.fused_linear import AddedRows, add_norm_linear, fused_config
-from deepinfer.kernels.linear import linear
+from deepinfer.kernels.fused_linear import AddedRows, add_norm_linear
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
@@ -100,28 +99,6 @@ class DeepseekMoEBlock(nn.Module):
             return self.moe(hidden)
         return self._routed_plus(hidden, self.shared_experts)
 
-    def forward_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                     ) -> tuple[torch.Tensor | NormedRows, torch.Tensor]:
-        """The block's output with the next RMSNorm (`norm`: the next layer's input norm or the
-        model's final one) applied by the experts' combine kernel, up to
-        `KernelConfig.moe_combine_norm_max_tokens` CUDA tokens (one kernel launch less a
-        layer); else as `forward`.
-
-        Args:
-            hidden: [T, hidden_size] the normed input; residual: [T, hidden_size] the stream.
-        Returns:
-            (NormedRows(norm(out + residual)), out + residual), or (out, residual).
-        """
-        limit = self.kernel_config.moe_combine_norm_max_tokens
-        if not (hidden.is_cuda and hidden.shape[0] <= limit):
-            return self.forward(hidden), residual
-        args = (residual, norm.weight, norm.eps)
-        if self.shared_experts is None:
-            normed, residual = self.moe(hidden, norm=args)
-        else:
-            normed, residual = self._routed_plus(hidden, self.shared_experts, norm=args)
-        return NormedRows(normed), residual
-
     def forward_add(self, hidden: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The block's output added to the residual stream where that saves a kernel.
@@ -150,14 +127,13 @@ class DeepseekMoEBlock(nn.Module):
         return (out, residual) if isinstance(pending, torch.Tensor) else (None, out)
 
     def _routed_plus(self, hidden: torch.Tensor,
-                     shared: Callable[[torch.Tensor], torch.Tensor], norm=None):
+                     shared: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The routed experts' output plus `shared(hidden)` [T, hidden_size], added by the
-        combine kernel (no separate add); with `norm`, `MoE.forward`'s (normed, sum) pair.
-        `shared` runs first, or, up to `moe_shared_stream_max_rows` CUDA tokens, on the
-        second stream."""
+        combine kernel (no separate add). `shared` runs first, or, up to
+        `moe_shared_stream_max_rows` CUDA tokens, on the second stream."""
         if not (hidden.is_cuda
                 and hidden.shape[0] <= self.kernel_config.moe_shared_stream_max_rows):
-            return self.moe(hidden, shared(hidden), norm=norm)
+            return self.moe(hidden, shared(hidden))
         main = torch.cuda.current_stream(hidden.device)
         side = _shared_experts_stream(hidden.device)
         # the side stream starts after hidden (and the residual stream) are written; main reads
@@ -168,7 +144,7 @@ class DeepseekMoEBlock(nn.Module):
         with torch.cuda.stream(side):
             shared_output = shared(hidden)
             shared_ready = side.record_event()
-        return self.moe(hidden, shared_output, shared_ready, norm=norm)
+        return self.moe(hidden, shared_output, shared_ready)
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
@@ -193,33 +169,24 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
                     GatedMLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype))
 
     def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
-                       pending: torch.Tensor | AddedRows | NormedRows | None,
-                       residual: torch.Tensor, kv_cache: torch.Tensor,
-                       attn_metadata: AttentionMetadata, next_norm: RMSNorm | None = None
-                       ) -> tuple[torch.Tensor | AddedRows | NormedRows | None, torch.Tensor]:
+                       pending: torch.Tensor | AddedRows | None, residual: torch.Tensor,
+                       kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+                       ) -> tuple[torch.Tensor | AddedRows | None, torch.Tensor]:
         """The layer over the stream residual + pending ([T, hidden_size] each; pending None
-        or AddedRows when already added, NormedRows when added and normed by the previous
-        layer's combine): the input RMSNorm in the merged q + kv_a GEMM and the residual adds
-        in o_proj's and the MLP's last GEMM where `kernels.fused_linear` runs fused kernels.
-        The post-attention RMSNorm stays a kernel of its own (with the add still pending, if
-        any): it feeds the router and the experts, which are not such GEMMs. `next_norm`
-        (the model passes it where the next norm is not fused into a GEMM): a MoE block
-        applies it in its combine (`DeepseekMoEBlock.forward_norm`). Returns (pending,
-        residual)."""
+        or AddedRows when already added): the input RMSNorm in the merged q + kv_a GEMM and the
+        residual adds in o_proj's and the MLP's last GEMM where `kernels.fused_linear` runs
+        fused kernels. The post-attention RMSNorm stays a kernel of its own (with the add
+        still pending, if any): it feeds the router and the experts, which are not such GEMMs.
+        Returns (pending, residual)."""
         attn, norm1, norm2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        if isinstance(pending, NormedRows):   # norm1's weight is all ones once folded
-            fused = linear(pending.rows, attn.q_kv_a_weight, None, settings=self.kernel_config)
-        else:
-            fused, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
-                                              attn.q_kv_a_weight, settings=self.kernel_config)
+        fused, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
+                                          attn.q_kv_a_weight, settings=self.kernel_config)
         out = attn.attend(rope, *attn.split_q_kv_a(fused), kv_cache, attn_metadata)
         pending, residual = attn.o_proj.forward_add(out, residual)
         if isinstance(pending, torch.Tensor):
             hidden, residual = norm2(pending, residual)
         else:
             hidden = norm2(residual)
-        if next_norm is not None and isinstance(self.mlp, DeepseekMoEBlock):
-            return self.mlp.forward_norm(hidden, residual, next_norm)
         return self.mlp.forward_add(hidden, residual)
 
     def checkpoint_targets(self, prefix: str) -> Targets:
@@ -362,27 +329,12 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
-        next_norms = self._next_norms(hidden)
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches[:self.num_hidden_layers],
-                                              next_norms, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata,
-                                     next_norm=next_norm)
-        if isinstance(hidden, NormedRows):   # the last MoE block applied the final norm
-            return hidden.rows
+        for layer, kv_cache in zip(self.layers, kv_caches[:self.num_hidden_layers], strict=True):
+            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
         if not isinstance(hidden, torch.Tensor):   # folded layers added their last output
             return self.norm(residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def _next_norms(self, hidden: torch.Tensor) -> list[RMSNorm | None]:
-        """Per decoder layer, the RMSNorm after it (the next layer's input norm, the final norm
-        after the last) for its MoE block's combine to apply; all None where folded layers run
-        that norm inside their fused q + kv_a GEMM at this many tokens (`fused_config`)."""
-        first = self.layers[0]
-        if first.norms_folded and fused_config("norm", hidden, first.self_attn.q_kv_a_weight,
-                                               first.kernel_config) is not None:
-            return [None] * len(self.layers)
-        return [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
 
     def mtp_forward(self, hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
                     positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -182,38 +182,6 @@ def test_shared_output_added_in_the_combine(num_tokens, dtype):
     torch.testing.assert_close(torch_out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_tokens,with_shared", [(1, True), (5, False), (70, True)])
-def test_next_norm_applied_in_the_combine(num_tokens, with_shared, dtype):
-    """`norm=(residual, weight, eps)`: the combine adds the residual and applies the RMSNorm,
-    bitwise equal to the experts' output then the separate add + norm kernel
-    (`kernels.rms_norm`, Triton), the residual left unwritten; the reference backend runs
-    the same contract through `rms_norm` after its sum."""
-    from deepinfer.kernels.rms_norm import rms_norm
-
-    args = make_moe(num_tokens, 16, 4, dtype=dtype, seed=21)
-    gen = torch.Generator().manual_seed(22)
-    residual = torch.randn(num_tokens, 64, generator=gen).to(DEVICE, dtype)
-    weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(DEVICE, dtype)
-    shared = (torch.randn(num_tokens, 64, generator=gen).to(DEVICE, dtype) if with_shared
-              else None)
-    kept = residual.clone()
-    normed, summed = moe_experts(*args, backend="triton", shared_output=shared,
-                                 norm=(residual, weight, 1e-6))
-    out = moe_experts(*args, backend="triton", shared_output=shared)
-    expected_normed, expected_sum = rms_norm(out, weight, 1e-6, residual.clone(),
-                                             backend="triton")
-    assert torch.equal(summed, expected_sum) and torch.equal(normed, expected_normed)
-    assert torch.equal(residual, kept)
-    ref_args = [a.cpu() for a in args]
-    ref_normed, ref_sum = moe_experts(
-        *ref_args, backend="reference", shared_output=None if shared is None else shared.cpu(),
-        norm=(residual.cpu(), weight.cpu(), 1e-6))
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert relative_error(normed, ref_normed) <= tolerance
-    assert relative_error(summed, ref_sum) <= tolerance
-
-
 def test_deterministic_run_to_run():
     args = make_moe(40, 8, 3, seed=5)
     first = moe_experts(*args, backend="triton")

@@ -14,7 +14,6 @@ from torch import nn
 
 from deepinfer.engine.moe.gating import RoutingConfig, route_hidden
 from deepinfer.kernels.moe import moe_experts
-from deepinfer.kernels.rms_norm import rms_norm
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
@@ -99,30 +98,24 @@ class MoE(nn.Module):
         raise ValueError(f"unknown expert projection {projection!r}")
 
     def forward(self, hidden: torch.Tensor, shared_output: torch.Tensor | None = None,
-                shared_ready: torch.cuda.Event | None = None,
-                norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum (plus
         `shared_output`, [num_tokens, hidden_size] or None: added by the experts' combine
         kernel on the Triton backend), same shape/dtype. `shared_ready`: None, or the event
         after which shared_output (written on another CUDA stream) may be read
-        (`kernels.moe.moe_experts`). `norm`: None, or (residual, weight, eps) of the RMSNorm
-        with residual add that follows: returns (normed, sum + residual) instead
         (`kernels.moe.moe_experts`)."""
         if self.expert_parallel is not None:
             out = self.expert_parallel.forward(self, hidden)
             if shared_ready is not None:
                 torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
-            out = out if shared_output is None else out + shared_output
-            return out if norm is None else rms_norm(out, norm[1], norm[2], norm[0],
-                                                     settings=self.kernel_config)
+            return out if shared_output is None else out + shared_output
         topk_weights, physical_ids = route_hidden(  # [T, top_k] each
             hidden, self.gate_weight, self.routing, self.e_score_correction_bias,
             logical_to_physical=self.logical_to_physical, settings=self.kernel_config)
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
                            backend=self.backend, settings=self.kernel_config,
                            w13_scale=self.w13_scale, w2_scale=self.w2_scale,
-                           shared_output=shared_output, shared_ready=shared_ready, norm=norm)
+                           shared_output=shared_output, shared_ready=shared_ready)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.routing.num_experts}, top_k={self.routing.top_k}, "
