@@ -34,10 +34,14 @@ heads x L^2 / 2 per layer).
    to FP8 (e4m3, 128x128 block scales; linears stay bf16), decode again against the roofline
    with the experts' bytes halved, then the prefill again (JSON `prefill_fp8_experts`, same
    warm-up and roofline);
-8. with `--moe-sweep`: the routed experts alone at batch 1, 64, 256 under candidate tiles.
+8. with `--moe-sweep`: the routed experts alone at batch 1, 64, 256 under candidate tiles;
+9. with `--variants A,B`: after the decode runs, the committed `KernelConfig` and each variant
+   (`gpu_decode.variant_fields`, e.g. `mla_absorb_triton_max_tokens=0`) decode at --batches,
+   alternating, `--variant-rounds` times in the same engine (graphs recaptured; JSON
+   `variants`): the A/B behind a kernel decision.
 
 Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf] [--moe-sweep]
-    [--batches 1,8,64,256] [--fp8-batches 1,8,64,256] [--hf-batches 1,8]
+    [--batches 1,8,64,256] [--fp8-batches 1,8,64,256] [--hf-batches 1,8] [--variants A,B]
 (the batch lists pick the decode runs; fewer make a shorter device call)
 """
 
@@ -369,6 +373,25 @@ def prefill_run(model_dir: Path, model, vocab: int, costs, ceilings) -> dict:
             "prompts": PREFILL_PROMPTS}
 
 
+def variant_rounds(core, vocab: int, labels: list[str], batches, rounds: int) -> dict:
+    """Same-process A/B: the committed `KernelConfig` and each variant (`gpu_decode.
+    variant_fields`: a name or FIELD=VALUE, joined by '+'; CUDA graphs recaptured) decode at
+    `batches`, alternating, `rounds` times. Returns {"LABEL b=B": [tok/s per round]}."""
+    from gpu_decode import kernel_settings, variant_fields
+
+    runs: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for label in ["committed", *labels]:
+            with kernel_settings(core, {} if label == "committed" else variant_fields(label)):
+                for batch in batches:
+                    seconds, tokens, _ = _run_requests(
+                        core, _random_prompts(batch, PROMPT_TOKENS, vocab, 1000 + batch),
+                        NEW_TOKENS)
+                    runs.setdefault(f"{label} b={batch}", []).append(round(tokens / seconds, 1))
+                    print(f"variant {label} b={batch}: {tokens / seconds:.1f} tok/s", flush=True)
+    return runs
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -390,6 +413,11 @@ def main() -> int:
                         help="decode batch sizes with FP8 experts (default 1,8,64,256)")
     parser.add_argument("--hf-batches", type=batch_list, default=HF_BATCHES,
                         help="HF generate batch sizes (default 1,8)")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated KernelConfig variants (gpu_decode.variant_fields: "
+                             "a name or FIELD=VALUE, joined by '+') decoded at --batches against "
+                             "the committed config after the decode runs, same process")
+    parser.add_argument("--variant-rounds", type=int, default=2)
     args = parser.parse_args()
     from transformers import DeepseekV2Config
 
@@ -436,6 +464,10 @@ def main() -> int:
         rows.append((f"decode b={batch}", run["tok_s"], run["roofline_tok_s"],
                      hf.get(f"decode_b{batch}")))
         print(f"decode b={batch}: {run}", flush=True)
+        save()
+    if args.variants:
+        results["variants"] = variant_rounds(core, vocab, args.variants.split(","), args.batches,
+                                             args.variant_rounds)
         save()
     core = None
     _free()
