@@ -171,14 +171,16 @@ def test_sweep_chains_at_deepseek_v2_lite_shapes(label, residual_config):
 
 def test_a_v2_lite_sweep_is_merged_into_the_llama_entries(monkeypatch, tmp_path):
     """`fused_linear_sweep.py --model deepseek-v2-lite --write-configs` on a device whose file
-    holds Llama's entries (the H200's, copied): those stay as they were, the V2-Lite ones join
-    them, each bucket's boundaries in `BOUNDARIES` order, residual GEMM before norm GEMM."""
+    holds Llama's entries (the H200 file's Llama entries, copied): those stay as they were, the
+    V2-Lite ones join them, each bucket's boundaries in `BOUNDARIES` order, residual GEMM
+    before norm GEMM."""
     from benchmarks.fused_linear_sweep import MODELS, config_key
     from deepinfer.kernels import backends
 
     device = "NVIDIA H200"
-    llama = json.loads(backends.device_config_path(fused_linear.CONFIG_KIND, device)
-                       .read_text())["entries"]
+    llama = [e for e in json.loads(backends.device_config_path(fused_linear.CONFIG_KIND, device)
+                                   .read_text())["entries"]
+             if not e["shape"].startswith("v2lite")]   # the file's Llama-3-8B entries
     monkeypatch.setattr(backends, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: device)
     backends.write_device_config(fused_linear.CONFIG_KIND, llama, "the H200's file")
