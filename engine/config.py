@@ -16,6 +16,7 @@ Pure module: no torch import.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -517,7 +518,17 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def replace(self, **sections: dict) -> "EngineConfig":
-        """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`."""
+        """Copy with some fields changed, e.g. `cfg.replace(cache={"block_size": 32})`.
+
+        Raises:
+            ConfigError: a value of the wrong type for a field typed int, float, bool or str
+                (or None where allowed; an int is a float, a bool is not an int), or out of
+                range (the sections' own checks).
+        """
+        for name, values in sections.items():
+            types = {f.name: str(f.type) for f in dataclasses.fields(getattr(self, name))}
+            for field_name, value in values.items():
+                _check_type(field_name, types.get(field_name, ""), value)
         updated = {name: dataclasses.replace(getattr(self, name), **values)
                    for name, values in sections.items()}
         return dataclasses.replace(self, **updated)
@@ -541,6 +552,27 @@ class EngineConfig:
                                 "(engine/config.py), e.g. max_model_len, block_size, max_num_seqs")
             sections.setdefault(section, {})[name] = value
         return self.replace(**sections)
+
+
+# a field annotation's simple types -> (check, how a message names them)
+_SIMPLE_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "None": (lambda v: v is None, "null"),
+}
+
+
+def _check_type(field_name: str, annotation: str, value: object) -> None:
+    """ConfigError unless `value` fits a field annotated `annotation` ("int | None", ...);
+    annotations other than unions of int, float, bool, str and None are not checked."""
+    kinds = [kind.strip() for kind in annotation.split("|")]
+    if not kinds or any(kind not in _SIMPLE_TYPES for kind in kinds):
+        return
+    if not any(_SIMPLE_TYPES[kind][0](value) for kind in kinds):
+        wanted = " or ".join(_SIMPLE_TYPES[kind][1] for kind in kinds)
+        raise ConfigError(f"{field_name}={value!r} must be {wanted}.", field_name)
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,

@@ -1,8 +1,11 @@
 """EngineConfig and SamplingParams: ranges, env mapping, DeepInfer aliases."""
 
+import re
+
 import pytest
 
-from deepinfer.engine.config import CacheConfig, EngineConfig, SchedulerConfig, env_overrides
+from deepinfer.engine.config import (CacheConfig, ConfigError, EngineConfig, SchedulerConfig,
+                                     env_overrides)
 from deepinfer.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +37,22 @@ def test_config_range_checks():
         CacheConfig(block_size=12)
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         SchedulerConfig(max_num_seqs=0)
+
+
+def test_replace_checks_the_types_of_simple_fields():
+    """`EngineConfig.replace` (LLM(...) keywords, --speculative-config) refuses values of the
+    wrong type by field name: no bool for an int, no string for a bool; an int is a float and
+    None is allowed where the field says so."""
+    config = EngineConfig()
+    for section, values, message in (
+            ("cache", {"block_size": "16"}, "block_size='16' must be an integer"),
+            ("model", {"enforce_eager": "no"}, "enforce_eager='no' must be true or false"),
+            ("scheduler", {"max_num_seqs": True}, "max_num_seqs=True must be an integer"),
+            ("model", {"max_model_len": 1.5}, "must be an integer or null")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config.replace(**{section: values})
+    assert config.replace(cache={"gpu_memory_utilization": 1}).cache.gpu_memory_utilization == 1
+    assert config.replace(model={"max_model_len": None}).model.max_model_len is None
 
 
 def test_seq_seed_is_an_alias_of_seed():

@@ -218,6 +218,22 @@ def test_speculative_flags_and_vllm_speculative_config():
         build_engine_config(parse("--speculative-config", "{method"), environ={})
 
 
+@pytest.mark.parametrize("value,message", [
+    ('"x"', "num_speculative_tokens='x' must be an integer"),
+    ("null", "num_speculative_tokens=None must be an integer"),
+    ("5.5", "num_speculative_tokens=5.5 must be an integer"),
+    ("true", "num_speculative_tokens=True must be an integer")])
+def test_speculative_config_values_of_the_wrong_type_are_refused(capsys, value, message):
+    """A --speculative-config value of the wrong JSON type is the one-line configuration error
+    (exit 2), not a traceback; a string is not a flag ("no" did turn varlen on)."""
+    assert main(["serve", "--speculative-config",
+                 f'{{"method": "ngram", "num_speculative_tokens": {value}}}']) == 2
+    assert message in capsys.readouterr().err
+    assert main(["serve", "--speculative-config",
+                 '{"method": "ngram", "spec_varlen": "no"}']) == 2
+    assert "spec_varlen='no' must be true or false" in capsys.readouterr().err
+
+
 def test_api_server_count_flag_variable_and_its_engine_process_rule(capsys):
     """Several API servers are clients of one engine core process: the count turns the
     engine process on (even on CPU) and is refused with --no-engine-process (exit 2)."""
