@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # One device call: the GPU test suite (-m gpu), then the H200 benchmark. Logs under $OUT (or ./out).
-# Usage: bash benchmarks/gpu_suite.sh [tests|bench|sweep|ep|all]  (sweep: benchmarks/gemv_sweep.py)
+# Usage: bash benchmarks/gpu_suite.sh [tests|bench|sweep|ep|spec|all]  (sweep: benchmarks/gemv_sweep.py)
 # ep: on a host with several GPUs (nvidia-h200-x2/x4/x8), the expert/data-parallel GPU tests,
 #   then benchmarks/bench_ep_gpu.py over every visible GPU (EP_LAYERS V2-Lite layers, default 8);
 #   under ~8 minutes; logs ep_tests.log, bench_ep.log, bench_ep.json
 # tests: under ~8 minutes (timeout 450 s); bench: benchmarks/gpu_decode.py (~5 minutes)
 # tests/e2e/test_gpu_server.py needs fastapi, starlette, uvicorn and pydantic: where they are
 # missing, install them first (the device image lacks them; carry wheels, see the device README).
+# spec: benchmarks/bench_spec.py on SmolLM2 bf16 (128 and 384 new tokens; ~2 minutes). Its GGUF
+#   (98 MB) travels in two halves over two calls of one warm machine; a carried folder replaces
+#   the one there, so each call copies its half out of the checkout. Here: `split -n 2 -d GGUF
+#   x` into .dev/g1/part0 and .dev/g2/part1 (ignored), `pip download gguf` into .whl (the
+#   device image lacks it). Call 1 carries .dev/g1 and stores its half (no GGUF yet: it stops);
+#   call 2, within the machine's warm period, carries .dev/g2 and .whl, joins and runs.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -21,6 +27,24 @@ if [ "$what" = ep ]; then
     2>&1 | tee "$OUT/ep_tests.log"
   timeout 270 python3 benchmarks/bench_ep_gpu.py --layers "${EP_LAYERS:-8}" \
     --json "$OUT/bench_ep.json" 2>&1 | tee "$OUT/bench_ep.log"
+  exit
+fi
+if [ "$what" = spec ]; then
+  [ -f .dev/g1/part0 ] && cp .dev/g1/part0 /tmp/smollm2.part0
+  if [ -f .dev/g2/part1 ] && [ -f /tmp/smollm2.part0 ]; then
+    cat /tmp/smollm2.part0 .dev/g2/part1 > /tmp/SmolLM2.gguf
+  fi
+  [ -f /tmp/SmolLM2.gguf ] || { echo "first half stored; call again with .dev/g2 and .whl"; exit; }
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+  fi
+  export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+  for tokens in 128 384; do
+    timeout 240 python3 benchmarks/bench_spec.py --device cuda --dtype bfloat16 \
+      --model /tmp/SmolLM2.gguf --max-tokens $tokens --repeats 2 --json "$OUT/bench_spec_$tokens.json" \
+      2>&1 | grep -v "Converting GGUF" | tee "$OUT/bench_spec_$tokens.log"
+  done
   exit
 fi
 if [ "$what" = sweep ]; then

@@ -568,7 +568,7 @@ def _check_type(field_name: str, annotation: str, value: object) -> None:
     """ConfigError unless `value` fits a field annotated `annotation` ("int | None", ...);
     annotations other than unions of int, float, bool, str and None are not checked."""
     kinds = [kind.strip() for kind in annotation.split("|")]
-    if not kinds or any(kind not in _SIMPLE_TYPES for kind in kinds):
+    if any(kind not in _SIMPLE_TYPES for kind in kinds):
         return
     if not any(_SIMPLE_TYPES[kind][0](value) for kind in kinds):
         wanted = " or ".join(_SIMPLE_TYPES[kind][1] for kind in kinds)
