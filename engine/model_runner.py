@@ -29,7 +29,7 @@ from deepinfer.engine.async_step import AsyncRunnerOutput
 from deepinfer.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs, feed_tokens
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplerOutput, greedy_argmax
-from deepinfer.engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from deepinfer.engine.sampling_metadata import build_sampling_metadata, samples_by_argmax
 from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.engine.models.layers import set_kernel_config
 from deepinfer.kernels.cpu_extension import cpu_extension
@@ -282,36 +282,29 @@ class ModelRunner:
         its sampled rows commits the graph's own argmax unless `keep_logits` (no float32 copy
         of the logits, no second argmax pass: tens of us of a verify step on the H200)."""
         graph_rows = self._graph_rows_sample(inputs, graph_outputs)
-        metadata = None   # of the requests' own states, where a shortcut may apply
         if (inputs.draft_token_ids is not None or graph_rows) and all(
-                s.grammar is None for s in inputs.sampling_states):
-            metadata = build_sampling_metadata(inputs.sampling_states, self.device,
-                                               eos_token_ids=self.eos_token_ids)
-            if metadata.argmax_only:
-                logits = None
-                if graph_rows and not keep_logits:
-                    token_ids = graph_outputs.greedy_ids
-                else:
-                    logits = self._logits(inputs, hidden, graph_outputs)
-                    token_ids = greedy_argmax(logits)
-                return self._commit(inputs, SamplerOutput(token_ids.tolist(), None)), logits
+                s.grammar is None for s in inputs.sampling_states) and samples_by_argmax(
+                    inputs.sampling_states, eos_token_ids=self.eos_token_ids):
+            logits = None
+            if graph_rows and not keep_logits:
+                token_ids = graph_outputs.greedy_ids
+            else:
+                logits = self._logits(inputs, hidden, graph_outputs)
+                token_ids = greedy_argmax(logits)
+            return self._commit(inputs, SamplerOutput(token_ids.tolist(), None)), logits
         logits = self._logits(inputs, hidden, graph_outputs)
-        return self._sample(inputs, logits, metadata), logits
+        return self._sample(inputs, logits), logits
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor,
-                metadata: SamplingMetadata | None = None
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor
                 ) -> dict[str, tuple[list[int], list | None]]:
         """Sample every logits row and commit each request's tokens to its state.
 
-        metadata: `build_sampling_metadata` of `inputs.sampling_states` when the caller made
-            it (a step without drafts samples those rows: it is reused).
         Returns:
             request id -> (committed token ids, their logprobs or None).
         """
         row_states = self._row_states(inputs.sampling_states, inputs.draft_token_ids)
-        if metadata is None or inputs.draft_token_ids is not None:
-            metadata = build_sampling_metadata(row_states, self.device,
-                                               eos_token_ids=self.eos_token_ids)
+        metadata = build_sampling_metadata(row_states, self.device,
+                                           eos_token_ids=self.eos_token_ids)
         if inputs.draft_token_ids is not None and any(
                 s.grammar is not None for s in inputs.sampling_states):
             bitmask, grammar_rows = self._draft_bitmask(inputs.sampling_states,

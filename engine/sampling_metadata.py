@@ -115,6 +115,22 @@ def uses_penalty(params: SamplingParams) -> bool:
             or params.frequency_penalty != 0.0)
 
 
+def samples_by_argmax(states: Sequence[SamplingState], *,
+                      eos_token_ids: Collection[int]) -> bool:
+    """True when `build_sampling_metadata(states, ...)` would be `argmax_only` (every row
+    greedy, no penalty, no min_tokens mask, no logprobs), decided without building it; the
+    caller checks grammars itself. One Python pass, no tensor."""
+    for state in states:
+        params = state.sampling_params
+        if (params.temperature >= GREEDY_TEMPERATURE or uses_penalty(params)
+                or params.logprobs is not None
+                or params.min_tokens and min_tokens_masked_ids(
+                    params, len(state.token_ids) - state.num_prompt_tokens,
+                    eos_token_ids) is not None):
+            return False
+    return True
+
+
 def build_sampling_metadata(states: Sequence[SamplingState], device: torch.device | str, *,
                             eos_token_ids: Collection[int]) -> SamplingMetadata:
     """Gather the settings of the B requests that sample this step (in logits row order).

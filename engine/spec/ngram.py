@@ -147,9 +147,6 @@ class NgramDrafter:
             means.append(mean)
         return means
 
-    def pooled_mean(self, greedy: bool, outcome: int, position: int) -> float:
-        return self.pooled_means(greedy, outcome, position + 1)[position]
-
     def confidences(self, match_len: int, greedy: bool, outcome: int,
                     count: int) -> list[float]:
         """Drafts 0..count-1's confidences after a match of `match_len` tokens: each the

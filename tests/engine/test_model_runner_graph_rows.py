@@ -78,7 +78,7 @@ def test_after_a_graph_replay_rows_that_do_not_all_sample_copy_only_the_indices(
     assert inputs._device_inputs is None          # the batch was not copied
 
 
-def test_a_greedy_step_commits_the_graphs_own_argmax_unless_asked_for_logits():
+def test_a_greedy_step_commits_the_graphs_own_argmax_unless_asked_for_logits(monkeypatch):
     """`execute` (keep_logits False): a greedy step whose replayed graph scored exactly its
     sampled rows commits the graph's greedy ids, without float32 logits; `execute_and_score`
     (keep_logits) and a step that samples (temperature > 0) take the logits path. The graph's
@@ -101,13 +101,13 @@ def test_a_greedy_step_commits_the_graphs_own_argmax_unless_asked_for_logits():
     for name in ("_commit", "_commit_drafts", "_logits", "_row_states"):
         setattr(runner, name, functools.partial(getattr(ModelRunner, name), runner))
     runner._graph_rows_sample = ModelRunner._graph_rows_sample
-    reused = []   # the requests' sampling metadata handed to `_sample` (made once a step)
-
-    def sample(inputs, got, metadata=None):
-        reused.append(metadata)
-        return {s.request_id: ([int(got[i].argmax())], None)
-                for i, s in enumerate(inputs.sampling_states)}
-    runner._sample = sample
+    runner._sample = lambda inputs, got: {s.request_id: ([int(got[i].argmax())], None)
+                                          for i, s in enumerate(inputs.sampling_states)}
+    from deepinfer.engine import model_runner
+    built = []   # sampling metadata built by `_sample_step` itself (`_sample` builds its own)
+    build = model_runner.build_sampling_metadata
+    monkeypatch.setattr(model_runner, "build_sampling_metadata",
+                        lambda *a, **k: built.append(1) or build(*a, **k))
 
     def step(temperature, keep_logits):
         inputs = _inputs(2, 2)
@@ -121,4 +121,4 @@ def test_a_greedy_step_commits_the_graphs_own_argmax_unless_asked_for_logits():
     assert sampled == {"a": ([3], None), "b": ([3], None)} and torch.equal(got, logits)
     sampled, got = step(0.8, keep_logits=False)
     assert sampled["a"] == ([3], None) and got is not None
-    assert len(reused) == 1 and not reused[0].all_greedy   # built once, handed on
+    assert not built   # the argmax check builds no metadata: `_sample` builds it once

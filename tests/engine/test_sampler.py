@@ -329,3 +329,26 @@ def test_two_pass_argmax_of_bf16_logits_is_the_float32_argmax():
     expected = logits.float().argmax(dim=-1)
     assert torch.equal(two_pass_argmax(logits, 128), expected)
     assert torch.equal(sampler_module.greedy_argmax(logits), expected)
+
+
+def test_samples_by_argmax_agrees_with_the_metadata_it_stands_for():
+    """`samples_by_argmax` (no metadata built) answers as `build_sampling_metadata(...)
+    .argmax_only` over every mix of the settings that decide it: temperature, each penalty,
+    logprobs, min_tokens reached or pending, with and without stop ids and ignore_eos."""
+    import itertools
+
+    from deepinfer.engine.sampling_metadata import samples_by_argmax
+
+    settings = [{}, {"temperature": 0.7}, {"repetition_penalty": 1.2},
+                {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"logprobs": 0},
+                {"min_tokens": 1}, {"min_tokens": 9}, {"min_tokens": 9, "ignore_eos": True},
+                {"min_tokens": 9, "ignore_eos": True, "stop_token_ids": [4]}]
+    rows = [Row(SamplingParams(**{"temperature": 0.0, **kw}),
+                token_ids=(1, 2, 3, 4, 5)) for kw in settings]
+    for count in (1, 2):
+        for batch in itertools.combinations(rows, count):
+            for eos in (frozenset(), frozenset({2})):
+                expected = build_sampling_metadata(batch, "cpu", eos_token_ids=eos).argmax_only
+                assert samples_by_argmax(batch, eos_token_ids=eos) == expected
+    assert samples_by_argmax(rows[:1], eos_token_ids={2})
+    assert not samples_by_argmax(rows[1:2], eos_token_ids={2})

@@ -280,7 +280,7 @@ def test_ngram_drafts_and_their_confidences():
     assert conf == pytest.approx([(8 + 2 * 0.9) / 10, (8 + 2 * 0.98) / 10, (0 + 2 * 0.196) / 10])
     # a position never verified borrows the one before it: with 3 drafts at most, position 3
     # of a 4-draft proposal would say 0.196 (pooled, no counts) -> its bucket mean the same
-    assert drafter.pooled_mean(True, drafter.MISS, 3) == pytest.approx(0.196)
+    assert drafter.pooled_means(True, drafter.MISS, 4)[3] == pytest.approx(0.196)
     # same match length, another continuation: the same confidences (c_j never reads draft j)
     assert both["d"].token_ids == [99, 98, 97] and both["d"].confidences == conf
 
