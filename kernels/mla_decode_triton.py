@@ -153,12 +153,14 @@ def _mla_reduce_uv_kernel(part_ptr, ml_ptr, qsl_ptr, w_uv_ptr, out_ptr, max_q_le
                           out_st, out_sh, NUM_HEADS: tl.constexpr, LORA: tl.constexpr,
                           V_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
                           NUM_SPLITS: tl.constexpr, NUM_V_TILES: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, RELEASE_EARLY: tl.constexpr):
     """Program (sequence, head, query token x value tile): the splits merged as
     `_mla_reduce_kernel`'s (rounded to the output dtype, as the unfused path stores it), then
     projected by W_UV: out[v] = sum_l o[l] W_UV[head, v, l] for the tile's BLOCK_V values,
     float32 accumulation. The W_UV tile (a weight: no kernel writes it) is loaded before the
-    PDL wait, while the decode kernel runs; empty splits (m = -inf) are not read."""
+    PDL wait, while the decode kernel runs; empty splits (m = -inf) are not read.
+    RELEASE_EARLY: the next kernel (o_proj's GEMM) may launch right after the wait
+    (`KernelConfig.pdl_release_early` names "mla_reduce"), else when this one ends."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     qi = tl.program_id(2) // NUM_V_TILES
@@ -167,7 +169,7 @@ def _mla_reduce_uv_kernel(part_ptr, ml_ptr, qsl_ptr, w_uv_ptr, out_ptr, max_q_le
     lat_ok = lat < LORA
     w = tl.load(w_uv_ptr + head * w_sh + v[:, None] * w_sv + lat[None, :],
                 mask=(v < V_DIM)[:, None] & lat_ok[None, :], other=0.0)        # [V, L]
-    pdl.wait(PDL)
+    pdl.wait_and_release(PDL, RELEASE_EARLY)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if (q_len > max_q_len) | (qi >= q_len):
@@ -283,8 +285,9 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
             part, ml, metadata.query_start_loc, w_uv, out, max_q_len, w_uv.stride(0),
             w_uv.stride(1), out.stride(0), out.stride(1), NUM_HEADS=num_heads, LORA=lora,
             V_DIM=v_dim, BLOCK_L=triton.next_power_of_2(lora), BLOCK_V=UV_BLOCK_V,
-            NUM_SPLITS=splits, NUM_V_TILES=v_tiles, PDL=bool(pdl_options), num_warps=8,
-            **pdl_options)
+            NUM_SPLITS=splits, NUM_V_TILES=v_tiles, PDL=bool(pdl_options),
+            RELEASE_EARLY=not pdl.release_after_loop("mla_reduce", settings=settings),
+            num_warps=8, **pdl_options)
     elif splits > 1:
         _mla_reduce_kernel[(metadata.num_seqs, num_heads, max_q_len)](
             part, ml, metadata.query_start_loc, out, max_q_len, out.stride(0), out.stride(1),

@@ -84,9 +84,10 @@ def _hopper_or_newer(index: int | None) -> bool:
 
 def release_after_loop(kernel: str, role: str | None = None,
                        settings: KernelConfig = DEFAULT) -> bool:
-    """The TRIGGER_AFTER_LOOP constexpr of `kernel` ("linear", "linear_gluon" or
-    "attention"); a GEMM whose epilogue has `role` ("gated", "residual", "norm", "plain")
-    also releases early where `settings.pdl_release_early` names "kernel role"."""
+    """The TRIGGER_AFTER_LOOP constexpr of `kernel` ("linear", "linear_gluon", "attention" or
+    "mla_reduce", MLA's split reduce with W_UV); a GEMM whose epilogue has `role` ("gated",
+    "residual", "norm", "plain") also releases early where `settings.pdl_release_early` names
+    "kernel role"."""
     early = settings.pdl_release_early
     return kernel not in early and f"{kernel} {role}" not in early
 

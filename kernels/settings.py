@@ -91,8 +91,9 @@ class KernelConfig:
         Gluon kernel on Hopper (`kernels/linear_gluon.py`); default {64}; empty: Triton only.
     pdl: True (default): programmatic dependent launch on Hopper (`kernels/pdl.py`).
     pdl_release_early: the kernels that release the next one right after their PDL wait:
-        "linear" (Triton skinny GEMM), "linear_gluon", "attention", or "linear_gluon ROLE" for
-        one epilogue role (`linear_gluon.epilogue_role`); default `PDL_RELEASE_EARLY`.
+        "linear" (Triton skinny GEMM), "linear_gluon", "attention", "mla_reduce" (MLA's
+        split reduce with W_UV), or "linear_gluon ROLE" for one epilogue role
+        (`linear_gluon.epilogue_role`); default `PDL_RELEASE_EARLY`.
     norm_by_dot_rows: from this many rows per program (default 32) a norm GEMM computes its
         rows' sums of squares with an x x^T dot in its K loop; below, a pre-pass over x.
     quantized_max_rows: up to this many rows (default 64) a CPU linear with a Q4_1 / Q8_0
@@ -136,6 +137,9 @@ class KernelConfig:
     mla_absorb_triton_max_tokens: up to this many tokens (default 16) absorbed MLA folds W_UK
         into the queries with a Triton kernel (`mla_attention_triton.absorb_query`); above,
         cuBLAS's batched GEMM. 0: always cuBLAS.
+    mla_absorb_overlaps_rotary: with PDL, the Triton W_UK absorption reads its queries before
+        its PDL wait, so it runs beside the rotation + latent write before it instead of after
+        (`mla_attention_triton.absorb_query` says why that read is safe); default False.
     mla_reduce_uv_max_tokens: up to this many tokens (default 16) absorbed MLA applies W_UV in
         its split reduce (`mla_decode_triton._mla_reduce_uv_kernel`, one launch less); above,
         a cuBLAS batched GEMM after the reduce. 0: never fused.
@@ -185,6 +189,7 @@ class KernelConfig:
     mla_decode_stages: int = 2
     mla_decode_max_query_len: int = 8
     mla_absorb_triton_max_tokens: int = 16
+    mla_absorb_overlaps_rotary: bool = False
     mla_reduce_uv_max_tokens: int = 16
     mla_prefill_block_m: int = 64
     mla_prefill_block_n: int = 64
@@ -203,7 +208,7 @@ class KernelConfig:
                f"{self.cublaslt_max_rows} must be >= 0; 0 keeps torch's default library.")
         _check("gluon_block_m", self.gluon_block_m <= {16, 32, 64},
                f"{sorted(self.gluon_block_m)} must be row buckets among 16, 32 and 64.")
-        kernels = {"linear", "linear_gluon", "attention"}
+        kernels = {"linear", "linear_gluon", "attention", "mla_reduce"}
         roles = {f"linear_gluon {r}" for r in ("gated", "residual", "norm", "plain")}
         _check("pdl_release_early", self.pdl_release_early <= kernels | roles,
                f"{sorted(self.pdl_release_early - kernels - roles)} are not kernels; use "
