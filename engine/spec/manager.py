@@ -55,6 +55,11 @@ from deepinfer.engine.spec.step_rate import StepRateTable
 GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
 MISSES_BEFORE_BACKOFF = 2   # verified proposals rejected at draft 1 in a row before a back-off
 PLAIN_MEASUREMENTS = 3      # async plain steps measured at a batch size before drafting there
+# a plain step whose key already holds a full window of measurements is timed once in this
+# many: every observation rebuilds the step-rate readers and re-decides `drafting_can_pay`,
+# host work that a step skipping the drafter paid in full (1-layer Llama, async scheduling
+# on the 2-core CPU box, batch 16, nothing to verify: 0.12 ms a step over off's 1.36 ms)
+PLAIN_SAMPLE_EVERY = 8
 
 
 def decodes_next(request: Request) -> bool:
@@ -98,15 +103,22 @@ class SpecDecoder:
         self.num_steps = 0            # propose calls
         self.num_skipped_steps = 0    # ... that did not call the drafter (drafting cannot pay)
         self.num_explored_steps = 0   # ... that verified more than the admission chose
+        self._plain_steps = 0         # plain steps offered to `observe` (PLAIN_SAMPLE_EVERY)
         self.elapsed_seconds = 0.0    # observed step time
         self.explore_seconds = 0.0    # ... of it, what exploration steps cost on top
         # an exploration step's baseline: the predicted seconds of the admission's own choice
         # (None: not exploring)
         self._explore_baseline: float | None = None
         # a look: a step that called the drafter and verified nothing (on the GPU a blocking
-        # plain step instead of an overlapped one): (predicted plain seconds, drafter seconds)
-        self._look: tuple[float, float] | None = None
+        # plain step instead of an overlapped one): (predicted
+        # plain step, drafter seconds, whether a peek asked for it)
+        self._look: tuple[float, float, bool] | None = None
         self._looks_pay: bool | None = None   # the last look admitted drafts (None: no look)
+        # peeks (non-blocking looks, `_peek`): count, how many said a look would pay, their
+        # host seconds; the last one said so (cleared when the look it asked for proposed)
+        self.num_peeks = self.num_fruitful_peeks = 0
+        self.peek_seconds = 0.0
+        self._peeked = False
         self._last_look_seconds = 0.0    # what the last fruitless look cost
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
         self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
@@ -138,14 +150,67 @@ class SpecDecoder:
         if self.async_plain_steps and not self._looks_pay and self.step_rate.measured(
                 base_tokens) < PLAIN_MEASUREMENTS:
             return False   # measure what an overlapped plain step costs at this batch first
-        return self._may_verify(num_rows, base_tokens)
+        if self._may_verify(num_rows, base_tokens):
+            return True
+        if self._can_pay[1] and self._peek_due():
+            self._peeked = self._peek(scheduler, base_tokens)
+        return self._peeked
+
+    def _peek_due(self) -> bool:
+        """Peeking fits its budget: `spec_explore_fraction` of the elapsed step time, an
+        account of its own (`peek_seconds`: the peeks' host time, and what the looks they
+        asked for cost when those admitted nothing)."""
+        fraction = self.config.spec_explore_fraction
+        return (self.async_plain_steps and fraction > 0.0
+                and self.peek_seconds <= fraction * self.elapsed_seconds)
+
+    def _peek(self, scheduler: Scheduler, base_tokens: int) -> bool:
+        """A non-blocking look, while the step in flight still holds each request's newest
+        token: the drafter proposes from the tokens known (one behind), its first draft
+        guessing the token in flight. Were that guess right, the next step's drafts would be
+        the ones after it, with confidences [c_1 c_2, c_3, ...] (the guess must hold for any
+        of them to pass): True when those would pay (`capacity` over them: an unconstrained
+        search is fine here, the look this triggers re-proposes from the real token and its
+        own admission decides). Costs host time only, counted in `peek_seconds`."""
+        start = time.perf_counter()
+        gamma = self.config.num_speculative_tokens
+        views, rows = [], 0
+        for r in scheduler.running:
+            behind = r.num_output_placeholders == 1 and r.num_computed_tokens == r.num_tokens
+            if not behind and not decodes_next(r):
+                continue
+            rows += 1
+            limit = min(gamma, max(r.max_total_tokens - r.num_tokens - 1 - behind, 0))
+            if limit > 0 and self._resume_step.get(r.request_id, 0) <= self.num_steps + 1:
+                views.append((behind, DraftRequest(
+                    r.request_id, r.all_token_ids, r.num_prompt_tokens,
+                    max_drafts=limit + behind,
+                    greedy=r.sampling_params.temperature < GREEDY_TEMPERATURE)))
+        proposals = self.drafter.propose([v for _, v in views]) if views else {}
+        confidences = []
+        for behind, view in views:
+            proposal = proposals.get(view.request_id)
+            if proposal is None or len(proposal.confidences) <= behind:
+                continue
+            values = proposal.confidences
+            confidences.append([values[0] * values[1], *values[2:]] if behind else values)
+        pays = bool(confidences) and capacity(
+            confidences, self.step_rate.step_seconds(base_tokens), base_committed=float(rows),
+            max_drafts=max(self.max_num_batched_tokens - base_tokens, 0),
+            min_gain=self.config.spec_min_gain) > 0
+        self.num_peeks += 1
+        self.num_fruitful_peeks += pays
+        self.peek_seconds += time.perf_counter() - start
+        return pays
 
     def _may_verify(self, num_rows: int, base_tokens: int) -> bool:
         """Whether to call the drafter for `num_rows` decode rows: drafting can pay (sure first
         drafts would open the gate) and the last look found drafts worth verifying or looking
-        costs no overlap (plain steps block too), or a look or an exploration step (a first
-        draft for each row, the most the gate's exploration verifies) fits the exploration
-        budget."""
+        costs no overlap (plain steps block too) or a peek said it would pay, or a look or an
+        exploration step (a first draft for each row, the most the gate's exploration
+        verifies) fits the exploration budget."""
+        if self._peeked:
+            return True
         step_seconds = self.step_rate.step_seconds(base_tokens)
         max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
         key = (num_rows, base_tokens, step_seconds)   # the reader lasts until an observation
@@ -170,8 +235,11 @@ class SpecDecoder:
         """The next step carries no drafts (`may_draft` said so): counted as a step that did
         not call the drafter, without asking it."""
         self.num_steps += 1
-        self._hand_over(scheduler, [r.request_id for r in scheduler.running if decodes_next(r)],
-                        {}, skipped=True)
+        self.num_skipped_steps += 1
+        self._proposed = {}
+        stale = {r.request_id: [] for r in scheduler.running if r.spec_token_ids}
+        if stale:   # drafts handed over but not scheduled (the scheduler clears the rest)
+            scheduler.update_draft_token_ids(stale)
 
     def propose(self, scheduler: Scheduler) -> dict[str, list[int]]:
         """Draft for the next step and hand the admitted drafts to the scheduler; returns them
@@ -179,6 +247,12 @@ class SpecDecoder:
         self.num_steps += 1
         self._explore_baseline = self._look = None
         gamma = self.config.num_speculative_tokens
+        try:
+            return self._propose(scheduler, gamma)
+        finally:
+            self._peeked = False
+
+    def _propose(self, scheduler: Scheduler, gamma: int) -> dict[str, list[int]]:
         decoding = [r for r in scheduler.running if decodes_next(r)]
         ids = [r.request_id for r in decoding]
         if not ids:
@@ -220,7 +294,7 @@ class SpecDecoder:
             self._looks_pay = any(lengths)
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts)
             if not any(lengths):
-                self._look = (step_seconds(0), drafter_seconds)
+                self._look = (step_seconds(0), drafter_seconds, self._peeked)
         else:
             lengths = admit_fixed([len(d) for d in drafts], gamma)
         admitted = {i: d[:n] for i, d, n in zip(ids, drafts, lengths) if n > 0}
@@ -266,7 +340,8 @@ class SpecDecoder:
         without drafts that does not time the plain step, a blocking one while plain steps
         overlap the host) and to the exploration budget."""
         scored = scheduler_output.scheduled_spec_decode_tokens
-        for request_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+        for request_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids
+                                       ) if scored else ():
             drafts = scored.get(request_id)
             if not drafts or not sampled:
                 continue
@@ -285,14 +360,14 @@ class SpecDecoder:
         self._proposed = {}
         if self.step_rate is not None and step_seconds is not None:
             num_drafts = sum(len(d) for d in scored.values())
-            if num_drafts or measures_plain:
-                self.step_rate.observe(scheduler_output.total_num_scheduled_tokens
-                                       - num_drafts, num_drafts, step_seconds)
+            base_tokens = scheduler_output.total_num_scheduled_tokens - num_drafts
+            if num_drafts or measures_plain and self._plain_due(base_tokens):
+                self.step_rate.observe(base_tokens, num_drafts, step_seconds)
             self.elapsed_seconds += step_seconds
             if self._explore_baseline is not None and num_drafts:
                 self.explore_seconds += max(step_seconds - self._explore_baseline, 0.0)
             if self._look is not None and not num_drafts:
-                plain_seconds, drafter_seconds = self._look   # + the overlap it lost: at
+                plain_seconds, drafter_seconds, peeked = self._look   # + the overlap lost: at
                 # least the profile's blocking-minus-overlapped gap (a plain estimate still at
                 # the blocking scale would make looks look free)
                 gap = self.step_rate.load * self.step_rate.sync_gap(
@@ -300,8 +375,18 @@ class SpecDecoder:
                 blocking = (max(step_seconds - plain_seconds, gap) if self.async_plain_steps
                             else 0.0)
                 self._last_look_seconds = drafter_seconds + blocking
-                self.explore_seconds += self._last_look_seconds
+                if peeked:   # what a peek's wrong call cost is peeking's, not exploration's
+                    self.peek_seconds += self._last_look_seconds
+                else:
+                    self.explore_seconds += self._last_look_seconds
         self._explore_baseline = self._look = None
+
+    def _plain_due(self, base_tokens: int) -> bool:
+        """Time this plain step: its key's window is not full yet, or it is the
+        PLAIN_SAMPLE_EVERY-th plain step."""
+        self._plain_steps += 1
+        return (self._plain_steps % PLAIN_SAMPLE_EVERY == 0
+                or self.step_rate.measured(base_tokens) < self.step_rate.window)
 
     def _back_off(self, request_id: str, num_accepted: int) -> None:
         """After a verify: a request rejected at its first draft `MISSES_BEFORE_BACKOFF` times

@@ -373,3 +373,33 @@ def test_the_gate_asks_for_a_margin_over_the_plain_step():
     with pytest.raises(ValueError, match="spec_min_gain"):
         SpeculativeConfig(speculative_method="ngram", spec_min_gain=-0.1)
 
+
+
+def test_a_peek_from_the_known_tokens_decides_whether_a_blocking_look_pays(monkeypatch):
+    """Plain steps overlap the host and the last look admitted nothing: instead of waiting for
+    the step in flight to look again, the drafter is asked from the tokens known (one behind,
+    one draft more: its first guesses the token in flight). Low confidences: no look, the next
+    step launches without waiting; sure ones: a look. A peek feeds nothing back to the
+    drafter (no observation) and the look it asked for proposes from the real token."""
+    monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
+    scheduler = decoding_scheduler(1)
+    drafter = CountingDrafter([1, 2, 3, 4, 5, 6], [0.01] * 6)
+    spec = spec_decoder(drafter, measured_table(), spec_explore_fraction=0.01)
+    spec.async_plain_steps = True
+    run(spec, scheduler)                                    # the prefill step
+    for _ in range(4):   # a look that admits nothing, its blocking cost over the budget
+        assert scored_drafts(run(spec, scheduler)[1]) == 0
+    assert len(drafter.asked) == 1 and spec.explore_seconds > 0.01 * spec.elapsed_seconds
+    looks, observed = len(drafter.asked), list(drafter.observed)
+    out = scheduler.schedule()                              # a plain step left in flight
+    request = scheduler.requests["r0"]
+    request.num_output_placeholders += 1
+    assert not spec.may_draft(scheduler)                    # peek: 0.01 pays nothing
+    drafter.conf = [0.95] * 6
+    assert spec.may_draft(scheduler)                        # peek: c1 c2 = 0.90, then 0.95s
+    assert len(drafter.asked) == looks + 2 and spec.num_peeks == 2
+    assert spec.num_fruitful_peeks == 1 and drafter.observed == observed
+    request.num_output_placeholders -= 1                    # the step in flight resolves
+    scheduler.update_from_output(out, ModelRunnerOutput(["r0"], [[7]], [None]))
+    admitted, out = run(spec, scheduler, accept=5)          # the look the peek asked for
+    assert admitted == {"r0": [1, 2, 3, 4, 5]} and scored_drafts(out) == 5
