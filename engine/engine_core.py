@@ -150,6 +150,10 @@ class EngineCore:
         self._in_flight: deque[_Step] = deque()   # launched, not yet resolved (oldest first)
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
         self._draft_free = self.spec is None   # the step being scheduled carries no drafts
+        self._iteration_started = time.perf_counter()   # of the current step() call
+        # a blocking step timed when the next iteration begins: (its output, its iteration's
+        # start)
+        self._untimed: tuple[SchedulerOutput, float] | None = None
         self.faults = FaultIsolation()
         spec = self.executor.kv_cache_spec
         logger.info("KV cache: %s, %d bytes/token; %d blocks x %d tokens (%.1f MiB), "
@@ -352,6 +356,7 @@ class EngineCore:
         next call, after step N+1 was launched, so the device does not wait for the host
         (engine/async_step.py). A step that raises is undone and its requests are retried
         alone until the one that fails alone is finished with an error (`_step_failed`)."""
+        self._time_blocking_step()
         scheduler_output = self._schedule()
         try:
             if scheduler_output is not None:
@@ -370,6 +375,20 @@ class EngineCore:
         ran += [scheduler_output] if scheduler_output is not None else []
         idle = all(out.is_empty for out in ran)
         return self.kv_transfer.end_step(self.scheduler, outputs, idle=idle)
+
+    def _time_blocking_step(self) -> None:
+        """A new loop iteration begins: where plain steps overlap the host, the blocking step
+        the last iteration ran (a verify step, or a look that verified nothing) is timed by
+        that whole iteration, from its start (the drafter, admission and scheduling before
+        the launch) to now (committing and detokenizing after it), as an overlapped plain
+        step is timed by its period: priced by its execute time alone, SmolLM2 chat at batch
+        16 on the H200 verified at ~3.9 ms a step against 1.26 ms plain periods (0.55x)."""
+        now = time.perf_counter()
+        if self._untimed is not None:
+            scheduler_output, started = self._untimed
+            self._untimed = None
+            self.spec.observe_time(scheduler_output, now - started, measures_plain=False)
+        self._iteration_started = now
 
     def _non_block(self) -> bool:
         """Launch the next step without waiting for it: async scheduling on, and no running
@@ -422,7 +441,7 @@ class EngineCore:
         if self._in_flight and self._in_flight[-1].non_block:   # back to back: its period
             self._in_flight[-1].seconds = start - self._in_flight[-1].launched
         self._in_flight.append(step)
-        step.launched = start
+        step.launched, step.iteration_started = start, self._iteration_started
         step.output = self.executor.execute(scheduler_output, non_block=step.non_block)
         step.seconds = None if step.non_block else time.perf_counter() - start
 
@@ -460,8 +479,12 @@ class EngineCore:
         core_outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
         if self.spec is not None:   # with async scheduling, a plain step's cost is its
             # period when overlapped, not a blocking plain step's (which the loop avoids)
-            self.spec.observe(step.scheduler_output, runner_output, step.seconds,
+            iteration = self.spec.async_plain_steps and not step.non_block
+            self.spec.observe(step.scheduler_output, runner_output,
+                              None if iteration else step.seconds,
                               measures_plain=step.non_block or not self.async_scheduling)
+            if iteration:   # timed when the next iteration begins (`_time_blocking_step`)
+                self._untimed = step.scheduler_output, step.iteration_started
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())
         self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
@@ -524,6 +547,7 @@ class _Step:
     # period (its launch to the next step's, when that came while it was in flight)
     seconds: float | None = None
     launched: float = 0.0   # time.perf_counter() at launch
+    iteration_started: float = 0.0   # ... at the start of the step() call that launched it
 
     def result(self) -> ModelRunnerOutput:
         if isinstance(self.output, ModelRunnerOutput):

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # the kernels that release the next one right after their PDL wait (`kernels/pdl.py`)
-PDL_RELEASE_EARLY = frozenset({"attention", "linear_gluon gated", "linear_gluon residual"})
+PDL_RELEASE_EARLY = frozenset({"attention", "linear_gluon gated", "linear_gluon residual",
+                               "mla_reduce"})
 
 
 @dataclass(frozen=True)

@@ -358,7 +358,17 @@ class SpecDecoder:
         for request_id in self._proposed.keys() - scored.keys():
             self.drafter.observe(request_id, 0, 0)   # admitted, but the budget left no room
         self._proposed = {}
-        if self.step_rate is not None and step_seconds is not None:
+        if step_seconds is not None:
+            self.observe_time(scheduler_output, step_seconds, measures_plain=measures_plain)
+
+    def observe_time(self, scheduler_output: SchedulerOutput, step_seconds: float, *,
+                     measures_plain: bool = True) -> None:
+        """A step's time (the second half of `observe`, which the engine may call later: a
+        blocking step, while plain steps overlap the host, costs its whole loop iteration,
+        known when the next begins) to the step-rate table and the exploration and peek
+        budgets. Call it once per timed step, before the next `propose`."""
+        scored = scheduler_output.scheduled_spec_decode_tokens
+        if self.step_rate is not None:
             num_drafts = sum(len(d) for d in scored.values())
             base_tokens = scheduler_output.total_num_scheduled_tokens - num_drafts
             if num_drafts or measures_plain and self._plain_due(base_tokens):
@@ -372,9 +382,10 @@ class SpecDecoder:
                 # the blocking scale would make looks look free)
                 gap = self.step_rate.load * self.step_rate.sync_gap(
                     scheduler_output.total_num_scheduled_tokens)
-                blocking = (max(step_seconds - plain_seconds, gap) if self.async_plain_steps
-                            else 0.0)
-                self._last_look_seconds = drafter_seconds + blocking
+                # with overlapped plain steps a look is timed by its loop iteration, the
+                # drafter's time included
+                self._last_look_seconds = (max(step_seconds - plain_seconds, gap)
+                                           if self.async_plain_steps else drafter_seconds)
                 if peeked:   # what a peek's wrong call cost is peeking's, not exploration's
                     self.peek_seconds += self._last_look_seconds
                 else:
