@@ -151,8 +151,7 @@ class EngineCore:
         self._sync_ids: set[str] = set()   # unfinished requests that need blocking steps
         self._draft_free = self.spec is None   # the step being scheduled carries no drafts
         self._iteration_started = time.perf_counter()   # of the current step() call
-        # a blocking step timed when the next iteration begins: (its output, its iteration's
-        # start)
+        # a blocking step timed when its iteration ends: (its output, the iteration's start)
         self._untimed: tuple[SchedulerOutput, float] | None = None
         self.faults = FaultIsolation()
         spec = self.executor.kv_cache_spec
@@ -356,7 +355,7 @@ class EngineCore:
         next call, after step N+1 was launched, so the device does not wait for the host
         (engine/async_step.py). A step that raises is undone and its requests are retried
         alone until the one that fails alone is finished with an error (`_step_failed`)."""
-        self._time_blocking_step()
+        self._iteration_started = time.perf_counter()
         scheduler_output = self._schedule()
         try:
             if scheduler_output is not None:
@@ -374,21 +373,22 @@ class EngineCore:
         ran = [step.scheduler_output for step, _ in resolved]
         ran += [scheduler_output] if scheduler_output is not None else []
         idle = all(out.is_empty for out in ran)
-        return self.kv_transfer.end_step(self.scheduler, outputs, idle=idle)
+        outputs = self.kv_transfer.end_step(self.scheduler, outputs, idle=idle)
+        self._time_blocking_step()
+        return outputs
 
     def _time_blocking_step(self) -> None:
-        """A new loop iteration begins: where plain steps overlap the host, the blocking step
-        the last iteration ran (a verify step, or a look that verified nothing) is timed by
-        that whole iteration, from its start (the drafter, admission and scheduling before
-        the launch) to now (committing and detokenizing after it), as an overlapped plain
-        step is timed by its period: priced by its execute time alone, SmolLM2 chat at batch
-        16 on the H200 verified at ~3.9 ms a step against 1.26 ms plain periods (0.55x)."""
-        now = time.perf_counter()
+        """The loop iteration ends: where plain steps overlap the host, the blocking step it
+        ran (a verify step, or a look that verified nothing) is timed by the whole iteration,
+        from its start (the drafter, admission and scheduling before the launch) to now
+        (committing and detokenizing after it), as an overlapped plain step is timed by its
+        period: priced by its execute time alone, SmolLM2 chat at batch 16 on the H200
+        verified at ~3.9 ms a step against 1.26 ms plain periods (0.55x)."""
         if self._untimed is not None:
             scheduler_output, started = self._untimed
             self._untimed = None
-            self.spec.observe_time(scheduler_output, now - started, measures_plain=False)
-        self._iteration_started = now
+            self.spec.observe_time(scheduler_output, time.perf_counter() - started,
+                                   measures_plain=False)
 
     def _non_block(self) -> bool:
         """Launch the next step without waiting for it: async scheduling on, and no running
@@ -483,7 +483,7 @@ class EngineCore:
             self.spec.observe(step.scheduler_output, runner_output,
                               None if iteration else step.seconds,
                               measures_plain=step.non_block or not self.async_scheduling)
-            if iteration:   # timed when the next iteration begins (`_time_blocking_step`)
+            if iteration:   # timed when this iteration ends (`_time_blocking_step`)
                 self._untimed = step.scheduler_output, step.iteration_started
         request_outputs, stopped_ids = self.output_processor.process(
             core_outputs, time.monotonic())

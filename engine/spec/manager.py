@@ -104,6 +104,7 @@ class SpecDecoder:
         self.num_skipped_steps = 0    # ... that did not call the drafter (drafting cannot pay)
         self.num_explored_steps = 0   # ... that verified more than the admission chose
         self._plain_steps = 0         # plain steps offered to `observe` (PLAIN_SAMPLE_EVERY)
+        self._step_accepted = 0       # drafts accepted in the last step observed
         self.elapsed_seconds = 0.0    # observed step time
         self.explore_seconds = 0.0    # ... of it, what exploration steps cost on top
         # an exploration step's baseline: the predicted seconds of the admission's own choice
@@ -306,8 +307,9 @@ class SpecDecoder:
                  max_drafts: int) -> list[int]:
         """The admission's lengths, or an exploration step's when one fits the budget (module
         docstring); both are draft-independent. What exploring costs is its step time minus
-        the predicted time of the admission's choice (no credit for the tokens it may commit:
-        confidences can be overconfident, and then every exploration would look free)."""
+        the predicted time of the admission's choice, less the plain-step time of the drafts
+        it got accepted (a realized saving; no credit for tokens it may commit: confidences
+        can be overconfident, and then every exploration would look free)."""
         chosen = sum(lengths)
         if chosen == 0:
             target, _ = best_entry([c[0] if c else 0.0 for c in confidences], step_seconds,
@@ -340,6 +342,7 @@ class SpecDecoder:
         without drafts that does not time the plain step, a blocking one while plain steps
         overlap the host) and to the exploration budget."""
         scored = scheduler_output.scheduled_spec_decode_tokens
+        self._step_accepted = 0
         for request_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids
                                        ) if scored else ():
             drafts = scored.get(request_id)
@@ -353,6 +356,7 @@ class SpecDecoder:
             stats.num_drafts += 1
             stats.num_draft_tokens += len(drafts)
             stats.num_accepted_tokens += num_accepted
+            self._step_accepted += num_accepted
             for position in range(num_accepted):
                 stats.num_accepted_tokens_per_pos[position] += 1
         for request_id in self._proposed.keys() - scored.keys():
@@ -375,7 +379,9 @@ class SpecDecoder:
                 self.step_rate.observe(base_tokens, num_drafts, step_seconds)
             self.elapsed_seconds += step_seconds
             if self._explore_baseline is not None and num_drafts:
-                self.explore_seconds += max(step_seconds - self._explore_baseline, 0.0)
+                saved = (self._step_accepted * self.step_rate.seconds(base_tokens)
+                         / max(base_tokens, 1))   # a plain step's time per committed token
+                self.explore_seconds += max(step_seconds - self._explore_baseline - saved, 0.0)
             if self._look is not None and not num_drafts:
                 plain_seconds, drafter_seconds, peeked = self._look   # + the overlap lost: at
                 # least the profile's blocking-minus-overlapped gap (a plain estimate still at

@@ -276,6 +276,41 @@ def test_varlen_keeps_async_scheduling_for_steps_that_carry_no_drafts(tiny_llama
     assert not core.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks
 
 
+def test_a_blocking_step_is_timed_by_its_own_loop_iteration(tiny_llama_dir, monkeypatch):
+    """Where plain steps overlap the host, a verify step (or a look) is priced by the loop
+    iteration that ran it, drafter, admission and commit included, and by nothing after it:
+    the idle time before the next `generate` is not charged to the last step of the one
+    before (an engine that did so priced every verify step out and stopped drafting)."""
+    import time
+
+    prompts = [list(range(100 + 9 * n, 130 + 9 * n)) for n in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    expected = make_llm(tiny_llama_dir, block_size=4).generate(prompts, params)
+    llm = LLM(config=EngineConfig(
+        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=4, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                  async_scheduling=True),
+        speculative=SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4)))
+    spec = llm.engine_core.spec
+    spec.drafter = OracleDrafter(prompts, expected)
+    spec.step_rate = StepRateTable({1: 0.010, 8: 0.020}, {1: 1e-6, 4: 1e-6})
+    timed, observe_time = [], spec.observe_time
+
+    def spy(scheduler_output, seconds, **options):
+        timed.append((bool(scheduler_output.scheduled_spec_decode_tokens), seconds))
+        observe_time(scheduler_output, seconds, **options)
+
+    monkeypatch.setattr(spec, "observe_time", spy)
+    outputs = [llm.generate([prompt], params)[0] for prompt in prompts[:1]]
+    time.sleep(0.5)
+    outputs += llm.generate(prompts[1:], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in expected]
+    assert any(verified for verified, _ in timed)
+    assert max(seconds for _, seconds in timed) < 0.5
+
+
 @pytest.fixture(scope="module")
 def smollm2_fixed_and_plain(smollm2_dir):
     """(SmolLM2 with fixed-length n-gram drafts (5 every step), SmolLM2 without)."""
