@@ -150,12 +150,10 @@ def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
 def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, num_tokens, q_st, q_sh, w_sh, w_sd, out_sh,
                          out_st, NOPE: tl.constexpr, LORA: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr,
-                         WAIT_LATE: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (head, latent tile, token tile): q_latent = q_nope W_UK[head] for BLOCK_T
     tokens and BLOCK_L latent columns, one tl.dot over the whole nope width, fp32 accumulation.
-    The W_UK tile (a weight) is loaded before the PDL wait, q_nope after; with WAIT_LATE the
-    wait comes only before the store (see `absorb_query`)."""
+    The W_UK tile (a weight) is loaded before the PDL wait, q_nope after."""
     head = tl.program_id(0)
     lat = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -165,15 +163,10 @@ def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, num_tokens, q_st, q_sh, w_sh, w_
     l_ok = lat < LORA
     w = tl.load(w_ptr + head * w_sh + dims[:, None] * w_sd + lat[None, :],
                 mask=d_ok[:, None] & l_ok[None, :], other=0.0)                 # [D, L]
-    if WAIT_LATE:
-        pdl.launch_dependents(PDL)
-    else:
-        pdl.wait_and_release(PDL, True)
+    pdl.wait_and_release(PDL, True)
     q = tl.load(q_ptr + tokens[:, None].to(tl.int64) * q_st + head * q_sh + dims[None, :],
                 mask=t_ok[:, None] & d_ok[None, :], other=0.0)                 # [T, D]
     acc = tl.dot(q, w, input_precision=PRECISION)                              # [T, L] fp32
-    if WAIT_LATE:
-        pdl.wait(PDL)   # the rotation completes before this kernel does (transitive waits)
     tl.store(out_ptr + head * out_sh + tokens[:, None].to(tl.int64) * out_st + lat[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & l_ok[None, :])
 
@@ -182,15 +175,7 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor,
                  settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """q_nope [T, H, Dn] (unit last stride) times W_UK [H, Dn, L] (unit last stride) per head:
     [H, T, L] contiguous, q_nope's dtype (what `torch.bmm(q_nope.transpose(0, 1), w_uk)`
-    returns), in one Triton launch of H x L/64 x T/16 programs.
-
-    With `settings.mla_absorb_overlaps_rotary` and PDL, the kernel runs beside the rotation
-    and latent write launched just before it (`rotate_and_write_latent`, which releases it
-    right after its own wait): q_nope is read before this kernel's PDL wait. That read is
-    safe only there: q_nope is the q + kv_a GEMM's output, complete and visible once the
-    rotation kernel's wait returned, which precedes its release of this one; the wait before
-    the store keeps the chain transitive (the decode kernel after this one sees the rotated
-    rope dims and the written latents)."""
+    returns), in one Triton launch of H x L/64 x T/16 programs."""
     num_tokens, num_heads, nope = q_nope.shape
     lora = w_uk.shape[2]
     out = torch.empty(num_heads, num_tokens, lora, dtype=q_nope.dtype, device=q_nope.device)
@@ -201,7 +186,7 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor,
         w_uk.stride(1), out.stride(0), out.stride(1), NOPE=nope, LORA=lora, BLOCK_T=16,
         BLOCK_D=max(16, triton.next_power_of_2(nope)), BLOCK_L=block_l,
         PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32", PDL=bool(options),
-        WAIT_LATE=bool(options) and settings.mla_absorb_overlaps_rotary, num_warps=4, **options)
+        num_warps=4, **options)
     return out
 
 
