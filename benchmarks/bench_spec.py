@@ -103,10 +103,12 @@ def snapshot(llm: LLM) -> SpecDecodeStats:
                            list(stats.num_accepted_tokens_per_pos))
 
 
-def skipped_steps(llm: LLM) -> tuple[int, int]:
-    """(steps that skipped the drafter, steps) of the engine's speculative decoder so far."""
+def skipped_steps(llm: LLM) -> tuple[int, int, int]:
+    """(steps that skipped the drafter, steps, peeks) of the engine's speculative decoder so
+    far (peeks: non-blocking looks, where plain steps overlap the host)."""
     spec = llm.engine_core.spec
-    return (getattr(spec, "num_skipped_steps", 0), getattr(spec, "num_steps", 0))
+    return (getattr(spec, "num_skipped_steps", 0), getattr(spec, "num_steps", 0),
+            getattr(spec, "num_peeks", 0))
 
 
 def main() -> None:
@@ -153,7 +155,8 @@ def main() -> None:
                 runs.setdefault(key, []).append({
                     "seconds": round(seconds, 3), "load": round(load, 2),
                     "skipped_steps": round((after[0] - skipped[0]) / max(after[1] - skipped[1], 1),
-                                           3)})
+                                           3),
+                    "peeks": after[2] - skipped[2]})
                 if key not in best or seconds < best[key]["seconds"]:
                     best[key] = {"seconds": seconds, "tokens": tokens, "ids": ids,
                                  **spec_delta(before, snapshot(llm))}

@@ -233,7 +233,10 @@ class SpeculativeConfig:
         drafts, or the next-ranked candidates after the walk's stop) runs when the extra time
         all such steps cost so far, plus this one's predicted extra, stays below it. It re-measures
         verify costs the admission would otherwise never try again (a profile or a step slowed
-        by another process). 0: never explore.
+        by another process). Where plain steps overlap the host (CUDA), the same fraction
+        bounds, on an account of its own, the host time of peeks (non-blocking looks from the
+        tokens known while a step is in flight, engine/spec/manager.py). 0: never explore
+        or peek.
     spec_max_backoff_steps: varlen: the longest a request whose drafts keep being rejected at
         the first position goes unproposed (waits of 1, 2, 4, ... steps up to this; 0: no
         back-off).

@@ -12,9 +12,14 @@ and counts the metrics (`SpecDecodeStats`).
 When drafting cannot pay, the step is a plain decode step and costs what one costs: with varlen,
 if even a sure first draft for every request would not open the admission's gate
 (`drafting_can_pay`), the drafter is not called at all. Where plain steps overlap the host
-(`async_plain_steps`), a look (a step that calls the drafter) is a blocking step: when sure
-drafts would pay but the last look admitted nothing, the next one waits for the exploration
-budget below, priced at what the last one cost (the overlap it lost, and the drafter's time).
+(`async_plain_steps`), a look (a step that calls the drafter) is a blocking step, and it and
+every verify step are timed by their whole loop iteration (EngineCore), as an overlapped plain
+step is by its period. When sure drafts would pay but the last look admitted nothing, the
+drafter is first asked without blocking, from the tokens known while a step is in flight (a
+peek: one token behind, its first draft guessing the token in flight); a look follows only
+when that proposal would pay. Peeks, and the looks they asked for that admitted nothing, share
+a budget of their own (`spec_explore_fraction` of the elapsed step time); a look not asked for
+by a peek waits for the exploration budget below, priced at what the last one cost.
 And a request whose last `MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their
 first draft is not proposed for 1, 2, 4, ... up to `spec_max_backoff_steps` steps (then
 proposed again; varlen only: fixed length verifies every request, the baseline it is).
@@ -26,10 +31,11 @@ exploration step verifies more than the admission chose, draft-independently: wh
 admitted, the gate's best set of surest first drafts (`best_entry`); else the next-ranked
 candidates after the walk's stop, half as many again (`top_candidates`). It runs only while
 what all exploration steps cost (their measured time minus the predicted time of the
-admission's choice, with no credit for what they may commit), plus this one's predicted cost,
-stays below `spec_explore_fraction` of the elapsed step time. On a fast device a blocking step costs
-several overlapped plain steps: probes at a fixed interval (every 8 steps without drafts) held
-chat at batch 16 on the H200 at 0.85x of speculation off.
+admission's choice, less the plain-step time of the drafts they got accepted; no credit for
+what they may commit), plus this one's predicted cost, stays below `spec_explore_fraction`
+of the elapsed step time: an exploration whose drafts pass costs nothing and may go on. On a
+fast device a blocking step costs several overlapped plain steps: probes at a fixed interval
+(every 8 steps without drafts) held chat at batch 16 on the H200 at 0.85x of speculation off.
 
 Acceptance itself happens in the model runner: a draft is accepted iff it equals the target's own
 sample at that position (greedy argmax, or the seeded exponential race), so outputs are those of
@@ -111,8 +117,8 @@ class SpecDecoder:
         # (None: not exploring)
         self._explore_baseline: float | None = None
         # a look: a step that called the drafter and verified nothing (on the GPU a blocking
-        # plain step instead of an overlapped one): (predicted
-        # plain step, drafter seconds, whether a peek asked for it)
+        # plain step instead of an overlapped one): (predicted plain seconds, drafter
+        # seconds, whether a peek asked for it)
         self._look: tuple[float, float, bool] | None = None
         self._looks_pay: bool | None = None   # the last look admitted drafts (None: no look)
         # peeks (non-blocking looks, `_peek`): count, how many said a look would pay, their
@@ -369,7 +375,7 @@ class SpecDecoder:
                      measures_plain: bool = True) -> None:
         """A step's time (the second half of `observe`, which the engine may call later: a
         blocking step, while plain steps overlap the host, costs its whole loop iteration,
-        known when the next begins) to the step-rate table and the exploration and peek
+        known when that ends) to the step-rate table and the exploration and peek
         budgets. Call it once per timed step, before the next `propose`."""
         scored = scheduler_output.scheduled_spec_decode_tokens
         if self.step_rate is not None:
