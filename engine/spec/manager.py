@@ -61,10 +61,11 @@ from deepinfer.engine.spec.step_rate import StepRateTable
 GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
 MISSES_BEFORE_BACKOFF = 2   # verified proposals rejected at draft 1 in a row before a back-off
 PLAIN_MEASUREMENTS = 3      # async plain steps measured at a batch size before drafting there
-# a plain step whose key already holds a full window of measurements is timed once in this
-# many: every observation rebuilds the step-rate readers and re-decides `drafting_can_pay`,
-# host work that a step skipping the drafter paid in full (1-layer Llama, async scheduling
-# on the 2-core CPU box, batch 16, nothing to verify: 0.12 ms a step over off's 1.36 ms)
+# where plain steps overlap the host, a plain step whose key already holds a full window of
+# measurements is timed once in this many: every observation rebuilds the step-rate readers
+# and re-decides `drafting_can_pay`, host work that a step skipping the drafter paid in full
+# (1-layer Llama, async scheduling on the 2-core CPU box, batch 16, nothing to verify: 0.12
+# ms a step over off's 1.36 ms)
 PLAIN_SAMPLE_EVERY = 8
 
 
@@ -405,10 +406,11 @@ class SpecDecoder:
         self._explore_baseline = self._look = None
 
     def _plain_due(self, base_tokens: int) -> bool:
-        """Time this plain step: its key's window is not full yet, or it is the
-        PLAIN_SAMPLE_EVERY-th plain step."""
+        """Time this plain step: always where plain steps block (their host work is not on
+        the device's critical path), else when its key's window is not full yet, or it is
+        the PLAIN_SAMPLE_EVERY-th plain step."""
         self._plain_steps += 1
-        return (self._plain_steps % PLAIN_SAMPLE_EVERY == 0
+        return (not self.async_plain_steps or self._plain_steps % PLAIN_SAMPLE_EVERY == 0
                 or self.step_rate.measured(base_tokens) < self.step_rate.window)
 
     def _back_off(self, request_id: str, num_accepted: int) -> None:
