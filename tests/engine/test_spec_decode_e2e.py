@@ -232,6 +232,16 @@ class OracleDrafter:
         pass
 
 
+def async_ngram_llm(model_dir) -> LLM:
+    """The tiny Llama with async scheduling forced on (as on CUDA) and varlen n-gram drafts."""
+    return LLM(config=EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=4, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                  async_scheduling=True),
+        speculative=SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4)))
+
+
 def test_varlen_keeps_async_scheduling_for_steps_that_carry_no_drafts(tiny_llama_dir):
     """Async scheduling stays on with varlen speculation: a step at a batch where no draft can
     pay is launched without waiting for the one in flight, a step that may carry drafts waits
@@ -242,12 +252,7 @@ def test_varlen_keeps_async_scheduling_for_steps_that_carry_no_drafts(tiny_llama
     params = [SamplingParams(temperature=0.0 if n % 2 else 0.8, seed=n, max_tokens=6 + 7 * n,
                              ignore_eos=True) for n in range(6)]
     expected = make_llm(tiny_llama_dir, block_size=4).generate(prompts, params)
-    llm = LLM(config=EngineConfig(
-        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=4, num_blocks=512),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                  async_scheduling=True),
-        speculative=SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4)))
+    llm = async_ngram_llm(tiny_llama_dir)
     core = llm.engine_core
     assert core.async_scheduling
     core.spec.drafter = OracleDrafter(prompts, expected)
@@ -286,12 +291,7 @@ def test_a_blocking_step_is_timed_by_its_own_loop_iteration(tiny_llama_dir, monk
     prompts = [list(range(100 + 9 * n, 130 + 9 * n)) for n in range(2)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     expected = make_llm(tiny_llama_dir, block_size=4).generate(prompts, params)
-    llm = LLM(config=EngineConfig(
-        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=4, num_blocks=512),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                  async_scheduling=True),
-        speculative=SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4)))
+    llm = async_ngram_llm(tiny_llama_dir)
     spec = llm.engine_core.spec
     spec.drafter = OracleDrafter(prompts, expected)
     spec.step_rate = StepRateTable({1: 0.010, 8: 0.020}, {1: 1e-6, 4: 1e-6})
