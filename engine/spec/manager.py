@@ -76,6 +76,15 @@ def decodes_next(request: Request) -> bool:
             and request.num_computed_tokens == request.num_tokens - 1)
 
 
+def draft_view(request: Request, gamma: int, behind: int = 0) -> DraftRequest:
+    """What the drafter sees of `request`: its known tokens and up to gamma drafts within its
+    token limit, plus `behind` more (a peek: the first guesses the token still in flight)."""
+    limit = min(gamma, max(request.max_total_tokens - request.num_tokens - 1 - behind, 0))
+    return DraftRequest(request.request_id, request.all_token_ids, request.num_prompt_tokens,
+                        max_drafts=limit + behind if limit else 0,
+                        greedy=request.sampling_params.temperature < GREEDY_TEMPERATURE)
+
+
 def prefill_tokens_next(scheduler: Scheduler) -> int:
     """An estimate of the prefill tokens the next step carries: running requests still behind
     by more than one token, then waiting prompts while running slots last, capped by the token
@@ -188,12 +197,10 @@ class SpecDecoder:
             if not behind and not decodes_next(r):
                 continue
             rows += 1
-            limit = min(gamma, max(r.max_total_tokens - r.num_tokens - 1 - behind, 0))
-            if limit > 0 and self._resume_step.get(r.request_id, 0) <= self.num_steps + 1:
-                views.append((behind, DraftRequest(
-                    r.request_id, r.all_token_ids, r.num_prompt_tokens,
-                    max_drafts=limit + behind,
-                    greedy=r.sampling_params.temperature < GREEDY_TEMPERATURE)))
+            view = draft_view(r, gamma, behind=int(behind))
+            if view.max_drafts > behind and self._resume_step.get(
+                    r.request_id, 0) <= self.num_steps + 1:
+                views.append((behind, view))
         proposals = self.drafter.propose([v for _, v in views]) if views else {}
         confidences = []
         for behind, view in views:
@@ -268,10 +275,8 @@ class SpecDecoder:
         base_tokens = len(ids) + prefill_tokens_next(scheduler)
         if self.step_rate is not None and not self._may_verify(len(ids), base_tokens):
             return self._hand_over(scheduler, ids, {}, skipped=True)
-        views = [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens,
-                              max_drafts=min(gamma, max(r.max_total_tokens - r.num_tokens - 1, 0)),
-                              greedy=r.sampling_params.temperature < GREEDY_TEMPERATURE)
-                 for r in decoding if self._resume_step.get(r.request_id, 0) <= self.num_steps]
+        views = [draft_view(r, gamma) for r in decoding
+                 if self._resume_step.get(r.request_id, 0) <= self.num_steps]
         views = [v for v in views if v.max_drafts > 0]
         start = time.perf_counter()
         proposals = self.drafter.propose(views) if views else {}
