@@ -216,8 +216,7 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int,
         gate_weight: [E, hidden_size] contiguous, float32 or bf16 (read as float32).
         norm_weight: None, or [hidden_size] of hidden's dtype: `hidden` is then the residual
             stream, and the router takes its RMSNorm (`norm_eps`; the arithmetic of
-            `elementwise_triton.rms_norm`, its float32 sum of squares reduced in another
-            order on the GPU: rows within one rounding of the norm kernel's) in the same
+            `elementwise_triton.rms_norm`, so the values are the norm kernel's) in the same
             launch, writing it into `normed_out` ([T, hidden_size] contiguous, hidden's dtype)
             for the experts: one kernel fewer between attention and the experts at decode.
         The rest: as `route`.
@@ -246,6 +245,7 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int,
     # may run concurrently on a second stream (engine.models.deepseek.DeepseekMoEBlock)
     counter = arrival_counters(device)[MAX_ARRIVAL_COUNTERS - 1:]
     options = pdl.launch_options(device, settings)
+    block_h = triton.next_power_of_2(hidden_size)   # the norm's row (its kernel's warps)
     _router_logits_route_kernel[(triton.cdiv(num_experts, block_e), num_chunks)](
         hidden, gate_weight, partial, counter, bias, logical_to_physical,
         weights, ids, num_tokens, num_experts, hidden_size, hidden.stride(0),
@@ -257,6 +257,6 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int,
         E_PAD=triton.next_power_of_2(num_experts), G_PAD=triton.next_power_of_2(n_group),
         PDL=bool(options), norm_w_ptr=norm_weight if norm_weight is not None else hidden,
         normed_ptr=normed_out if normed_out is not None else hidden, eps=float(norm_eps),
-        NORM_IN=norm_weight is not None, BLOCK_H=triton.next_power_of_2(hidden_size),
-        num_warps=4, **options)
+        NORM_IN=norm_weight is not None, BLOCK_H=block_h,
+        num_warps=min(16, max(1, block_h // 256)) if norm_weight is not None else 4, **options)
     return weights, ids
