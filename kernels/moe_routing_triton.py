@@ -156,9 +156,7 @@ def _router_logits_route_kernel(hidden_ptr, gate_ptr, partial_ptr, counter_ptr, 
                                 METHOD: tl.constexpr, N_GROUP: tl.constexpr,
                                 TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr,
-                                G_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
-                                norm_w_ptr, normed_ptr, eps, NORM_IN: tl.constexpr,
-                                BLOCK_H: tl.constexpr):
+                                G_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr):
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -170,17 +168,8 @@ def _router_logits_route_kernel(hidden_ptr, gate_ptr, partial_ptr, counter_ptr, 
                 mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BE, BK]
     pdl.wait_and_release(PDL, True)
     for t in range(num_tokens):
-        x = tl.load(hidden_ptr + t * stride_h + ks, mask=k_ok, other=0.0)
-        if NORM_IN:   # the RMSNorm of the row, as `elementwise_triton._rms_norm_kernel`
-            cols = tl.arange(0, BLOCK_H)
-            row = tl.load(hidden_ptr + t * stride_h + cols, mask=cols < hidden_size,
-                          other=0.0).to(tl.float32)
-            scale = tl.rsqrt(tl.sum(row * row, 0) / hidden_size + eps)
-            x = ((x.to(tl.float32) * scale).to(normed_ptr.dtype.element_ty)
-                 * tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0))
-            if pid_e == 0:
-                tl.store(normed_ptr + t * hidden_size + ks, x, mask=k_ok)
-        part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)                   # [BE]
+        x = tl.load(hidden_ptr + t * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(w * x[None, :], axis=1)                                  # [BE]
         tl.store(partial_ptr + (pid_k * num_tokens + t) * num_experts + experts, part,
                  mask=e_ok)
     tl.debug_barrier()  # every thread's partials are written before the arrival is counted
@@ -205,20 +194,13 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int,
                  scoring_func: str, topk_method: str, n_group: int, topk_group: int,
                  norm_topk_prob: bool, routed_scaling_factor: float,
                  e_score_correction_bias: torch.Tensor | None, logical_to_physical: torch.Tensor,
-                 settings: KernelConfig = DEFAULT, norm_weight: torch.Tensor | None = None,
-                 norm_eps: float = 0.0, normed_out: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 settings: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """`route(hidden.float() @ gate_weight.float().T, ...)` in one launch (few tokens: the
     last program routes them one after another).
 
     Args:
         hidden: [T, hidden_size] (any float dtype, unit stride on the last dim; read as float32).
         gate_weight: [E, hidden_size] contiguous, float32 or bf16 (read as float32).
-        norm_weight: None, or [hidden_size] of hidden's dtype: `hidden` is then the residual
-            stream, and the router takes its RMSNorm (`norm_eps`; the arithmetic of
-            `elementwise_triton.rms_norm`, so the values are the norm kernel's) in the same
-            launch, writing it into `normed_out` ([T, hidden_size] contiguous, hidden's dtype)
-            for the experts: one kernel fewer between attention and the experts at decode.
         The rest: as `route`.
     Returns:
         (topk_weights [T, top_k] float32, physical ids [T, top_k] of logical_to_physical's
@@ -245,7 +227,6 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int,
     # may run concurrently on a second stream (engine.models.deepseek.DeepseekMoEBlock)
     counter = arrival_counters(device)[MAX_ARRIVAL_COUNTERS - 1:]
     options = pdl.launch_options(device, settings)
-    block_h = triton.next_power_of_2(hidden_size)   # the norm's row (its kernel's warps)
     _router_logits_route_kernel[(triton.cdiv(num_experts, block_e), num_chunks)](
         hidden, gate_weight, partial, counter, bias, logical_to_physical,
         weights, ids, num_tokens, num_experts, hidden_size, hidden.stride(0),
@@ -255,8 +236,5 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int,
         N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob,
         HAS_BIAS=topk_method == "noaux_tc" and e_score_correction_bias is not None,
         E_PAD=triton.next_power_of_2(num_experts), G_PAD=triton.next_power_of_2(n_group),
-        PDL=bool(options), norm_w_ptr=norm_weight if norm_weight is not None else hidden,
-        normed_ptr=normed_out if normed_out is not None else hidden, eps=float(norm_eps),
-        NORM_IN=norm_weight is not None, BLOCK_H=block_h,
-        num_warps=min(16, max(1, block_h // 256)) if norm_weight is not None else 4, **options)
+        PDL=bool(options), num_warps=4, **options)
     return weights, ids

@@ -14,9 +14,8 @@
   applies the norm; o_proj and the MLPs' down projections (on MoE layers the shared experts')
   add their output into the residual stream in their epilogue. Each runs fused where the
   device's sweep file says it is faster (`benchmarks/fused_linear_sweep.py --model
-  deepseek-v2-lite`), else as the unfused ops. The post-attention RMSNorm feeds the router and
-  the experts: at the few rows where the router is one launch (`MoE.routes_norm`) that launch
-  takes the norm and writes the normed rows for the experts; elsewhere it is a kernel.
+  deepseek-v2-lite`), else as the unfused ops. The post-attention RMSNorm stays a kernel: it
+  feeds the router and the experts.
 """
 
 from __future__ import annotations
@@ -100,29 +99,23 @@ class DeepseekMoEBlock(nn.Module):
             return self.moe(hidden)
         return self._routed_plus(hidden, self.shared_experts)
 
-    def forward_add(self, hidden: torch.Tensor | None, residual: torch.Tensor,
-                    norm: RMSNorm | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def forward_add(self, hidden: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The block's output added to the residual stream where that saves a kernel.
 
         The shared experts' down projection runs `Linear.forward_add`: where it runs fused it
         adds the shared output into the stream, the routed experts' combine then adds onto the
         stream, and the next layer's first norm finds nothing pending (it takes the sums of
         squares from the stream: the combine changed it after the down projection wrote them).
-        The routing comes first, before anything writes the stream.
 
         Args:
-            hidden: [T, hidden_size] the normed input, or None with `norm`.
+            hidden: [T, hidden_size] the normed input.
             residual: [T, hidden_size] the residual stream (overwritten where fused).
-            norm: None, or the post-attention RMSNorm: the router normalises `residual` in its
-                own launch (`MoE.route`; where `MoE.routes_norm`).
         Returns:
             (None, the stream with this block's output added) or (the block's output, residual).
         """
-        routing = None
-        if norm is not None:
-            hidden, routing = self.moe.route(residual, norm.weight, norm.eps)
         if self.shared_experts is None:
-            return self.moe(hidden, routing=routing), residual
+            return self.moe(hidden), residual
         pending = None
 
         def shared_into_stream(x: torch.Tensor) -> torch.Tensor:
@@ -130,19 +123,17 @@ class DeepseekMoEBlock(nn.Module):
             pending, stream = self.shared_experts.forward_add(x, residual)
             return pending if isinstance(pending, torch.Tensor) else stream
 
-        out = self._routed_plus(hidden, shared_into_stream, routing)
+        out = self._routed_plus(hidden, shared_into_stream)
         return (out, residual) if isinstance(pending, torch.Tensor) else (None, out)
 
     def _routed_plus(self, hidden: torch.Tensor,
-                     shared: Callable[[torch.Tensor], torch.Tensor],
-                     routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     shared: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The routed experts' output plus `shared(hidden)` [T, hidden_size], added by the
         combine kernel (no separate add). `shared` runs first, or, up to
-        `moe_shared_stream_max_rows` CUDA tokens, on the second stream. `routing`:
-        `MoE.route`'s, where already taken."""
+        `moe_shared_stream_max_rows` CUDA tokens, on the second stream."""
         if not (hidden.is_cuda
                 and hidden.shape[0] <= self.kernel_config.moe_shared_stream_max_rows):
-            return self.moe(hidden, shared(hidden), routing=routing)
+            return self.moe(hidden, shared(hidden))
         main = torch.cuda.current_stream(hidden.device)
         side = _shared_experts_stream(hidden.device)
         # the side stream starts after hidden (and the residual stream) are written; main reads
@@ -153,7 +144,7 @@ class DeepseekMoEBlock(nn.Module):
         with torch.cuda.stream(side):
             shared_output = shared(hidden)
             shared_ready = side.record_event()
-        return self.moe(hidden, shared_output, shared_ready, routing)
+        return self.moe(hidden, shared_output, shared_ready)
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
@@ -184,8 +175,8 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         """The layer over the stream residual + pending ([T, hidden_size] each; pending None
         or AddedRows when already added): the input RMSNorm in the merged q + kv_a GEMM and the
         residual adds in o_proj's and the MLP's last GEMM where `kernels.fused_linear` runs
-        fused kernels. The post-attention RMSNorm (with the add still pending, if any) is a
-        kernel of its own, or, where `MoE.routes_norm`, part of the router's launch.
+        fused kernels. The post-attention RMSNorm stays a kernel of its own (with the add
+        still pending, if any): it feeds the router and the experts, which are not such GEMMs.
         Returns (pending, residual)."""
         attn, norm1, norm2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
         fused, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
@@ -194,8 +185,6 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         pending, residual = attn.o_proj.forward_add(out, residual)
         if isinstance(pending, torch.Tensor):
             hidden, residual = norm2(pending, residual)
-        elif isinstance(self.mlp, DeepseekMoEBlock) and self.mlp.moe.routes_norm(residual):
-            return self.mlp.forward_add(None, residual, norm2)
         else:
             hidden = norm2(residual)
         return self.mlp.forward_add(hidden, residual)

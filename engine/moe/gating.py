@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels.backends import triton_available
-from deepinfer.kernels.rms_norm import rms_norm
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -117,50 +116,34 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
     return topk_weights, topk_ids
 
 
-def fused_router_applies(hidden: torch.Tensor, settings: KernelConfig = DEFAULT) -> bool:
-    """Whether `route_hidden` runs the one-launch Triton router for these [T, hidden] rows:
-    CUDA, 1 to `settings.moe_fused_router_max_rows` tokens, Triton installed."""
-    return (hidden.is_cuda and 0 < hidden.shape[0] <= settings.moe_fused_router_max_rows
-            and triton_available())
-
-
 def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: RoutingConfig,
                  e_score_correction_bias: torch.Tensor | None = None, *,
-                 logical_to_physical: torch.Tensor, settings: KernelConfig = DEFAULT,
-                 norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
-                 normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 logical_to_physical: torch.Tensor, settings: KernelConfig = DEFAULT
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_experts(hidden.float() @ gate_weight.T, ...)`: the router logits and the choice.
 
-    Where `fused_router_applies`, one launch (`kernels.moe_routing_triton.route_hidden`:
-    logits summed in 256-wide chunks, not cuBLAS's order); otherwise the float32 GEMM, then
-    `select_experts`.
+    Up to `settings.moe_fused_router_max_rows` tokens on CUDA with Triton, one launch
+    (`kernels.moe_routing_triton.route_hidden`: logits summed in 256-wide chunks, not
+    cuBLAS's order); otherwise the float32 GEMM, then `select_experts`.
 
     Args:
         hidden: [num_tokens, hidden_size], model dtype.
         gate_weight: [num_experts, hidden_size] float32 (or bf16, read as float32).
         logical_to_physical: [num_experts] int64.
-        norm_weight: None, or the RMSNorm weight [hidden_size] (hidden's dtype): `hidden` is
-            then the un-normed residual stream; its RMSNorm (`norm_eps`) is written into
-            `normed_out` ([num_tokens, hidden_size] contiguous, hidden's dtype) and routed (in
-            the fused router's launch where it applies, else by the norm kernel first).
     Returns:
         (topk_weights [num_tokens, top_k] float32, physical ids [num_tokens, top_k] int64).
     """
-    fused = fused_router_applies(hidden, settings)
-    if norm_weight is not None and not fused:
-        normed_out.copy_(rms_norm(hidden, norm_weight, norm_eps, settings=settings))
-        hidden, norm_weight = normed_out, None
-    if fused:
-        from deepinfer.kernels.moe_routing_triton import route_hidden as fused_route
+    if (hidden.is_cuda and 0 < hidden.shape[0] <= settings.moe_fused_router_max_rows
+            and triton_available()):
+        from deepinfer.kernels.moe_routing_triton import route_hidden as fused
 
-        return fused_route(hidden, gate_weight, top_k=config.top_k,
-                           scoring_func=config.scoring_func, topk_method=config.topk_method,
-                           n_group=config.n_group, topk_group=config.topk_group,
-                           norm_topk_prob=config.norm_topk_prob,
-                           routed_scaling_factor=config.routed_scaling_factor,
-                           e_score_correction_bias=e_score_correction_bias,
-                           logical_to_physical=logical_to_physical, settings=settings,
-                           norm_weight=norm_weight, norm_eps=norm_eps, normed_out=normed_out)
+        return fused(hidden, gate_weight, top_k=config.top_k,
+                     scoring_func=config.scoring_func, topk_method=config.topk_method,
+                     n_group=config.n_group, topk_group=config.topk_group,
+                     norm_topk_prob=config.norm_topk_prob,
+                     routed_scaling_factor=config.routed_scaling_factor,
+                     e_score_correction_bias=e_score_correction_bias,
+                     logical_to_physical=logical_to_physical, settings=settings)
     router_logits = hidden.float() @ gate_weight.float().T  # [T, num_experts] float32
     return select_experts(router_logits, config, e_score_correction_bias,
                           logical_to_physical=logical_to_physical, settings=settings)

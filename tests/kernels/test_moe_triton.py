@@ -255,14 +255,14 @@ def test_fused_routing_matches_torch_routing(name):
                                atol=1e-6, rtol=1e-5)
 
 
-def fused_router(hidden, gate, routing, bias, mapping, **norm):
+def fused_router(hidden, gate, routing, bias, mapping):
     from deepinfer.kernels.moe_routing_triton import route_hidden as fused
 
     return fused(hidden, gate, top_k=routing.top_k, scoring_func=routing.scoring_func,
                  topk_method=routing.topk_method, n_group=routing.n_group,
                  topk_group=routing.topk_group, norm_topk_prob=routing.norm_topk_prob,
                  routed_scaling_factor=routing.routed_scaling_factor,
-                 e_score_correction_bias=bias, logical_to_physical=mapping, **norm)
+                 e_score_correction_bias=bias, logical_to_physical=mapping)
 
 
 @pytest.mark.parametrize("name", ROUTINGS)
@@ -293,39 +293,6 @@ def test_router_logits_and_routing_in_one_launch(name, num_tokens):
         # deterministic: the same bits on a second call (the counter was reset)
         w_again, i_again = fused_router(hidden, weight, routing, bias, mapping)
         assert torch.equal(w_again, w_got) and torch.equal(i_again, i_got)
-
-
-@pytest.mark.parametrize("num_tokens", [1, 3])
-def test_router_takes_the_rms_norm_in_its_launch(num_tokens):
-    """The one-launch router given the un-normed stream and the norm weight (the decode path of
-    `DeepseekMoEBlock`): the normed rows it writes are bitwise the norm kernel's
-    (`elementwise_triton.rms_norm`, the same arithmetic) and its routing is bitwise that of
-    those rows; `gating.route_hidden` without the fused router (the norm kernel, then the GEMM
-    router) writes `kernels.rms_norm`'s rows and picks the same experts. hidden 2048 (8
-    chunks), V2-Lite's routing."""
-    from deepinfer.kernels.elementwise_triton import rms_norm as triton_rms_norm
-    from deepinfer.kernels.rms_norm import rms_norm
-
-    routing = RoutingConfig(**ROUTINGS["v2_lite_greedy_softmax"])
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    gen = torch.Generator().manual_seed(21 + num_tokens)
-    stream = (torch.randn(num_tokens, 2048, generator=gen) * 3).to(dtype).to(DEVICE)
-    norm_weight = (torch.rand(2048, generator=gen) + 0.5).to(dtype).to(DEVICE)
-    gate = (torch.randn(64, 2048, generator=gen) * 2048 ** -0.5 * 3).to(DEVICE)
-    mapping = torch.randperm(64, generator=gen).to(DEVICE)
-    expected_rows = triton_rms_norm(stream, norm_weight, 1e-6)
-    expected = fused_router(expected_rows, gate, routing, None, mapping)
-    rows = torch.full_like(stream, float("nan"))
-    got = fused_router(stream, gate, routing, None, mapping, norm_weight=norm_weight,
-                       norm_eps=1e-6, normed_out=rows)
-    assert torch.equal(rows, expected_rows)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    rows = torch.full_like(stream, float("nan"))
-    _, ids = route_hidden(stream, gate, routing, logical_to_physical=mapping,
-                          settings=KernelConfig(moe_fused_router_max_rows=0),
-                          norm_weight=norm_weight, norm_eps=1e-6, normed_out=rows)
-    assert torch.equal(rows, rms_norm(stream, norm_weight, 1e-6))
-    assert torch.equal(ids.sort(dim=1).values, expected[1].sort(dim=1).values)
 
 
 class _FakeDeepGemm:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.engine.moe.gating import RoutingConfig, fused_router_applies, route_hidden
+from deepinfer.engine.moe.gating import RoutingConfig, route_hidden
 from deepinfer.kernels.moe import moe_experts
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
@@ -97,43 +97,21 @@ class MoE(nn.Module):
             return self.w2.data[physical]
         raise ValueError(f"unknown expert projection {projection!r}")
 
-    def routes_norm(self, residual: torch.Tensor) -> bool:
-        """Whether `route(residual, norm_weight=...)` takes the RMSNorm inside the router's own
-        launch for these rows (`gating.fused_router_applies`; not under expert parallelism,
-        whose router runs on its own path)."""
-        return (self.expert_parallel is None
-                and fused_router_applies(residual, self.kernel_config))
-
-    def route(self, hidden: torch.Tensor, norm_weight: torch.Tensor | None = None,
-              norm_eps: float = 0.0) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The routing of `hidden` [T, hidden_size]: (the routed rows, (topk_weights [T, top_k]
-        float32, physical ids [T, top_k] int64)).
-
-        With `norm_weight` ([hidden_size], hidden's dtype), `hidden` is the un-normed residual
-        stream and the routed rows are its RMSNorm (a new tensor; `norm_eps`), taken inside
-        the router's launch where `routes_norm` (`gating.route_hidden`)."""
-        normed = None if norm_weight is None else torch.empty_like(hidden)
-        routing = route_hidden(hidden, self.gate_weight, self.routing,
-                               self.e_score_correction_bias,
-                               logical_to_physical=self.logical_to_physical,
-                               settings=self.kernel_config, norm_weight=norm_weight,
-                               norm_eps=norm_eps, normed_out=normed)
-        return (hidden if normed is None else normed), routing
-
     def forward(self, hidden: torch.Tensor, shared_output: torch.Tensor | None = None,
-                shared_ready: torch.cuda.Event | None = None,
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum (plus
         `shared_output`, [num_tokens, hidden_size] or None: added by the experts' combine
         kernel on the Triton backend), same shape/dtype. `shared_ready`: None, or the event
         after which shared_output (written on another CUDA stream) may be read
-        (`kernels.moe.moe_experts`). `routing`: `route(hidden)[1]` where already taken."""
+        (`kernels.moe.moe_experts`)."""
         if self.expert_parallel is not None:
             out = self.expert_parallel.forward(self, hidden)
             if shared_ready is not None:
                 torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
             return out if shared_output is None else out + shared_output
-        topk_weights, physical_ids = routing or self.route(hidden)[1]  # [T, top_k] each
+        topk_weights, physical_ids = route_hidden(  # [T, top_k] each
+            hidden, self.gate_weight, self.routing, self.e_score_correction_bias,
+            logical_to_physical=self.logical_to_physical, settings=self.kernel_config)
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
                            backend=self.backend, settings=self.kernel_config,
                            w13_scale=self.w13_scale, w2_scale=self.w2_scale,
