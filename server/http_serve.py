@@ -4,7 +4,8 @@
 On SIGTERM or Ctrl-C the server drains: it keeps listening and serving while its in-flight
 requests finish (up to --graceful-shutdown-s; those still running then answer 503), /health
 answers 503 `{"status": "draining"}` so a router sends nothing new without cancelling what runs;
-at zero in flight uvicorn stops. A second signal stops at once.
+at zero in flight uvicorn stops. A second signal stops at once: the requests still running
+answer that 503 right away and uvicorn exits.
 """
 
 from __future__ import annotations
@@ -38,14 +39,20 @@ async def _drain(server: Any, app: Any, drain_s: float) -> None:
     uvicorn with a bare 500) and let uvicorn stop."""
     while not (server.draining or server.should_exit):
         await asyncio.sleep(0.1)
-    deadline = time.monotonic() + drain_s
-    while app.state.in_flight > 0 and time.monotonic() < deadline:
+    start = time.monotonic()
+    # a second signal (uvicorn's should_exit, set by `DrainingServer.handle_exit`) ends the
+    # wait: what still runs is aborted now, so uvicorn has nothing left to wait for
+    while (app.state.in_flight > 0 and time.monotonic() < start + drain_s
+           and not server.should_exit):
         await asyncio.sleep(0.1)
-    aborted = app.state.engine.abort_all(
-        f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
+    reason = ("the server was stopped by a second signal during its drain."
+              if server.should_exit else
+              f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
+    aborted = app.state.engine.abort_all(reason)
     if aborted:
         logging.getLogger("deepinfer.server").warning(
-            "shutdown: aborted %d request(s) still running after %g s", aborted, drain_s)
+            "shutdown: aborted %d request(s) still running after %.1f s",
+            aborted, time.monotonic() - start)
     server.should_exit = True
 
 

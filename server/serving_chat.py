@@ -90,8 +90,10 @@ class ChatServing:
                 mm_inputs = self.mm_processor.place(prompt_ids, images)
             except ValueError as exc:
                 raise APIError(str(exc), param="messages", code="invalid_value") from None
-        max_tokens = fit_max_tokens(asked_max_tokens, len(prompt_ids), self.engine.max_model_len,
-                                    prompt_param="messages")
+        max_tokens = fit_max_tokens(
+            asked_max_tokens, len(prompt_ids), self.engine.max_model_len, prompt_param="messages",
+            max_tokens_param=("max_completion_tokens" if req.max_completion_tokens is not None
+                              else "max_tokens"))
         params = build_params(kwargs, max_tokens)
         n = req.n or 1
         handoff = check_kv_transfer_params(req, n)

@@ -186,11 +186,13 @@ def check_completion_fields(req: CompletionRequest) -> None:
 
 
 def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, *,
-                   prompt_param: str = "prompt", default: int | None = None) -> int:
+                   prompt_param: str = "prompt", default: int | None = None,
+                   max_tokens_param: str = "max_tokens") -> int:
     """The max_tokens to run with: as asked if it fits; if not asked, `default` (None: no
     limit) cut to the room the context window leaves, as vLLM's `get_max_tokens` does, so a
     default the client never sent is never blamed. Raises a 400 with the numbers when the
-    prompt leaves no room or prompt + the asked max_tokens cannot fit."""
+    prompt leaves no room or prompt + the asked max_tokens cannot fit, naming the field the
+    client sent (`max_tokens_param`: "max_completion_tokens" where that set it)."""
     if num_prompt_tokens == 0:
         raise APIError("The prompt is empty after tokenization; send some text or token ids.",
                        param=prompt_param, code="empty_prompt")
@@ -203,10 +205,10 @@ def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len
         room = max_model_len - num_prompt_tokens
         return room if default is None else min(default, room)
     if num_prompt_tokens + max_tokens > max_model_len:
-        raise APIError(f"max_tokens={max_tokens} plus {num_prompt_tokens} prompt tokens exceeds "
-                       f"max_model_len={max_model_len}; lower max_tokens to at most "
-                       f"{max(max_model_len - num_prompt_tokens, 0)} or shorten the prompt.",
-                       param="max_tokens", code="context_length_exceeded")
+        raise APIError(f"{max_tokens_param}={max_tokens} plus {num_prompt_tokens} prompt tokens "
+                       f"exceeds max_model_len={max_model_len}; lower {max_tokens_param} to at "
+                       f"most {max(max_model_len - num_prompt_tokens, 0)} or shorten the "
+                       "prompt.", param=max_tokens_param, code="context_length_exceeded")
     return max_tokens
 
 

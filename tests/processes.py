@@ -91,11 +91,11 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,
                    path: str = "/v1/chat/completions", timeout_s: float = 120,
-                   in_flight: Callable[[], bool] | None = None
+                   in_flight: Callable[[], bool] | None = None, signals: int = 1
                    ) -> tuple[list[str], httpx.Response | None]:
     """POST `body` streamed (and, with `plain`, also not streamed) to `process`, send SIGTERM
-    once the stream's first event arrived and `in_flight()` (if given) is true, and wait for
-    both answers to end. With `plain`, pass an `in_flight` that sees the plain request taken
+    (`signals` times, 0.5 s apart) once the stream's first event arrived and `in_flight()` (if
+    given) is true, and wait for both answers to end. With `plain`, pass an `in_flight` that sees the plain request taken
     (otherwise it may not have connected before the SIGTERM stops the listener).
 
     Returns:
@@ -126,7 +126,9 @@ def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,
     while in_flight is not None and not in_flight():
         assert time.monotonic() < deadline, f"{process.name}: requests not in flight"
         time.sleep(0.05)
-    process.proc.send_signal(signal.SIGTERM)
+    for index in range(signals):
+        time.sleep(0.5 if index else 0.0)
+        process.proc.send_signal(signal.SIGTERM)
     for reader in readers:
         reader.join(timeout_s)
     return lines, (answers[0] if answers else None)

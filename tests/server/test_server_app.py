@@ -168,6 +168,8 @@ def test_completions_logprobs_and_stream(client):
      ">= 1; send a positive number of tokens or omit it to generate up to the context window"),
     ({"messages": USER, "max_tokens": 60}, 400, "max_tokens", "context_length_exceeded",
      "exceeds max_model_len=64; lower max_tokens"),
+    ({"messages": USER, "max_completion_tokens": 60}, 400, "max_completion_tokens",
+     "context_length_exceeded", "exceeds max_model_len=64; lower max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x" * 70}]}, 400, "messages",
      "context_length_exceeded", "max_model_len=64"),
     ({"messages": [{"role": "user", "content": [

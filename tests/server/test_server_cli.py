@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,38 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
         assert server.proc.wait(timeout=60) == 0
+        assert "Traceback" not in server.log() and "deepinfer: stopped" in server.log()
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once(tmp_path):
+    """Two SIGTERMs 0.5 s apart with a 60 s drain while a long request and a long stream run:
+    both answer `server_shutting_down` (503; the stream's error event then `[DONE]`) and the
+    server exits 0 within seconds, not after the drain (it waited out the whole drain before,
+    and only a third signal cut the requests with a bare 500)."""
+    import json
+
+    from tests.processes import ServerProcess, deepinfer, metric, sigterm_during
+
+    server = ServerProcess("server", deepinfer("serve", "--graceful-shutdown-s", "60"),
+                           tmp_path / "server.log")
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 3000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Count to a thousand."}]}
+    try:
+        server.wait_ready()
+        start = time.monotonic()
+        lines, plain_reply = sigterm_during(
+            server, body, plain=True, signals=2,
+            in_flight=lambda: metric(server.url, "deepinfer:num_requests_running") >= 2)
+        assert plain_reply.status_code == 503
+        assert plain_reply.json()["error"]["code"] == "server_shutting_down"
+        assert "second signal" in plain_reply.json()["error"]["message"]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
+        assert server.proc.wait(timeout=30) == 0
+        assert time.monotonic() - start < 30   # the drain was 60 s
         assert "Traceback" not in server.log() and "deepinfer: stopped" in server.log()
     finally:
         server.kill()
