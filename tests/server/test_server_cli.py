@@ -159,10 +159,15 @@ def test_sigterm_while_loading_exits_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
-    """SIGTERM with --graceful-shutdown-s 1 while a long request and a long stream run: after
-    the drain the request answers an OpenAI-style 503 `server_shutting_down`, the stream ends
-    with that error event and `[DONE]`, and the server exits 0 without a traceback."""
+@pytest.mark.parametrize("drain_s,signals,reason", [
+    (1, 1, "ran past the 1 s drain"), (60, 2, "stopped by a second signal")],
+    ids=["drain-ends", "second-signal"])
+def test_requests_running_at_shutdown_get_a_503_not_a_cut(tmp_path, drain_s, signals, reason):
+    """SIGTERM while a long request and a long stream run, with --graceful-shutdown-s 1 (the
+    drain ends), or 60 and a second SIGTERM 0.5 s later (it stops at once; before, uvicorn
+    waited out the drain and only a third signal cut the requests with a bare 500): the request
+    answers an OpenAI-style 503 `server_shutting_down` saying why, the stream ends with that
+    error event and `[DONE]`, and the server exits 0 within 30 s without a traceback."""
     import json
 
     from tests.processes import ServerProcess, deepinfer, metric, sigterm_during
@@ -171,51 +176,22 @@ def test_requests_past_the_drain_get_a_503_not_a_cut(tmp_path):
         return sum(metric(server.url, f"deepinfer:num_requests_{state}")
                    for state in ("running", "waiting"))
 
-    server = ServerProcess("server", deepinfer("serve", "--graceful-shutdown-s", "1"),
-                           tmp_path / "server.log")
-    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Count to a thousand."}]}
-    try:
-        server.wait_ready()
-        lines, plain_reply = sigterm_during(server, body, plain=True,
-                                            in_flight=lambda: requests_in() >= 2)
-        assert plain_reply.status_code == 503
-        assert plain_reply.json()["error"]["code"] == "server_shutting_down"
-        assert lines[-1] == "data: [DONE]"
-        assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
-        assert server.proc.wait(timeout=60) == 0
-        assert "Traceback" not in server.log() and "deepinfer: stopped" in server.log()
-    finally:
-        server.kill()
-
-
-@pytest.mark.slow
-def test_a_second_signal_stops_at_once(tmp_path):
-    """Two SIGTERMs 0.5 s apart with a 60 s drain while a long request and a long stream run:
-    both answer `server_shutting_down` (503; the stream's error event then `[DONE]`) and the
-    server exits 0 within seconds, not after the drain (it waited out the whole drain before,
-    and only a third signal cut the requests with a bare 500)."""
-    import json
-
-    from tests.processes import ServerProcess, deepinfer, metric, sigterm_during
-
-    server = ServerProcess("server", deepinfer("serve", "--graceful-shutdown-s", "60"),
+    server = ServerProcess("server", deepinfer("serve", "--graceful-shutdown-s", str(drain_s)),
                            tmp_path / "server.log")
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 3000, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Count to a thousand."}]}
     try:
         server.wait_ready()
         start = time.monotonic()
-        lines, plain_reply = sigterm_during(
-            server, body, plain=True, signals=2,
-            in_flight=lambda: metric(server.url, "deepinfer:num_requests_running") >= 2)
+        lines, plain_reply = sigterm_during(server, body, plain=True, signals=signals,
+                                            in_flight=lambda: requests_in() >= 2)
         assert plain_reply.status_code == 503
         assert plain_reply.json()["error"]["code"] == "server_shutting_down"
-        assert "second signal" in plain_reply.json()["error"]["message"]
+        assert reason in plain_reply.json()["error"]["message"]
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
         assert server.proc.wait(timeout=30) == 0
-        assert time.monotonic() - start < 30   # the drain was 60 s
+        assert time.monotonic() - start < 30
         assert "Traceback" not in server.log() and "deepinfer: stopped" in server.log()
     finally:
         server.kill()
