@@ -40,13 +40,13 @@ async def _drain(server: Any, app: Any, drain_s: float) -> None:
     while not (server.draining or server.should_exit):
         await asyncio.sleep(0.1)
     start = time.monotonic()
-    # a second signal (uvicorn's should_exit, set by `DrainingServer.handle_exit`) ends the
-    # wait: what still runs is aborted now, so uvicorn has nothing left to wait for
+    # a second signal ends the wait: what still runs is aborted now, so uvicorn, which
+    # stops on that signal, has nothing left to wait for
     while (app.state.in_flight > 0 and time.monotonic() < start + drain_s
-           and not server.should_exit):
+           and not server.signalled_twice):
         await asyncio.sleep(0.1)
     reason = ("the server was stopped by a second signal during its drain."
-              if server.should_exit else
+              if server.signalled_twice else
               f"it ran past the {drain_s:g} s drain (--graceful-shutdown-s).")
     aborted = app.state.engine.abort_all(reason)
     if aborted:
@@ -65,6 +65,7 @@ def draining_server(config: Any, *, ignore_sigint: bool = False) -> Any:
 
     class DrainingServer(uvicorn.Server):
         draining = False
+        signalled_twice = False   # a signal came during the drain: `_drain` stops waiting
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if ignore_sigint and sig == signal.SIGINT:
@@ -74,6 +75,7 @@ def draining_server(config: Any, *, ignore_sigint: bool = False) -> Any:
                 self.draining = True
                 config.app.state.draining = True
                 return
+            self.signalled_twice = self.draining
             super().handle_exit(sig, frame)
 
     return DrainingServer(config)

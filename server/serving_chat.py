@@ -30,7 +30,7 @@ from deepinfer.server.structured import check_compiles, so_args_from_request, wi
 from deepinfer.server.tools import (ToolConfig, check_tool_constraint, tool_config,
                                     tool_so_args, tool_streamer)
 from deepinfer.server.validation import (build_params, chat_kwargs, check_kv_transfer_params, check_model,
-                               fit_max_tokens)
+                               fit_max_tokens, max_tokens_field)
 
 
 def _finish_reason(reason: str | None, tools: ToolConfig | None, num_calls: int) -> str | None:
@@ -92,8 +92,7 @@ class ChatServing:
                 raise APIError(str(exc), param="messages", code="invalid_value") from None
         max_tokens = fit_max_tokens(
             asked_max_tokens, len(prompt_ids), self.engine.max_model_len, prompt_param="messages",
-            max_tokens_param=("max_completion_tokens" if req.max_completion_tokens is not None
-                              else "max_tokens"))
+            max_tokens_param=max_tokens_field(req))
         params = build_params(kwargs, max_tokens)
         n = req.n or 1
         handoff = check_kv_transfer_params(req, n)

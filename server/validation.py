@@ -127,10 +127,16 @@ def _check_not_served(req: ChatCompletionRequest) -> None:
                        param="modalities", code="unsupported_parameter")
 
 
+def max_tokens_field(req: ChatCompletionRequest) -> str:
+    """The chat field that sets max_tokens: `max_completion_tokens` (OpenAI's current name)
+    wins over the deprecated `max_tokens`."""
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
 def chat_kwargs(req: ChatCompletionRequest) -> tuple[dict[str, Any], int | None]:
     """Validated SamplingParams keyword arguments (without max_tokens) and the max_tokens asked.
 
-    `max_completion_tokens` (OpenAI's current name) wins over the deprecated `max_tokens`.
+    The max_tokens asked is that of `max_tokens_field`.
     """
     kwargs = _common_kwargs(req)
     _check_not_served(req)
@@ -141,8 +147,7 @@ def chat_kwargs(req: ChatCompletionRequest) -> tuple[dict[str, Any], int | None]
         raise APIError(f"top_logprobs={req.top_logprobs} needs logprobs=true; set logprobs=true "
                        "or remove top_logprobs.", param="top_logprobs", code="invalid_value")
     kwargs["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return kwargs, asked
+    return kwargs, getattr(req, max_tokens_field(req))
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -192,7 +197,7 @@ def fit_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len
     limit) cut to the room the context window leaves, as vLLM's `get_max_tokens` does, so a
     default the client never sent is never blamed. Raises a 400 with the numbers when the
     prompt leaves no room or prompt + the asked max_tokens cannot fit, naming the field the
-    client sent (`max_tokens_param`: "max_completion_tokens" where that set it)."""
+    client sent (`max_tokens_param`: chat's `max_tokens_field`)."""
     if num_prompt_tokens == 0:
         raise APIError("The prompt is empty after tokenization; send some text or token ids.",
                        param=prompt_param, code="empty_prompt")

@@ -95,8 +95,9 @@ def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,
                    ) -> tuple[list[str], httpx.Response | None]:
     """POST `body` streamed (and, with `plain`, also not streamed) to `process`, send SIGTERM
     (`signals` times, 0.5 s apart) once the stream's first event arrived and `in_flight()` (if
-    given) is true, and wait for both answers to end. With `plain`, pass an `in_flight` that sees the plain request taken
-    (otherwise it may not have connected before the SIGTERM stops the listener).
+    given) is true, and wait for both answers to end. With `plain`, pass an `in_flight` that
+    sees the plain request taken (otherwise it may not have connected before the SIGTERM stops
+    the listener).
 
     Returns:
         (the stream's non-empty lines, the plain answer or None).
@@ -127,7 +128,8 @@ def sigterm_during(process: ServerProcess, body: dict, *, plain: bool = False,
         assert time.monotonic() < deadline, f"{process.name}: requests not in flight"
         time.sleep(0.05)
     for index in range(signals):
-        time.sleep(0.5 if index else 0.0)
+        if index:
+            time.sleep(0.5)
         process.proc.send_signal(signal.SIGTERM)
     for reader in readers:
         reader.join(timeout_s)
