@@ -1,4 +1,6 @@
-"""Public Multi-head Latent Attention ops: `write_latent` and `mla_attention`, on a backend.
+"""Public Multi-head Latent Attention ops, on a backend: `write_latent`,
+`rotate_and_write_latent`, `mla_attention`, and `rotate_write_and_attend` (the last two in one
+call, fused where the backend can).
 
 MLA (DeepSeek-V2, arXiv 2405.04434 §2.1) caches one latent vector per token,
 `[c_KV ; k_R]` of kv_lora_rank + qk_rope_head_dim values, instead of per-head K and V.
@@ -107,6 +109,35 @@ def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
     _BACKENDS.get(name, kv_cache.device).write_latent(torch.cat([c_kv, k_pe], dim=-1), kv_cache,
                                                       slot_mapping)
     return q_pe
+
+
+def rotate_write_and_attend(query: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor,
+                            eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
+                            kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                            w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+                            backend: str = "auto", settings: KernelConfig = DEFAULT
+                            ) -> torch.Tensor:
+    """MLA from the projections' outputs: `rotate_and_write_latent` (query's rope dims
+    rotated in place, this step's latents stored at `metadata.slot_mapping`), then
+    `mla_attention`; the "triton" backend folds the first into the W_UK absorption kernel of
+    small decode batches (`KernelConfig.mla_rotate_in_absorb`).
+
+    Args:
+        query: [num_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim], unit last stride.
+        kv_a, norm_weight, eps, cos, signed_sin, kv_cache: as `rotate_and_write_latent`.
+        metadata, w_uk, w_uv, scale, backend, settings: as `mla_attention`.
+    Returns:
+        [num_tokens, num_heads, v_head_dim], query's dtype.
+    """
+    name = _BACKENDS.resolve(backend, query.device)
+    if name == "triton":
+        return _BACKENDS.load(name).rotate_write_and_attend(
+            query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache, metadata, w_uk, w_uv,
+            scale, settings=settings)
+    q_pe = rotate_and_write_latent(query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache,
+                                   metadata.slot_mapping, backend=name, settings=settings)
+    return mla_attention(query[..., :query.shape[2] - cos.shape[-1]], q_pe, kv_cache, metadata,
+                         w_uk, w_uv, scale, backend=name, settings=settings)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

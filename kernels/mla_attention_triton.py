@@ -75,6 +75,56 @@ def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rotate_in_place(ptrs, ok, cos_ptrs, sin_ptrs, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Rotate, in place, the rope dims whose first halves `ptrs` ([R, BLOCK_HALF] pointers)
+    and second halves ptrs + HALF address; cos_ptrs / sin_ptrs: each row's cos and signed sin
+    ([R, BLOCK_HALF] pointers to their first halves)."""
+    q1, q2 = _rotate_halves(tl.load(ptrs, mask=ok, other=0.0),
+                            tl.load(ptrs + HALF, mask=ok, other=0.0),
+                            tl.load(cos_ptrs, mask=ok, other=0.0),
+                            tl.load(cos_ptrs + HALF, mask=ok, other=0.0),
+                            tl.load(sin_ptrs, mask=ok, other=0.0),        # -sin
+                            tl.load(sin_ptrs + HALF, mask=ok, other=0.0), dtype)
+    tl.store(ptrs, q1, mask=ok)
+    tl.store(ptrs + HALF, q2, mask=ok)
+
+
+@triton.jit
+def _store_latents(kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, tokens, t_ok,
+                   kv_a_stride, cos_stride, sin_stride, eps, LORA: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   dtype: tl.constexpr):
+    """The latents of `tokens` ([R] int64, valid where t_ok): RMSNorm(c_KV) (as
+    kernels/elementwise_triton.py's) times the norm weight, then the rotated k_R, stored at
+    each token's slot (slot -1: not stored)."""
+    slots = tl.load(slot_ptr + tokens, mask=t_ok, other=-1).to(tl.int64)        # [R]
+    keep = (t_ok & (slots >= 0))[:, None]
+    cols = tl.arange(0, BLOCK_L)[None, :]
+    c_kv = tl.load(kv_a_ptr + tokens[:, None] * kv_a_stride + cols,
+                   mask=t_ok[:, None] & (cols < LORA), other=0.0)               # [R, L]
+    c_f = c_kv.to(tl.float32)
+    normed = (c_f * tl.rsqrt(tl.sum(c_f * c_f, 1) / LORA + eps)[:, None]).to(dtype)
+    weight = tl.load(norm_ptr + cols, mask=cols < LORA, other=0.0)
+    rows = cache_ptr + slots[:, None] * (LORA + 2 * HALF)
+    tl.store(rows + cols, normed * weight, mask=keep & (cols < LORA))
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    d_ok = t_ok[:, None] & (dims < HALF)
+    k_rope = kv_a_ptr + tokens[:, None] * kv_a_stride + LORA + dims
+    k1, k2 = _rotate_halves(tl.load(k_rope, mask=d_ok, other=0.0),
+                            tl.load(k_rope + HALF, mask=d_ok, other=0.0),
+                            tl.load(cos_ptr + tokens[:, None] * cos_stride + dims, mask=d_ok,
+                                    other=0.0),
+                            tl.load(cos_ptr + tokens[:, None] * cos_stride + HALF + dims,
+                                    mask=d_ok, other=0.0),
+                            tl.load(sin_ptr + tokens[:, None] * sin_stride + dims, mask=d_ok,
+                                    other=0.0),
+                            tl.load(sin_ptr + tokens[:, None] * sin_stride + HALF + dims,
+                                    mask=d_ok, other=0.0), dtype)
+    tl.store(rows + LORA + dims, k1, mask=d_ok & keep)
+    tl.store(rows + LORA + HALF + dims, k2, mask=d_ok & keep)
+
+
+@triton.jit
 def _rotate_write_latent_kernel(query_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr,
                                 slot_ptr, q_stride_t, q_stride_h, kv_a_stride, cos_stride,
                                 sin_stride, num_heads, eps, NOPE: tl.constexpr,
@@ -87,37 +137,14 @@ def _rotate_write_latent_kernel(query_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr,
     token = tl.program_id(0).to(tl.int64)
     dtype = query_ptr.dtype.element_ty
     dims = tl.arange(0, BLOCK_HALF)[None, :]
-    d_ok = dims < HALF
-    cos1 = tl.load(cos_ptr + token * cos_stride + dims, mask=d_ok, other=0.0)
-    cos2 = tl.load(cos_ptr + token * cos_stride + HALF + dims, mask=d_ok, other=0.0)
-    sin1 = tl.load(sin_ptr + token * sin_stride + dims, mask=d_ok, other=0.0)   # -sin
-    sin2 = tl.load(sin_ptr + token * sin_stride + HALF + dims, mask=d_ok, other=0.0)
-    # the queries' rope dims, every head, in place
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    q_ok = (heads < num_heads) & d_ok
-    q_rope = query_ptr + token * q_stride_t + heads * q_stride_h + NOPE + dims
-    q1, q2 = _rotate_halves(tl.load(q_rope, mask=q_ok, other=0.0),
-                            tl.load(q_rope + HALF, mask=q_ok, other=0.0),
-                            cos1, cos2, sin1, sin2, dtype)
-    tl.store(q_rope, q1, mask=q_ok)
-    tl.store(q_rope + HALF, q2, mask=q_ok)
-    # the latent: RMSNorm(c_KV) (as kernels/elementwise_triton.py's) then the rotated k_R
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    cols = tl.arange(0, BLOCK_L)
-    c_ok = (cols < LORA) & (slot + 0 * cols >= 0)
-    c_kv = tl.load(kv_a_ptr + token * kv_a_stride + cols, mask=cols < LORA, other=0.0)
-    c_f = c_kv.to(tl.float32)
-    normed = (c_f * tl.rsqrt(tl.sum(c_f * c_f, 0) / LORA + eps)).to(dtype)
-    weight = tl.load(norm_ptr + cols, mask=cols < LORA, other=0.0)
-    row = cache_ptr + slot * (LORA + 2 * HALF)
-    tl.store(row + cols, normed * weight, mask=c_ok)
-    k_rope = kv_a_ptr + token * kv_a_stride + LORA + dims
-    k1, k2 = _rotate_halves(tl.load(k_rope, mask=d_ok, other=0.0),
-                            tl.load(k_rope + HALF, mask=d_ok, other=0.0),
-                            cos1, cos2, sin1, sin2, dtype)
-    k_ok = d_ok & (slot + 0 * dims >= 0)
-    tl.store(row + LORA + dims, k1, mask=k_ok)
-    tl.store(row + LORA + HALF + dims, k2, mask=k_ok)
+    heads = tl.arange(0, BLOCK_H)[:, None]   # the queries' rope dims, every head
+    _rotate_in_place(query_ptr + token * q_stride_t + heads * q_stride_h + NOPE + dims,
+                     (heads < num_heads) & (dims < HALF), cos_ptr + token * cos_stride + dims,
+                     sin_ptr + token * sin_stride + dims, HALF, dtype)
+    tokens = token + tl.arange(0, 1)
+    _store_latents(kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, tokens,
+                   tokens >= 0, kv_a_stride, cos_stride, sin_stride, eps, LORA, HALF, BLOCK_L,
+                   BLOCK_HALF, dtype)
 
 
 def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor,
@@ -148,12 +175,19 @@ def rotate_and_write_latent(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
 
 @triton.jit
 def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, num_tokens, q_st, q_sh, w_sh, w_sd, out_sh,
-                         out_st, NOPE: tl.constexpr, LORA: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         out_st, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
+                         kv_a_stride, cos_stride, sin_stride, eps, NOPE: tl.constexpr,
+                         LORA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                         ROTATE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         BLOCK_LATENT: tl.constexpr):
     """Program (head, latent tile, token tile): q_latent = q_nope W_UK[head] for BLOCK_T
     tokens and BLOCK_L latent columns, one tl.dot over the whole nope width, fp32 accumulation.
-    The W_UK tile (a weight) is loaded before the PDL wait, q_nope after."""
+    The W_UK tile (a weight) is loaded before the PDL wait, q_nope after.
+    ROTATE (`rotate_write_and_attend`): the programs of latent tile 0 also rotate their head's
+    query rope dims in place (right after q_nope's Dn dims, HALF x 2 of them), and head 0's
+    store the tile's latents (`_store_latents`): `_rotate_write_latent_kernel`'s work, without
+    its launch on the path to the attention."""
     head = tl.program_id(0)
     lat = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -164,47 +198,74 @@ def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, num_tokens, q_st, q_sh, w_sh, w_
     w = tl.load(w_ptr + head * w_sh + dims[:, None] * w_sd + lat[None, :],
                 mask=d_ok[:, None] & l_ok[None, :], other=0.0)                 # [D, L]
     pdl.wait_and_release(PDL, True)
-    q = tl.load(q_ptr + tokens[:, None].to(tl.int64) * q_st + head * q_sh + dims[None, :],
+    rows = tokens[:, None].to(tl.int64)
+    if ROTATE:
+        if tl.program_id(1) == 0:
+            dtype = q_ptr.dtype.element_ty
+            half = tl.arange(0, BLOCK_HALF)[None, :]
+            _rotate_in_place(q_ptr + rows * q_st + head * q_sh + NOPE + half,
+                             t_ok[:, None] & (half < HALF), cos_ptr + rows * cos_stride + half,
+                             sin_ptr + rows * sin_stride + half, HALF, dtype)
+            if head == 0:
+                _store_latents(kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
+                               tokens.to(tl.int64), t_ok, kv_a_stride, cos_stride, sin_stride,
+                               eps, LORA, HALF, BLOCK_LATENT, BLOCK_HALF, dtype)
+    q = tl.load(q_ptr + rows * q_st + head * q_sh + dims[None, :],
                 mask=t_ok[:, None] & d_ok[None, :], other=0.0)                 # [T, D]
     acc = tl.dot(q, w, input_precision=PRECISION)                              # [T, L] fp32
-    tl.store(out_ptr + head * out_sh + tokens[:, None].to(tl.int64) * out_st + lat[None, :],
+    tl.store(out_ptr + head * out_sh + rows * out_st + lat[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & l_ok[None, :])
 
 
-def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor,
-                 settings: KernelConfig = DEFAULT) -> torch.Tensor:
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor, settings: KernelConfig = DEFAULT,
+                 *, latent_step: tuple | None = None) -> torch.Tensor:
     """q_nope [T, H, Dn] (unit last stride) times W_UK [H, Dn, L] (unit last stride) per head:
     [H, T, L] contiguous, q_nope's dtype (what `torch.bmm(q_nope.transpose(0, 1), w_uk)`
-    returns), in one Triton launch of H x L/64 x T/16 programs."""
+    returns), in one Triton launch of H x L/64 x T/16 programs.
+
+    latent_step: None, or (kv_a, norm_weight, eps, cos, signed_sin, kv_cache, slot_mapping)
+        of `rotate_and_write_latent` (shapes there), q_nope then being the first Dn dims of
+        its `query` [T, H, Dn + R]: the same launch also rotates the query's rope dims in
+        place and stores the latents."""
     num_tokens, num_heads, nope = q_nope.shape
     lora = w_uk.shape[2]
     out = torch.empty(num_heads, num_tokens, lora, dtype=q_nope.dtype, device=q_nope.device)
     block_l = 64
     options = pdl.launch_options(q_nope.device, settings)
+    if latent_step is None:   # placeholders, unused
+        kv_a = norm = cos = sin = cache = slots = q_nope
+        eps, rope_dim = 0.0, 2
+    else:
+        kv_a, norm, eps, cos, sin, cache, slots = latent_step
+        rope_dim = cos.shape[-1]
     _absorb_query_kernel[(num_heads, triton.cdiv(lora, block_l), triton.cdiv(num_tokens, 16))](
         q_nope, w_uk, out, num_tokens, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0),
-        w_uk.stride(1), out.stride(0), out.stride(1), NOPE=nope, LORA=lora, BLOCK_T=16,
+        w_uk.stride(1), out.stride(0), out.stride(1), kv_a, norm, cos, sin, cache, slots,
+        kv_a.stride(0), cos.stride(0), sin.stride(0), eps, NOPE=nope, LORA=lora, BLOCK_T=16,
         BLOCK_D=max(16, triton.next_power_of_2(nope)), BLOCK_L=block_l,
         PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32", PDL=bool(options),
-        num_warps=4, **options)
+        ROTATE=latent_step is not None, HALF=rope_dim // 2,
+        BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
+        BLOCK_LATENT=triton.next_power_of_2(lora), num_warps=4, **options)
     return out
 
 
 def absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
              metadata: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
              *, max_q_len: int, block_q: int | None = None, block_rows: int | None = None,
-             splits: int | None = None, settings: KernelConfig = DEFAULT) -> torch.Tensor:
+             splits: int | None = None, settings: KernelConfig = DEFAULT,
+             q_latent: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA of the rows with <= max_q_len new tokens: [T, H, Dv] (other rows: garbage).
 
     q_latent = q_nope W_UK ([H, T, L]), latent attention, then o_latent W_UV^T. Up to
     `settings.mla_absorb_triton_max_tokens` tokens q_latent is `absorb_query`'s (Triton) and up
     to `settings.mla_reduce_uv_max_tokens` W_UV is applied in the split reduce; above, each is
-    one cuBLAS batched GEMM."""
+    one cuBLAS batched GEMM; a given `q_latent` ([H, T, L]) is used as it is."""
     num_tokens = q_nope.shape[0]
-    if num_tokens <= settings.mla_absorb_triton_max_tokens and w_uk.stride(2) == 1:
-        q_latent = absorb_query(q_nope, w_uk, settings)                # [H, T, L]
-    else:
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)             # [H, T, L]
+    if q_latent is None:
+        q_latent = (absorb_query(q_nope, w_uk, settings)              # [H, T, L]
+                    if num_tokens <= settings.mla_absorb_triton_max_tokens
+                    and w_uk.stride(2) == 1 else torch.bmm(q_nope.transpose(0, 1), w_uk))
     fuse_uv = num_tokens <= settings.mla_reduce_uv_max_tokens and w_uv.stride(2) == 1
     out = latent_attention(q_latent.transpose(0, 1), q_pe, kv_cache, metadata, scale,
                            max_q_len=max_q_len, block_q=block_q, block_rows=block_rows,
@@ -261,3 +322,33 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
 def kernel_available() -> bool:
     """True when a CUDA device is present (Triton itself imported with this module)."""
     return torch.cuda.is_available()
+
+
+def rotate_write_and_attend(query: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor,
+                            eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
+                            kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                            w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+                            settings: KernelConfig = DEFAULT) -> torch.Tensor:
+    """`kernels.mla_attention.rotate_write_and_attend`'s contract (shapes there). A decode
+    batch (rows of <= `mla_decode_max_query_len` tokens) of at most
+    `mla_absorb_triton_max_tokens` tokens, with `settings.mla_rotate_in_absorb`, rotates and
+    stores its latents inside the W_UK absorption kernel (`absorb_query`'s `latent_step`):
+    one launch less on the attention's critical path; other batches run
+    `rotate_and_write_latent` then `mla_attention`."""
+    rope_dim = cos.shape[-1]
+    nope = query.shape[2] - rope_dim
+    q_nope, q_pe = query[..., :nope], query[..., nope:]
+    if (settings.mla_rotate_in_absorb and query.stride(-1) == 1 and w_uk.stride(2) == 1
+            and 0 < query.shape[0] <= settings.mla_absorb_triton_max_tokens
+            and metadata.max_query_len <= settings.mla_decode_max_query_len):
+        if not kv_cache.is_contiguous():
+            raise ValueError("the MLA kv_cache must be contiguous ([num_blocks, block_size, "
+                             "latent_dim]); the Triton kernels address it by slot.")
+        q_latent = absorb_query(q_nope, w_uk, settings, latent_step=(
+            kv_a, norm_weight, eps, cos, signed_sin, kv_cache, metadata.slot_mapping))
+        return absorbed(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale,
+                        max_q_len=metadata.max_query_len, settings=settings, q_latent=q_latent)
+    rotate_and_write_latent(query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache,
+                            metadata.slot_mapping, settings=settings)
+    return mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale, settings=settings)
+

@@ -140,6 +140,10 @@ class KernelConfig:
     mla_absorb_triton_max_tokens: up to this many tokens (default 16) absorbed MLA folds W_UK
         into the queries with a Triton kernel (`mla_attention_triton.absorb_query`); above,
         cuBLAS's batched GEMM. 0: always cuBLAS.
+    mla_rotate_in_absorb: True (default): a decode batch of up to mla_absorb_triton_max_tokens
+        tokens rotates its queries' rope dims and stores its latents inside the W_UK
+        absorption kernel (`mla_attention_triton.rotate_write_and_attend`), not in a kernel
+        of its own before it.
     mla_reduce_uv_max_tokens: up to this many tokens (default 16) absorbed MLA applies W_UV in
         its split reduce (`mla_decode_triton._mla_reduce_uv_kernel`, one launch less); above,
         a cuBLAS batched GEMM after the reduce. 0: never fused.
@@ -189,6 +193,7 @@ class KernelConfig:
     mla_decode_stages: int = 2
     mla_decode_max_query_len: int = 8
     mla_absorb_triton_max_tokens: int = 16
+    mla_rotate_in_absorb: bool = True
     mla_reduce_uv_max_tokens: int = 16
     mla_prefill_block_m: int = 64
     mla_prefill_block_n: int = 64

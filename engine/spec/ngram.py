@@ -19,7 +19,9 @@ yet thus borrows what the others showed (on free chat, soon ~0.1) instead of the
 1/2 a fresh counter of its own would say, and its own counts take over as they accumulate. The
 posterior mean is calibrated on the served traffic by construction. The key is fixed before any
 draft is read (match length and past outcomes are properties of the context), so c_j never
-depends on draft j.
+depends on draft j. Each request then reads those confidences scaled by its own acceptance so
+far against what they predicted for it (`RequestCalibration`): the counters are shared by
+all the traffic, and chat after grounded prompts would read the grounded prompts' rates.
 
 Pure module: no torch import.
 """
@@ -30,7 +32,7 @@ from array import array
 from collections.abc import Sequence
 
 from deepinfer.engine.spec.drafter import (BetaCounter, DraftProposal, DraftRequest,
-                                           observed_positions)
+                                           RequestCalibration, observed_positions)
 
 
 def longest_suffix_match(token_ids: Sequence[int], min_n: int, max_n: int,
@@ -103,13 +105,16 @@ class NgramDrafter:
         min_n, max_n: shortest and longest suffix matched (vLLM's prompt_lookup_min / _max).
         prior: Beta prior (accepted, rejected) of the pooled counters (over match lengths).
         prior_strength: pseudo-trials of the pooled mean in a match length's own counter.
+        request_strength: pseudo-positions of a request's factor-1 prior
+            (`RequestCalibration`).
     """
 
     # a request's previous verification: none yet, every verified draft accepted, one rejected
     NEW, HIT, MISS = 0, 1, 2
 
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 4,
-                 prior: tuple[float, float] = (1.0, 1.0), prior_strength: float = 2.0):
+                 prior: tuple[float, float] = (1.0, 1.0), prior_strength: float = 2.0,
+                 request_strength: float = 2.0):
         self.gamma = num_speculative_tokens
         self.min_n, self.max_n = min_n, max_n
         self.prior = prior
@@ -119,6 +124,7 @@ class NgramDrafter:
         self._last_key: dict[str, tuple[int, bool, int]] = {}   # request id -> its drafts' bucket
         self._outcome: dict[str, int] = {}                       # request id -> NEW / HIT / MISS
         self._index: dict[str, TokenIndex] = {}                  # request id -> its tokens' index
+        self.calibration = RequestCalibration(request_strength)
 
     def pooled(self, greedy: bool, outcome: int, position: int) -> BetaCounter:
         """The counter of draft `position` (0-based) over every match length."""
@@ -181,10 +187,12 @@ class NgramDrafter:
             values = buckets.get(key)
             if values is None:
                 values = buckets[key] = self.confidences(*key, self.gamma)
-            proposals[request.request_id] = DraftProposal(drafts, values[:len(drafts)])
+            proposals[request.request_id] = DraftProposal(drafts, self.calibration.scaled(
+                request.request_id, values[:len(drafts)]))
         return proposals
 
     def observe(self, request_id: str, num_verified: int, num_accepted: int) -> None:
+        self.calibration.observe(request_id, num_verified, num_accepted)
         key = self._last_key.pop(request_id, None)
         if key is None or num_verified == 0:
             return
@@ -195,6 +203,7 @@ class NgramDrafter:
         self._outcome[request_id] = self.HIT if num_accepted == num_verified else self.MISS
 
     def forget(self, request_id: str) -> None:
+        self.calibration.forget(request_id)
         self._last_key.pop(request_id, None)
         self._outcome.pop(request_id, None)
         self._index.pop(request_id, None)

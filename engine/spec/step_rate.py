@@ -29,8 +29,8 @@ from the engine's own step times (`observe`): per key the median of the last `wi
 observations (robust to the odd step slowed by another process), the start-up value counting
 as one observation until `window` real ones replaced it. A key not observed yet keeps the
 profile's shape at the engine's scale: its start-up value times the median observed / start-up
-ratio of its bucket's keys observed, once `SCALE_OBSERVATIONS` steps were, else of every
-bucket's, once as many were (the scale is the device's, the absolute times the batch's; on the
+ratio of its bucket's keys observed, once `SCALE_OBSERVATIONS` steps were, else the largest
+of the other buckets' keys' ratios, once as many were (the scale is the device's, the absolute times the batch's; on the
 H200 the engine's verify extra was several times the profile's: priced at the profile's
 values, every verify key had to be run once before the admission stopped choosing it). A verify step's observation of
 extra(D) is its time minus plain(B0) (and the sync gap). Reads fit the medians with a weighted
@@ -297,16 +297,21 @@ class StepRateTable:
         return curve
 
     def _fallback_ratio(self, bucket: int) -> float | None:
-        """The observed / start-up ratio over the other buckets' observed keys (once
-        SCALE_OBSERVATIONS steps were observed there): a bucket not observed enough yet reads
-        its start-up values at the scale the others showed (on the H200 several times the
-        profile's, at every batch)."""
+        """The largest observed / start-up ratio of the other buckets' keys observed more
+        than once (once SCALE_OBSERVATIONS steps were observed there): a bucket not observed
+        enough yet reads its start-up values at the scale the others showed (on the H200
+        several times the profile's, at every batch), and at the dearest of those scales: a
+        bucket never verified is priced high rather than low, since a price too high is
+        corrected by the exploration's measurements at a bounded cost, one too low by steps
+        that each lose (H100: chat at batch 16, its bucket priced at the median scale of the
+        grounded batch-1 keys and its confidences learnt there, verified most of its steps
+        at 0.52x of speculation off)."""
         if bucket not in self._pooled:
             ratios = [ratio for other, curve in self._extras.items() if other != bucket
                       for ratio in curve.ratios(interpolated=True)]
-            self._pooled[bucket] = (median(r for _, r in ratios)
-                                    if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS
-                                    else None)
+            repeated = [r for n, r in ratios if n > 1]
+            self._pooled[bucket] = (max(repeated) if repeated else median(r for _, r in ratios)
+                                    ) if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS else None
         return self._pooled[bucket]
 
     def sync_gap(self, base_tokens: int) -> float:

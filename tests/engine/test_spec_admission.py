@@ -269,20 +269,58 @@ def test_ngram_drafts_and_their_confidences():
         drafter.propose([DraftRequest("a", text, 6, max_drafts=3)])
         drafter.observe("a", 3, 2)                             # ... after a MISS
     other = [10, 11, 12, 99, 98, 97, 10, 11, 12]
-    drafter.propose([DraftRequest("d", other, 6, 3)])
+    d_first = drafter.propose([DraftRequest("d", other, 6, 3)])["d"].confidences
     drafter.observe("d", 3, 2)                                 # d's first (NEW), now a MISS
     both = drafter.propose([DraftRequest("a", text, 6, max_drafts=3),
                             DraftRequest("d", other, 6, 3)])
-    conf = both["a"].confidences
+    shared = drafter.confidences(3, True, drafter.MISS, 3)
     # MISS bucket of match length 3: 8 trials + 2 pseudo-trials at the pooled mean; pooled
     # MISS: position 0 8 of 8 + Beta(1, 1) = 0.9, position 1 8 of 8 + 2 at 0.9 = 0.98,
     # position 2 0 of 8 + 2 at 0.98 = 0.196
-    assert conf == pytest.approx([(8 + 2 * 0.9) / 10, (8 + 2 * 0.98) / 10, (0 + 2 * 0.196) / 10])
+    assert shared == pytest.approx([(8 + 2 * 0.9) / 10, (8 + 2 * 0.98) / 10,
+                                    (0 + 2 * 0.196) / 10])
     # a position never verified borrows the one before it: with 3 drafts at most, position 3
     # of a 4-draft proposal would say 0.196 (pooled, no counts) -> its bucket mean the same
     assert drafter.pooled_means(True, drafter.MISS, 4)[3] == pytest.approx(0.196)
-    # same match length, another continuation: the same confidences (c_j never reads draft j)
-    assert both["d"].token_ids == [99, 98, 97] and both["d"].confidences == conf
+    # same match length, another continuation: the same shared confidences (c_j never reads
+    # draft j), each scaled by its request's own record (RequestCalibration)
+    assert both["d"].token_ids == [99, 98, 97]
+    for request_id in ("a", "d"):
+        factor = drafter.calibration.factor(request_id)
+        assert both[request_id].confidences == pytest.approx(
+            [max(min(c * factor, 0.99), c) if factor > 1 else c * factor for c in shared])
+    # d: its one verification passed 2 of the 3 positions observed (at NEW's confidences)
+    assert drafter.calibration.factor("d") == pytest.approx((2 + 2) / (sum(d_first) + 2))
+
+
+def test_a_request_reads_the_shared_confidences_scaled_by_its_own_record():
+    """Shared counters learnt on grounded prompts (first drafts pass 0.9 of the time) do not
+    keep a chat request, whose drafts fail, at 0.9: each of its verifications moves its factor
+    (A + 2) / (E + 2) towards what it showed; a request that matches the shared rate keeps
+    them; a forgotten request starts again at 1."""
+    drafter = NgramDrafter(num_speculative_tokens=3, min_n=1, max_n=3)
+    grounded = [10, 11, 12, 13, 14, 15, 10, 11, 12]
+    for _ in range(40):   # 9 of 10 verifications pass in full, the last fails at once
+        for outcome in range(10):
+            drafter.propose([DraftRequest("g", grounded, 6, max_drafts=3)])
+            drafter.observe("g", 3, 0 if outcome == 9 else 3)
+        drafter.forget("g")
+    chat = [20, 21, 22, 23, 20, 21]
+    first = drafter.propose([DraftRequest("chat", chat, 4, max_drafts=2)])["chat"].confidences
+    assert first[0] > 0.8                                     # the shared rate, nothing else yet
+    for _ in range(3):
+        drafter.observe("chat", 2, 0)                         # rejected at the first draft
+        values = drafter.propose([DraftRequest("chat", chat, 4, 2)])["chat"].confidences
+    factor = drafter.calibration.factor("chat")   # 2 / (2 + ~1.6 predicted acceptances)
+    assert factor < 0.6
+    assert values == pytest.approx([factor * c for c in drafter.confidences(
+        2, True, drafter.MISS, 2)])
+    for _ in range(20):   # a grounded request that passes as the counters say stays near 1
+        drafter.propose([DraftRequest("g2", grounded, 6, max_drafts=3)])
+        drafter.observe("g2", 3, 3)
+    assert 0.95 < drafter.calibration.factor("g2") <= 1.3
+    drafter.forget("chat")
+    assert drafter.calibration.factor("chat") == 1.0
 
 
 def test_observed_positions():

@@ -349,7 +349,7 @@ def test_the_verify_extra_is_priced_per_batch_bucket():
 def test_a_new_batch_bucket_reads_its_profile_at_the_scale_the_others_showed():
     """H200 shape: verify steps cost 4x what the profile timed. After 3 observations at batch
     1, batch 16 (never verified) reads its own profiled values at that scale; its own
-    observations then take over."""
+    observations then take over. A bucket never verified reads the largest scale shown."""
     table = StepRateTable({1: 1.0 * MS, 16: 1.3 * MS}, {1: 0.1 * MS, 5: 0.3 * MS}, window=4,
                           load_smoothing=0.0, batch_extra_seconds={16: {1: 0.2 * MS,
                                                                        80: 1.0 * MS}})
@@ -361,6 +361,9 @@ def test_a_new_batch_bucket_reads_its_profile_at_the_scale_the_others_showed():
         table.observe(16, 80, (1.3 + 2.0) * MS)   # batch 16's own scale: 2x
     assert table.seconds(16, 80) == pytest.approx((1.3 + 2.0) * MS)
     assert table.seconds(16, 1) == pytest.approx((1.3 + 0.4) * MS)
+    # bucket 4, never verified: the dearer of the scales of buckets 1 (4x) and 16 (2x)
+    assert table.seconds(4, 1) - table.seconds(4) == pytest.approx(
+        4.0 * (0.1 + 3 / 15 * 0.1) * MS)
     with pytest.raises(ValueError, match="batch_extra_seconds"):
         StepRateTable({1: 0.01}, {1: 0.01}, batch_extra_seconds={16: {}})
 

@@ -172,6 +172,40 @@ def test_rotate_and_write_latent_matches_torch_ops(num_heads, num_tokens, dtype)
         torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["decode_ragged", "spec_rows_1plus_k", "mixed"])
+def test_rotate_write_and_attend_matches_the_separate_ops(case, dtype):
+    """Rotation and latent write folded into the W_UK absorption kernel (decode batches,
+    `mla_rotate_in_absorb`) give what `rotate_and_write_latent` then `mla_attention` give:
+    the same rotated queries and latents bit for bit (the same rounding steps), the same
+    attention output; a batch with prefill chunks ("mixed") takes the separate ops."""
+    from deepinfer.engine.models.layers.rotary import RotaryEmbedding
+
+    q_nope, q_pe, w_uk, w_uv, kv_cache, metadata, scale = _batch(case, dtype)
+    gen = torch.Generator().manual_seed(7)
+    tokens, heads, nope = q_nope.shape
+    rope_dim, lora = q_pe.shape[2], kv_cache.shape[2] - q_pe.shape[2]
+    query = torch.cat([q_nope, q_pe], dim=2)
+    kv_a = torch.randn(tokens, lora + rope_dim, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(lora, generator=gen)).to(DEVICE, dtype)
+    positions = (metadata.seq_lens.cpu().repeat_interleave(torch.tensor(
+        [int(n) for n in metadata.query_lens_cpu])) - 1).to(DEVICE)
+    cos, sin = RotaryEmbedding(rope_dim, 4096, {"rope_type": "default", "rope_theta": 1e4}).to(
+        DEVICE)(positions, dtype)
+    results = []
+    for fused in (True, False):
+        settings = KernelConfig(mla_rotate_in_absorb=fused)
+        cache, q = kv_cache.clone(), query.clone()
+        out = mla_op.rotate_write_and_attend(q, kv_a, weight, 1e-6, cos, sin, cache, metadata,
+                                             w_uk, w_uv, scale, backend="triton",
+                                             settings=settings)
+        results.append((q, cache, out))
+    (q_fused, cache_fused, out_fused), (q_apart, cache_apart, out_apart) = results
+    assert torch.equal(q_fused, q_apart) and torch.equal(cache_fused, cache_apart)
+    assert not torch.equal(cache_fused, kv_cache)   # this step's latents were stored
+    assert torch.equal(out_fused, out_apart)
+
+
 def test_auto_picks_flash_mla_when_installed(monkeypatch):
     """Dispatch only (FlashMLA does not build here): with a stand-in `flash_mla` module, auto
     resolves to it on CUDA, covered batches call its two functions with FlashMLA's shapes, and

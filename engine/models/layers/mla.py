@@ -26,7 +26,7 @@ from deepinfer.engine.models.layers.rotary import rope_parameters, yarn_get_msca
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.fused_linear import fold_norm_weight
 from deepinfer.kernels.linear import linear
-from deepinfer.kernels.mla_attention import mla_attention, rotate_and_write_latent
+from deepinfer.kernels.mla_attention import rotate_write_and_attend
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 # checkpoint name -> (destination tensor, optional transform applied to the checkpoint tensor)
@@ -186,10 +186,7 @@ class MLAAttention(nn.Module):
         query = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora_rank else first
         query = query.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         norm = self.kv_a_layernorm
-        q_pe = rotate_and_write_latent(  # [T, H, R], query's rope dims rotated in place
-            query, kv_a, norm.weight, norm.eps, *rope, kv_cache, attn_metadata.slot_mapping,
-            settings=self.kernel_config)
-        out = mla_attention(query[..., :self.nope_dim], q_pe, kv_cache, attn_metadata,
-                            self.w_uk, self.w_uv, self.scale,
-                            settings=self.kernel_config)  # [T, H, Dv]
+        out = rotate_write_and_attend(  # [T, H, Dv]
+            query, kv_a, norm.weight, norm.eps, *rope, kv_cache, attn_metadata, self.w_uk,
+            self.w_uv, self.scale, settings=self.kernel_config)
         return out.reshape(num_tokens, self.num_heads * self.v_dim)
