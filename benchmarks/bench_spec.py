@@ -103,12 +103,13 @@ def snapshot(llm: LLM) -> SpecDecodeStats:
                            list(stats.num_accepted_tokens_per_pos))
 
 
-def skipped_steps(llm: LLM) -> tuple[int, int, int]:
-    """(steps that skipped the drafter, steps, peeks) of the engine's speculative decoder so
-    far (peeks: non-blocking looks, where plain steps overlap the host)."""
+def skipped_steps(llm: LLM) -> tuple[int, int, int, int, int]:
+    """(steps that skipped the drafter, steps, peeks, verify steps, exploration steps) of the
+    engine's speculative decoder so far (peeks: non-blocking looks, where plain steps overlap
+    the host; the steps neither skipped nor verifying were looks that admitted nothing)."""
     spec = llm.engine_core.spec
-    return (getattr(spec, "num_skipped_steps", 0), getattr(spec, "num_steps", 0),
-            getattr(spec, "num_peeks", 0))
+    return tuple(getattr(spec, name, 0) for name in (
+        "num_skipped_steps", "num_steps", "num_peeks", "num_verify_steps", "num_explored_steps"))
 
 
 def main() -> None:
@@ -156,7 +157,8 @@ def main() -> None:
                     "seconds": round(seconds, 3), "load": round(load, 2),
                     "skipped_steps": round((after[0] - skipped[0]) / max(after[1] - skipped[1], 1),
                                            3),
-                    "peeks": after[2] - skipped[2]})
+                    "peeks": after[2] - skipped[2], "steps": after[1] - skipped[1],
+                    "verify_steps": after[3] - skipped[3], "explored_steps": after[4] - skipped[4]})
                 if key not in best or seconds < best[key]["seconds"]:
                     best[key] = {"seconds": seconds, "tokens": tokens, "ids": ids,
                                  **spec_delta(before, snapshot(llm))}

@@ -119,6 +119,7 @@ class SpecDecoder:
         self.num_steps = 0            # propose calls
         self.num_skipped_steps = 0    # ... that did not call the drafter (drafting cannot pay)
         self.num_explored_steps = 0   # ... that verified more than the admission chose
+        self.num_verify_steps = 0     # steps observed that scored drafts
         self._plain_steps = 0         # plain steps offered to `observe` (PLAIN_SAMPLE_EVERY)
         self._step_accepted = 0       # drafts accepted in the last step observed
         self.elapsed_seconds = 0.0    # observed step time
@@ -355,6 +356,7 @@ class SpecDecoder:
         overlap the host) and to the exploration budget."""
         scored = scheduler_output.scheduled_spec_decode_tokens
         self._step_accepted = 0
+        self.num_verify_steps += bool(scored)
         for request_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids
                                        ) if scored else ():
             drafts = scored.get(request_id)

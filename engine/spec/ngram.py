@@ -114,7 +114,7 @@ class NgramDrafter:
 
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 4,
                  prior: tuple[float, float] = (1.0, 1.0), prior_strength: float = 2.0,
-                 request_strength: float = 2.0):
+                 request_strength: float = 1.0):
         self.gamma = num_speculative_tokens
         self.min_n, self.max_n = min_n, max_n
         self.prior = prior

@@ -177,8 +177,9 @@ def test_rotate_and_write_latent_matches_torch_ops(num_heads, num_tokens, dtype)
 def test_rotate_write_and_attend_matches_the_separate_ops(case, dtype):
     """Rotation and latent write folded into the W_UK absorption kernel (decode batches,
     `mla_rotate_in_absorb`) give what `rotate_and_write_latent` then `mla_attention` give:
-    the same rotated queries and latents bit for bit (the same rounding steps), the same
-    attention output; a batch with prefill chunks ("mixed") takes the separate ops."""
+    the same rotated queries bit for bit; the same latents and attention output bit for bit
+    in bf16, in float32 within 1e-6 / 1e-5 (the norm sums 16 tokens' rows in one block, in
+    another order); a batch with prefill chunks ("mixed") takes the separate ops."""
     from deepinfer.engine.models.layers.rotary import RotaryEmbedding
 
     q_nope, q_pe, w_uk, w_uv, kv_cache, metadata, scale = _batch(case, dtype)
@@ -201,9 +202,13 @@ def test_rotate_write_and_attend_matches_the_separate_ops(case, dtype):
                                              settings=settings)
         results.append((q, cache, out))
     (q_fused, cache_fused, out_fused), (q_apart, cache_apart, out_apart) = results
-    assert torch.equal(q_fused, q_apart) and torch.equal(cache_fused, cache_apart)
+    assert torch.equal(q_fused, q_apart)
     assert not torch.equal(cache_fused, kv_cache)   # this step's latents were stored
-    assert torch.equal(out_fused, out_apart)
+    if dtype == torch.float32:
+        torch.testing.assert_close(cache_fused, cache_apart, rtol=1e-6, atol=1e-6)
+        assert relative_error(out_fused, out_apart) < 1e-5
+    else:
+        assert torch.equal(cache_fused, cache_apart) and torch.equal(out_fused, out_apart)
 
 
 def test_auto_picks_flash_mla_when_installed(monkeypatch):
