@@ -141,9 +141,12 @@ class RequestCalibration:
         return [max(min(c * factor, self.ceiling), c) for c in shared]
 
     def observe(self, request_id: str, num_verified: int, num_accepted: int) -> None:
-        """Its last proposal's outcome (`Drafter.observe`'s arguments)."""
+        """Its last proposal's outcome (`Drafter.observe`'s arguments; num_verified 0: kept
+        for a later outcome, as `scaled` replaces it at the next proposal)."""
+        if num_verified == 0:
+            return
         shared = self._proposed.pop(request_id, None)
-        if shared is None or num_verified == 0:
+        if shared is None:
             return
         evidence = self._evidence.setdefault(request_id, [0.0, 0.0])
         for position, accepted in observed_positions(num_verified, num_accepted):

@@ -121,7 +121,8 @@ class NgramDrafter:
         self.prior_strength = prior_strength
         self._counters: dict[tuple, BetaCounter] = {}
         self._pooled: dict[tuple[bool, int, int], BetaCounter] = {}
-        self._last_key: dict[str, tuple[int, bool, int]] = {}   # request id -> its drafts' bucket
+        # request id -> its last proposal: (bucket, drafts, tokens known when proposed)
+        self._last: dict[str, tuple[tuple[int, bool, int], list[int], int]] = {}
         self._outcome: dict[str, int] = {}                       # request id -> NEW / HIT / MISS
         self._index: dict[str, TokenIndex] = {}                  # request id -> its tokens' index
         self.calibration = RequestCalibration(request_strength)
@@ -174,6 +175,7 @@ class NgramDrafter:
             if index is None:
                 index = self._index[request.request_id] = TokenIndex()
             tokens = request.token_ids
+            self._score_unverified(request.request_id, tokens)
             match_len, start = longest_suffix_match(tokens, self.min_n, self.max_n,
                                                     index.occurrences(tokens))
             if match_len == 0:
@@ -183,7 +185,7 @@ class NgramDrafter:
                 continue
             outcome = self._outcome.get(request.request_id, self.NEW)
             key = (match_len, request.greedy, outcome)
-            self._last_key[request.request_id] = key
+            self._last[request.request_id] = (key, drafts, len(tokens))
             values = buckets.get(key)
             if values is None:
                 values = buckets[key] = self.confidences(*key, self.gamma)
@@ -192,18 +194,48 @@ class NgramDrafter:
         return proposals
 
     def observe(self, request_id: str, num_verified: int, num_accepted: int) -> None:
-        self.calibration.observe(request_id, num_verified, num_accepted)
-        key = self._last_key.pop(request_id, None)
-        if key is None or num_verified == 0:
+        """A verification's outcome; a proposal not verified (num_verified 0) stays pending
+        and is scored against the tokens the request then decodes (`_score_unverified`)."""
+        if num_verified == 0:
             return
+        last = self._last.pop(request_id, None)
+        if last is not None:
+            self._record(request_id, last[0], num_verified, num_accepted)
+
+    def _record(self, request_id: str, key: tuple[int, bool, int], num_verified: int,
+                num_accepted: int) -> None:
+        self.calibration.observe(request_id, num_verified, num_accepted)
         match_len, greedy, outcome = key
         for position, accepted in observed_positions(num_verified, num_accepted):
             self.counter(match_len, greedy, position, outcome).add(accepted)
             self.pooled(greedy, outcome, position).add(accepted)
         self._outcome[request_id] = self.HIT if num_accepted == num_verified else self.MISS
 
+    def _score_unverified(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request's last proposal, if it was never verified, scored against the tokens
+        decoded since (as many positions as arrived, up to its drafts): draft j counts as
+        accepted iff it and the drafts before it equal the tokens decoded there. That is what
+        verification would have said for greedy and seeded requests, and for unseeded ones an
+        outcome of the same probability (a draft passes the rejection test with the target's
+        probability of it, the probability a plain step samples it). So a proposal that a
+        look or a peek made and the admission did not verify still teaches the counters and
+        the request's calibration, at no device cost: a grounded request whose shared
+        counters were lowered by chat shows what its drafts are worth without being verified
+        first."""
+        last = self._last.pop(request_id, None)
+        if last is None:
+            return
+        key, drafts, known = last
+        judged = min(len(drafts), len(token_ids) - known)
+        if judged <= 0:
+            return
+        accepted = 0
+        while accepted < judged and token_ids[known + accepted] == drafts[accepted]:
+            accepted += 1
+        self._record(request_id, key, judged, accepted)
+
     def forget(self, request_id: str) -> None:
         self.calibration.forget(request_id)
-        self._last_key.pop(request_id, None)
+        self._last.pop(request_id, None)
         self._outcome.pop(request_id, None)
         self._index.pop(request_id, None)

@@ -323,6 +323,34 @@ def test_a_request_reads_the_shared_confidences_scaled_by_its_own_record():
     assert drafter.calibration.factor("chat") == 1.0
 
 
+def test_a_proposal_never_verified_is_scored_against_the_tokens_decoded_after_it():
+    """A proposal the admission did not verify (observe(..., 0, 0)) is scored at the
+    request's next proposal against the tokens decoded since: the drafts that match them count
+    as accepted, the first that does not as rejected, positions not decoded yet as
+    unobserved; the counters and the request's calibration learn from it as from a
+    verification, and a verified proposal is not scored twice."""
+    drafter = NgramDrafter(num_speculative_tokens=3, min_n=1, max_n=3)
+    text = [10, 11, 12, 13, 14, 15, 10, 11, 12]
+    first = drafter.propose([DraftRequest("a", text, 6, max_drafts=3)])["a"]
+    assert first.token_ids == [13, 14, 15]
+    drafter.observe("a", 0, 0)                                   # admitted none
+    drafter.propose([DraftRequest("a", text + [13, 14], 6, max_drafts=3)])
+    # two positions decoded, both as drafted: 2 of 2 accepted in the NEW bucket
+    assert [drafter.counter(3, True, j).trials for j in range(3)] == [1, 1, 0]
+    assert drafter.counter(3, True, 1).accepted == 1
+    assert drafter.calibration.factor("a") == pytest.approx((2 + 1) / (sum(first.confidences[:2])
+                                                                     + 1))
+    drafter.observe("a", 3, 3)                                   # verified: recorded once
+    drafter.propose([DraftRequest("a", text + [13, 14, 15, 10, 11, 12], 6, max_drafts=3)])
+    assert sum(drafter.counter(2, True, 0, o).trials for o in range(3)) + sum(
+        drafter.counter(3, True, 0, o).trials for o in range(3)) == 2
+    # a chat-like request whose unverified drafts the decoded tokens contradict
+    chat = [20, 21, 22, 23, 20, 21]
+    drafter.propose([DraftRequest("b", chat, 4, max_drafts=2)])
+    drafter.propose([DraftRequest("b", chat + [30, 31], 4, max_drafts=2)])
+    assert drafter.calibration.factor("b") < 1.0 and drafter._outcome["b"] == drafter.MISS
+
+
 def test_observed_positions():
     assert observed_positions(3, 1) == [(0, True), (1, False)]
     assert observed_positions(2, 2) == [(0, True), (1, True)]
