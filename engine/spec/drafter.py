@@ -103,9 +103,10 @@ class RequestCalibration:
     pool every request (calibrated over the traffic, not per request): after grounded prompts
     they hold ~0.87 at the first draft, and free chat, whose drafts pass ~0.3 of the time,
     read that until its own misses outweighed hundreds of grounded trials. A request whose
-    drafts keep failing reads its confidences scaled down after a few verifications; one whose
-    drafts pass more often than predicted reads them scaled up (at most `ceiling`). The factor
-    depends on past verifications only, never on the drafts it scales (DSpark Appendix A).
+    drafts keep failing reads its confidences scaled down after a few outcomes (verifications,
+    or for the n-gram drafter proposals scored against the tokens decoded after them); one
+    whose drafts pass more often than predicted reads them scaled up (at most `ceiling`). The
+    factor depends on past outcomes only, never on the drafts it scales (DSpark Appendix A).
 
     Args:
         strength: pseudo-positions of the factor-1 prior (> 0); default 1: one rejected

@@ -30,9 +30,10 @@ observations (robust to the odd step slowed by another process), the start-up va
 as one observation until `window` real ones replaced it. A key not observed yet keeps the
 profile's shape at the engine's scale: its start-up value times the median observed / start-up
 ratio of its bucket's keys observed, once `SCALE_OBSERVATIONS` steps were, else the largest
-of the other buckets' keys' ratios, once as many were (the scale is the device's, the absolute times the batch's; on the
-H200 the engine's verify extra was several times the profile's: priced at the profile's
-values, every verify key had to be run once before the admission stopped choosing it). A verify step's observation of
+of the other buckets' keys' ratios, once as many were (the scale is the device's, the
+absolute times the batch's; on the H200 the engine's verify extra was several times the
+profile's: priced at the profile's values, every verify key had to be run once before the
+admission stopped choosing it). A verify step's observation of
 extra(D) is its time minus plain(B0) (and the sync gap). Reads fit the medians with a weighted
 non-decreasing least-squares fit (a bigger batch or more drafts is not cheaper: what says
 otherwise is timing noise), interpolate linearly between keys (flat before the first, along the
@@ -309,9 +310,11 @@ class StepRateTable:
         if bucket not in self._pooled:
             ratios = [ratio for other, curve in self._extras.items() if other != bucket
                       for ratio in curve.ratios(interpolated=True)]
-            repeated = [r for n, r in ratios if n > 1]
-            self._pooled[bucket] = (max(repeated) if repeated else median(r for _, r in ratios)
-                                    ) if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS else None
+            ratio = None
+            if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS:
+                repeated = [r for n, r in ratios if n > 1]
+                ratio = max(repeated) if repeated else median(r for _, r in ratios)
+            self._pooled[bucket] = ratio
         return self._pooled[bucket]
 
     def sync_gap(self, base_tokens: int) -> float:
