@@ -269,6 +269,12 @@ class SpeculativeConfig:
         _check("speculative_model", method != "draft_model" or bool(self.speculative_model),
                "speculative_method=draft_model needs speculative_model (--speculative-model "
                "DIR): a small model with the target's tokenizer.")
+        _check("speculative_model", not self.speculative_model or method == "draft_model",
+               f"speculative_model={self.speculative_model!r} is only used by "
+               f"speculative_method=draft_model (here {method!r}); drop it or change the "
+               "method.")
+        _check("prompt_lookup_max", self.prompt_lookup_max >= 1,
+               f"prompt_lookup_max={self.prompt_lookup_max} must be >= 1.")
         _check("prompt_lookup_min",
                1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                f"prompt_lookup_min={self.prompt_lookup_min} must be in [1, prompt_lookup_max="

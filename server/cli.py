@@ -192,7 +192,7 @@ def _add_speculative_flags(serve: argparse.ArgumentParser, keep: Any) -> None:
     serve.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="vLLM's spelling: '{\"method\": \"ngram\", "
                        "\"num_speculative_tokens\": 5}' (also model, prompt_lookup_min, "
-                       "prompt_lookup_max); explicit --speculative-* flags win")
+                       "prompt_lookup_max); a --speculative-* flag may repeat a value, not change it")
 
 
 # --speculative-config JSON key -> SpeculativeConfig field
@@ -243,12 +243,18 @@ def engine_sections(args: argparse.Namespace,
     from deepinfer.engine.config import engine_flags, env_overrides
 
     sections = env_overrides(environ)
-    if getattr(args, "speculative_config", None):
-        sections.setdefault("speculative", {}).update(
-            speculative_config_fields(args.speculative_config))
+    from_json = (speculative_config_fields(args.speculative_config)
+                 if getattr(args, "speculative_config", None) else {})
+    sections.setdefault("speculative", {}).update(from_json)
     for dest, (section, field, convert) in engine_flags().items():
         if dest in args:
-            sections.setdefault(section, {})[field] = convert(getattr(args, dest))
+            value = convert(getattr(args, dest))
+            if section == "speculative" and field in from_json and from_json[field] != value:
+                raise ValueError(f"--speculative-config sets {field}={from_json[field]!r} but "
+                                 f"a --speculative-* flag sets it to {value!r}; give it once")
+            sections.setdefault(section, {})[field] = value
+    if not sections["speculative"]:
+        del sections["speculative"]
     return sections
 
 
@@ -372,6 +378,9 @@ def serve(args: argparse.Namespace) -> int:
                                          ("--speculative-model", "speculative_model"),
                                          ("--[no-]spec-varlen", "spec_varlen"))
                  if hasattr(args, dest)]
+        if args.speculative_config and set(speculative_config_fields(
+                args.speculative_config)) - {"speculative_method"}:
+            given.append("--speculative-config's settings")
         if given and not config.speculative.enabled:
             raise ValueError(f"{', '.join(given)} only apply with speculative decoding on; add "
                              "--speculative-method ngram|mtp|draft_model (or drop them)")

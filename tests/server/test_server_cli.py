@@ -271,3 +271,32 @@ def test_speculation_flags_without_a_method_are_refused(capsys):
     assert "--speculative-method" in err
     assert main(["serve", "--no-spec-varlen"]) == 2
     assert "--[no-]spec-varlen" in capsys.readouterr().err
+
+
+def test_speculative_config_conflicts_and_unused_settings_are_refused(capsys):
+    """A --speculative-* flag may repeat a --speculative-config value, not change it (one of
+    the two would be silently ignored, with its validation); a draft model with another
+    method, settings without a method, and a bad prompt_lookup_max are each exit 2 naming
+    what is wrong."""
+    config = build_engine_config(parse(
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--num-speculative-tokens", "3"), environ={})
+    assert config.speculative.num_speculative_tokens == 3
+    assert main(["serve", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 3}',
+                 "--num-speculative-tokens", "5"]) == 2
+    assert "sets num_speculative_tokens=3 but a --speculative-* flag sets it to 5" in (
+        capsys.readouterr().err)
+    assert main(["serve", "--no-spec-varlen", "--speculative-config",
+                 '{"method": "ngram", "spec_varlen": "yes"}']) == 2
+    assert "sets spec_varlen='yes' but a --speculative-* flag sets it to False" in (
+        capsys.readouterr().err)
+    assert main(["serve", "--speculative-config",
+                 '{"method": "ngram", "model": "/nonexistent"}']) == 2
+    assert "only used by speculative_method=draft_model" in capsys.readouterr().err
+    assert main(["serve", "--speculative-config",
+                 '{"method": null, "num_speculative_tokens": 3}']) == 2
+    assert "--speculative-config's settings only apply" in capsys.readouterr().err
+    assert main(["serve", "--speculative-config",
+                 '{"method": "ngram", "prompt_lookup_max": -1}']) == 2
+    assert "prompt_lookup_max=-1 must be >= 1" in capsys.readouterr().err
