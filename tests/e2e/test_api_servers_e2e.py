@@ -133,7 +133,15 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
         assert not finished
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
-        health = httpx.get(server.url + "/health", timeout=10)
+        health = None
+        for _ in range(20):   # a new connection may hash to an API server's closing socket
+            try:
+                health = httpx.get(server.url + "/health", timeout=10,
+                                   headers={"connection": "close"})
+                break
+            except httpx.ConnectError:
+                time.sleep(0.05)
+        assert health is not None, f"no API server answered /health:\n{server.log()}"
         assert (health.status_code, health.json()["status"]) == (503, "draining")
         for client in clients:
             client.join(120)
