@@ -75,18 +75,20 @@ def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotate_in_place(ptrs, ok, cos_ptrs, sin_ptrs, HALF: tl.constexpr, dtype: tl.constexpr):
-    """Rotate, in place, the rope dims whose first halves `ptrs` ([R, BLOCK_HALF] pointers)
-    and second halves ptrs + HALF address; cos_ptrs / sin_ptrs: each row's cos and signed sin
-    ([R, BLOCK_HALF] pointers to their first halves)."""
-    q1, q2 = _rotate_halves(tl.load(ptrs, mask=ok, other=0.0),
-                            tl.load(ptrs + HALF, mask=ok, other=0.0),
-                            tl.load(cos_ptrs, mask=ok, other=0.0),
-                            tl.load(cos_ptrs + HALF, mask=ok, other=0.0),
-                            tl.load(sin_ptrs, mask=ok, other=0.0),        # -sin
-                            tl.load(sin_ptrs + HALF, mask=ok, other=0.0), dtype)
-    tl.store(ptrs, q1, mask=ok)
-    tl.store(ptrs + HALF, q2, mask=ok)
+def _rotate_into(src, dst, load_ok, store_ok, cos_ptrs, sin_ptrs, HALF: tl.constexpr,
+                 dtype: tl.constexpr):
+    """Rotate the rope dims whose first halves `src` ([R, BLOCK_HALF] pointers) and second
+    halves src + HALF address, storing them at dst and dst + HALF (dst may be src: in place);
+    cos_ptrs / sin_ptrs: each row's cos and signed sin ([R, BLOCK_HALF] pointers to their
+    first halves)."""
+    x1, x2 = _rotate_halves(tl.load(src, mask=load_ok, other=0.0),
+                            tl.load(src + HALF, mask=load_ok, other=0.0),
+                            tl.load(cos_ptrs, mask=load_ok, other=0.0),
+                            tl.load(cos_ptrs + HALF, mask=load_ok, other=0.0),
+                            tl.load(sin_ptrs, mask=load_ok, other=0.0),        # -sin
+                            tl.load(sin_ptrs + HALF, mask=load_ok, other=0.0), dtype)
+    tl.store(dst, x1, mask=store_ok)
+    tl.store(dst + HALF, x2, mask=store_ok)
 
 
 @triton.jit
@@ -109,19 +111,9 @@ def _store_latents(kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, to
     tl.store(rows + cols, normed * weight, mask=keep & (cols < LORA))
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     d_ok = t_ok[:, None] & (dims < HALF)
-    k_rope = kv_a_ptr + tokens[:, None] * kv_a_stride + LORA + dims
-    k1, k2 = _rotate_halves(tl.load(k_rope, mask=d_ok, other=0.0),
-                            tl.load(k_rope + HALF, mask=d_ok, other=0.0),
-                            tl.load(cos_ptr + tokens[:, None] * cos_stride + dims, mask=d_ok,
-                                    other=0.0),
-                            tl.load(cos_ptr + tokens[:, None] * cos_stride + HALF + dims,
-                                    mask=d_ok, other=0.0),
-                            tl.load(sin_ptr + tokens[:, None] * sin_stride + dims, mask=d_ok,
-                                    other=0.0),
-                            tl.load(sin_ptr + tokens[:, None] * sin_stride + HALF + dims,
-                                    mask=d_ok, other=0.0), dtype)
-    tl.store(rows + LORA + dims, k1, mask=d_ok & keep)
-    tl.store(rows + LORA + HALF + dims, k2, mask=d_ok & keep)
+    _rotate_into(kv_a_ptr + tokens[:, None] * kv_a_stride + LORA + dims, rows + LORA + dims,
+                 d_ok, d_ok & keep, cos_ptr + tokens[:, None] * cos_stride + dims,
+                 sin_ptr + tokens[:, None] * sin_stride + dims, HALF, dtype)
 
 
 @triton.jit
@@ -138,9 +130,10 @@ def _rotate_write_latent_kernel(query_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr,
     dtype = query_ptr.dtype.element_ty
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     heads = tl.arange(0, BLOCK_H)[:, None]   # the queries' rope dims, every head
-    _rotate_in_place(query_ptr + token * q_stride_t + heads * q_stride_h + NOPE + dims,
-                     (heads < num_heads) & (dims < HALF), cos_ptr + token * cos_stride + dims,
-                     sin_ptr + token * sin_stride + dims, HALF, dtype)
+    q_rope = query_ptr + token * q_stride_t + heads * q_stride_h + NOPE + dims
+    q_ok = (heads < num_heads) & (dims < HALF)
+    _rotate_into(q_rope, q_rope, q_ok, q_ok, cos_ptr + token * cos_stride + dims,
+                 sin_ptr + token * sin_stride + dims, HALF, dtype)
     tokens = token + tl.arange(0, 1)
     _store_latents(kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, tokens,
                    tokens >= 0, kv_a_stride, cos_stride, sin_stride, eps, LORA, HALF, BLOCK_L,
@@ -203,9 +196,10 @@ def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, num_tokens, q_st, q_sh, w_sh, w_
         if tl.program_id(1) == 0:
             dtype = q_ptr.dtype.element_ty
             half = tl.arange(0, BLOCK_HALF)[None, :]
-            _rotate_in_place(q_ptr + rows * q_st + head * q_sh + NOPE + half,
-                             t_ok[:, None] & (half < HALF), cos_ptr + rows * cos_stride + half,
-                             sin_ptr + rows * sin_stride + half, HALF, dtype)
+            q_rope = q_ptr + rows * q_st + head * q_sh + NOPE + half
+            q_ok = t_ok[:, None] & (half < HALF)
+            _rotate_into(q_rope, q_rope, q_ok, q_ok, cos_ptr + rows * cos_stride + half,
+                         sin_ptr + rows * sin_stride + half, HALF, dtype)
             if head == 0:
                 _store_latents(kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
                                tokens.to(tl.int64), t_ok, kv_a_stride, cos_stride, sin_stride,
