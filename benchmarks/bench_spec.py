@@ -6,7 +6,9 @@ Workloads, on the embedded default model (SmolLM2-135M-Instruct) unless --model:
 - chat, batch 16: free chat prompts all at once (where drafts rarely pay; DSpark's admission
   must stop drafting rather than slow the batch down).
 Engines: speculation off, n-gram with varlen (DSpark) admission, n-gram with fixed length; all
-built in one process on the same weights, workloads run interleaved `--repeats` times (engine
+built in one process on the same weights; one untimed pass of every workload on every engine
+(compiles and first batch shapes out of the timings; varlen's counters learn from it as from
+earlier traffic), then the workloads run interleaved `--repeats` times (engine
 order reversed every other repeat, so a load drift hits all alike), the 1-minute load average
 recorded next to each run. Greedy decoding, so every engine must give the same tokens (checked).
 
@@ -139,8 +141,9 @@ def main() -> None:
     workloads = {"grounded-b1": ([chat_prompt(any_llm, p) for p in GROUNDED], 1),
                  "chat-b16": ([chat_prompt(any_llm, p) for p in CHAT], 16)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    for llm in llms.values():   # warm-up: first-call costs out of the timings
-        llm.generate([workloads["grounded-b1"][0][0]], SamplingParams(temperature=0, max_tokens=8))
+    for llm in llms.values():   # warm-up: every workload's first-call costs (compiles, first
+        for prompts, batch in workloads.values():   # batch shapes) out of the timings
+            run_workload(llm, prompts, batch, params)
     best: dict[tuple[str, str], dict] = {}
     runs: dict[tuple[str, str], list[dict]] = {}
     for repeat in range(args.repeats):

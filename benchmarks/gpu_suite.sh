@@ -42,7 +42,7 @@ if [ "$what" = spec ]; then
   export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
   for tokens in 128 384; do
     timeout 240 python3 benchmarks/bench_spec.py --device cuda --dtype bfloat16 \
-      --model /tmp/SmolLM2.gguf --max-tokens $tokens --repeats 2 --json "$OUT/bench_spec_$tokens.json" \
+      --model /tmp/SmolLM2.gguf --max-tokens $tokens --repeats 3 --json "$OUT/bench_spec_$tokens.json" \
       2>&1 | grep -v "Converting GGUF" | tee "$OUT/bench_spec_$tokens.log"
   done
   exit
