@@ -37,6 +37,12 @@ of the elapsed step time: an exploration whose drafts pass costs nothing and may
 fast device a blocking step costs several overlapped plain steps: probes at a fixed interval
 (every 8 steps without drafts) held chat at batch 16 on the H200 at 0.85x of speculation off.
 
+What the admission predicted is checked against what happened (varlen): each admitted verify
+step's realized throughput gain over the plain step is compared with the gain its admission
+predicted, and the batch bucket's shortfall raises the gate's margin there
+(engine/spec/realized_gain.py): prices and confidences that the table's own re-measurement
+does not correct stop costing throughput after a few steps.
+
 Acceptance itself happens in the model runner: a draft is accepted iff it equals the target's own
 sample at that position (greedy argmax, or the seeded exponential race), so outputs are those of
 plain decoding (engine/model_runner.py).
@@ -53,9 +59,10 @@ from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpecDec
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry, capacity,
-                                             drafting_can_pay, ranked_candidates,
+                                             drafting_can_pay, ranked_candidates, survival,
                                              top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, Drafter
+from deepinfer.engine.spec.realized_gain import RealizedGain
 from deepinfer.engine.spec.step_rate import StepRateTable
 
 GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
@@ -97,6 +104,14 @@ def prefill_tokens_next(scheduler: Scheduler) -> int:
     return min(behind + waiting, budget)
 
 
+def predicted_gain(confidences: list[list[float]], lengths: list[int], step_seconds) -> float:
+    """Theta of verifying `lengths` drafts over the plain step's: (R + sum of the admitted
+    survival probabilities) / t(D) against R / t(0), R the decode rows."""
+    rows = len(confidences)
+    committed = rows + sum(sum(survival(c)[:n]) for c, n in zip(confidences, lengths))
+    return committed / step_seconds(sum(lengths)) * step_seconds(0) / rows
+
+
 class SpecDecoder:
     """Args:
         config: the speculative decoding settings.
@@ -125,8 +140,8 @@ class SpecDecoder:
         self.elapsed_seconds = 0.0    # observed step time
         self.explore_seconds = 0.0    # ... of it, what exploration steps cost on top
         # an exploration step's baseline: the predicted seconds of the admission's own choice
-        # (None: not exploring)
-        self._explore_baseline: float | None = None
+        # and the drafts it chose (None: not exploring)
+        self._explore_baseline: tuple[float, int] | None = None
         # a look: a step that called the drafter and verified nothing (on the GPU a blocking
         # plain step instead of an overlapped one): (predicted plain seconds, drafter
         # seconds, whether a peek asked for it)
@@ -145,6 +160,15 @@ class SpecDecoder:
         # `drafting_can_pay` of the last (rows, base tokens, step-rate reader) asked: may_draft
         # and propose ask it of the same step
         self._can_pay: tuple[tuple | None, bool] = (None, False)
+        # varlen: each admitted verify step's realized gain against its prediction raises
+        # the gate's margin of its batch bucket (engine/spec/realized_gain.py)
+        self.realized_gain = RealizedGain()
+        self._prediction: tuple[float, int] | None = None   # (predicted gain, decode rows)
+
+    def _min_gain(self, base_tokens: int) -> float:
+        """The gate's margin at a batch of `base_tokens`: `spec_min_gain`, raised by the
+        shortfall of its batch bucket's realized gains."""
+        return self.realized_gain.min_gain(base_tokens, self.config.spec_min_gain)
 
     def may_draft(self, scheduler: Scheduler) -> bool:
         """Whether the next step may carry drafts, asked before its requests' last tokens are
@@ -213,7 +237,7 @@ class SpecDecoder:
         pays = bool(confidences) and capacity(
             confidences, self.step_rate.step_seconds(base_tokens), base_committed=float(rows),
             max_drafts=max(self.max_num_batched_tokens - base_tokens, 0),
-            min_gain=self.config.spec_min_gain) > 0
+            min_gain=self._min_gain(base_tokens)) > 0
         self.num_peeks += 1
         self.num_fruitful_peeks += pays
         self.peek_seconds += time.perf_counter() - start
@@ -229,11 +253,13 @@ class SpecDecoder:
             return True
         step_seconds = self.step_rate.step_seconds(base_tokens)
         max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
-        key = (num_rows, base_tokens, step_seconds)   # the reader lasts until an observation
+        min_gain = self._min_gain(base_tokens)
+        # the reader lasts until an observation
+        key = (num_rows, base_tokens, step_seconds, min_gain)
         if self._can_pay[0] != key:
             self._can_pay = key, drafting_can_pay(num_rows, step_seconds, max_drafts=min(
                 max_drafts, num_rows * self.config.num_speculative_tokens),
-                min_gain=self.config.spec_min_gain)
+                min_gain=min_gain)
         if self._can_pay[1]:
             return (self._looks_pay is not False or not self.async_plain_steps
                     or self._explore_due(self._last_look_seconds))
@@ -261,7 +287,7 @@ class SpecDecoder:
         """Draft for the next step and hand the admitted drafts to the scheduler; returns them
         (request id -> draft ids, only requests with at least one)."""
         self.num_steps += 1
-        self._explore_baseline = self._look = None
+        self._explore_baseline = self._look = self._prediction = None
         gamma = self.config.num_speculative_tokens
         try:
             return self._propose(scheduler, gamma)
@@ -287,6 +313,7 @@ class SpecDecoder:
         if self.step_rate is not None:
             step_seconds = self.step_rate.step_seconds(base_tokens)
             max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
+            min_gain = self._min_gain(base_tokens)
             # DSpark §5.2: a capacity from the last proposal's confidences (unconstrained:
             # this step's drafts cannot have set them) carries past a jump the first
             # positions alone do not pay, when it needs
@@ -294,19 +321,23 @@ class SpecDecoder:
             # the gate already priced, with fresher confidences)
             ranked = ranked_candidates(confidences)
             lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
-                                   min_gain=self.config.spec_min_gain, ranked=ranked)
+                                   min_gain=min_gain, ranked=ranked)
             earlier = [self._last_confidences.get(i, []) for i in ids]
             if sum(lengths) < min(sum(len(c) for c in earlier), max_drafts):
                 # the capacity could admit more than the gate and the walk did
                 carried = capacity(earlier, step_seconds, max_drafts=max_drafts,
-                                   min_gain=self.config.spec_min_gain)
+                                   min_gain=min_gain)
                 if carried > max(sum(lengths), sum(1 for c in earlier if c)):
                     lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
                                            min_drafts=carried,
-                                           min_gain=self.config.spec_min_gain, ranked=ranked)
+                                           min_gain=min_gain, ranked=ranked)
             self._last_confidences = {i: c for i, c in zip(ids, confidences) if c}
             self._looks_pay = any(lengths)
+            if self._looks_pay:
+                self._prediction = (predicted_gain(confidences, lengths, step_seconds), len(ids))
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts)
+            if self._explore_baseline is not None:   # priced by the exploration budget
+                self._prediction = None
             if not any(lengths):
                 self._look = (step_seconds(0), drafter_seconds, self._peeked)
         else:
@@ -337,7 +368,7 @@ class SpecDecoder:
         if not self._explore_due(step_seconds(target) - baseline):
             return lengths
         self.num_explored_steps += 1
-        self._explore_baseline = baseline
+        self._explore_baseline = baseline, chosen
         return top_candidates(confidences, target)
 
     def _hand_over(self, scheduler: Scheduler, ids: list[str], admitted: dict[str, list[int]],
@@ -389,13 +420,21 @@ class SpecDecoder:
         if self.step_rate is not None:
             num_drafts = sum(len(d) for d in scored.values())
             base_tokens = scheduler_output.total_num_scheduled_tokens - num_drafts
+            if self._prediction is not None and num_drafts:
+                predicted, rows = self._prediction
+                realized = ((rows + self._step_accepted) / step_seconds
+                            * self.step_rate.measured_plain(base_tokens) / rows)
+                self.realized_gain.observe(base_tokens, predicted, realized)
             if num_drafts or measures_plain and self._plain_due(base_tokens):
                 self.step_rate.observe(base_tokens, num_drafts, step_seconds)
             self.elapsed_seconds += step_seconds
             if self._explore_baseline is not None and num_drafts:
-                saved = (self._step_accepted * self.step_rate.seconds(base_tokens)
-                         / max(base_tokens, 1))   # a plain step's time per committed token
-                self.explore_seconds += max(step_seconds - self._explore_baseline - saved, 0.0)
+                plain = self.step_rate.measured_plain(base_tokens)
+                saved = self._step_accepted * plain / max(base_tokens, 1)   # a plain step's
+                # time per committed token; nothing chosen: the plain step as measured
+                baseline, chosen = self._explore_baseline
+                baseline = baseline if chosen else plain
+                self.explore_seconds += max(step_seconds - baseline - saved, 0.0)
             if self._look is not None and not num_drafts:
                 plain_seconds, drafter_seconds, peeked = self._look   # + the overlap lost: at
                 # least the profile's blocking-minus-overlapped gap (a plain estimate still at
@@ -410,7 +449,7 @@ class SpecDecoder:
                     self.peek_seconds += self._last_look_seconds
                 else:
                     self.explore_seconds += self._last_look_seconds
-        self._explore_baseline = self._look = None
+        self._explore_baseline = self._look = self._prediction = None
 
     def _plain_due(self, base_tokens: int) -> bool:
         """Time this plain step: always where plain steps block (their host work is not on

@@ -152,11 +152,21 @@ class _Curve:
         return [(len(self._observed[k]), self._observed_medians[k] / starts[k])
                 for k in self._observed if starts[k] > 0.0]
 
+    def observed_median(self, key: int) -> float | None:
+        """The median of the steps observed at `key` alone (None: none observed)."""
+        return self._observed_medians.get(key)
+
     def fitted(self, fallback_ratio: float | None = None) -> tuple[list[int], list[float]]:
-        """(keys, fitted seconds): window medians; a key never observed takes its start-up
-        value times the median over observed keys of observed / start-up (the profile's shape
-        at the engine's scale) once SCALE_OBSERVATIONS steps were observed at such keys, else
-        times `fallback_ratio` (None: 1); then the non-decreasing fit."""
+        """(keys, fitted seconds): window medians, the start-up values in them read at the
+        engine's scale: times the median over observed keys of observed / start-up (the
+        profile's shape at the engine's scale) once SCALE_OBSERVATIONS steps were observed at
+        such keys, else times `fallback_ratio` (None: 1); then the non-decreasing fit. A key
+        never observed is its scaled start-up value; one observed fewer than `window` times
+        the median of its observations and its scaled start-up value (with the profile's
+        own scale there, a batch size the engine ran twice read the mean of a blocking
+        start-up step and an overlapped one: SmolLM2 on the H100, batches 10-15 at 2-4x
+        their overlapped period, pooled by the fit with batch 16 into 3.3 ms where 16 rows
+        ran at 1.05 ms, and verify steps looked nearly free)."""
         if self._fitted is None or self._fitted_ratio != fallback_ratio:
             keys = sorted(self._times)
             medians = [self._medians[k] for k in keys]
@@ -165,12 +175,21 @@ class _Curve:
             if sum(n for n, _ in ratios) >= SCALE_OBSERVATIONS:
                 ratio = median(r for _, r in ratios)
             if ratio is not None:
-                medians = [m * ratio if k not in self._observed else m
-                           for k, m in zip(keys, medians)]
+                medians = [self._scaled_median(k, m, ratio) for k, m in zip(keys, medians)]
             weights = [float(len(self._times[k])) for k in keys]
             self._fitted = keys, nondecreasing(medians, weights)
             self._fitted_ratio = fallback_ratio
         return self._fitted
+
+    def _scaled_median(self, key: int, window_median: float, ratio: float) -> float:
+        """`key`'s window median with its start-up value (while still in the window) times
+        `ratio`."""
+        observed = self._observed.get(key)
+        if observed is None:
+            return window_median * ratio
+        if key not in self._start or self._measured[key] >= self.window:
+            return window_median   # the start-up value has left the window
+        return median([*observed, self._start[key] * ratio])
 
     def seconds(self, key: int, fallback_ratio: float | None = None) -> float:
         keys, values = self.fitted(fallback_ratio)
@@ -391,6 +410,14 @@ class StepRateTable:
         curve.observe(key, unloaded)
         if num_drafts > 0:
             self._pooled.clear()
+
+    def measured_plain(self, base_tokens: int) -> float:
+        """Seconds of a plain step of `base_tokens` at the current load, from the steps
+        observed at that batch alone when there are any (no start-up value, no fit across
+        batches: what the realized gain of a verify step is judged against), else
+        `seconds(base_tokens)`."""
+        observed = self._plain.observed_median(max(base_tokens, 1))
+        return self.seconds(base_tokens) if observed is None else self.load * observed
 
     def measured(self, base_tokens: int, num_drafts: int = 0) -> int:
         """How many executed steps were observed at this key: plain(B0) when num_drafts is 0,

@@ -10,6 +10,8 @@ fastest of 5, 2026-12-04): one decode row 14.9 ms, with 1 / 2 / 4 / 8 drafts 20.
 kernel): 5 ms at batch 1, 12 ms at batch 16.
 """
 
+import math
+
 import pytest
 from test_scheduler import make_request, make_scheduler
 
@@ -18,6 +20,7 @@ from deepinfer.engine.outputs import ModelRunnerOutput
 from deepinfer.engine.spec.admission import admit_varlen, drafting_can_pay, survival
 from deepinfer.engine.spec.drafter import DraftProposal
 from deepinfer.engine.spec.manager import SpecDecoder
+from deepinfer.engine.spec.realized_gain import RealizedGain
 from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket
 
 MS = 1e-3
@@ -236,6 +239,8 @@ def test_a_request_whose_drafts_keep_failing_backs_off_then_is_proposed_again():
     scheduler = decoding_scheduler(1)
     drafter = CountingDrafter([1, 2], [0.9, 0.9])
     spec = spec_decoder(drafter, measured_table(), spec_max_backoff_steps=4)
+    # the back-off alone: these rejected steps would also close the gate by their shortfall
+    spec.realized_gain = RealizedGain(min_steps=10 ** 6)
     run(spec, scheduler)
 
     def proposed(accept):
@@ -418,3 +423,61 @@ def test_a_peek_from_the_known_tokens_decides_whether_a_blocking_look_pays(monke
     scheduler.update_from_output(out, ModelRunnerOutput(["r0"], [[7]], [None]))
     admitted, out = run(spec, scheduler, accept=5)          # the look the peek asked for
     assert admitted == {"r0": [1, 2, 3, 4, 5]} and scored_drafts(out) == 5
+
+
+def test_verify_steps_that_fall_short_of_their_prediction_close_the_gate_of_their_batch():
+    """A step-rate table that never re-measures (window 0) prices 16 rows with five drafts of
+    0.99 as a large gain, but no draft passes and each verify step takes 70 ms against 50 ms
+    plain (realized gain 0.72): after `RealizedGain.min_steps` such steps the gate of batch
+    16's bucket asks for the shortfall on top of its margin and closes; batch 1's is
+    untouched."""
+    scheduler = decoding_scheduler(16)
+    drafter = CountingDrafter([1, 2, 3, 4, 5], [0.99] * 5)
+    spec = spec_decoder(drafter, StepRateTable(PLAIN, EXTRA_BATCH_1, window=0,
+                                               batch_extra_seconds={16: EXTRA_BATCH_16}),
+                        spec_explore_fraction=0.0, spec_max_backoff_steps=0)
+    run(spec, scheduler)                        # the prefill step
+    verified = [scored_drafts(run(spec, scheduler)[1]) for _ in range(6)]
+    steps = spec.realized_gain.min_steps
+    assert all(verified[:steps]) and not any(verified[steps:])
+    shortfall = spec.realized_gain.shortfall(16)
+    assert shortfall > 0.5                      # predicted well above 1, realized 0.72
+    assert spec._min_gain(16) == pytest.approx(1.05 * math.exp(shortfall) - 1.0)
+    assert spec._min_gain(1) == pytest.approx(0.05)
+
+
+def test_the_shortfall_is_a_decayed_mean_that_steps_meeting_their_prediction_lower():
+    gain = RealizedGain(decay=0.5, min_steps=2)
+    gain.observe(16, 2.0, 1.0)
+    assert gain.shortfall(16) == 0.0 and gain.min_gain(16, 0.05) == pytest.approx(0.05)
+    gain.observe(16, 2.0, 1.0)
+    assert gain.shortfall(16) == pytest.approx(math.log(2.0))
+    assert gain.shortfall(12) == pytest.approx(math.log(2.0))   # the same batch bucket
+    assert gain.shortfall(8) == 0.0
+    for _ in range(4):
+        gain.observe(16, 1.5, 1.5)
+    # weights 1/32, 1/16 on the two short steps, 1/8 + ... + 1 on the four on target
+    assert gain.shortfall(16) == pytest.approx(math.log(2.0) * 3 / 32 / (1.875 + 3 / 32))
+    gain.observe(1, 1.0, 2.0)                   # better than predicted: no lower margin
+    gain.observe(1, 1.0, 2.0)
+    assert gain.min_gain(1, 0.05) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="decay"):
+        RealizedGain(decay=1.0)
+
+
+def test_a_start_up_value_left_in_a_window_is_read_at_the_engine_s_scale():
+    """Overlapped plain steps (the GPU) run at a quarter of the blocking start-up profile. 16
+    rows were observed 8 times (1.05 ms), 12 rows once (1.0 ms): read at the profile's scale,
+    12 rows would be the mean of 4 ms and 1 ms, and the non-decreasing fit would pool 16 rows
+    with it to 1.34 ms (H100, SmolLM2: 3.3 ms where 16 rows ran at 1.05)."""
+    table = StepRateTable({1: 3.6 * MS, 12: 4.0 * MS, 16: 4.4 * MS}, EXTRA_BATCH_1, window=8,
+                          load_smoothing=0.0)
+    table.overlapped_plain = True
+    for _ in range(8):
+        table.observe(16, 0, 1.05 * MS)
+    table.observe(12, 0, 1.0 * MS)
+    assert table.seconds(16) == pytest.approx(1.05 * MS)
+    assert table.seconds(12) == pytest.approx(1.0 * MS, rel=0.02)
+    assert table.seconds(1) == pytest.approx(3.6 * MS * 1.05 / 4.4, rel=0.03)   # never observed
+    assert table.measured_plain(16) == pytest.approx(1.05 * MS)
+    assert table.measured_plain(12) == pytest.approx(1.0 * MS)
