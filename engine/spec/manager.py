@@ -143,9 +143,9 @@ class SpecDecoder:
         # and the drafts it chose (None: not exploring)
         self._explore_baseline: tuple[float, int] | None = None
         # a look: a step that called the drafter and verified nothing (on the GPU a blocking
-        # plain step instead of an overlapped one): (predicted plain seconds, drafter
-        # seconds, whether a peek asked for it)
-        self._look: tuple[float, float, bool] | None = None
+        # plain step instead of an overlapped one): (drafter seconds, whether a peek asked
+        # for it)
+        self._look: tuple[float, bool] | None = None
         self._looks_pay: bool | None = None   # the last look admitted drafts (None: no look)
         # peeks (non-blocking looks, `_peek`): count, how many said a look would pay, their
         # host seconds; the last one said so (cleared when the look it asked for proposed)
@@ -339,7 +339,7 @@ class SpecDecoder:
             if self._explore_baseline is not None:   # priced by the exploration budget
                 self._prediction = None
             if not any(lengths):
-                self._look = (step_seconds(0), drafter_seconds, self._peeked)
+                self._look = (drafter_seconds, self._peeked)
         else:
             lengths = admit_fixed([len(d) for d in drafts], gamma)
         admitted = {i: d[:n] for i, d, n in zip(ids, drafts, lengths) if n > 0}
@@ -436,15 +436,16 @@ class SpecDecoder:
                 baseline = baseline if chosen else plain
                 self.explore_seconds += max(step_seconds - baseline - saved, 0.0)
             if self._look is not None and not num_drafts:
-                plain_seconds, drafter_seconds, peeked = self._look   # + the overlap lost: at
-                # least the profile's blocking-minus-overlapped gap (a plain estimate still at
-                # the blocking scale would make looks look free)
-                gap = self.step_rate.load * self.step_rate.sync_gap(
-                    scheduler_output.total_num_scheduled_tokens)
+                drafter_seconds, peeked = self._look   # + the overlap lost against the
+                # plain step as measured: at least the profile's blocking-minus-overlapped gap
+                # (a plain estimate still at the blocking scale would make looks look free)
+                base_tokens = scheduler_output.total_num_scheduled_tokens
+                gap = self.step_rate.load * self.step_rate.sync_gap(base_tokens)
                 # with overlapped plain steps a look is timed by its loop iteration, the
                 # drafter's time included
-                self._last_look_seconds = (max(step_seconds - plain_seconds, gap)
-                                           if self.async_plain_steps else drafter_seconds)
+                self._last_look_seconds = (
+                    max(step_seconds - self.step_rate.measured_plain(base_tokens), gap)
+                    if self.async_plain_steps else drafter_seconds)
                 if peeked:   # what a peek's wrong call cost is peeking's, not exploration's
                     self.peek_seconds += self._last_look_seconds
                 else:

@@ -152,10 +152,6 @@ class _Curve:
         return [(len(self._observed[k]), self._observed_medians[k] / starts[k])
                 for k in self._observed if starts[k] > 0.0]
 
-    def observed_median(self, key: int) -> float | None:
-        """The median of the steps observed at `key` alone (None: none observed)."""
-        return self._observed_medians.get(key)
-
     def fitted(self, fallback_ratio: float | None = None) -> tuple[list[int], list[float]]:
         """(keys, fitted seconds): window medians, the start-up values in them read at the
         engine's scale: times the median over observed keys of observed / start-up (the
@@ -280,6 +276,7 @@ class StepRateTable:
         self._profiles = sorted((int(rows), _Curve({d: max(s, 0.0) for d, s in extra.items()},
                                                    1)) for rows, extra in profiles.items())
         self._extras: dict[int, _Curve] = {}
+        self._measured_plain: dict[int, deque[float]] = {}   # B0 -> plain seconds as measured
         self._pooled: dict[int, float | None] = {}   # bucket -> the other buckets' ratio
         # B0 -> its `step_seconds` reader, valid until the next observation (the admission,
         # the gate and the exploration budget of one step read the same prices)
@@ -403,6 +400,9 @@ class StepRateTable:
         if curve.measured(key) >= self.window:   # only settled keys move the load
             predicted = self._unloaded(base_tokens, num_drafts)
             self.load *= (seconds / (self.load * predicted)) ** self.load_smoothing
+        if num_drafts == 0:
+            self._measured_plain.setdefault(base_tokens, deque(maxlen=self.window)).append(
+                seconds)
         unloaded = seconds / self.load
         if num_drafts > 0:
             unloaded = max(unloaded - self._plain.seconds(base_tokens)
@@ -412,12 +412,14 @@ class StepRateTable:
             self._pooled.clear()
 
     def measured_plain(self, base_tokens: int) -> float:
-        """Seconds of a plain step of `base_tokens` at the current load, from the steps
-        observed at that batch alone when there are any (no start-up value, no fit across
-        batches: what the realized gain of a verify step is judged against), else
-        `seconds(base_tokens)`."""
-        observed = self._plain.observed_median(max(base_tokens, 1))
-        return self.seconds(base_tokens) if observed is None else self.load * observed
+        """Seconds of a plain step of `base_tokens`: the median of the last `window` plain
+        steps observed at that batch, as measured (no start-up value, no fit across batches,
+        no load factor: what a verify step's realized gain and an exploration's cost are
+        judged against), else `seconds(base_tokens)`. The curves hold times divided by the
+        load factor of their moment, which moves with every settled step; read back at
+        another moment's factor, a plain step of 1.1 ms could read twice that."""
+        window = self._measured_plain.get(max(base_tokens, 1))
+        return self.seconds(base_tokens) if not window else median(window)
 
     def measured(self, base_tokens: int, num_drafts: int = 0) -> int:
         """How many executed steps were observed at this key: plain(B0) when num_drafts is 0,

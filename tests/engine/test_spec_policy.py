@@ -133,10 +133,10 @@ class CountingDrafter:
         pass
 
 
-def run(spec, scheduler, accept=0, seconds=0.0502, verify_seconds=0.0700):
+def run(spec, scheduler, accept=0, seconds=0.0502, verify_seconds=0.0700, measures_plain=True):
     """One engine step: propose, schedule, a fake runner that accepts `accept` drafts of every
     row and samples 7, update, observe (the step took `seconds`, or `verify_seconds` when it
-    scored drafts)."""
+    scored drafts; measures_plain False: a blocking step that does not time the plain step)."""
     admitted = spec.propose(scheduler)
     out = scheduler.schedule()
     req_ids, sampled = [], []
@@ -149,7 +149,8 @@ def run(spec, scheduler, accept=0, seconds=0.0502, verify_seconds=0.0700):
     runner_output = ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
     scheduler.update_from_output(out, runner_output)
     spec.observe(out, runner_output,
-                 verify_seconds if out.scheduled_spec_decode_tokens else seconds)
+                 verify_seconds if out.scheduled_spec_decode_tokens else seconds,
+                 measures_plain=measures_plain)
     return admitted, out
 
 
@@ -407,8 +408,10 @@ def test_a_peek_from_the_known_tokens_decides_whether_a_blocking_look_pays(monke
     spec = spec_decoder(drafter, measured_table(), spec_explore_fraction=0.01)
     spec.async_plain_steps = True
     run(spec, scheduler)                                    # the prefill step
+    for _ in range(3):   # overlapped plain steps, as measured
+        spec.step_rate.observe(1, 0, 0.0149)
     for _ in range(4):   # a look that admits nothing, its blocking cost over the budget
-        assert scored_drafts(run(spec, scheduler)[1]) == 0
+        assert scored_drafts(run(spec, scheduler, measures_plain=False)[1]) == 0
     assert len(drafter.asked) == 1 and spec.explore_seconds > 0.01 * spec.elapsed_seconds
     looks, observed = len(drafter.asked), list(drafter.observed)
     out = scheduler.schedule()                              # a plain step left in flight
@@ -481,3 +484,19 @@ def test_a_start_up_value_left_in_a_window_is_read_at_the_engine_s_scale():
     assert table.seconds(1) == pytest.approx(3.6 * MS * 1.05 / 4.4, rel=0.03)   # never observed
     assert table.measured_plain(16) == pytest.approx(1.05 * MS)
     assert table.measured_plain(12) == pytest.approx(1.0 * MS)
+
+
+def test_the_measured_plain_step_is_read_as_measured_whatever_the_load_factor_did():
+    """The curves hold times divided by the load factor of their moment; when the factor has
+    moved since (a settled key ran slower or faster than its median), the plain curve reads
+    at the new factor, but a verify step's realized gain and an exploration's cost are judged
+    against the plain steps as measured."""
+    table = StepRateTable({16: 2.5 * MS}, EXTRA_BATCH_16, window=4, load_smoothing=0.5)
+    table.overlapped_plain = True
+    for _ in range(4):
+        table.observe(16, 0, 1.1 * MS)
+    assert table.seconds(16) == pytest.approx(1.1 * MS)
+    table.load *= 2.0
+    assert table.seconds(16) == pytest.approx(2.2 * MS)
+    assert table.measured_plain(16) == pytest.approx(1.1 * MS)
+    assert table.measured_plain(8) == pytest.approx(table.seconds(8))   # none measured there
