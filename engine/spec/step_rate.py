@@ -159,10 +159,9 @@ class _Curve:
         such keys, else times `fallback_ratio` (None: 1); then the non-decreasing fit. A key
         never observed is its scaled start-up value; one observed fewer than `window` times
         the median of its observations and its scaled start-up value (with the profile's
-        own scale there, a batch size the engine ran twice read the mean of a blocking
-        start-up step and an overlapped one: SmolLM2 on the H100, batches 10-15 at 2-4x
-        their overlapped period, pooled by the fit with batch 16 into 3.3 ms where 16 rows
-        ran at 1.05 ms, and verify steps looked nearly free)."""
+        own scale there, where plain steps overlap the host, a batch size the engine ran
+        once read the mean of a blocking start-up step and an overlapped one, and the fit
+        pooled the batches after it, observed in full, with that mean)."""
         if self._fitted is None or self._fitted_ratio != fallback_ratio:
             keys = sorted(self._times)
             medians = [self._medians[k] for k in keys]

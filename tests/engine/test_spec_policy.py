@@ -472,7 +472,7 @@ def test_a_start_up_value_left_in_a_window_is_read_at_the_engine_s_scale():
     """Overlapped plain steps (the GPU) run at a quarter of the blocking start-up profile. 16
     rows were observed 8 times (1.05 ms), 12 rows once (1.0 ms): read at the profile's scale,
     12 rows would be the mean of 4 ms and 1 ms, and the non-decreasing fit would pool 16 rows
-    with it to 1.34 ms (H100, SmolLM2: 3.3 ms where 16 rows ran at 1.05)."""
+    with it to 1.34 ms."""
     table = StepRateTable({1: 3.6 * MS, 12: 4.0 * MS, 16: 4.4 * MS}, EXTRA_BATCH_1, window=8,
                           load_smoothing=0.0)
     table.overlapped_plain = True
