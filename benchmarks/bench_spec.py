@@ -115,6 +115,17 @@ def skipped_steps(llm: LLM) -> tuple[int, int, int, int, int]:
         "num_skipped_steps", "num_steps", "num_peeks", "num_verify_steps", "num_explored_steps"))
 
 
+def varlen_state(llm: LLM) -> dict:
+    """The varlen decoder's state at the end: its step-rate table (ms, divided by the load
+    factor, as held), the load factor, the plain steps as measured at 1 and 16 rows (ms), and
+    the shortfall of realized against predicted gain per batch bucket."""
+    spec = llm.engine_core.spec
+    table = spec.step_rate
+    return {"step_rate_ms": table.as_milliseconds(), "load": round(table.load, 4),
+            "measured_plain_ms": {b: round(table.measured_plain(b) * 1e3, 3) for b in (1, 16)},
+            "realized_gain": spec.realized_gain.as_dict()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model (default: embedded SmolLM2)")
@@ -199,13 +210,7 @@ def main() -> None:
                        "threads": args.threads,
                        "num_speculative_tokens": args.num_speculative_tokens,
                        "device": args.device, "dtype": args.dtype,
-                       # varlen's state at the end: its step-rate table (ms) and the
-                       # shortfall of realized against predicted gain per batch bucket
-                       "varlen_state": {
-                           "step_rate_ms": llms["ngram-varlen"].engine_core.spec.step_rate
-                           .as_milliseconds(),
-                           "realized_gain": llms["ngram-varlen"].engine_core.spec.realized_gain
-                           .as_dict()},
+                       "varlen_state": varlen_state(llms["ngram-varlen"]),
                        "verify_graph_replays": {
                            name: getattr(llm.engine_core.executor.runner.verify_graphs,
                                          "steps", None) for name, llm in llms.items()},
