@@ -153,18 +153,18 @@ def main() -> None:
         device["dtype"] = args.dtype
     llms = {name: LLM(args.model, max_num_seqs=16, num_speculative_tokens=args.num_speculative_tokens,
                       **options, **device) for name, options in ENGINES.items()}
-    # as a serving process does once started (engine/async_llm.freeze_startup_heap): a full
-    # collection over three engines' startup objects otherwise lands inside a timed run (the
-    # first timed run of each process read 0.6-0.8 s where the others read 0.15-0.3 s, H100)
+    # as a serving process does once started (engine/async_llm.freeze_startup_heap), so that a
+    # full collection over three engines' startup objects does not land inside a timed run
     freeze_startup_heap()
     any_llm = llms["off"]
     workloads = {"grounded-b1": ([chat_prompt(any_llm, p) for p in GROUNDED], 1),
                  "chat-b16": ([chat_prompt(any_llm, p) for p in CHAT], 16)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     # warm-up: every workload's first-call costs (compiles, first batch shapes) out of the
-    # timings; the first engine twice, so that the shapes of prompts found in the prefix
-    # cache compile too (kernels are compiled once per process: on the H100 the first timed
-    # run of the first engine read 0.6-0.8 s against 0.15-0.3 after a single pass)
+    # timings; the first engine twice, so that the shapes of prompts found in the prefix cache
+    # run once too (kernels compile once per process). After a single pass, with the heap
+    # frozen, the first timed run of the first engine still read 0.6-0.8 s against 0.15-0.3 on
+    # the H100; that the prefix-hit shapes are the cause is a guess the GPU has not checked
     for index, llm in enumerate(llms.values()):
         for _ in range(2 if index == 0 else 1):
             for prompts, batch in workloads.values():
