@@ -428,6 +428,34 @@ def test_a_peek_from_the_known_tokens_decides_whether_a_blocking_look_pays(monke
     assert admitted == {"r0": [1, 2, 3, 4, 5]} and scored_drafts(out) == 5
 
 
+def test_a_hunt_that_finds_drafts_that_pass_repays_its_account(monkeypatch):
+    """Grounded prompts at batch 1 where plain steps overlap the host: a look that admits
+    nothing costs its blocking step over the overlapped plain one (10 ms here), charged to the
+    exploration account, and the next look waits until 1 % of the elapsed time covers it again.
+    When that look admits five drafts that all pass, its saving (6 plain steps of 14.9 ms less
+    its own 70 ms: 19.4 ms) repays the account: the hunt goes on without another wait."""
+    monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
+    scheduler = decoding_scheduler(1)
+    drafter = CountingDrafter([1, 2, 3, 4, 5], [0.01] * 5)
+    spec = spec_decoder(drafter, measured_table(), spec_explore_fraction=0.01)
+    spec.async_plain_steps = True
+    run(spec, scheduler)                                    # the prefill step
+    for _ in range(3):   # overlapped plain steps, as measured
+        spec.step_rate.observe(1, 0, 0.0149)
+    run(spec, scheduler, seconds=0.0249, measures_plain=False)   # the fruitless look
+    assert len(drafter.asked) == 1 and spec.explore_seconds == pytest.approx(0.010)
+    drafter.conf = [0.95] * 5
+    plain_steps = 0
+    while len(drafter.asked) == 1:
+        admitted, out = run(spec, scheduler, seconds=0.0149, accept=5)
+        plain_steps += not admitted
+    # the look waited for 1 % of the elapsed time (prefill, look, plain steps) to cover what
+    # it and the last one cost
+    assert plain_steps == math.ceil((0.020 / 0.01 - 0.0502 - 0.0249) / 0.0149)
+    assert admitted == {"r0": [1, 2, 3, 4, 5]} and scored_drafts(out) == 5
+    assert spec.explore_seconds == 0.0                      # 10 ms owed, 19.4 ms saved
+
+
 def test_verify_steps_that_fall_short_of_their_prediction_close_the_gate_of_their_batch():
     """A step-rate table that never re-measures (window 0) prices 16 rows with five drafts of
     0.99 as a large gain, but no draft passes and each verify step takes 70 ms against 50 ms
