@@ -453,15 +453,12 @@ class SpecDecoder:
                 baseline = baseline if chosen else plain
                 self.explore_seconds += max(step_seconds - baseline - saved, 0.0)
             if self._look is not None and not num_drafts:
-                drafter_seconds, peeked = self._look   # + the overlap lost against the
-                # plain step as measured: at least the profile's blocking-minus-overlapped gap
-                # (a plain estimate still at the blocking scale would make looks look free)
+                drafter_seconds, peeked = self._look
+                # with overlapped plain steps a look is timed by its loop iteration (the
+                # drafter's time included): it costs that over the plain step as measured
                 base_tokens = scheduler_output.total_num_scheduled_tokens
-                gap = self.step_rate.load * self.step_rate.sync_gap(base_tokens)
-                # with overlapped plain steps a look is timed by its loop iteration, the
-                # drafter's time included
                 self._last_look_seconds = (
-                    max(step_seconds - self.step_rate.measured_plain(base_tokens), gap)
+                    max(step_seconds - self.step_rate.measured_plain(base_tokens), 0.0)
                     if self.async_plain_steps else drafter_seconds)
                 if peeked:   # what a peek's wrong call cost is peeking's, not exploration's
                     self.peek_seconds += self._last_look_seconds

@@ -12,8 +12,13 @@ lost overlap (a verify step blocks, a plain one runs asynchronously). The two ar
 paths, not one curve of B: the first draft costs a jump (SmolLM2 on the 2-core CPU box: 16
 decode rows 51 ms, the same with one draft 58 ms), so extra(1) holds the jump and its growth
 with D the per-draft cost. Where plain steps overlap the host (`overlapped_plain`: async
-scheduling on the GPU), a verify step, which blocks, also costs what a blocking plain step
-costs over an overlapped one: the profile's (blocking) plain(B0) minus the measured one.
+scheduling on the GPU), a verify step, which blocks, also costs what a blocking step costs over
+an overlapped one: measured against the overlapped plain step, the engine's extras hold it; the
+start-up extras (a blocking verify step against a blocking plain one) do not, and keys not
+observed yet read them at the scale of the observed ones. (An earlier model added the profile's
+blocking plain(B0) minus the measured one: the start-up profile's blocking step at batch 1 on
+the GPU was ~2.5x a blocking step of the running engine, and the extras, floored at their
+start-up values, could not absorb the error.)
 Keying extra by D (not by the tokens B0 + D of one curve) is what lets the steps the engine
 runs re-measure the points its admission reads: a verify step at the running batch updates
 extra(D) for that batch, where a curve of B would keep start-up values of another row layout (a
@@ -34,7 +39,7 @@ of the other buckets' keys' ratios, once as many were (the scale is the device's
 absolute times the batch's; on the H200 the engine's verify extra was several times the
 profile's: priced at the profile's values, every verify key had to be run once before the
 admission stopped choosing it). A verify step's observation of
-extra(D) is its time minus plain(B0) (and the sync gap). Reads fit the medians with a weighted
+extra(D) is its time minus plain(B0). Reads fit the medians with a weighted
 non-decreasing least-squares fit (a bigger batch or more drafts is not cheaper: what says
 otherwise is timing noise), interpolate linearly between keys (flat before the first, along the
 last segment's slope after the last); extra(D) never reads below `EXTRA_FLOOR` of its start-up
@@ -50,7 +55,12 @@ key can be off by far more than the load: those steps only fill their window); r
 it back.
 The admission compares step times with each other, so the factor cancels there; what it buys
 is that a plain curve re-measured under today's load and an extra point measured under
-yesterday's stay comparable.
+yesterday's stay comparable. Where plain steps overlap the host the factor stays 1: the device
+is the engine's own, and an overlapped plain step's time depends on whether the host or the
+device bounds it at that batch, so a settled key's observed / predicted said nothing about the
+others' and, with nothing anchoring its scale, the factor drifted (H100, SmolLM2, grounded
+batch-1 and chat batch-16 traffic alternating ten times: plain(16) / plain(1) read 3.9 where
+the steps measured 1.02).
 
 Pure module: no torch import.
 """
@@ -283,14 +293,15 @@ class StepRateTable:
 
     @property
     def overlapped_plain(self) -> bool:
-        """Plain steps overlap the host (async scheduling): set by the engine. A verify step
-        blocks, so it also costs the gap between the blocking plain step the profile timed
-        and the overlapped one the plain curve measures (`sync_gap`)."""
+        """Plain steps overlap the host (async scheduling): set by the engine before its
+        first step. The load factor then stays 1 (module docstring)."""
         return self._overlapped_plain
 
     @overlapped_plain.setter
     def overlapped_plain(self, value: bool) -> None:
         self._overlapped_plain = value
+        if value:
+            self.load = 1.0
         self._readers.clear()
 
     def _extra(self, base_tokens: int) -> _Curve:
@@ -332,20 +343,11 @@ class StepRateTable:
             self._pooled[bucket] = ratio
         return self._pooled[bucket]
 
-    def sync_gap(self, base_tokens: int) -> float:
-        """Unloaded seconds a blocking step adds over an overlapped plain step at B0: the
-        profile's blocking plain step minus the measured plain curve (0 unless
-        `overlapped_plain`)."""
-        if not self.overlapped_plain:
-            return 0.0
-        base_tokens = max(base_tokens, 1)
-        return max(self._plain.start(base_tokens) - self._plain.seconds(base_tokens), 0.0)
-
     def _unloaded(self, base_tokens: int, num_drafts: int) -> float:
         plain = self._plain.seconds(max(base_tokens, 1))
         if num_drafts <= 0:
             return plain
-        return plain + self.sync_gap(base_tokens) + self._extra_seconds(base_tokens, num_drafts)
+        return plain + self._extra_seconds(base_tokens, num_drafts)
 
     def _extra_seconds(self, base_tokens: int, num_drafts: int) -> float:
         """Unloaded extra(D) of D > 0 drafts at B0's batch bucket: the fitted curve, floored
@@ -369,7 +371,6 @@ class StepRateTable:
 
     def _reader(self, base_tokens: int) -> Callable[[int], float]:
         plain, load = self._plain.seconds(max(base_tokens, 1)), self.load
-        blocking = plain + self.sync_gap(base_tokens)
         curve = self._extra(base_tokens)   # `_extra_seconds` with its curve and ratio bound
         ratio = self._fallback_ratio(batch_bucket(base_tokens))
         prices: list[float] = [load * plain]   # D -> seconds, made for D up to the largest read
@@ -381,7 +382,7 @@ class StepRateTable:
             if num_drafts >= have:
                 count = max(num_drafts, 2 * have)
                 start = curve.start_dense(count)
-                prices.extend(load * (blocking + max(fitted, EXTRA_FLOOR * start[d - 1], 0.0))
+                prices.extend(load * (plain + max(fitted, EXTRA_FLOOR * start[d - 1], 0.0))
                               for d, fitted in enumerate(curve.dense(have, count, ratio),
                                                          start=have))
             return prices[num_drafts]
@@ -396,7 +397,8 @@ class StepRateTable:
         self._readers.clear()
         curve, key = ((self._extra(base_tokens), num_drafts) if num_drafts > 0
                       else (self._plain, base_tokens))
-        if curve.measured(key) >= self.window:   # only settled keys move the load
+        if curve.measured(key) >= self.window and not self._overlapped_plain:
+            # only settled keys move the load
             predicted = self._unloaded(base_tokens, num_drafts)
             self.load *= (seconds / (self.load * predicted)) ** self.load_smoothing
         if num_drafts == 0:
@@ -404,8 +406,7 @@ class StepRateTable:
                 seconds)
         unloaded = seconds / self.load
         if num_drafts > 0:
-            unloaded = max(unloaded - self._plain.seconds(base_tokens)
-                           - self.sync_gap(base_tokens), 0.0)
+            unloaded = max(unloaded - self._plain.seconds(base_tokens), 0.0)
         curve.observe(key, unloaded)
         if num_drafts > 0:
             self._pooled.clear()

@@ -310,20 +310,45 @@ def test_a_bucket_whose_confidence_fell_too_low_still_gets_verified_now_and_then
 
 
 def test_with_overlapped_plain_steps_a_verify_step_also_pays_the_lost_overlap():
-    """H200 shape: the profile times a blocking plain step of 16 rows at 1.30 ms, the engine's
-    overlapped plain steps take 1.08 ms; a verify step blocks, so it costs the 0.22 ms gap on
-    top of its extra; its observation re-measures the extra net of that gap."""
-    table = StepRateTable({16: 1.30 * MS}, {16: 0.20 * MS}, window=4, load_smoothing=0.0)
+    """H200 shape: the profile times a blocking plain step of 16 rows at 1.30 ms and 16 drafts
+    0.20 ms more; the engine's overlapped plain steps take 1.08 ms, and a verify step, which
+    blocks, 2.50 ms: its extra as measured against the overlapped plain step (1.42 ms) holds
+    the lost overlap, and the keys not observed read the profile at that scale."""
+    table = StepRateTable({16: 1.30 * MS}, {16: 0.20 * MS, 32: 0.30 * MS}, window=4,
+                          load_smoothing=0.5)
     table.overlapped_plain = True
-    for _ in range(4):
+    for _ in range(8):
         table.observe(16, 0, 1.08 * MS)
-    assert table.sync_gap(16) == pytest.approx(0.22 * MS)
-    assert table.seconds(16, 16) == pytest.approx((1.08 + 0.22 + 0.20) * MS)
-    table.observe(16, 16, 2.50 * MS)                       # the real verify step
-    table.observe(16, 16, 2.50 * MS)
-    assert table.seconds(16, 16) == pytest.approx(2.50 * MS)   # median of 0.2, 1.2, 1.2 + gap
-    table.overlapped_plain = False
-    assert table.seconds(16, 16) == pytest.approx((1.08 + 1.20) * MS)
+    assert table.seconds(16, 16) == pytest.approx((1.08 + 0.20) * MS)   # nothing observed
+    for _ in range(3):
+        table.observe(16, 16, 2.50 * MS)                   # the real verify steps
+    assert table.seconds(16, 16) == pytest.approx(2.50 * MS)
+    assert table.seconds(16, 32) == pytest.approx((1.08 + 0.30 * 1.42 / 0.20) * MS)
+    assert table.load == 1.0                               # no load factor here
+
+
+def test_with_overlapped_plain_steps_the_load_factor_stays_one():
+    """A blocking start-up profile (3.6 ms for one row, 4.4 for 16) against overlapped plain
+    steps of ~0.94 and 0.96 ms, the two batches alternating with their verify steps: each
+    reads what it measured, as a load factor moved by one batch's steps would not leave the
+    other's."""
+    table = StepRateTable({1: 3.6 * MS, 8: 3.9 * MS, 16: 4.4 * MS}, {1: 0.3 * MS, 5: 0.6 * MS},
+                          window=8, batch_extra_seconds={16: {1: 0.5 * MS, 80: 2 * MS}})
+    table.overlapped_plain = True
+    for _ in range(10):
+        for step in range(60):
+            verify = step % 3 == 0
+            table.observe(1, 5 if verify else 0, 1.9 * MS if verify else 0.94 * MS)
+        for step in range(120):
+            verify = step % 40 == 0
+            table.observe(16, 20 if verify else 0, 3.0 * MS if verify else 0.96 * MS)
+    assert table.load == 1.0
+    # (batch 8, never run, reads its start-up value at the others' scale: 0.93 ms, and the
+    # non-decreasing fit pools batch 1 with it)
+    assert table.seconds(1) == pytest.approx(0.94 * MS, rel=0.01)
+    assert table.seconds(16) == pytest.approx(0.96 * MS)
+    assert table.seconds(1, 5) == pytest.approx(1.9 * MS, rel=0.01)
+    assert table.seconds(16, 20) == pytest.approx(3.0 * MS)
 
 
 def test_the_verify_extra_is_priced_per_batch_bucket():
@@ -520,7 +545,6 @@ def test_the_measured_plain_step_is_read_as_measured_whatever_the_load_factor_di
     at the new factor, but a verify step's realized gain and an exploration's cost are judged
     against the plain steps as measured."""
     table = StepRateTable({16: 2.5 * MS}, EXTRA_BATCH_16, window=4, load_smoothing=0.5)
-    table.overlapped_plain = True
     for _ in range(4):
         table.observe(16, 0, 1.1 * MS)
     assert table.seconds(16) == pytest.approx(1.1 * MS)
