@@ -119,14 +119,14 @@ def varlen_state(llm: LLM) -> dict:
     """The varlen decoder's state at the end: its step-rate table (ms, divided by the load
     factor, as held), the load factor, the plain steps as measured at 1 and 16 rows (ms), the
     shortfall of realized against predicted gain per batch bucket, the exploration and peek
-    accounts (s) and the peeks (all, fruitful)."""
+    accounts per batch bucket ([elapsed, explore, peek] s) and the peeks (all, fruitful)."""
     spec = llm.engine_core.spec
     table = spec.step_rate
     return {"step_rate_ms": table.as_milliseconds(), "load": round(table.load, 4),
             "measured_plain_ms": {b: round(table.measured_plain(b) * 1e3, 3) for b in (1, 16)},
             "realized_gain": spec.realized_gain.as_dict(),
-            "budgets_s": {name: round(getattr(spec, name), 4) for name in (
-                "elapsed_seconds", "explore_seconds", "peek_seconds")},
+            "budgets_s": {bucket: [round(a.elapsed, 4), round(a.explore, 4), round(a.peek, 4)]
+                          for bucket, a in sorted(spec.accounts.items())},
             "peeks": [spec.num_peeks, spec.num_fruitful_peeks]}
 
 

@@ -58,6 +58,7 @@ Pure module: no torch import.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from deepinfer.engine.config import SpeculativeConfig
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
@@ -68,7 +69,7 @@ from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_ent
                                              top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, Drafter
 from deepinfer.engine.spec.realized_gain import RealizedGain
-from deepinfer.engine.spec.step_rate import StepRateTable
+from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket
 
 GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
 MISSES_BEFORE_BACKOFF = 2   # verified proposals rejected at draft 1 in a row before a back-off
@@ -117,6 +118,25 @@ def predicted_gain(confidences: list[list[float]], lengths: list[int], step_seco
     return committed / step_seconds(sum(lengths)) * step_seconds(0) / rows
 
 
+@dataclass
+class BudgetAccount:
+    """One batch bucket's exploration and peek accounts (seconds): the step time observed
+    there, and what exploration steps and fruitless looks (`explore`) and peeks and the looks
+    they asked for (`peek`) cost there. Each may spend `spec_explore_fraction` of `elapsed`:
+    kept per batch bucket (engine/spec/step_rate.batch_bucket), so that traffic where looking
+    pays (grounded prompts at batch 1: their hunts repay what they cost) does not lend its
+    allowance to traffic where it does not (chat at batch 16), nor the other way round (H100,
+    SmolLM2, one account for all: chat at batch 16 spent 23-45 peeks a 130-step run on the
+    allowance grounded traffic had earned, and grounded prompts then skipped the drafter on
+    47-81 % of their steps)."""
+    elapsed: float = 0.0
+    explore: float = 0.0
+    peek: float = 0.0
+
+    def fits(self, spent: float, fraction: float) -> bool:
+        return fraction > 0.0 and spent <= fraction * self.elapsed
+
+
 class SpecDecoder:
     """Args:
         config: the speculative decoding settings.
@@ -142,8 +162,7 @@ class SpecDecoder:
         self.num_verify_steps = 0     # steps observed that scored drafts
         self._plain_steps = 0         # plain steps offered to `observe` (PLAIN_SAMPLE_EVERY)
         self._step_accepted = 0       # drafts accepted in the last step observed
-        self.elapsed_seconds = 0.0    # observed step time
-        self.explore_seconds = 0.0    # ... of it, what exploration steps cost on top
+        self.accounts: dict[int, BudgetAccount] = {}   # batch bucket -> its budgets
         # an exploration step's baseline: the predicted seconds of the admission's own choice
         # and the drafts it chose (None: not exploring)
         self._explore_baseline: tuple[float, int] | None = None
@@ -155,12 +174,11 @@ class SpecDecoder:
         # peeks (non-blocking looks, `_peek`): count, how many said a look would pay, their
         # host seconds; the last one said so (cleared when the look it asked for proposed)
         self.num_peeks = self.num_fruitful_peeks = 0
-        self.peek_seconds = 0.0
         self._peeked = False
         self._last_look_seconds = 0.0    # what the last fruitless look cost
         # the account that paid for this step's look when the last look admitted nothing
-        # ("peek_seconds" or "explore_seconds"; None: not hunting): a verify step it finds
-        # pays that account back
+        # ("peek" or "explore" of its batch bucket; None: not hunting): a verify step it
+        # finds pays that account back
         self._hunt: str | None = None
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
         self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
@@ -203,17 +221,38 @@ class SpecDecoder:
             return False   # measure what an overlapped plain step costs at this batch first
         if self._may_verify(num_rows, base_tokens):
             return True
-        if self._can_pay[1] and self._peek_due():
+        if self._can_pay[1] and self._peek_due(base_tokens):
             self._peeked = self._peek(scheduler, base_tokens)
         return self._peeked
 
-    def _peek_due(self) -> bool:
-        """Peeking fits its budget: `spec_explore_fraction` of the elapsed step time, an
-        account of its own (`peek_seconds`: the peeks' host time, and what the looks they
-        asked for cost when those admitted nothing)."""
-        fraction = self.config.spec_explore_fraction
-        return (self.async_plain_steps and fraction > 0.0
-                and self.peek_seconds <= fraction * self.elapsed_seconds)
+    @property
+    def elapsed_seconds(self) -> float:
+        """Observed step time, all batch buckets."""
+        return sum(a.elapsed for a in self.accounts.values())
+
+    @property
+    def explore_seconds(self) -> float:
+        """What exploration steps and fruitless looks cost, all batch buckets."""
+        return sum(a.explore for a in self.accounts.values())
+
+    @property
+    def peek_seconds(self) -> float:
+        """What peeks and the fruitless looks they asked for cost, all batch buckets."""
+        return sum(a.peek for a in self.accounts.values())
+
+    def _account(self, base_tokens: int) -> BudgetAccount:
+        bucket = batch_bucket(base_tokens)
+        account = self.accounts.get(bucket)
+        if account is None:
+            account = self.accounts[bucket] = BudgetAccount()
+        return account
+
+    def _peek_due(self, base_tokens: int) -> bool:
+        """Peeking fits its budget at a batch of `base_tokens`: `spec_explore_fraction` of
+        the elapsed step time of its batch bucket, an account of its own (the peeks' host
+        time, and what the looks they asked for cost when those admitted nothing)."""
+        return self.async_plain_steps and self._account(base_tokens).fits(
+            self._account(base_tokens).peek, self.config.spec_explore_fraction)
 
     def _peek(self, scheduler: Scheduler, base_tokens: int) -> bool:
         """A non-blocking look, while the step in flight still holds each request's newest
@@ -222,7 +261,7 @@ class SpecDecoder:
         the ones after it, with confidences [c_1 c_2, c_3, ...] (the guess must hold for any
         of them to pass): True when those would pay (`capacity` over them: an unconstrained
         search is fine here, the look this triggers re-proposes from the real token and its
-        own admission decides). Costs host time only, counted in `peek_seconds`."""
+        own admission decides). Costs host time only, counted in the peek account."""
         start = time.perf_counter()
         gamma = self.config.num_speculative_tokens
         views, rows = [], 0
@@ -249,7 +288,7 @@ class SpecDecoder:
             min_gain=self._min_gain(base_tokens)) > 0
         self.num_peeks += 1
         self.num_fruitful_peeks += pays
-        self.peek_seconds += time.perf_counter() - start
+        self._account(base_tokens).peek += time.perf_counter() - start
         return pays
 
     def _may_verify(self, num_rows: int, base_tokens: int) -> bool:
@@ -271,16 +310,18 @@ class SpecDecoder:
                 min_gain=min_gain)
         if self._can_pay[1]:
             return (self._looks_pay is not False or not self.async_plain_steps
-                    or self._explore_due(self._last_look_seconds))
+                    or self._explore_due(self._last_look_seconds, base_tokens))
         most = min(num_rows, max_drafts)
-        return most > 0 and self._explore_due(step_seconds(most) - step_seconds(0))
+        return most > 0 and self._explore_due(step_seconds(most) - step_seconds(0),
+                                              base_tokens)
 
-    def _explore_due(self, extra_seconds: float) -> bool:
+    def _explore_due(self, extra_seconds: float, base_tokens: int) -> bool:
         """An exploration step predicted to cost `extra_seconds` more than the admission's
-        choice fits the budget (`SpeculativeConfig.spec_explore_fraction`)."""
-        fraction = self.config.spec_explore_fraction
-        return fraction > 0.0 and (self.explore_seconds + max(extra_seconds, 0.0)
-                                   <= fraction * self.elapsed_seconds)
+        choice fits the budget of its batch bucket (`SpeculativeConfig.
+        spec_explore_fraction` of the step time observed there)."""
+        account = self._account(base_tokens)
+        return account.fits(account.explore + max(extra_seconds, 0.0),
+                            self.config.spec_explore_fraction)
 
     def skip_step(self, scheduler: Scheduler) -> None:
         """The next step carries no drafts (`may_draft` said so): counted as a step that did
@@ -299,7 +340,7 @@ class SpecDecoder:
         self._explore_baseline = self._look = self._prediction = None
         self._hunt = None
         if self.async_plain_steps and self._looks_pay is False:
-            self._hunt = "peek_seconds" if self._peeked else "explore_seconds"
+            self._hunt = "peek" if self._peeked else "explore"
         gamma = self.config.num_speculative_tokens
         try:
             return self._propose(scheduler, gamma)
@@ -347,7 +388,8 @@ class SpecDecoder:
             self._looks_pay = any(lengths)
             if self._looks_pay:
                 self._prediction = (predicted_gain(confidences, lengths, step_seconds), len(ids))
-            lengths = self._explore(confidences, lengths, step_seconds, max_drafts)
+            lengths = self._explore(confidences, lengths, step_seconds, max_drafts,
+                                    base_tokens)
             if self._explore_baseline is not None:   # priced by the exploration budget
                 self._prediction = None
             if not any(lengths):
@@ -360,7 +402,7 @@ class SpecDecoder:
         return self._hand_over(scheduler, ids, admitted, skipped=False)
 
     def _explore(self, confidences: list[list[float]], lengths: list[int], step_seconds,
-                 max_drafts: int) -> list[int]:
+                 max_drafts: int, base_tokens: int) -> list[int]:
         """The admission's lengths, or an exploration step's when one fits the budget (module
         docstring); both are draft-independent. What exploring costs is its step time minus
         the predicted time of the admission's choice, less the plain-step time of the drafts
@@ -377,7 +419,7 @@ class SpecDecoder:
         if target <= chosen:
             return lengths
         baseline = step_seconds(chosen)
-        if not self._explore_due(step_seconds(target) - baseline):
+        if not self._explore_due(step_seconds(target) - baseline, base_tokens):
             return lengths
         self.num_explored_steps += 1
         self._explore_baseline = baseline, chosen
@@ -432,6 +474,7 @@ class SpecDecoder:
         if self.step_rate is not None:
             num_drafts = sum(len(d) for d in scored.values())
             base_tokens = scheduler_output.total_num_scheduled_tokens - num_drafts
+            account = self._account(base_tokens)
             if self._prediction is not None and num_drafts:
                 predicted, rows = self._prediction
                 realized = ((rows + self._step_accepted) / step_seconds
@@ -440,18 +483,18 @@ class SpecDecoder:
                 if self._hunt is not None:   # the hunt found drafts: its saving repays it
                     saved = ((rows + self._step_accepted) / rows
                              * self.step_rate.measured_plain(base_tokens) - step_seconds)
-                    debt = getattr(self, self._hunt)
-                    setattr(self, self._hunt, max(debt - max(saved, 0.0), 0.0))
+                    debt = getattr(account, self._hunt)
+                    setattr(account, self._hunt, max(debt - max(saved, 0.0), 0.0))
             if num_drafts or measures_plain and self._plain_due(base_tokens):
                 self.step_rate.observe(base_tokens, num_drafts, step_seconds)
-            self.elapsed_seconds += step_seconds
+            account.elapsed += step_seconds
             if self._explore_baseline is not None and num_drafts:
                 plain = self.step_rate.measured_plain(base_tokens)
                 saved = self._step_accepted * plain / max(base_tokens, 1)   # a plain step's
                 # time per committed token; nothing chosen: the plain step as measured
                 baseline, chosen = self._explore_baseline
                 baseline = baseline if chosen else plain
-                self.explore_seconds += max(step_seconds - baseline - saved, 0.0)
+                account.explore += max(step_seconds - baseline - saved, 0.0)
             if self._look is not None and not num_drafts:
                 drafter_seconds, peeked = self._look
                 # with overlapped plain steps a look is timed by its loop iteration (the
@@ -461,9 +504,9 @@ class SpecDecoder:
                     max(step_seconds - self.step_rate.measured_plain(base_tokens), 0.0)
                     if self.async_plain_steps else drafter_seconds)
                 if peeked:   # what a peek's wrong call cost is peeking's, not exploration's
-                    self.peek_seconds += self._last_look_seconds
+                    account.peek += self._last_look_seconds
                 else:
-                    self.explore_seconds += self._last_look_seconds
+                    account.explore += self._last_look_seconds
         self._explore_baseline = self._look = self._prediction = self._hunt = None
 
     def _plain_due(self, base_tokens: int) -> bool:

@@ -187,8 +187,9 @@ def test_exploration_re_measures_but_never_prices_below_the_profile(monkeypatch)
     """The profile says a verify step costs 60 ms on top of the 50 ms plain step at batch 16
     for one draft, 300 ms for 80, so no count of sure drafts pays: the drafter is not called.
     Exploration (a tenth of the step time here) verifies the gate's best set, a first draft
-    for each row, once 0.1 x the elapsed time covers its predicted cost (66 ms over the plain
-    step: the 22nd step). Those steps take 70 ms and commit 32 tokens where a 50.2 ms plain
+    for each row, once 0.1 x the elapsed time of batch 16's bucket covers its predicted cost
+    (66 ms over the plain step: the 23rd decode step; the prefill step's time counts in its
+    own bucket). Those steps take 70 ms and commit 32 tokens where a 50.2 ms plain
     step commits 16: their 19.8 ms over the plain step are less than the 50.2 ms of plain
     steps their 16 accepted drafts saved, so exploring costs the budget nothing and goes on
     every step. But the extra never reads below the profile's (EXTRA_FLOOR): a free or too
@@ -201,8 +202,8 @@ def test_exploration_re_measures_but_never_prices_below_the_profile(monkeypatch)
     spec = spec_decoder(drafter, table, spec_explore_fraction=0.1)
     run(spec, scheduler)
     verified = [scored_drafts(run(spec, scheduler, accept=3)[1]) for _ in range(30)]
-    assert verified == [0] * 21 + [16] * 9
-    assert spec.num_explored_steps == 9 and len(drafter.asked) == 9
+    assert verified == [0] * 22 + [16] * 8
+    assert spec.num_explored_steps == 8 and len(drafter.asked) == 8
     assert spec.explore_seconds == 0.0
     # measured: the window's median of 19.8 ms (the profile's 60 ms pushed out), pooled by
     # the monotone fit with the profile's 60 ms at one draft (weight 1 against 8)
@@ -230,7 +231,7 @@ def test_exploration_stays_within_its_share_of_the_step_time(monkeypatch):
     run(spec, scheduler)
     verified = [scored_drafts(run(spec, scheduler, accept=0, verify_seconds=0.120)[1])
                 for _ in range(150)]
-    assert [(i, n) for i, n in enumerate(verified) if n] == [(0, 32), (18, 1), (59, 30)]
+    assert [(i, n) for i, n in enumerate(verified) if n] == [(0, 32), (19, 1), (59, 30)]
     assert spec.num_explored_steps == 1
     assert spec.explore_seconds <= 0.01 * spec.elapsed_seconds
     assert spec.explore_seconds == pytest.approx(0.120 - 0.0502)
@@ -474,11 +475,26 @@ def test_a_hunt_that_finds_drafts_that_pass_repays_its_account(monkeypatch):
     while len(drafter.asked) == 1:
         admitted, out = run(spec, scheduler, seconds=0.0149, accept=5)
         plain_steps += not admitted
-    # the look waited for 1 % of the elapsed time (prefill, look, plain steps) to cover what
-    # it and the last one cost
-    assert plain_steps == math.ceil((0.020 / 0.01 - 0.0502 - 0.0249) / 0.0149)
+    # the look waited for 1 % of its batch bucket's elapsed time (the look, plain steps; the
+    # prefill step counts in its own bucket) to cover what it and the last one cost
+    assert plain_steps == math.ceil((0.020 / 0.01 - 0.0249) / 0.0149)
     assert admitted == {"r0": [1, 2, 3, 4, 5]} and scored_drafts(out) == 5
     assert spec.explore_seconds == 0.0                      # 10 ms owed, 19.4 ms saved
+
+
+def test_each_batch_bucket_spends_only_the_allowance_its_own_steps_earned():
+    """Grounded prompts at batch 1 ran 1 s of steps (10 ms to explore and peek with at 1 %);
+    chat at batch 16 ran 50 ms and spent 0.6 ms peeking: its next peek and exploration wait
+    for its own steps, whatever batch 1 left unspent."""
+    spec = spec_decoder(CountingDrafter([1], [0.5]), measured_table(), spec_explore_fraction=0.01)
+    spec.async_plain_steps = True
+    grounded, chat = spec._account(1), spec._account(16)
+    grounded.elapsed = 1.0
+    chat.elapsed, chat.peek = 0.050, 0.0006
+    assert spec._peek_due(1) and spec._explore_due(0.005, 1)
+    assert not spec._peek_due(16) and not spec._explore_due(0.001, 16)
+    assert spec._explore_due(0.0005, 12)                    # batch 12: bucket 16, unspent
+    assert spec.elapsed_seconds == pytest.approx(1.05) and spec.peek_seconds == 0.0006
 
 
 def test_verify_steps_that_fall_short_of_their_prediction_close_the_gate_of_their_batch():
