@@ -328,6 +328,24 @@ def test_with_overlapped_plain_steps_a_verify_step_also_pays_the_lost_overlap():
     assert table.load == 1.0                               # no load factor here
 
 
+def test_a_plain_key_the_engine_runs_reads_its_own_median_whatever_the_fit_pooled():
+    """A chat batch's tail runs 12 rows a few times, slowly (6 ms: a step that also waited on
+    the host); 16 rows ran 8 times at 1.0 ms. The non-decreasing fit pools the two, but 16
+    rows read what they measured, and so does the extra measured against them."""
+    table = StepRateTable({12: 4.0 * MS, 16: 4.4 * MS}, {1: 0.2 * MS, 4: 0.5 * MS}, window=8,
+                          load_smoothing=0.0)
+    table.overlapped_plain = True
+    for _ in range(8):
+        table.observe(16, 0, 1.0 * MS)
+    for _ in range(2):
+        table.observe(12, 0, 6.0 * MS)
+    assert table.as_milliseconds()["plain"][16] > 1.5          # pooled by the fit
+    assert table.seconds(16) == pytest.approx(1.0 * MS)
+    for _ in range(3):
+        table.observe(16, 4, 3.0 * MS)
+    assert table.seconds(16, 4) == pytest.approx(3.0 * MS)
+
+
 def test_with_overlapped_plain_steps_the_load_factor_stays_one():
     """A blocking start-up profile (3.6 ms for one row, 4.4 for 16) against overlapped plain
     steps of ~0.94 and 0.96 ms, the two batches alternating with their verify steps: each
