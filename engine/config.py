@@ -235,8 +235,9 @@ class SpeculativeConfig:
         verify costs the admission would otherwise never try again (a profile or a step slowed
         by another process). Where plain steps overlap the host (CUDA), the same fraction
         bounds, on an account of its own, the host time of peeks (non-blocking looks from the
-        tokens known while a step is in flight, engine/spec/manager.py). 0: never explore
-        or peek.
+        tokens known while a step is in flight, engine/spec/manager.py). Both accounts are
+        kept per batch bucket, and a look that finds drafts that pass repays the account
+        that paid for the looks before it. 0: never explore or peek.
     spec_max_backoff_steps: varlen: the longest a request whose drafts keep being rejected at
         the first position goes unproposed (waits of 1, 2, 4, ... steps up to this; 0: no
         back-off).
