@@ -311,6 +311,43 @@ def test_a_blocking_step_is_timed_by_its_own_loop_iteration(tiny_llama_dir, monk
     assert max(seconds for _, seconds in timed) < 0.5
 
 
+def test_a_blocking_step_that_drains_an_overlapped_step_pays_for_the_drain(tiny_llama_dir,
+                                                                           monkeypatch):
+    """Committing a step takes 40 ms here (a slow output processor). Between overlapped plain
+    steps that commit runs while the next step computes; a verify step after a plain step
+    first waits for it and commits it with nothing in flight. Its time starts where the
+    plain step's period (as measured, ~40 ms) would have ended, not at its own iteration:
+    ~80 ms (the drained commit and its own) instead of ~40."""
+    import time
+
+    prompts = [list(range(100, 130))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = make_llm(tiny_llama_dir, block_size=4).generate(prompts, params)
+    llm = async_ngram_llm(tiny_llama_dir)
+    spec = llm.engine_core.spec
+    spec.drafter = OracleDrafter(prompts, expected)
+    spec.step_rate = StepRateTable({1: 0.010, 8: 0.020}, {1: 1e-6, 4: 1e-6})
+    timed, observe_time = [], spec.observe_time
+
+    def spy(scheduler_output, seconds, **options):
+        timed.append((bool(scheduler_output.scheduled_spec_decode_tokens), seconds))
+        observe_time(scheduler_output, seconds, **options)
+
+    processor = llm.engine_core.output_processor
+    process = processor.process
+
+    def slow_process(*args, **kwargs):
+        time.sleep(0.040)
+        return process(*args, **kwargs)
+
+    monkeypatch.setattr(spec, "observe_time", spy)
+    monkeypatch.setattr(processor, "process", slow_process)
+    [output] = llm.generate(prompts, params)
+    assert output.outputs[0].token_ids == expected[0].outputs[0].token_ids
+    first_verify = next(seconds for verified, seconds in timed if verified)
+    assert first_verify > 0.070
+
+
 @pytest.fixture(scope="module")
 def smollm2_fixed_and_plain(smollm2_dir):
     """(SmolLM2 with fixed-length n-gram drafts (5 every step), SmolLM2 without)."""
