@@ -460,14 +460,18 @@ class EngineCore:
         overlapped steps a step's commit runs while the next one computes; the drain puts it
         on the device's critical path, a cost of the blocking step (SmolLM2 chat at batch 16
         on the H100: ~0.3 ms of the 1 ms plain step, which a verify step's own iteration did
-        not show)."""
+        not show). Only where that plain step's batch was measured (`SpecDecoder.
+        plain_period`): a prefill chunk drained by a request's first look would otherwise
+        charge the look whatever the chunk took beyond an estimate of it (H100, grounded
+        prompts at batch 1: exploration debts of 4 % of the step time, and the drafter
+        skipped on 75-98 % of the steps)."""
         drained, self._drained = self._drained, None
-        if (step.non_block or drained is None or self.spec is None
-                or self.spec.step_rate is None):
+        if step.non_block or drained is None or self.spec is None:
             return self._iteration_started
-        plain = self.spec.step_rate.measured_plain(
-            drained.scheduler_output.total_num_scheduled_tokens)
-        return min(self._iteration_started, drained.launched + plain)
+        period = self.spec.plain_period(drained.scheduler_output.total_num_scheduled_tokens)
+        if period is None:   # a prefill chunk, or a batch not measured yet
+            return self._iteration_started
+        return min(self._iteration_started, drained.launched + period)
 
     def _resolve(self, keep: int) -> list[tuple[_Step, ModelRunnerOutput]]:
         """Wait for the outputs of the steps in flight but the last `keep` (the one just

@@ -509,6 +509,14 @@ class SpecDecoder:
                     account.explore += self._last_look_seconds
         self._explore_baseline = self._look = self._prediction = self._hunt = None
 
+    def plain_period(self, base_tokens: int) -> float | None:
+        """Seconds of an overlapped plain step of `base_tokens` as measured (varlen, where
+        plain steps overlap the host), once PLAIN_MEASUREMENTS such steps were; else None."""
+        if (self.step_rate is None or not self.async_plain_steps
+                or self.step_rate.measured(base_tokens) < PLAIN_MEASUREMENTS):
+            return None
+        return self.step_rate.measured_plain(base_tokens)
+
     def _plain_due(self, base_tokens: int) -> bool:
         """Time this plain step: always where plain steps block (their host work is not on
         the device's critical path), else when its key's window is not full yet, or it is
