@@ -42,11 +42,12 @@ of the elapsed step time: an exploration whose drafts pass costs nothing and may
 fast device a blocking step costs several overlapped plain steps: probes at a fixed interval
 (every 8 steps without drafts) held chat at batch 16 on the H200 at 0.85x of speculation off.
 
-What the admission predicted is checked against what happened (varlen): each admitted verify
-step's realized throughput gain over the plain step is compared with the gain its admission
-predicted, and the batch bucket's shortfall raises the gate's margin there
-(engine/spec/realized_gain.py): prices and confidences that the table's own re-measurement
-does not correct stop costing throughput after a few steps.
+What the admission predicted is checked against what happened (varlen): each verify step's
+realized throughput gain over the plain step (an exploration's too) is compared with the gain
+the same prices and confidences predicted for it, and the batch bucket's shortfall raises the
+gate's margin there (engine/spec/realized_gain.py): prices and confidences that the table's
+own re-measurement does not correct stop costing throughput after a few steps, and
+explorations reopen a gate whose predictions hold again.
 
 Acceptance itself happens in the model runner: a draft is accepted iff it equals the target's own
 sample at that position (greedy argmax, or the seeded exponential race), so outputs are those of
@@ -386,12 +387,10 @@ class SpecDecoder:
                                            min_gain=min_gain, ranked=ranked)
             self._last_confidences = {i: c for i, c in zip(ids, confidences) if c}
             self._looks_pay = any(lengths)
-            if self._looks_pay:
-                self._prediction = (predicted_gain(confidences, lengths, step_seconds), len(ids))
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts,
                                     base_tokens)
-            if self._explore_baseline is not None:   # priced by the exploration budget
-                self._prediction = None
+            if any(lengths):   # scored against what it realizes (exploration steps too)
+                self._prediction = (predicted_gain(confidences, lengths, step_seconds), len(ids))
             if not any(lengths):
                 self._look = (drafter_seconds, self._peeked)
         else:
@@ -480,7 +479,8 @@ class SpecDecoder:
                 realized = ((rows + self._step_accepted) / step_seconds
                             * self.step_rate.measured_plain(base_tokens) / rows)
                 self.realized_gain.observe(base_tokens, predicted, realized)
-                if self._hunt is not None:   # the hunt found drafts: its saving repays it
+                if self._hunt is not None and self._explore_baseline is None:
+                    # the hunt found drafts the admission chose: its saving repays it
                     saved = ((rows + self._step_accepted) / rows
                              * self.step_rate.measured_plain(base_tokens) - step_seconds)
                     debt = getattr(account, self._hunt)

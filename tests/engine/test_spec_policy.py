@@ -242,7 +242,7 @@ def test_a_request_whose_drafts_keep_failing_backs_off_then_is_proposed_again():
     drafter = CountingDrafter([1, 2], [0.9, 0.9])
     spec = spec_decoder(drafter, measured_table(), spec_max_backoff_steps=4)
     # the back-off alone: these rejected steps would also close the gate by their shortfall
-    spec.realized_gain = RealizedGain(min_steps=10 ** 6)
+    spec.realized_gain = RealizedGain(window=10 ** 6, min_steps=10 ** 6)
     run(spec, scheduler)
 
     def proposed(accept):
@@ -536,23 +536,45 @@ def test_verify_steps_that_fall_short_of_their_prediction_close_the_gate_of_thei
     assert spec._min_gain(1) == pytest.approx(0.05)
 
 
-def test_the_shortfall_is_a_decayed_mean_that_steps_meeting_their_prediction_lower():
-    gain = RealizedGain(decay=0.5, min_steps=2)
+def test_explorations_reopen_a_gate_the_shortfall_closed():
+    """Batch 1's last five verify steps realized a third of their predicted gain (a stalled
+    box): the gate asks for 3.15x the plain step and grounded drafts (2.3x predicted) are not
+    admitted. Exploration steps (a tenth of the step time here) verify the surest first draft
+    anyway; they realize what the same prices predict, and once three of the last five did,
+    the gate opens and the admission verifies all five drafts again."""
+    scheduler = decoding_scheduler(1)
+    drafter = CountingDrafter([1, 2, 3, 4, 5], GROUNDED)
+    spec = spec_decoder(drafter, measured_table(window=0), spec_explore_fraction=0.1)
+    for _ in range(5):
+        spec.realized_gain.observe(1, 3.0, 1.0)
+    run(spec, scheduler, seconds=0.0149)                    # the prefill step
+    verified = [scored_drafts(run(spec, scheduler, accept=5, seconds=0.0149,
+                                  verify_seconds=0.0201)[1]) for _ in range(20)]
+    assert [n for n in verified if n][:4] == [1, 1, 1, 5] and spec.num_explored_steps == 3
+    assert verified[-1] == 5 and spec.realized_gain.shortfall(1) <= 0.0
+
+
+def test_the_shortfall_is_a_median_that_one_stalled_step_does_not_move():
+    """The median log(predicted / realized) of a bucket's last 5 scored steps: one verify
+    step stalled 10x by another process moves nothing, a majority of short steps does, and
+    steps meeting their prediction bring it back."""
+    gain = RealizedGain(window=5, min_steps=3)
+    gain.observe(16, 2.0, 1.0)
     gain.observe(16, 2.0, 1.0)
     assert gain.shortfall(16) == 0.0 and gain.min_gain(16, 0.05) == pytest.approx(0.05)
     gain.observe(16, 2.0, 1.0)
     assert gain.shortfall(16) == pytest.approx(math.log(2.0))
     assert gain.shortfall(12) == pytest.approx(math.log(2.0))   # the same batch bucket
     assert gain.shortfall(8) == 0.0
-    for _ in range(4):
+    for _ in range(3):
         gain.observe(16, 1.5, 1.5)
-    # weights 1/32, 1/16 on the two short steps, 1/8 + ... + 1 on the four on target
-    assert gain.shortfall(16) == pytest.approx(math.log(2.0) * 3 / 32 / (1.875 + 3 / 32))
-    gain.observe(1, 1.0, 2.0)                   # better than predicted: no lower margin
-    gain.observe(1, 1.0, 2.0)
+    assert gain.shortfall(16) == 0.0                           # 3 of the last 5 on target
+    for realized in (2.0, 2.0, 0.2, 2.0):                       # one stall among them
+        gain.observe(1, 2.0, realized)
     assert gain.min_gain(1, 0.05) == pytest.approx(0.05)
-    with pytest.raises(ValueError, match="decay"):
-        RealizedGain(decay=1.0)
+    assert gain.as_dict()[1] == {"shortfall": 0.0, "steps": 4}
+    with pytest.raises(ValueError, match="min_steps"):
+        RealizedGain(window=2, min_steps=3)
 
 
 def test_a_start_up_value_left_in_a_window_is_read_at_the_engine_s_scale():
