@@ -281,15 +281,10 @@ def test_varlen_keeps_async_scheduling_for_steps_that_carry_no_drafts(tiny_llama
     assert not core.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks
 
 
-def test_a_blocking_step_is_timed_by_its_own_loop_iteration(tiny_llama_dir, monkeypatch):
-    """Where plain steps overlap the host, a verify step (or a look) is priced by the loop
-    iteration that ran it, drafter, admission and commit included, and by nothing after it:
-    the idle time before the next `generate` is not charged to the last step of the one
-    before (an engine that did so priced every verify step out and stopped drafting)."""
-    import time
-
-    prompts = [list(range(100 + 9 * n, 130 + 9 * n)) for n in range(2)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+def timed_oracle_llm(tiny_llama_dir, prompts, params, monkeypatch):
+    """(async varlen n-gram LLM drafting the plain run's tokens, whose drafts up to 4 cost
+    nothing; the plain run's outputs; the (verified, seconds) of each timed step, filled as it
+    runs)."""
     expected = make_llm(tiny_llama_dir, block_size=4).generate(prompts, params)
     llm = async_ngram_llm(tiny_llama_dir)
     spec = llm.engine_core.spec
@@ -302,6 +297,19 @@ def test_a_blocking_step_is_timed_by_its_own_loop_iteration(tiny_llama_dir, monk
         observe_time(scheduler_output, seconds, **options)
 
     monkeypatch.setattr(spec, "observe_time", spy)
+    return llm, expected, timed
+
+
+def test_a_blocking_step_is_timed_by_its_own_loop_iteration(tiny_llama_dir, monkeypatch):
+    """Where plain steps overlap the host, a verify step (or a look) is priced by the loop
+    iteration that ran it, drafter, admission and commit included, and by nothing after it:
+    the idle time before the next `generate` is not charged to the last step of the one
+    before (an engine that did so priced every verify step out and stopped drafting)."""
+    import time
+
+    prompts = [list(range(100 + 9 * n, 130 + 9 * n)) for n in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm, expected, timed = timed_oracle_llm(tiny_llama_dir, prompts, params, monkeypatch)
     outputs = [llm.generate([prompt], params)[0] for prompt in prompts[:1]]
     time.sleep(0.5)
     outputs += llm.generate(prompts[1:], params)
@@ -322,17 +330,7 @@ def test_a_blocking_step_that_drains_an_overlapped_step_pays_for_the_drain(tiny_
 
     prompts = [list(range(100, 130))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    expected = make_llm(tiny_llama_dir, block_size=4).generate(prompts, params)
-    llm = async_ngram_llm(tiny_llama_dir)
-    spec = llm.engine_core.spec
-    spec.drafter = OracleDrafter(prompts, expected)
-    spec.step_rate = StepRateTable({1: 0.010, 8: 0.020}, {1: 1e-6, 4: 1e-6})
-    timed, observe_time = [], spec.observe_time
-
-    def spy(scheduler_output, seconds, **options):
-        timed.append((bool(scheduler_output.scheduled_spec_decode_tokens), seconds))
-        observe_time(scheduler_output, seconds, **options)
-
+    llm, expected, timed = timed_oracle_llm(tiny_llama_dir, prompts, params, monkeypatch)
     processor = llm.engine_core.output_processor
     process = processor.process
 
@@ -340,7 +338,6 @@ def test_a_blocking_step_that_drains_an_overlapped_step_pays_for_the_drain(tiny_
         time.sleep(0.040)
         return process(*args, **kwargs)
 
-    monkeypatch.setattr(spec, "observe_time", spy)
     monkeypatch.setattr(processor, "process", slow_process)
     [output] = llm.generate(prompts, params)
     assert output.outputs[0].token_ids == expected[0].outputs[0].token_ids
