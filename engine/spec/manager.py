@@ -252,8 +252,9 @@ class SpecDecoder:
         """Peeking fits its budget at a batch of `base_tokens`: `spec_explore_fraction` of
         the elapsed step time of its batch bucket, an account of its own (the peeks' host
         time, and what the looks they asked for cost when those admitted nothing)."""
-        return self.async_plain_steps and self._account(base_tokens).fits(
-            self._account(base_tokens).peek, self.config.spec_explore_fraction)
+        account = self._account(base_tokens)
+        return self.async_plain_steps and account.fits(account.peek,
+                                                       self.config.spec_explore_fraction)
 
     def _peek(self, scheduler: Scheduler, base_tokens: int) -> bool:
         """A non-blocking look, while the step in flight still holds each request's newest
