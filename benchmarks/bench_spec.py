@@ -18,7 +18,11 @@ a shared box's load changes less), mean accepted length (1 + accepted / verify r
 acceptance per draft position (rows whose draft j was accepted / rows with drafts), and the
 share of varlen steps that skipped the drafter (drafting could not pay).
 
-    python benchmarks/bench_spec.py [--max-tokens 128] [--repeats 2] [--json out.json]
+    python benchmarks/bench_spec.py [--max-tokens 128] [--repeats 2] [--rounds 1] [--json out.json]
+
+`--rounds N` runs each workload's prompts N times over in every timed run (the warm-up pass
+once): on the GPU one round of grounded b1 is 0.12-0.3 s, too short to tell a policy change
+from a slow step.
 
 On the GPU (`--device cuda --dtype bfloat16 --model PATH.gguf`): the same workloads; the engines
 capture decode and verify CUDA graphs (engine/verify_graphs.py), "off" runs with async
@@ -136,6 +140,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="each timed run goes over its workload's prompts this many times")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's; 1 on an oversubscribed box)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
@@ -173,6 +179,7 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     for repeat in range(args.repeats):
         for workload, (prompts, batch) in workloads.items():
+            prompts = prompts * args.rounds
             names = list(llms) if repeat % 2 == 0 else list(llms)[::-1]
             for name in names:
                 llm = llms[name]
@@ -210,6 +217,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"max_tokens": args.max_tokens, "repeats": args.repeats,
+                       "rounds": args.rounds,
                        "load_start_end": [load_start, list(os.getloadavg())],
                        "threads": args.threads,
                        "num_speculative_tokens": args.num_speculative_tokens,

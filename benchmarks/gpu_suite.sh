@@ -7,7 +7,8 @@
 # tests: under ~8 minutes (timeout 450 s); bench: benchmarks/gpu_decode.py (~5 minutes)
 # tests/e2e/test_gpu_server.py needs fastapi, starlette, uvicorn and pydantic: where they are
 # missing, install them first (the device image lacks them; carry wheels, see the device README).
-# spec: benchmarks/bench_spec.py on SmolLM2 bf16 (128 and 384 new tokens; ~2 minutes). Its GGUF
+# spec: benchmarks/bench_spec.py on SmolLM2 bf16 (128 and 384 new tokens, 4 rounds of each
+#   workload per timed run; ~3 minutes). Its GGUF
 #   (98 MB) travels in two halves over two calls of one warm machine; a carried folder replaces
 #   the one there, so each call copies its half out of the checkout. Here: `split -n 2 -d GGUF
 #   x` into .dev/g1/part0 and .dev/g2/part1 (ignored), `pip download gguf` into .whl (the
@@ -42,7 +43,8 @@ if [ "$what" = spec ]; then
   export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
   for tokens in 128 384; do
     timeout 240 python3 benchmarks/bench_spec.py --device cuda --dtype bfloat16 \
-      --model /tmp/SmolLM2.gguf --max-tokens $tokens --repeats 3 --json "$OUT/bench_spec_$tokens.json" \
+      --model /tmp/SmolLM2.gguf --max-tokens $tokens --repeats 3 --rounds 4 \
+      --json "$OUT/bench_spec_$tokens.json" \
       2>&1 | grep -v "Converting GGUF" | tee "$OUT/bench_spec_$tokens.log"
   done
   exit
