@@ -232,7 +232,10 @@ class EngineCore:
                 runner, config.num_speculative_tokens, self.config.scheduler.max_num_seqs)
         scheduler = self.config.scheduler
         step_rate = None
-        if config.spec_varlen:
+        if not config.spec_varlen:
+            logger.info("speculative decoding (%s, fixed length): %d drafts verified a step",
+                        config.speculative_method, config.num_speculative_tokens)
+        else:
             logger.info("speculative decoding (%s, varlen): profiling the verify step's cost "
                         "(a few seconds on a GPU, up to minutes on a loaded CPU)",
                         config.speculative_method)

@@ -222,6 +222,10 @@ def speculative_config_fields(text: str) -> dict:
     if unknown:
         raise ValueError(f"--speculative-config: unknown key(s) {unknown}; known: "
                          f"{sorted(_SPECULATIVE_CONFIG_KEYS)}")
+    if parsed.get("method") is None:
+        raise ValueError("--speculative-config needs a \"method\" (ngram, mtp or draft_model), "
+                         "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'; "
+                         "without one, drop the flag")
     return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in parsed.items()}
 
 
@@ -244,7 +248,7 @@ def engine_sections(args: argparse.Namespace,
 
     sections = env_overrides(environ)
     from_json = (speculative_config_fields(args.speculative_config)
-                 if getattr(args, "speculative_config", None) else {})
+                 if getattr(args, "speculative_config", None) is not None else {})
     sections.setdefault("speculative", {}).update(from_json)
     for dest, (section, field, convert) in engine_flags().items():
         if dest in args:
@@ -378,12 +382,10 @@ def serve(args: argparse.Namespace) -> int:
                                          ("--speculative-model", "speculative_model"),
                                          ("--[no-]spec-varlen", "spec_varlen"))
                  if hasattr(args, dest)]
-        if args.speculative_config and set(speculative_config_fields(
-                args.speculative_config)) - {"speculative_method"}:
-            given.append("--speculative-config's settings")
         if given and not config.speculative.enabled:
-            raise ValueError(f"{', '.join(given)} only apply with speculative decoding on; add "
-                             "--speculative-method ngram|mtp|draft_model (or drop them)")
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
+                             "only with speculative decoding on; add --speculative-method "
+                             "ngram|mtp|draft_model (or drop them)")
         if args.graceful_shutdown_s < 0:
             raise ValueError(f"--graceful-shutdown-s {args.graceful_shutdown_s} must be >= 0")
         if not args.headless:   # a headless node serves no HTTP
