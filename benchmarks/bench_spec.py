@@ -10,7 +10,8 @@ built in one process on the same weights; an untimed pass of every workload on e
 (compiles and first batch shapes out of the timings; varlen's counters learn from it as from
 earlier traffic; the first engine runs it twice, for the prefix-hit shapes), then the
 workloads run interleaved `--repeats` times (engine order reversed every other repeat, so a
-load drift hits all alike), the 1-minute load average recorded next to each run. Greedy decoding, so every engine must give the same tokens (checked).
+load drift hits all alike), the 1-minute load average recorded next to each run. Greedy
+decoding, so every engine must give the same tokens (checked).
 
 Reports tok/s (output tokens / wall time of the workload, best run), speedup against off (best
 against best, and the median over repeats of the ratio to the off run of the same repeat, which

@@ -461,9 +461,8 @@ class EngineCore:
         the device idle), the moment that plain step's period would have ended (its launch
         plus the plain step as measured at its batch), if earlier. In a pipeline of
         overlapped steps a step's commit runs while the next one computes; the drain puts it
-        on the device's critical path, a cost of the blocking step (SmolLM2 chat at batch 16
-        on the H100: ~0.3 ms of the 1 ms plain step, which a verify step's own iteration did
-        not show). Only where that plain step's batch was measured (`SpecDecoder.
+        on the device's critical path, a cost of the blocking step that its own iteration
+        does not show. Only where that plain step's batch was measured (`SpecDecoder.
         plain_period`): a prefill chunk drained by a request's first look would otherwise
         charge the look whatever the chunk took beyond an estimate of it (H100, grounded
         prompts at batch 1: exploration debts of 4 % of the step time, and the drafter

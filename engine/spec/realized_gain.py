@@ -28,7 +28,7 @@ Pure module: no torch import.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 
 from deepinfer.engine.spec.step_rate import batch_bucket, median
 
@@ -45,26 +45,24 @@ class RealizedGain:
                              "[1, window]")
         self.window = window
         self.min_steps = min_steps
-        # batch bucket -> the last `window` log(predicted / realized), and the steps scored
-        self._buckets: dict[int, tuple[deque[float], list[int]]] = {}
+        self._logs: dict[int, deque[float]] = {}   # bucket -> last `window` log(pred / real)
+        self._steps: Counter[int] = Counter()     # bucket -> steps scored
 
     def observe(self, base_tokens: int, predicted: float, realized: float) -> None:
         """One verify step of `base_tokens` (B0) tokens: its predicted and its realized
         throughput gain over the plain step (both > 0; others are ignored)."""
         if predicted <= 0.0 or realized <= 0.0:
             return
-        logs, steps = self._buckets.setdefault(batch_bucket(base_tokens),
-                                               (deque(maxlen=self.window), [0]))
-        logs.append(math.log(predicted / realized))
-        steps[0] += 1
+        bucket = batch_bucket(base_tokens)
+        self._logs.setdefault(bucket, deque(maxlen=self.window)).append(
+            math.log(predicted / realized))
+        self._steps[bucket] += 1
 
     def shortfall(self, base_tokens: int) -> float:
         """The median log(predicted / realized) of B0's bucket's last `window` scored steps
         (0.0 before `min_steps`)."""
-        entry = self._buckets.get(batch_bucket(base_tokens))
-        if entry is None or len(entry[0]) < self.min_steps:
-            return 0.0
-        return median(entry[0])
+        logs = self._logs.get(batch_bucket(base_tokens), ())
+        return median(logs) if len(logs) >= self.min_steps else 0.0
 
     def min_gain(self, base_tokens: int, configured: float) -> float:
         """The gate's margin for B0's batch: (1 + configured) * exp(max(shortfall, 0)) - 1."""
@@ -72,5 +70,5 @@ class RealizedGain:
 
     def as_dict(self) -> dict[int, dict[str, float]]:
         """{batch bucket: {"shortfall": median log(predicted / realized), "steps": n}}."""
-        return {bucket: {"shortfall": round(median(logs), 4), "steps": steps[0]}
-                for bucket, (logs, steps) in sorted(self._buckets.items())}
+        return {bucket: {"shortfall": round(median(logs), 4), "steps": self._steps[bucket]}
+                for bucket, logs in sorted(self._logs.items())}

@@ -16,9 +16,9 @@ scheduling on the GPU), a verify step, which blocks, also costs what a blocking 
 an overlapped one: measured against the overlapped plain step, the engine's extras hold it; the
 start-up extras (a blocking verify step against a blocking plain one) do not, and keys not
 observed yet read them at the scale of the observed ones. (An earlier model added the profile's
-blocking plain(B0) minus the measured one: the start-up profile's blocking step at batch 1 on
-the GPU was ~2.5x a blocking step of the running engine, and the extras, floored at their
-start-up values, could not absorb the error.)
+blocking plain(B0) minus the measured one: an error in that start-up step then went into
+every verify price, and the extras, floored at their start-up values, could not absorb it;
+the load factor had been hiding it, see below.)
 Keying extra by D (not by the tokens B0 + D of one curve) is what lets the steps the engine
 runs re-measure the points its admission reads: a verify step at the running batch updates
 extra(D) for that batch, where a curve of B would keep start-up values of another row layout (a
@@ -43,9 +43,9 @@ extra(D) is its time minus plain(B0). Reads fit the medians with a weighted
 non-decreasing least-squares fit (a bigger batch or more drafts is not cheaper: what says
 otherwise is timing noise), except a plain key whose window holds the engine's steps alone,
 which reads its own median (H100, SmolLM2: the fit pooled 16 rows, measured at 0.97 ms, with
-the batches of 10-15 rows a chat batch's tail runs a few times, to 2.7 ms), interpolate linearly between keys (flat before the first, along the
-last segment's slope after the last); extra(D) never reads below `EXTRA_FLOOR` of its start-up
-value. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured points keep their
+the batches of 10-15 rows a chat batch's tail runs a few times, to 2.7 ms); they interpolate
+linearly between keys (flat before the first, along the last segment's slope after the last);
+extra(D) never reads below `EXTRA_FLOOR` of its start-up value. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured points keep their
 own key, so the steps stay.
 
 Load. On a shared machine every step slows down together when another process takes the cores,
