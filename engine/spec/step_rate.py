@@ -45,8 +45,8 @@ otherwise is timing noise), except a plain key whose window holds the engine's s
 which reads its own median (H100, SmolLM2: the fit pooled 16 rows, measured at 0.97 ms, with
 the batches of 10-15 rows a chat batch's tail runs a few times, to 2.7 ms); they interpolate
 linearly between keys (flat before the first, along the last segment's slope after the last);
-extra(D) never reads below `EXTRA_FLOOR` of its start-up value. Real curves are step-shaped (CUDA-graph buckets, tile sizes): measured points keep their
-own key, so the steps stay.
+extra(D) never reads below `EXTRA_FLOOR` of its start-up value. Real curves are step-shaped
+(CUDA-graph buckets, tile sizes): measured points keep their own key, so the steps stay.
 
 Load. On a shared machine every step slows down together when another process takes the cores,
 but a key that is rarely run (a verify step, while nothing pays) keeps the times of the last
