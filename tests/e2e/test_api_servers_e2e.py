@@ -26,6 +26,11 @@ NEW_TOKENS = 12
 # the streams in flight at SIGTERM: long enough (the tiny model has 512 positions) that they
 # are still running when /health is asked, also on a fast machine
 DRAIN_TOKENS = 480
+# streams per client thread at SIGTERM (two threads; --max-num-seqs 8): 8 run, the others wait
+# in the core, so the drain lasts at least two more waves of DRAIN_TOKENS steps (with one wave
+# the tiny model finished in ~1 s on the 2-core box, both API servers exited, and /health met
+# only refused connections)
+DRAIN_STREAMS = 12
 
 
 async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
@@ -122,12 +127,12 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
         finished: list[dict] = []
         started = threading.Semaphore(0)   # released by each stream's first event
         clients = [threading.Thread(target=lambda: finished.extend(asyncio.run(
-            _streams(server.url, prompts[:4], DRAIN_TOKENS, started.release))))
+            _streams(server.url, prompts[:DRAIN_STREAMS], DRAIN_TOKENS, started.release))))
             for _ in range(2)]
         for client in clients:
             client.start()
-        # every stream is in flight (a scrape of num_requests_running could miss them all
-        # on a loaded box: 480 tokens of the tiny model take ~1-2 s)
+        # the first wave runs (a scrape of num_requests_running could miss them all on a
+        # loaded box: 480 tokens of the tiny model take ~1-2 s)
         for _ in range(8):
             assert started.acquire(timeout=60), f"streams never started:\n{server.log()}"
         assert not finished
@@ -145,7 +150,8 @@ def test_two_api_servers_serve_count_abort_and_drain(tmp_path, smollm2_tokenizer
         assert (health.status_code, health.json()["status"]) == (503, "draining")
         for client in clients:
             client.join(120)
-        assert len(finished) == 8 and all(r["tokens"] == DRAIN_TOKENS for r in finished)
+        assert len(finished) == 2 * DRAIN_STREAMS
+        assert all(r["tokens"] == DRAIN_TOKENS for r in finished)
         assert server.proc.wait(60) == 0, server.log()
         assert not [pid for pid in children if running(pid)]
         assert "deepinfer: stopped" in server.log()
