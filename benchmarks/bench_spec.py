@@ -17,7 +17,10 @@ Reports tok/s (output tokens / wall time of the workload, best run), speedup aga
 against best, and the median over repeats of the ratio to the off run of the same repeat, which
 a shared box's load changes less), mean accepted length (1 + accepted / verify rows),
 acceptance per draft position (rows whose draft j was accepted / rows with drafts), and the
-share of varlen steps that skipped the drafter (drafting could not pay).
+share of varlen steps that skipped the drafter (drafting could not pay). Each varlen run also
+records what it added to each batch bucket's exploration and peek accounts and why its skipped
+steps skipped (`SpecDecoder.skip_reasons`), so a run that skipped most of its steps shows which
+account or gate held it and which earlier run ran that account down.
 
     python benchmarks/bench_spec.py [--max-tokens 128] [--repeats 2] [--rounds 1] [--json out.json]
 
@@ -120,6 +123,34 @@ def skipped_steps(llm: LLM) -> tuple[int, int, int, int, int]:
         "num_skipped_steps", "num_steps", "num_peeks", "num_verify_steps", "num_explored_steps"))
 
 
+def policy_counts(llm: LLM) -> dict:
+    """The varlen decoder's cumulative per-bucket accounts ({bucket: [elapsed, explore, peek]}
+    s) and skip reasons (`SpecDecoder.skip_reasons`); {} for other engines."""
+    spec = llm.engine_core.spec
+    if spec is None or spec.step_rate is None:
+        return {}
+    return {"accounts": {bucket: [a.elapsed, a.explore, a.peek]
+                         for bucket, a in spec.accounts.items()},
+            "skip_reasons": dict(spec.skip_reasons)}
+
+
+def policy_delta(before: dict, after: dict) -> dict:
+    """What one run added to `policy_counts`: per batch bucket [elapsed, explore, peek] (ms;
+    buckets the run did not touch left out) and the skip reasons the run gave."""
+    if not after:
+        return {}
+    accounts = {}
+    for bucket, values in sorted(after["accounts"].items()):
+        old = before["accounts"].get(bucket, [0.0, 0.0, 0.0])
+        delta = [round((new - was) * 1e3, 2) for new, was in zip(values, old)]
+        if any(delta):
+            accounts[bucket] = delta
+    reasons = {reason: count - before["skip_reasons"].get(reason, 0)
+               for reason, count in after["skip_reasons"].items()}
+    return {"accounts_ms": accounts,
+            "skip_reasons": {reason: n for reason, n in reasons.items() if n}}
+
+
 def varlen_state(llm: LLM) -> dict:
     """The varlen decoder's state at the end: its step-rate table (ms, divided by the load
     factor, as held), the load factor, the plain steps as measured at 1 and 16 rows (ms), the
@@ -132,6 +163,9 @@ def varlen_state(llm: LLM) -> dict:
             "realized_gain": spec.realized_gain.as_dict(),
             "budgets_s": {bucket: [round(a.elapsed, 4), round(a.explore, 4), round(a.peek, 4)]
                           for bucket, a in sorted(spec.accounts.items())},
+            "largest_charge_ms": {bucket: round(a.largest * 1e3, 3)
+                                  for bucket, a in sorted(spec.accounts.items())},
+            "skip_reasons": dict(spec.skip_reasons),
             "peeks": [spec.num_peeks, spec.num_fruitful_peeks]}
 
 
@@ -185,6 +219,7 @@ def main() -> None:
             for name in names:
                 llm = llms[name]
                 before, skipped = snapshot(llm), skipped_steps(llm)
+                counts = policy_counts(llm)
                 load = os.getloadavg()[0]
                 seconds, tokens, ids = run_workload(llm, prompts, batch, params)
                 key = (workload, name)
@@ -194,7 +229,8 @@ def main() -> None:
                     "skipped_steps": round((after[0] - skipped[0]) / max(after[1] - skipped[1], 1),
                                            3),
                     "peeks": after[2] - skipped[2], "steps": after[1] - skipped[1],
-                    "verify_steps": after[3] - skipped[3], "explored_steps": after[4] - skipped[4]})
+                    "verify_steps": after[3] - skipped[3], "explored_steps": after[4] - skipped[4],
+                    **policy_delta(counts, policy_counts(llm))})
                 if key not in best or seconds < best[key]["seconds"]:
                     best[key] = {"seconds": seconds, "tokens": tokens, "ids": ids,
                                  **spec_delta(before, snapshot(llm))}

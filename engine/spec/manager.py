@@ -82,6 +82,13 @@ PLAIN_MEASUREMENTS = 3      # async plain steps measured at a batch size before 
 # (1-layer Llama, async scheduling on the 2-core CPU box, batch 16, nothing to verify: 0.12
 # ms a step over off's 1.36 ms)
 PLAIN_SAMPLE_EVERY = 8
+# why a step did not call the drafter (`SpecDecoder.skip_reasons`): nothing running decodes (a
+# prefill-only step); its batch's overlapped plain
+# step not measured PLAIN_MEASUREMENTS times yet; even sure first drafts would not pay and no
+# exploration fits its budget; sure drafts would pay but the last look admitted nothing and
+# neither a look nor a peek fits its budget; a peek said this step's drafts would not pay
+SKIP_REASONS = ("no_decode_rows", "measuring_plain", "gate_closed", "no_look_budget",
+                "peek_declined")
 
 
 def decodes_next(request: Request) -> bool:
@@ -134,16 +141,19 @@ class BudgetAccount:
     elapsed: float = 0.0
     explore: float = 0.0
     peek: float = 0.0
+    largest: float = 0.0   # the largest single charge (a stall shows here)
 
     def fits(self, spent: float, fraction: float) -> bool:
         return fraction > 0.0 and spent <= fraction * self.elapsed
 
     def charge(self, peek: bool, seconds: float) -> None:
-        """A fruitless look's cost, to the peek account if a peek asked for it."""
+        """A fruitless look's or an exploration step's cost, to the peek account if a peek
+        asked for it, else to the exploration one."""
         if peek:
             self.peek += seconds
         else:
             self.explore += seconds
+        self.largest = max(self.largest, seconds)
 
     def repay(self, peek: bool, seconds: float) -> None:
         """A hunt's saving off the debt of the account that paid for it, down to none."""
@@ -174,6 +184,9 @@ class SpecDecoder:
         self.async_plain_steps = False
         self.num_steps = 0            # propose calls
         self.num_skipped_steps = 0    # ... that did not call the drafter (drafting cannot pay)
+        # why they did not (SKIP_REASONS -> steps), and the reason `may_draft` gave last
+        self.skip_reasons: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)
+        self._skip_reason = "gate_closed"
         self.num_explored_steps = 0   # ... that verified more than the admission chose
         self.num_verify_steps = 0     # steps observed that scored drafts
         self._plain_steps = 0         # plain steps offered to `observe` (PLAIN_SAMPLE_EVERY)
@@ -230,15 +243,20 @@ class SpecDecoder:
             return True
         num_rows = len(scheduler.running)
         if num_rows == 0:
+            self._skip_reason = "no_decode_rows"
             return False
         base_tokens = num_rows + prefill_tokens_next(scheduler)
         if self.async_plain_steps and not self._looks_pay and self.step_rate.measured(
                 base_tokens) < PLAIN_MEASUREMENTS:
-            return False   # measure what an overlapped plain step costs at this batch first
+            self._skip_reason = "measuring_plain"   # what an overlapped plain step costs here
+            return False
         if self._may_verify(num_rows, base_tokens):
             return True
         if self._can_pay[1] and self._peek_due(base_tokens):
             self._peeked = self._peek(scheduler, base_tokens)
+            self._skip_reason = "peek_declined"
+        else:
+            self._skip_reason = "no_look_budget" if self._can_pay[1] else "gate_closed"
         return self._peeked
 
     @property
@@ -345,6 +363,7 @@ class SpecDecoder:
         not call the drafter, without asking it."""
         self.num_steps += 1
         self.num_skipped_steps += 1
+        self.skip_reasons[self._skip_reason] += 1
         self._proposed = {}
         stale = {r.request_id: [] for r in scheduler.running if r.spec_token_ids}
         if stale:   # drafts handed over but not scheduled (the scheduler clears the rest)
@@ -371,6 +390,7 @@ class SpecDecoder:
             return self._hand_over(scheduler, ids, {}, skipped=False)
         base_tokens = len(ids) + prefill_tokens_next(scheduler)
         if self.step_rate is not None and not self._may_verify(len(ids), base_tokens):
+            self.skip_reasons["no_look_budget" if self._can_pay[1] else "gate_closed"] += 1
             return self._hand_over(scheduler, ids, {}, skipped=True)
         views = [draft_view(r, gamma) for r in decoding
                  if self._resume_step.get(r.request_id, 0) <= self.num_steps]
@@ -510,7 +530,7 @@ class SpecDecoder:
                 # time per committed token; nothing chosen: the plain step as measured
                 baseline, chosen = self._explore_baseline
                 baseline = baseline if chosen else plain
-                account.explore += max(step_seconds - baseline - saved, 0.0)
+                account.charge(False, max(step_seconds - baseline - saved, 0.0))
             if self._look is not None and not num_drafts:
                 drafter_seconds, peeked = self._look
                 # with overlapped plain steps a look is timed by its loop iteration (the

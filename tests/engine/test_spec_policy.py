@@ -19,7 +19,7 @@ from deepinfer.engine.config import SpeculativeConfig
 from deepinfer.engine.outputs import ModelRunnerOutput
 from deepinfer.engine.spec.admission import admit_varlen, drafting_can_pay, survival
 from deepinfer.engine.spec.drafter import DraftProposal
-from deepinfer.engine.spec.manager import SpecDecoder
+from deepinfer.engine.spec.manager import SKIP_REASONS, SpecDecoder
 from deepinfer.engine.spec.realized_gain import RealizedGain
 from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket
 
@@ -180,6 +180,7 @@ def test_batch_16_never_calls_the_drafter_when_no_draft_can_pay():
         assert admitted == {} and out.scheduled_spec_decode_tokens == {}
         assert out.total_num_scheduled_tokens == 16
     assert drafter.asked == [] and spec.num_skipped_steps == 5
+    assert spec.skip_reasons == {**dict.fromkeys(SKIP_REASONS, 0), "gate_closed": 5}
     assert spec.stats.num_drafts == 0
 
 
@@ -462,6 +463,8 @@ def test_a_peek_from_the_known_tokens_decides_whether_a_blocking_look_pays(monke
     request = scheduler.requests["r0"]
     request.num_output_placeholders += 1
     assert not spec.may_draft(scheduler)                    # peek: 0.01 pays nothing
+    spec.skip_step(scheduler)                               # the step launched plain
+    assert spec.skip_reasons["peek_declined"] == 1
     drafter.conf = [0.95] * 6
     assert spec.may_draft(scheduler)                        # peek: c1 c2 = 0.90, then 0.95s
     assert len(drafter.asked) == looks + 2 and spec.num_peeks == 2
@@ -496,6 +499,7 @@ def test_a_hunt_that_finds_drafts_that_pass_repays_its_account(monkeypatch):
     # the look waited for 1 % of its batch bucket's elapsed time (the look, plain steps; the
     # prefill step counts in its own bucket) to cover what it and the last one cost
     assert plain_steps == math.ceil((0.020 / 0.01 - 0.0249) / 0.0149)
+    assert spec.skip_reasons["no_look_budget"] == plain_steps == spec.num_skipped_steps
     assert admitted == {"r0": [1, 2, 3, 4, 5]} and scored_drafts(out) == 5
     assert spec.explore_seconds == 0.0                      # 10 ms owed, 19.4 ms saved
 
