@@ -40,11 +40,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.async_llm import freeze_startup_heap
 from deepinfer.engine.outputs import SpecDecodeStats
+
+from emulated_device import DEVICES, emulate, install
 
 CODE = '''def mean(values):
     total = 0
@@ -181,6 +184,9 @@ def main() -> None:
                         help="torch CPU threads (default: torch's; 1 on an oversubscribed box)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
     parser.add_argument("--dtype", default=None, help="model dtype (default: the engine's)")
+    parser.add_argument("--emulate-device", default=None, choices=sorted(DEVICES),
+                        help="on the CPU, time steps as this GPU would run them "
+                             "(benchmarks/emulated_device.py; async scheduling on)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.threads:
@@ -192,8 +198,15 @@ def main() -> None:
         device["kv_cache_memory_bytes"] = 2 << 30
     if args.dtype:
         device["dtype"] = args.dtype
+    if args.emulate_device:
+        emulated = DEVICES[args.emulate_device]
+        clock = install(emulated, sys.modules[__name__])
+        device["async_scheduling"] = True
     llms = {name: LLM(args.model, max_num_seqs=16, num_speculative_tokens=args.num_speculative_tokens,
                       **options, **device) for name, options in ENGINES.items()}
+    if args.emulate_device:
+        for llm in llms.values():
+            emulate(llm, clock, emulated)
     # as a serving process does once started (engine/async_llm.freeze_startup_heap), so that a
     # full collection over three engines' startup objects does not land inside a timed run
     freeze_startup_heap()
@@ -259,6 +272,7 @@ def main() -> None:
                        "threads": args.threads,
                        "num_speculative_tokens": args.num_speculative_tokens,
                        "device": args.device, "dtype": args.dtype,
+                       "emulated_device": args.emulate_device,
                        "varlen_state": varlen_state(llms["ngram-varlen"]),
                        "verify_graph_replays": {
                            name: getattr(llm.engine_core.executor.runner.verify_graphs,
