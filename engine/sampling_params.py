@@ -22,6 +22,11 @@ _OPTIONAL_FIELDS = ("max_tokens", "logprobs", "seed")
 # larger than this is refused here, before it reaches a step (top_k = 2**63 overflowed the
 # sampler's int64 tensor and killed the step loop for every request).
 MAX_INT32 = 2**31 - 1
+# stop strings a request may carry, and characters each: every new character of the output is
+# checked against each of them in the engine's step loop (a request with 10,000 stop strings of
+# 1,000 characters slowed every request on its server ~25x); OpenAI takes 4 strings
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
 SEED_RANGE = (-(2**63), 2**64 - 1)   # a signed or an unsigned 64-bit seed
 
 
@@ -171,6 +176,11 @@ class SamplingParams:
              f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}."),
             ("stop", all(isinstance(s, str) and s for s in self.stop),
              "stop strings must be non-empty strings."),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS,
+             f"{len(self.stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed."),
+            ("stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+             f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long; one has "
+             f"{max(map(len, self.stop), default=0)}."),
             ("stop_token_ids", all(_is_integer(t) and 0 <= t <= MAX_INT32
                                    for t in self.stop_token_ids),
              f"stop_token_ids must be integers in [0, {MAX_INT32}] (token ids)."),

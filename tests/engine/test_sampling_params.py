@@ -62,6 +62,8 @@ BIG, NEG, I32 = 2**63, -(2**63) - 1, 2**31
     ({"logprobs": BIG}, "logprobs", "between 0 and 20"),
     ({"stop_token_ids": [3, BIG]}, "stop_token_ids", r"\[0, 2147483647\]"),
     ({"stop_token_ids": [True]}, "stop_token_ids", "integers"),
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop", "65 stop strings given; at most 64"),
+    ({"stop": ["x" * 513]}, "stop", "at most 512 characters long; one has 513"),
     ({"temperature": float("nan")}, "temperature", "temperature=nan is not a finite"),
     ({"top_p": float("nan")}, "top_p", "not a finite"),
     ({"min_p": float("nan")}, "min_p", "not a finite"),
@@ -81,3 +83,4 @@ def test_the_largest_representable_values_pass():
     SamplingParams(top_k=2**31 - 1, max_tokens=2**31 - 1, min_tokens=2**31 - 1,
                    stop_token_ids=[2**31 - 1], seed=2**64 - 1)
     SamplingParams(top_k=-1, seed=-(2**63), n=2**31 - 1, temperature=1e300)
+    SamplingParams(stop=[f"{i}" + "x" * 510 for i in range(64)])

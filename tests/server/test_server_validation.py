@@ -101,7 +101,8 @@ def test_response_format_text_is_accepted():
 @pytest.mark.parametrize("field, value", [("min_p", 1.5), ("top_k", -5),
                                           ("repetition_penalty", 0),
                                           ("repetition_penalty", float("inf")), ("stop", [""]),
-                                          ("stop_token_ids", [-1]), ("seed", 2**64)])
+                                          ("stop_token_ids", [-1]), ("seed", 2**64),
+                                          ("stop", ["s"] * 65), ("stop", ["x" * 513])])
 def test_sampling_params_own_checks_become_400_naming_the_field(field, value):
     kwargs, _ = chat_kwargs(chat())
     kwargs[field] = value   # past the server's own range checks: SamplingParams still refuses
