@@ -19,7 +19,8 @@ drafter is first asked without blocking, from the tokens known while a step is i
 peek: one token behind, its first draft guessing the token in flight); a look follows only
 when that proposal would pay. Peeks, and the looks they asked for that admitted nothing, share
 a budget of their own (`spec_explore_fraction` of the elapsed step time); a look not asked for
-by a peek waits for the exploration budget below, priced at what the last one cost. A hunt (the
+by a peek waits for the exploration budget below, priced (and charged) at the median of what
+the last few fruitless looks at its batch size cost (`look_cost`). A hunt (the
 looks after one that admitted nothing) that finds drafts worth verifying pays its account back:
 the verify step's realized saving (the plain-step time its committed tokens would have taken,
 less its own time) comes off the debt of the account that paid for the hunt, down to none. Where
@@ -60,6 +61,7 @@ Pure module: no torch import.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from deepinfer.engine.config import SpeculativeConfig
@@ -71,7 +73,7 @@ from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_ent
                                              top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, Drafter
 from deepinfer.engine.spec.realized_gain import RealizedGain
-from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket
+from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket, median
 
 GREEDY_TEMPERATURE = 1e-5   # engine/sampling_metadata.py's threshold
 MISSES_BEFORE_BACKOFF = 2   # verified proposals rejected at draft 1 in a row before a back-off
@@ -82,6 +84,7 @@ PLAIN_MEASUREMENTS = 3      # async plain steps measured at a batch size before 
 # (1-layer Llama, async scheduling on the 2-core CPU box, batch 16, nothing to verify: 0.12
 # ms a step over off's 1.36 ms)
 PLAIN_SAMPLE_EVERY = 8
+LOOK_COST_WINDOW = 5   # fruitless looks per batch bucket whose median prices a look
 # why a step did not call the drafter (`SpecDecoder.skip_reasons`): nothing running decodes (a
 # prefill-only step); its batch's overlapped plain
 # step not measured PLAIN_MEASUREMENTS times yet; even sure first drafts would not pay and no
@@ -119,12 +122,11 @@ def prefill_tokens_next(scheduler: Scheduler) -> int:
     return min(behind + waiting, budget)
 
 
-def predicted_gain(confidences: list[list[float]], lengths: list[int], step_seconds) -> float:
-    """Theta of verifying `lengths` drafts over the plain step's: (R + sum of the admitted
-    survival probabilities) / t(D) against R / t(0), R the decode rows."""
-    rows = len(confidences)
-    committed = rows + sum(sum(survival(c)[:n]) for c, n in zip(confidences, lengths))
-    return committed / step_seconds(sum(lengths)) * step_seconds(0) / rows
+def expected_committed(confidences: list[list[float]], lengths: list[int]) -> float:
+    """The committed tokens a step verifying `lengths` drafts is expected to give: R + the
+    admitted survival probabilities, R the decode rows (its throughput gain over the plain
+    step is that / R over the relative cost t(D) / t(0))."""
+    return len(confidences) + sum(sum(survival(c)[:n]) for c, n in zip(confidences, lengths))
 
 
 @dataclass
@@ -204,7 +206,8 @@ class SpecDecoder:
         # host seconds; the last one said so (cleared when the look it asked for proposed)
         self.num_peeks = self.num_fruitful_peeks = 0
         self._peeked = False
-        self._last_look_seconds = 0.0    # what the last fruitless look cost
+        # batch bucket -> what its last LOOK_COST_WINDOW fruitless looks cost, as measured
+        self._look_costs: dict[int, deque[float]] = {}
         # which account paid for this step's look when the last look admitted nothing (True:
         # the peek account of its batch bucket, False: the exploration one; None: not
         # hunting): a verify step it finds pays that account back
@@ -219,7 +222,8 @@ class SpecDecoder:
         # varlen: each admitted verify step's realized gain against its prediction raises
         # the gate's margin of its batch bucket (engine/spec/realized_gain.py)
         self.realized_gain = RealizedGain()
-        self._prediction: tuple[float, int] | None = None   # (predicted gain, decode rows)
+        # (expected committed tokens, priced cost t(D) / t(0), decode rows) of the step
+        self._prediction: tuple[float, float, int] | None = None
 
     def _min_gain(self, base_tokens: int) -> float:
         """The gate's margin at a batch of `base_tokens`: `spec_min_gain`, raised by the
@@ -345,7 +349,7 @@ class SpecDecoder:
                 min_gain=min_gain)
         if self._can_pay[1]:
             return (self._looks_pay is not False or not self.async_plain_steps
-                    or self._explore_due(self._last_look_seconds, base_tokens))
+                    or self._explore_due(self.look_cost(base_tokens), base_tokens))
         most = min(num_rows, max_drafts)
         return most > 0 and self._explore_due(step_seconds(most) - step_seconds(0),
                                               base_tokens)
@@ -426,7 +430,8 @@ class SpecDecoder:
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts,
                                     base_tokens)
             if any(lengths):   # scored against what it realizes (exploration steps too)
-                self._prediction = (predicted_gain(confidences, lengths, step_seconds), len(ids))
+                self._prediction = (expected_committed(confidences, lengths),
+                                    step_seconds(sum(lengths)) / step_seconds(0), len(ids))
             if not any(lengths):
                 self._look = (drafter_seconds, self._peeked)
         else:
@@ -515,9 +520,12 @@ class SpecDecoder:
             plain = (self.step_rate.measured_plain(base_tokens)
                      if num_drafts or self._look is not None else 0.0)
             if self._prediction is not None and num_drafts:
-                predicted, rows = self._prediction
-                realized = (rows + self._step_accepted) / step_seconds * plain / rows
-                self.realized_gain.observe(base_tokens, predicted, realized)
+                expected, priced_cost, rows = self._prediction
+                committed = rows + self._step_accepted
+                measured_cost = step_seconds / plain if plain > 0.0 else 0.0
+                self.realized_gain.observe(base_tokens, expected, committed, priced_cost,
+                                           measured_cost)
+                realized = committed / rows * plain / step_seconds   # the realized gain
                 if self._hunt is not None and self._explore_baseline is None:
                     # the hunt found drafts the admission chose: what the plain steps
                     # committing its tokens would have taken, less its own time, repays it
@@ -535,11 +543,24 @@ class SpecDecoder:
                 drafter_seconds, peeked = self._look
                 # with overlapped plain steps a look is timed by its loop iteration (the
                 # drafter's time included): it costs that over the plain step as measured
-                self._last_look_seconds = (max(step_seconds - plain, 0.0)
-                                           if self.async_plain_steps else drafter_seconds)
+                costs = self._look_costs.setdefault(batch_bucket(base_tokens),
+                                                    deque(maxlen=LOOK_COST_WINDOW))
+                costs.append(max(step_seconds - plain, 0.0) if self.async_plain_steps
+                             else drafter_seconds)
                 # what a peek's wrong call cost is peeking's, not exploration's
-                account.charge(peeked, self._last_look_seconds)
+                account.charge(peeked, self.look_cost(base_tokens))
         self._explore_baseline = self._look = self._prediction = self._hunt = None
+
+    def look_cost(self, base_tokens: int) -> float:
+        """What a fruitless look costs at a batch of `base_tokens`: the median of its batch
+        bucket's last LOOK_COST_WINDOW (0.0 before any). What the next look is priced at and
+        what each is charged: one look stalled by something else (another process on the
+        box; on the emulated H100 a 6.4 ms look among 1.6-2.5 ms ones) priced every later look
+        at 5.3 ms, so at batch 1 none fitted 1 % of the step time for ~300 steps, and charged
+        the peek account with it, so no peek fitted either (grounded prompts skipped the
+        drafter on 87-97 % of their steps)."""
+        costs = self._look_costs.get(batch_bucket(base_tokens))
+        return median(costs) if costs else 0.0
 
     def plain_period(self, base_tokens: int) -> float | None:
         """Seconds of an overlapped plain step of `base_tokens` as measured (varlen, where

@@ -9,19 +9,29 @@ the looks before it). On the H100 (2026-12-05, SmolLM2 bf16, free chat at batch 
 pass of every workload) varlen verified 16-24 of ~130 steps and ran at 0.72-0.78x of
 speculation off, each admitted step predicted to gain.
 
-So each verify step is scored: predicted gain = Theta(verified) / Theta(plain) from the
-admission's own prices and survival probabilities; realized gain = ((R + accepted) / measured
-seconds) / (R / plain seconds now), R the step's decode rows. The shortfall of a batch bucket is
-the median of log(predicted / realized) over its last `window` scored steps; once `min_steps`
+So each verify step is scored, in two parts, since predicted gain / realized gain = (expected
+committed tokens / committed tokens) x (measured relative cost / priced relative cost):
+- tokens: the admission's expected committed tokens (R + the admitted survival probabilities, R
+  the step's decode rows) against those committed (R + accepted);
+- time: the step's measured seconds over the plain step's as measured now, against the
+  table's t(D) / t(0).
+The shortfall of a batch bucket over its last `window` scored steps is log(sum of expected /
+sum of committed) plus the median of log(measured / priced relative cost); once `min_steps`
 were scored, the gate asks for `exp(max(shortfall, 0))` times its usual margin (never less than
-the configured `spec_min_gain`). A median, not a mean: on a shared box steps stalled by another
-process (the 2-core CPU box, a test suite beside the benchmark: a run of 21 s where the others
-took 0.8-1.9) left a decayed mean at 1.71 for batch 1, and its gate shut for the rest of the
-process. The margin is a function
-of past steps only, so admission stays independent of the drafts it admits (DSpark Appendix A).
-Exploration steps (engine/spec/manager.py, within their own budget) are scored too: they test
-the same prices and confidences, and they are what scores a bucket whose gate the shortfall
-closed, so that its gate reopens when the predictions hold again.
+the configured `spec_min_gain`).
+- Tokens are summed: a step's accepted count is one draw of what the confidences predict in
+  expectation, and on grounded text that draw is bimodal (all drafts or nearly none); a median
+  of per-step gain ratios then read calibrated confidences as a shortfall (60 % of steps
+  committing 6 tokens and 40 % committing 2, against 4.4 expected: the median of 5 steps is
+  log(4.4 / 2) = 0.79 one time in three, a margin of 2.2x) and shut batch 1's gate for runs of
+  steps on the emulated H100 (benchmarks/emulated_device.py). Committed tokens do not stall.
+- Time is a median: on a shared box steps stalled by another process (the 2-core CPU box, a
+  test suite beside the benchmark: a run of 21 s where the others took 0.8-1.9) left a
+  decayed mean at 1.71 for batch 1, and its gate shut for the rest of the process.
+The margin is a function of past steps only, so admission stays independent of the drafts it
+admits (DSpark Appendix A). Exploration steps (engine/spec/manager.py, within their own budget)
+are scored too: they test the same prices and confidences, and they are what scores a bucket
+whose gate the shortfall closed, so that its gate reopens when the predictions hold again.
 
 Pure module: no torch import.
 """
@@ -46,30 +56,41 @@ class RealizedGain:
                              "[1, window]")
         self.window = window
         self.min_steps = min_steps
-        self._logs: dict[int, deque[float]] = {}   # bucket -> last `window` log(pred / real)
+        # bucket -> its last `window` scored steps: (expected committed tokens, committed
+        # tokens, log(measured / priced relative cost))
+        self._steps_scored: dict[int, deque[tuple[float, int, float]]] = {}
         self._steps: Counter[int] = Counter()     # bucket -> steps scored
 
-    def observe(self, base_tokens: int, predicted: float, realized: float) -> None:
-        """One verify step of `base_tokens` (B0) tokens: its predicted and its realized
-        throughput gain over the plain step (both > 0; others are ignored)."""
-        if predicted <= 0.0 or realized <= 0.0:
+    def observe(self, base_tokens: int, expected: float, committed: int,
+                priced_cost: float, measured_cost: float) -> None:
+        """One verify step of `base_tokens` (B0) tokens: the committed tokens the admission
+        expected and those committed, the step's cost relative to the plain step as the table
+        priced it (t(D) / t(0)) and as measured (seconds / plain seconds). Steps with a
+        non-positive value are ignored."""
+        if min(expected, committed, priced_cost, measured_cost) <= 0.0:
             return
         bucket = batch_bucket(base_tokens)
-        self._logs.setdefault(bucket, deque(maxlen=self.window)).append(
-            math.log(predicted / realized))
+        self._steps_scored.setdefault(bucket, deque(maxlen=self.window)).append(
+            (expected, committed, math.log(measured_cost / priced_cost)))
         self._steps[bucket] += 1
 
     def shortfall(self, base_tokens: int) -> float:
-        """The median log(predicted / realized) of B0's bucket's last `window` scored steps
-        (0.0 before `min_steps`)."""
-        logs = self._logs.get(batch_bucket(base_tokens), ())
-        return median(logs) if len(logs) >= self.min_steps else 0.0
+        """log(expected / committed tokens, summed) + median log(measured / priced cost) of
+        B0's bucket's last `window` scored steps (0.0 before `min_steps`)."""
+        steps = self._steps_scored.get(batch_bucket(base_tokens), ())
+        return _shortfall(steps) if len(steps) >= self.min_steps else 0.0
 
     def min_gain(self, base_tokens: int, configured: float) -> float:
         """The gate's margin for B0's batch: (1 + configured) * exp(max(shortfall, 0)) - 1."""
         return (1.0 + configured) * math.exp(max(self.shortfall(base_tokens), 0.0)) - 1.0
 
     def as_dict(self) -> dict[int, dict[str, float]]:
-        """{batch bucket: {"shortfall": median log(predicted / realized), "steps": n}}."""
-        return {bucket: {"shortfall": round(median(logs), 4), "steps": self._steps[bucket]}
-                for bucket, logs in sorted(self._logs.items())}
+        """{batch bucket: {"shortfall": its shortfall over the steps held, "steps": n}}."""
+        return {bucket: {"shortfall": round(_shortfall(steps), 4), "steps": self._steps[bucket]}
+                for bucket, steps in sorted(self._steps_scored.items())}
+
+
+def _shortfall(steps) -> float:
+    expected = sum(step[0] for step in steps)
+    committed = sum(step[1] for step in steps)
+    return math.log(expected / committed) + median([step[2] for step in steps])

@@ -504,6 +504,30 @@ def test_a_hunt_that_finds_drafts_that_pass_repays_its_account(monkeypatch):
     assert spec.explore_seconds == 0.0                      # 10 ms owed, 19.4 ms saved
 
 
+def test_one_stalled_look_neither_prices_nor_charges_the_looks_after_it(monkeypatch):
+    """Fruitless looks at batch 1 cost 10 ms over the overlapped plain step; one stalls to
+    100 ms (another process took the host). A look is priced and charged at the median of the
+    bucket's last LOOK_COST_WINDOW: the stall costs the account 10 ms, and the next look waits
+    for 1 % of the step time to cover 10 ms more, not 100."""
+    monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
+    scheduler = decoding_scheduler(1)
+    drafter = CountingDrafter([1, 2, 3, 4, 5], [0.95] * 5)
+    spec = spec_decoder(drafter, measured_table(), spec_explore_fraction=0.01)
+    spec.async_plain_steps = True
+    run(spec, scheduler)                                    # the prefill step
+    for _ in range(3):   # overlapped plain steps, as measured
+        spec.step_rate.observe(1, 0, 0.0149)
+    drafter.drafts, drafter.conf = [], []                   # looks that find nothing
+    spec._account(1).elapsed = 10.0                         # 100 ms to spend
+    for extra in (0.010, 0.010, 0.100):
+        looks = len(drafter.asked)
+        while len(drafter.asked) == looks:
+            run(spec, scheduler, seconds=0.0149 + extra, measures_plain=False)
+    assert spec.look_cost(1) == pytest.approx(0.010)
+    assert spec._account(1).explore == pytest.approx(0.030)
+    assert spec._explore_due(spec.look_cost(1), 1)
+
+
 def test_each_batch_bucket_spends_only_the_allowance_its_own_steps_earned():
     """Grounded prompts at batch 1 ran 1 s of steps (10 ms to explore and peek with at 1 %);
     chat at batch 16 ran 50 ms and spent 0.6 ms peeking: its next peek and exploration wait
@@ -549,8 +573,8 @@ def test_explorations_reopen_a_gate_the_shortfall_closed():
     scheduler = decoding_scheduler(1)
     drafter = CountingDrafter([1, 2, 3, 4, 5], GROUNDED)
     spec = spec_decoder(drafter, measured_table(window=0), spec_explore_fraction=0.1)
-    for _ in range(5):
-        spec.realized_gain.observe(1, 3.0, 1.0)
+    for _ in range(5):   # each expected 3x the tokens it committed, at its priced cost
+        spec.realized_gain.observe(1, 6.0, 2, 1.3, 1.3)
     run(spec, scheduler, seconds=0.0149)                    # the prefill step
     verified = [scored_drafts(run(spec, scheduler, accept=5, seconds=0.0149,
                                   verify_seconds=0.0201)[1]) for _ in range(20)]
@@ -558,27 +582,45 @@ def test_explorations_reopen_a_gate_the_shortfall_closed():
     assert verified[-1] == 5 and spec.realized_gain.shortfall(1) <= 0.0
 
 
-def test_the_shortfall_is_a_median_that_one_stalled_step_does_not_move():
-    """The median log(predicted / realized) of a bucket's last 5 scored steps: one verify
-    step stalled 10x by another process moves nothing, a majority of short steps does, and
-    steps meeting their prediction bring it back."""
+def test_the_shortfall_sums_tokens_and_takes_the_median_of_costs():
+    """A bucket's shortfall over its last 5 scored steps: log(expected / committed tokens,
+    each summed) plus the median log(measured / priced relative cost). One verify step stalled
+    10x by another process moves nothing, a majority of slow steps does, and steps meeting
+    their prediction bring it back."""
     gain = RealizedGain(window=5, min_steps=3)
-    gain.observe(16, 2.0, 1.0)
-    gain.observe(16, 2.0, 1.0)
+    gain.observe(16, 32.0, 16, 1.5, 1.5)                      # half the tokens expected
+    gain.observe(16, 32.0, 16, 1.5, 1.5)
     assert gain.shortfall(16) == 0.0 and gain.min_gain(16, 0.05) == pytest.approx(0.05)
-    gain.observe(16, 2.0, 1.0)
+    gain.observe(16, 32.0, 16, 1.5, 1.5)
     assert gain.shortfall(16) == pytest.approx(math.log(2.0))
     assert gain.shortfall(12) == pytest.approx(math.log(2.0))   # the same batch bucket
     assert gain.shortfall(8) == 0.0
     for _ in range(3):
-        gain.observe(16, 1.5, 1.5)
-    assert gain.shortfall(16) == 0.0                           # 3 of the last 5 on target
-    for realized in (2.0, 2.0, 0.2, 2.0):                       # one stall among them
-        gain.observe(1, 2.0, realized)
+        gain.observe(16, 24.0, 40, 1.5, 1.5)                  # more than expected
+    assert gain.shortfall(16) < 0.0 and gain.min_gain(16, 0.05) == pytest.approx(0.05)
+    for measured in (1.5, 1.5, 15.0, 1.5):                     # one stall among them
+        gain.observe(1, 4.0, 4, 1.5, measured)
     assert gain.min_gain(1, 0.05) == pytest.approx(0.05)
     assert gain.as_dict()[1] == {"shortfall": 0.0, "steps": 4}
+    for _ in range(3):                                         # three slow steps of five
+        gain.observe(1, 4.0, 4, 1.5, 3.0)
+    assert gain.shortfall(1) == pytest.approx(math.log(2.0))
     with pytest.raises(ValueError, match="min_steps"):
         RealizedGain(window=2, min_steps=3)
+
+
+def test_calibrated_confidences_on_all_or_nothing_acceptance_raise_no_margin():
+    """Grounded text at batch 1: a verify step commits 6 tokens (every draft passed) or 2
+    (the first only), 3 : 2, and the confidences expect 4.4 a step, as calibrated. A median of
+    per-step gain ratios read that as a shortfall of log(4.4 / 2) whenever 3 of the last 5
+    steps committed 2 (about one time in three); summed tokens read the window's own mix."""
+    gain = RealizedGain(window=5, min_steps=3)
+    for committed in (2, 6, 2, 6, 2):    # 3 of 5 short: the old median said 0.79
+        gain.observe(1, 4.4, committed, 1.6, 1.6)
+    assert gain.shortfall(1) == pytest.approx(math.log(22.0 / 18.0))
+    for committed in (6, 6, 2, 6, 2) * 4:
+        gain.observe(1, 4.4, committed, 1.6, 1.6)
+        assert gain.shortfall(1) == pytest.approx(0.0)
 
 
 def test_a_start_up_value_left_in_a_window_is_read_at_the_engine_s_scale():
