@@ -84,7 +84,8 @@ PLAIN_MEASUREMENTS = 3      # async plain steps measured at a batch size before 
 # (1-layer Llama, async scheduling on the 2-core CPU box, batch 16, nothing to verify: 0.12
 # ms a step over off's 1.36 ms)
 PLAIN_SAMPLE_EVERY = 8
-LOOK_COST_WINDOW = 5   # fruitless looks per batch bucket whose median prices a look
+# fruitless looks (exploration steps) per batch bucket whose median prices and charges one
+COST_WINDOW = 5
 # why a step did not call the drafter (`SpecDecoder.skip_reasons`): nothing running decodes (a
 # prefill-only step); its batch's overlapped plain
 # step not measured PLAIN_MEASUREMENTS times yet; even sure first drafts would not pay and no
@@ -165,6 +166,13 @@ class BudgetAccount:
             self.explore = max(self.explore - max(seconds, 0.0), 0.0)
 
 
+def _recent_median(costs: dict[int, deque[float]], base_tokens: int, cost: float) -> float:
+    """`cost` added to the last COST_WINDOW of `base_tokens`' batch bucket; their median."""
+    window = costs.setdefault(batch_bucket(base_tokens), deque(maxlen=COST_WINDOW))
+    window.append(cost)
+    return median(window)
+
+
 class SpecDecoder:
     """Args:
         config: the speculative decoding settings.
@@ -206,8 +214,10 @@ class SpecDecoder:
         # host seconds; the last one said so (cleared when the look it asked for proposed)
         self.num_peeks = self.num_fruitful_peeks = 0
         self._peeked = False
-        # batch bucket -> what its last LOOK_COST_WINDOW fruitless looks cost, as measured
+        # batch bucket -> what its last COST_WINDOW fruitless looks cost, as measured; and
+        # what its last COST_WINDOW exploration steps cost over the admission's choice
         self._look_costs: dict[int, deque[float]] = {}
+        self._explore_costs: dict[int, deque[float]] = {}
         # which account paid for this step's look when the last look admitted nothing (True:
         # the peek account of its batch bucket, False: the exploration one; None: not
         # hunting): a verify step it finds pays that account back
@@ -538,27 +548,28 @@ class SpecDecoder:
                 # time per committed token; nothing chosen: the plain step as measured
                 baseline, chosen = self._explore_baseline
                 baseline = baseline if chosen else plain
-                account.charge(False, max(step_seconds - baseline - saved, 0.0))
+                account.charge(False, _recent_median(self._explore_costs, base_tokens,
+                                                     max(step_seconds - baseline - saved, 0.0)))
             if self._look is not None and not num_drafts:
                 drafter_seconds, peeked = self._look
                 # with overlapped plain steps a look is timed by its loop iteration (the
                 # drafter's time included): it costs that over the plain step as measured
-                costs = self._look_costs.setdefault(batch_bucket(base_tokens),
-                                                    deque(maxlen=LOOK_COST_WINDOW))
-                costs.append(max(step_seconds - plain, 0.0) if self.async_plain_steps
-                             else drafter_seconds)
+                cost = _recent_median(self._look_costs, base_tokens,
+                                      max(step_seconds - plain, 0.0) if self.async_plain_steps
+                                      else drafter_seconds)
                 # what a peek's wrong call cost is peeking's, not exploration's
-                account.charge(peeked, self.look_cost(base_tokens))
+                account.charge(peeked, cost)
         self._explore_baseline = self._look = self._prediction = self._hunt = None
 
     def look_cost(self, base_tokens: int) -> float:
         """What a fruitless look costs at a batch of `base_tokens`: the median of its batch
-        bucket's last LOOK_COST_WINDOW (0.0 before any). What the next look is priced at and
+        bucket's last COST_WINDOW (0.0 before any). What the next look is priced at and
         what each is charged: one look stalled by something else (another process on the
         box; on the emulated H100 a 6.4 ms look among 1.6-2.5 ms ones) priced every later look
         at 5.3 ms, so at batch 1 none fitted 1 % of the step time for ~300 steps, and charged
         the peek account with it, so no peek fitted either (grounded prompts skipped the
-        drafter on 87-97 % of their steps)."""
+        drafter on 87-97 % of their steps). Exploration steps are charged the same way
+        (an 11.7 ms one spent batch 1's exploration account for the rest of a run)."""
         costs = self._look_costs.get(batch_bucket(base_tokens))
         return median(costs) if costs else 0.0
 

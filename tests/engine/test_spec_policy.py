@@ -19,7 +19,7 @@ from deepinfer.engine.config import SpeculativeConfig
 from deepinfer.engine.outputs import ModelRunnerOutput
 from deepinfer.engine.spec.admission import admit_varlen, drafting_can_pay, survival
 from deepinfer.engine.spec.drafter import DraftProposal
-from deepinfer.engine.spec.manager import SKIP_REASONS, SpecDecoder
+from deepinfer.engine.spec.manager import COST_WINDOW, SKIP_REASONS, SpecDecoder, _recent_median
 from deepinfer.engine.spec.realized_gain import RealizedGain
 from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket
 
@@ -236,6 +236,18 @@ def test_exploration_stays_within_its_share_of_the_step_time(monkeypatch):
     assert spec.num_explored_steps == 1
     assert spec.explore_seconds <= 0.01 * spec.elapsed_seconds
     assert spec.explore_seconds == pytest.approx(0.120 - 0.0502)
+
+
+def test_a_stalled_exploration_step_is_charged_the_median_of_its_bucket():
+    """Exploration steps at batch 16 cost 20 ms over the admission's choice; one stalls to
+    200 ms. Each is charged the median of its bucket's last COST_WINDOW (an 11.7 ms one on
+    the emulated H100 spent batch 1's account for the rest of a run); batch 1 keeps its own."""
+    costs = {}
+    assert [_recent_median(costs, 16, c) for c in (0.020, 0.020, 0.200, 0.020)] == [
+        0.020, 0.020, 0.020, 0.020]
+    assert _recent_median(costs, 1, 0.004) == 0.004
+    assert _recent_median(costs, 12, 0.200) == 0.020                  # bucket 16: 2 of 5
+    assert len(costs[16]) == COST_WINDOW
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off_then_is_proposed_again():
@@ -507,7 +519,7 @@ def test_a_hunt_that_finds_drafts_that_pass_repays_its_account(monkeypatch):
 def test_one_stalled_look_neither_prices_nor_charges_the_looks_after_it(monkeypatch):
     """Fruitless looks at batch 1 cost 10 ms over the overlapped plain step; one stalls to
     100 ms (another process took the host). A look is priced and charged at the median of the
-    bucket's last LOOK_COST_WINDOW: the stall costs the account 10 ms, and the next look waits
+    bucket's last COST_WINDOW: the stall costs the account 10 ms, and the next look waits
     for 1 % of the step time to cover 10 ms more, not 100."""
     monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
     scheduler = decoding_scheduler(1)
