@@ -487,20 +487,27 @@ def test_a_peek_from_the_known_tokens_decides_whether_a_blocking_look_pays(monke
     assert admitted == {"r0": [1, 2, 3, 4, 5]} and scored_drafts(out) == 5
 
 
+def overlapped_batch_one(monkeypatch, drafter):
+    """One request decoding at batch 1 where plain steps overlap the host (14.9 ms each, as
+    measured), its prefill step run; the drafter takes no time. Returns (scheduler, spec)."""
+    monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
+    scheduler = decoding_scheduler(1)
+    spec = spec_decoder(drafter, measured_table(), spec_explore_fraction=0.01)
+    spec.async_plain_steps = True
+    run(spec, scheduler)                                    # the prefill step
+    for _ in range(3):   # overlapped plain steps, as measured
+        spec.step_rate.observe(1, 0, 0.0149)
+    return scheduler, spec
+
+
 def test_a_hunt_that_finds_drafts_that_pass_repays_its_account(monkeypatch):
     """Grounded prompts at batch 1 where plain steps overlap the host: a look that admits
     nothing costs its blocking step over the overlapped plain one (10 ms here), charged to the
     exploration account, and the next look waits until 1 % of the elapsed time covers it again.
     When that look admits five drafts that all pass, its saving (6 plain steps of 14.9 ms less
     its own 70 ms: 19.4 ms) repays the account: the hunt goes on without another wait."""
-    monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
-    scheduler = decoding_scheduler(1)
     drafter = CountingDrafter([1, 2, 3, 4, 5], [0.01] * 5)
-    spec = spec_decoder(drafter, measured_table(), spec_explore_fraction=0.01)
-    spec.async_plain_steps = True
-    run(spec, scheduler)                                    # the prefill step
-    for _ in range(3):   # overlapped plain steps, as measured
-        spec.step_rate.observe(1, 0, 0.0149)
+    scheduler, spec = overlapped_batch_one(monkeypatch, drafter)
     run(spec, scheduler, seconds=0.0249, measures_plain=False)   # the fruitless look
     assert len(drafter.asked) == 1 and spec.explore_seconds == pytest.approx(0.010)
     drafter.conf = [0.95] * 5
@@ -521,14 +528,8 @@ def test_one_stalled_look_neither_prices_nor_charges_the_looks_after_it(monkeypa
     100 ms (another process took the host). A look is priced and charged at the median of the
     bucket's last COST_WINDOW: the stall costs the account 10 ms, and the next look waits
     for 1 % of the step time to cover 10 ms more, not 100."""
-    monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
-    scheduler = decoding_scheduler(1)
     drafter = CountingDrafter([1, 2, 3, 4, 5], [0.95] * 5)
-    spec = spec_decoder(drafter, measured_table(), spec_explore_fraction=0.01)
-    spec.async_plain_steps = True
-    run(spec, scheduler)                                    # the prefill step
-    for _ in range(3):   # overlapped plain steps, as measured
-        spec.step_rate.observe(1, 0, 0.0149)
+    scheduler, spec = overlapped_batch_one(monkeypatch, drafter)
     drafter.drafts, drafter.conf = [], []                   # looks that find nothing
     spec._account(1).elapsed = 10.0                         # 100 ms to spend
     for extra in (0.010, 0.010, 0.100):
