@@ -39,8 +39,10 @@ admitted, the gate's best set of surest first drafts (`best_entry`); else the ne
 candidates after the walk's stop, half as many again (`top_candidates`). It runs only while
 what all exploration steps cost (their measured time minus the predicted time of the
 admission's choice, less the plain-step time of the drafts they got accepted; no credit for
-what they may commit), plus this one's predicted cost, stays below `spec_explore_fraction`
-of the elapsed step time: an exploration whose drafts pass costs nothing and may go on. On a
+what they may commit; each charged at the median of its batch bucket's last COST_WINDOW, so
+that a stalled step does not spend the budget), plus this one's predicted cost, stays below
+`spec_explore_fraction` of the elapsed step time: an exploration whose drafts pass costs
+nothing and may go on. On a
 fast device a blocking step costs several overlapped plain steps: probes at a fixed interval
 (every 8 steps without drafts) held chat at batch 16 on the H200 at 0.85x of speculation off.
 
@@ -144,7 +146,7 @@ class BudgetAccount:
     elapsed: float = 0.0
     explore: float = 0.0
     peek: float = 0.0
-    largest: float = 0.0   # the largest single charge (a stall shows here)
+    largest: float = 0.0   # the largest single charge
 
     def fits(self, spent: float, fraction: float) -> bool:
         return fraction > 0.0 and spent <= fraction * self.elapsed
