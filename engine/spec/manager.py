@@ -42,9 +42,9 @@ admission's choice, less the plain-step time of the drafts they got accepted; no
 what they may commit; each charged at the median of its batch bucket's last COST_WINDOW, so
 that a stalled step does not spend the budget), plus this one's predicted cost, stays below
 `spec_explore_fraction` of the elapsed step time: an exploration whose drafts pass costs
-nothing and may go on. On a
-fast device a blocking step costs several overlapped plain steps: probes at a fixed interval
-(every 8 steps without drafts) held chat at batch 16 on the H200 at 0.85x of speculation off.
+nothing and may go on. On a fast device a blocking step costs several overlapped plain steps:
+probes at a fixed interval (every 8 steps without drafts) held chat at batch 16 on the H200 at
+0.85x of speculation off.
 
 What the admission predicted is checked against what happened (varlen): each verify step's
 realized throughput gain over the plain step (an exploration's too) is compared with the gain
