@@ -23,6 +23,7 @@ steps skipped (`SpecDecoder.skip_reasons`), so a run that skipped most of its st
 account or gate held it and which earlier run ran that account down.
 
     python benchmarks/bench_spec.py [--max-tokens 128] [--repeats 2] [--rounds 1] [--json out.json]
+                                    [--emulate-device h100]
 
 `--rounds N` runs each workload's prompts N times over in every timed run (the warm-up pass
 once): on the GPU one round of grounded b1 is 0.12-0.3 s, too short to tell a policy change
