@@ -272,7 +272,7 @@ class SpecDecoder:
             self._peeked = self._peek(scheduler, base_tokens)
             self._skip_reason = "peek_declined"
         else:
-            self._skip_reason = "no_look_budget" if self._can_pay[1] else "gate_closed"
+            self._skip_reason = self._no_draft_reason()
         return self._peeked
 
     @property
@@ -366,6 +366,11 @@ class SpecDecoder:
         return most > 0 and self._explore_due(step_seconds(most) - step_seconds(0),
                                               base_tokens)
 
+    def _no_draft_reason(self) -> str:
+        """Why `_may_verify` said no (SKIP_REASONS): sure drafts would pay but no look fits
+        its budget, or even they would not and no exploration fits."""
+        return "no_look_budget" if self._can_pay[1] else "gate_closed"
+
     def _explore_due(self, extra_seconds: float, base_tokens: int) -> bool:
         """An exploration step predicted to cost `extra_seconds` more than the admission's
         choice fits the budget of its batch bucket (`SpeculativeConfig.
@@ -406,7 +411,7 @@ class SpecDecoder:
             return self._hand_over(scheduler, ids, {}, skipped=False)
         base_tokens = len(ids) + prefill_tokens_next(scheduler)
         if self.step_rate is not None and not self._may_verify(len(ids), base_tokens):
-            self.skip_reasons["no_look_budget" if self._can_pay[1] else "gate_closed"] += 1
+            self.skip_reasons[self._no_draft_reason()] += 1
             return self._hand_over(scheduler, ids, {}, skipped=True)
         views = [draft_view(r, gamma) for r in decoding
                  if self._resume_step.get(r.request_id, 0) <= self.num_steps]
@@ -569,8 +574,9 @@ class SpecDecoder:
         what each is charged: one look stalled by something else (another process on the
         box; on the emulated H100 a 6.4 ms look among 1.6-2.5 ms ones) priced every later look
         at 5.3 ms, so at batch 1 none fitted 1 % of the step time for ~300 steps, and charged
-        the peek account with it, so no peek fitted either (grounded prompts skipped the
-        drafter on 87-97 % of their steps). Exploration steps are charged the same way
+        the peek account with it, so no peek fitted either (in that step trace grounded
+        prompts then skipped the drafter for want of budget on most steps of a run).
+        Exploration steps are charged the same way
         (an 11.7 ms one spent batch 1's exploration account for the rest of a run)."""
         costs = self._look_costs.get(batch_bucket(base_tokens))
         return median(costs) if costs else 0.0

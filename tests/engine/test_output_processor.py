@@ -208,3 +208,26 @@ def test_helpers():
     assert find_stop_string("hello world", 0, ["o w", "wor"]) == (4, "o w")
     assert find_stop_string("abcabc", 4, ["abc"]) == (3, "abc")   # ends in the new part
     assert find_stop_string("abcabc", 6, ["abc"]) is None
+
+
+def test_held_back_chars_equals_comparing_every_suffix_length():
+    """`held_back_chars` compares only suffixes that start with a stop string's first
+    character; it must hold back exactly what comparing every suffix length does, over texts
+    and stop strings of a small alphabet (overlaps, repeats, strings longer than the text)."""
+    import random
+
+    def every_length(text, stop):
+        held = 0
+        for stop_string in stop:
+            for length in range(min(len(stop_string) - 1, len(text)), held, -1):
+                if text.endswith(stop_string[:length]):
+                    held = length
+                    break
+        return held
+
+    rng = random.Random(0)
+    for _ in range(20000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        stop = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 8)))
+                for _ in range(rng.randint(1, 4))]
+        assert held_back_chars(text, stop) == every_length(text, stop), (text, stop)
