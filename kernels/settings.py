@@ -121,11 +121,6 @@ class KernelConfig:
     moe_shared_stream_max_rows: up to this many tokens (default 16) a CUDA DeepSeek MoE layer
         runs its shared experts on a second stream, concurrently with the routed experts
         (`engine.models.deepseek.DeepseekMoEBlock`); above, one after the other. 0: never.
-    l2_prefetch: what a CUDA DeepSeek decoder layer of up to moe_shared_stream_max_rows
-        tokens prefetches into L2 on a side stream while latency-bound kernels leave DRAM idle
-        (`kernels/l2_prefetch.py`): "shared_experts" (its shared experts' weights, while its
-        attention runs), "next_attention" (the next layer's q + kv_a and o_proj weights,
-        while its router runs), "evict_last" (the lines marked evict-last). Default empty.
     moe_deep_gemm_min_rows: from this many mean rows per expert (default 128: prefill) a bf16
         MoE call on backend "auto" runs DeepGEMM's grouped GEMM where `deep_gemm` is installed
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
@@ -188,7 +183,6 @@ class KernelConfig:
     moe_pair_tiles_max_tokens: int = 1
     moe_fused_router_max_rows: int = 1
     moe_shared_stream_max_rows: int = 16
-    l2_prefetch: frozenset[str] = frozenset()
     moe_deep_gemm_min_rows: int = 128
     batch_invariant: bool = False
     mla_decode_block_h: int = 64

@@ -58,20 +58,6 @@ def _shared_experts_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _prefetch_l2(weights: Iterable[torch.Tensor], device: torch.device,
-                 evict_last: bool) -> None:
-    """`kernels.l2_prefetch.prefetch_l2` of each weight on the shared experts' stream, forked
-    from the current stream: the shared experts run after it there, and the combine's wait
-    for them joins that stream back (as a CUDA graph's capture needs)."""
-    from deepinfer.kernels.l2_prefetch import prefetch_l2
-
-    side = _shared_experts_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for weight in weights:
-            prefetch_l2(weight, evict_last=evict_last)
-
-
 class DeepseekMoEBlock(nn.Module):
     """Shared experts (one SwiGLU MLP of n_shared_experts * moe_intermediate_size) plus routed
     experts (`layers.moe.MoE`); the two outputs are summed.
@@ -181,9 +167,6 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
                   and layer_idx % freq == 0)
         self.mlp = (DeepseekMoEBlock(c, routing, dtype) if is_moe else
                     GatedMLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype))
-        # the next layer's merged q + kv_a and o_proj weights (`fold_norms`; a tuple, not
-        # registered): what `KernelConfig.l2_prefetch` "next_attention" prefetches
-        self.next_attention_weights: tuple[torch.Tensor, ...] = ()
 
     def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
                        pending: torch.Tensor | AddedRows | None, residual: torch.Tensor,
@@ -198,31 +181,13 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         attn, norm1, norm2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
         fused, residual = add_norm_linear(pending, residual, norm1.weight, norm1.eps,
                                           attn.q_kv_a_weight, settings=self.kernel_config)
-        prefetch = self._l2_prefetch(fused)
-        if "shared_experts" in prefetch:
-            shared = self.mlp.shared_experts
-            _prefetch_l2((shared.gate_up_proj.weight, shared.down_proj.weight), fused.device,
-                         "evict_last" in prefetch)
         out = attn.attend(rope, *attn.split_q_kv_a(fused), kv_cache, attn_metadata)
         pending, residual = attn.o_proj.forward_add(out, residual)
         if isinstance(pending, torch.Tensor):
             hidden, residual = norm2(pending, residual)
         else:
             hidden = norm2(residual)
-        if "next_attention" in prefetch and self.next_attention_weights:
-            _prefetch_l2(self.next_attention_weights, fused.device, "evict_last" in prefetch)
         return self.mlp.forward_add(hidden, residual)
-
-    def _l2_prefetch(self, rows: torch.Tensor) -> frozenset[str]:
-        """`KernelConfig.l2_prefetch` where it applies: a CUDA MoE layer of up to
-        moe_shared_stream_max_rows tokens with shared experts (empty elsewhere)."""
-        settings = self.kernel_config
-        if (not settings.l2_prefetch or not rows.is_cuda
-                or rows.shape[0] > settings.moe_shared_stream_max_rows
-                or not isinstance(self.mlp, DeepseekMoEBlock)
-                or self.mlp.shared_experts is None):
-            return frozenset()
-        return settings.l2_prefetch
 
     def checkpoint_targets(self, prefix: str) -> Targets:
         targets = self.self_attn.checkpoint_targets(f"{prefix}self_attn.")
@@ -508,9 +473,6 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         for layer in self.layers:
             layer.self_attn.fold_input_norm(layer.input_layernorm.weight)
             layer.norms_folded = True
-        for layer, after in zip(self.layers, list(self.layers)[1:]):
-            layer.next_attention_weights = (after.self_attn.q_kv_a_weight,
-                                            after.self_attn.o_proj.weight)
 
 
 class DeepseekV2ForCausalLM(DeepseekForCausalLM):

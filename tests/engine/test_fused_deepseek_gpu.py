@@ -80,26 +80,3 @@ def test_fused_folded_decode_matches_unfused(tiny_bf16_dir, fused_everywhere, mo
     unfused = decode_logits(ours, prompts, continuations)
     error = float((fused.double() - unfused.double()).norm() / unfused.double().norm())
     assert error < 5e-2
-
-
-def test_l2_prefetch_changes_no_bit(tiny_bf16_dir):
-    """`KernelConfig.l2_prefetch` only hints the cache: decode logits with the shared experts'
-    and the next layer's attention weights prefetched (either policy) equal those without,
-    bit for bit; and the MoE layer before the last knows the last's attention weights."""
-    from deepinfer.engine.loader import load_model
-    from deepinfer.engine.models.layers import set_kernel_config
-    from deepinfer.kernels.settings import KernelConfig
-
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 21)]
-    continuations = [torch.randint(3, 512, (NEW_TOKENS,), generator=gen).tolist()
-                     for _ in prompts]
-    ours = load_model(tiny_bf16_dir, torch.bfloat16, "cuda")
-    last = ours.layers[-1].self_attn
-    assert ours.layers[-2].next_attention_weights == (last.q_kv_a_weight, last.o_proj.weight)
-    assert ours.layers[-1].next_attention_weights == ()
-    plain = decode_logits(ours, prompts, continuations)
-    for wanted in ({"shared_experts", "next_attention"},
-                   {"shared_experts", "next_attention", "evict_last"}):
-        set_kernel_config(ours, KernelConfig(l2_prefetch=frozenset(wanted)))
-        assert torch.equal(decode_logits(ours, prompts, continuations), plain)
