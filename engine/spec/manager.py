@@ -71,8 +71,8 @@ from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpecDec
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec.admission import (admit_fixed, admit_varlen, best_entry, capacity,
-                                             drafting_can_pay, ranked_candidates, survival,
-                                             top_candidates)
+                                             drafting_can_pay, expected_committed,
+                                             ranked_candidates, top_candidates)
 from deepinfer.engine.spec.drafter import DraftRequest, Drafter
 from deepinfer.engine.spec.realized_gain import RealizedGain
 from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket, median
@@ -123,13 +123,6 @@ def prefill_tokens_next(scheduler: Scheduler) -> int:
     slots = max(scheduler.config.max_num_seqs - len(scheduler.running), 0)
     waiting = sum(r.num_tokens for r in list(scheduler.waiting)[:slots])
     return min(behind + waiting, budget)
-
-
-def expected_committed(confidences: list[list[float]], lengths: list[int]) -> float:
-    """The committed tokens a step verifying `lengths` drafts is expected to give: R + the
-    admitted survival probabilities, R the decode rows (its throughput gain over the plain
-    step is that / R over the relative cost t(D) / t(0))."""
-    return len(confidences) + sum(sum(survival(c)[:n]) for c, n in zip(confidences, lengths))
 
 
 @dataclass
@@ -447,7 +440,7 @@ class SpecDecoder:
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts,
                                     base_tokens)
             if any(lengths):   # scored against what it realizes (exploration steps too)
-                self._prediction = (expected_committed(confidences, lengths),
+                self._prediction = (sum(map(expected_committed, confidences, lengths)),
                                     step_seconds(sum(lengths)) / step_seconds(0), len(ids))
             if not any(lengths):
                 self._look = (drafter_seconds, self._peeked)
