@@ -11,7 +11,8 @@ while it equals the target's own sample at the position before it, so the commit
 always the target's samples: greedy and seeded outputs are those of plain decoding.
 `execute_and_score` also returns the logits of every scored position (`StepLogits`).
 Steps with drafts replay the verify CUDA graphs (engine/verify_graphs.py) when captured
-(`capture_cuda_graphs(verify_query_len=1 + gamma)`), else run eagerly.
+(`capture_cuda_graphs(verify_query_len=1 + gamma)`), else run eagerly; steps without drafts of
+short rows (prompt tails after a prefix-cache hit, short prompts) replay the chunk graphs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ if TYPE_CHECKING:
     from deepinfer.engine.cuda_graphs import GraphOutputs
 
 logger = logging.getLogger(__name__)
+
+# the largest step the chunk graphs replay (tokens): prompt tails of one request up to a few
+# short prompts together; longer chunks are few and long enough to launch eagerly
+CHUNK_GRAPH_TOKENS = 64
 
 
 @dataclass
@@ -134,6 +139,8 @@ class ModelRunner:
         self.cuda_graphs = None  # engine.cuda_graphs.CudaGraphRunner after capture_cuda_graphs
         # engine.verify_graphs.VerifyGraphRunner: verify steps (rows of 1 + k tokens), or None
         self.verify_graphs = None
+        # the same for steps without drafts of short rows (prompt tails), or None
+        self.chunk_graphs = None
         # a drafter that runs on each step's hidden states (engine/spec/mtp.py), or None
         self.drafter = None
         # [S] int64: the last async step's sampled ids, where the next step's fed tokens are
@@ -157,6 +164,8 @@ class ModelRunner:
             verify steps, rows of up to that many tokens, at flattened token-count buckets up
             to min(max_num_seqs * verify_query_len, max_num_batched_tokens)
             (engine/verify_graphs.py).
+        Steps without drafts of rows of up to 16 tokens (8 for MLA), up to CHUNK_GRAPH_TOKENS
+        tokens, replay chunk graphs (`VerifyGraphRunner(with_drafts=False)`).
         """
         from deepinfer.engine.cuda_graphs import CudaGraphRunner
         from deepinfer.kernels.backends import triton_available
@@ -176,37 +185,52 @@ class ModelRunner:
                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         runner.capture()
         self.cuda_graphs = runner
+        budget = max_num_batched_tokens or max_num_seqs * max(verify_query_len, 1)
+        limit = self._graph_row_limit()
         if verify_query_len > 1:
-            self._capture_verify_graphs(max_num_seqs, max_model_len, verify_query_len,
-                                        max_num_batched_tokens or max_num_seqs * verify_query_len)
+            if verify_query_len > limit:
+                logger.warning("CUDA graphs: verify steps run eagerly: rows of %d tokens exceed "
+                               "the graph-safe kernels' %d (lower num_speculative_tokens, or "
+                               "raise mla_decode_max_query_len for MLA)", verify_query_len,
+                               limit)
+            else:
+                self.verify_graphs = self._capture_rows_graphs(
+                    max_num_seqs, max_model_len, verify_query_len, budget, with_drafts=True)
+        if limit > 1:
+            self.chunk_graphs = self._capture_rows_graphs(
+                max_num_seqs, max_model_len, limit, min(budget, CHUNK_GRAPH_TOKENS),
+                with_drafts=False)
 
-    def _capture_verify_graphs(self, max_num_seqs: int, max_model_len: int,
-                               verify_query_len: int, max_num_batched_tokens: int) -> None:
-        """`capture_cuda_graphs`' verify graphs, where the attention kernels allow rows of
-        verify_query_len tokens in a graph (else verify steps stay eager, with a warning)."""
+    def _graph_row_limit(self) -> int:
+        """The longest row the graph-safe multi-token attention kernels take."""
         from deepinfer.engine.kv_cache.spec import MLAAttentionSpec
-        from deepinfer.engine.verify_graphs import MAX_VERIFY_QUERY_LEN, VerifyGraphRunner
+        from deepinfer.engine.verify_graphs import MAX_VERIFY_QUERY_LEN
 
-        limit = MAX_VERIFY_QUERY_LEN
         if isinstance(self.kv_cache_spec, MLAAttentionSpec):   # absorbed MLA decode kernel
-            limit = min(limit, self.kernel_config.mla_decode_max_query_len)
-        if verify_query_len > limit:
-            logger.warning("CUDA graphs: verify steps run eagerly: rows of %d tokens exceed "
-                           "the graph-safe kernels' %d (lower num_speculative_tokens, or raise "
-                           "mla_decode_max_query_len for MLA)", verify_query_len, limit)
-            return
+            return min(MAX_VERIFY_QUERY_LEN, self.kernel_config.mla_decode_max_query_len)
+        return MAX_VERIFY_QUERY_LEN
+
+    def _capture_rows_graphs(self, max_num_seqs: int, max_model_len: int, max_query_len: int,
+                             max_num_batched_tokens: int, *, with_drafts: bool):
+        """`capture_cuda_graphs`' verify (with_drafts) or chunk graphs: a captured
+        `VerifyGraphRunner`, or None (no bucket, or a kernel that cannot be captured: those
+        steps stay eager)."""
+        from deepinfer.engine.verify_graphs import VerifyGraphRunner
+
         runner = VerifyGraphRunner(self.model, self.kv_caches, self.block_size,
                                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                   max_query_len=verify_query_len,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_query_len=max_query_len,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   with_drafts=with_drafts)
         if not runner.token_buckets:
-            return
+            return None
         try:
             runner.capture()
-        except RuntimeError:   # a kernel that cannot be captured: verify steps stay eager
-            logger.exception("CUDA graphs: capturing the verify steps failed; they run eagerly")
-            return
-        self.verify_graphs = runner
+        except RuntimeError:
+            logger.exception("CUDA graphs: capturing the %s steps failed; they run eagerly",
+                             "verify" if with_drafts else "short-chunk")
+            return None
+        return runner
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> list[CachedRequestState]:
         for request_id in scheduler_output.finished_req_ids:
@@ -444,10 +468,11 @@ class ModelRunner:
                 and self.cuda_graphs.can_run(inputs)):
             outputs = self.cuda_graphs.run(inputs, feed_rows)
             return outputs.hidden, outputs
-        if (inputs_embeds is None and feed_rows is None and self.verify_graphs is not None
-                and self.verify_graphs.can_run(inputs)):
-            outputs = self.verify_graphs.run(inputs)
-            return outputs.hidden, outputs
+        for rows_graphs in (self.verify_graphs, self.chunk_graphs):
+            if (inputs_embeds is None and feed_rows is None and rows_graphs is not None
+                    and rows_graphs.can_run(inputs)):
+                outputs = rows_graphs.run(inputs)
+                return outputs.hidden, outputs
         device_inputs = inputs.on_device()
         if inputs_embeds is not None:   # image rows in place (ids were fed by _image_embeds)
             return self.model(device_inputs.input_ids, device_inputs.positions, self.kv_caches,

@@ -4,7 +4,9 @@ A verify step (engine/model_runner.py) scores every running request's last token
 admitted drafts: rows of 1 + k_r tokens, k_r in 0..gamma, different per row under varlen
 admission (engine/spec/admission.py) and equal under fixed admission. Plain decode steps replay
 the graphs of engine/cuda_graphs.py (one token per row, split-K decode kernel); these graphs
-replay the verify steps.
+replay the verify steps. The same runner, built `with_drafts=False` (the chunk graphs), replays
+steps without drafts of rows of up to 16 tokens that are not all decode rows: short prompts,
+and prompts whose every full block the prefix cache held, so that only the tail is computed.
 
 Design: one graph per *flattened token-count* bucket T (`VERIFY_TOKEN_BUCKETS`, those up to
 min(max_num_seqs * (1 + gamma), max_num_batched_tokens)), not one per (batch size, tokens per
@@ -90,18 +92,26 @@ class VerifyGraphRunner:
         max_model_len: longest context: the block-table width and the kernels' length bound.
         max_query_len: the longest verify row, 1 + num_speculative_tokens (2..16).
         max_num_batched_tokens: the step's token budget (caps the largest bucket).
+        with_drafts: True (verify graphs): steps with draft tokens whose every token is a
+            scored position; False (chunk graphs): steps without drafts of rows of 1 to
+            max_query_len tokens, not all of one token (short prompts, and the tails of prompts
+            that the prefix cache held all but the last partial block of; decode-only steps
+            replay engine/cuda_graphs.py). Eagerly such a step is ~300 Python kernel launches
+            for SmolLM2: 20-27 ms on the H100 against 0.94 ms for a replayed decode step
+            (benchmarks/RESULTS.md).
     Raises:
         ValueError: max_query_len outside [2, MAX_VERIFY_QUERY_LEN].
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, *,
                  max_num_seqs: int, max_model_len: int, max_query_len: int,
-                 max_num_batched_tokens: int,
+                 max_num_batched_tokens: int, with_drafts: bool = True,
                  buckets: tuple[int, ...] = VERIFY_TOKEN_BUCKETS) -> None:
         if not 2 <= max_query_len <= MAX_VERIFY_QUERY_LEN:
             raise ValueError(f"verify graphs take rows of 2..{MAX_VERIFY_QUERY_LEN} tokens; "
                              f"got max_query_len={max_query_len}")
         self.model, self.kv_caches = model, kv_caches
+        self.with_drafts = with_drafts
         self.max_model_len, self.max_query_len = max_model_len, max_query_len
         self.max_num_seqs = max(max_num_seqs, 1)
         self.token_buckets = verify_token_buckets(
@@ -181,9 +191,9 @@ class VerifyGraphRunner:
             pool = graph.pool()
             self.graphs[num_tokens] = graph
         torch.cuda.synchronize()
-        logger.info("CUDA graphs: captured verify steps (rows of up to %d tokens) at token "
-                    "counts %s in %.1f s", self.max_query_len, self.token_buckets,
-                    time.perf_counter() - start)
+        logger.info("CUDA graphs: captured %s steps (rows of up to %d tokens) at token "
+                    "counts %s in %.1f s", "verify" if self.with_drafts else "short-chunk",
+                    self.max_query_len, self.token_buckets, time.perf_counter() - start)
 
     def _fill_padding_inputs(self, num_tokens: int) -> None:
         """An all-padding packed input for capture: every token its own row, seq_len 0,
@@ -195,15 +205,16 @@ class VerifyGraphRunner:
         self.packed[:size].copy_(self.packed_host[0][:size])
 
     def can_run(self, inputs: StepInputs) -> bool:
-        """True for a verify step a graph covers: rows of 1..max_query_len tokens, at least one
-        longer than 1 (plain decode replays engine/cuda_graphs.py), every token a scored
-        position, at most the largest bucket's tokens and max_num_seqs rows."""
-        if not self.graphs or inputs.draft_token_ids is None:
+        """True for a step a graph covers: rows of 1..max_query_len tokens, at least one
+        longer than 1 (plain decode replays engine/cuda_graphs.py), at most the largest
+        bucket's tokens and max_num_seqs rows; with drafts and every token a scored position
+        (verify graphs), or without drafts (chunk graphs)."""
+        if not self.graphs or (inputs.draft_token_ids is not None) != self.with_drafts:
             return False
         num_tokens = inputs.input_ids.size
         if (num_tokens > self.token_buckets[-1] or inputs.num_seqs > self.max_num_seqs
-                or inputs.logits_indices.size != num_tokens or inputs.is_decode_only
-                or inputs.block_tables.shape[1] > self.width):
+                or self.with_drafts and inputs.logits_indices.size != num_tokens
+                or inputs.is_decode_only or inputs.block_tables.shape[1] > self.width):
             return False
         return int(np.diff(inputs.query_start_loc).max()) <= self.max_query_len
 

@@ -89,3 +89,28 @@ def test_steps_a_graph_does_not_cover_stay_eager():
     assert not runner.can_run(_verify_inputs([0, 0]))          # plain decode: decode graphs
     assert not runner.can_run(_verify_inputs([6, 1]))          # a row longer than 1 + gamma
     assert not runner.can_run(_verify_inputs([1] * 5))         # more rows than max_num_seqs
+
+
+def _chunk_inputs(row_lengths: list[int]):
+    """Prompt chunks without drafts: row r schedules its first row_lengths[r] tokens (the
+    last one samples when the row is the whole prompt)."""
+    params = SamplingParams(temperature=0.0)
+    states = [CachedRequestState(f"r{r}", list(range(10, 10 + n)), n,
+                                 list(range(8 * r, 8 * r + 8)), 0, params, 0)
+              for r, n in enumerate(row_lengths)]
+    return build_step_inputs(states, row_lengths, BLOCK_SIZE, torch.device("cpu"))
+
+
+def test_chunk_graphs_take_short_prompt_rows_without_drafts_only():
+    chunks = VerifyGraphRunner(None, [torch.zeros(1)], BLOCK_SIZE, max_num_seqs=4,
+                               max_model_len=64, max_query_len=16, max_num_batched_tokens=64,
+                               with_drafts=False)
+    chunks.graphs = {b: None for b in chunks.token_buckets}   # as if captured
+    assert chunks.token_buckets[-1] == 64
+    assert chunks.can_run(_chunk_inputs([9, 14, 1]))   # only the rows' last tokens sample
+    assert not chunks.can_run(_chunk_inputs([17]))     # a row longer than 16: eager
+    assert not chunks.can_run(_chunk_inputs([1, 1]))   # decode-shaped: the decode graphs
+    assert not chunks.can_run(_verify_inputs([0, 3]))  # drafts: the verify graphs
+    verify = _runner()
+    verify.graphs = {b: None for b in verify.token_buckets}
+    assert not verify.can_run(_chunk_inputs([3, 5]))   # no drafts: not a verify graph's

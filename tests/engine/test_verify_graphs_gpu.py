@@ -126,3 +126,30 @@ def test_verify_replay_equals_eager_float32(gpu_model):
     assert runner.verify_graphs.token_buckets[-1] == 8 * (1 + GAMMA)
     assert runner.verify_graphs.steps >= 10          # verify steps replayed, not run eagerly
     assert graphed.manager.block_pool.num_free_blocks == eager.manager.block_pool.num_free_blocks
+
+
+def test_short_prompt_chunks_replay_equals_eager(gpu_model):
+    """Prompts of 6-14 tokens prefill in one step of rows of up to 16 tokens: the chunk
+    graphs replay it (and a later prompt that the prefix cache held all but its tail), with
+    the same tokens as an engine without graphs and logits within 1e-4 (float32)."""
+    graphed = Engine(gpu_model, torch.float32, "cuda", cuda_graphs=True)
+    eager = Engine(gpu_model, torch.float32, "cuda")
+    assert graphed.runner.chunk_graphs is not None
+    outputs = []
+    for engine in (graphed, eager):
+        for request_id, prompt in PROMPTS.items():
+            engine.add(request_id, prompt, PARAMS[request_id])
+        _, first, logits = engine.step()
+        steps = [(first, {r: logits.of(r).clone() for r in first})]
+        engine.add("tail", PROMPTS["g1"] + [5, 6, 7], PARAMS["g0"])   # shares g1's blocks
+        while engine.scheduler.num_unfinished_requests:
+            _, sampled, _ = engine.step()
+            steps.append((sampled, None))
+        outputs.append(steps)
+    (got_first, got_logits), (want_first, want_logits) = outputs[0][0], outputs[1][0]
+    assert got_first == want_first
+    for request_id in want_first:
+        torch.testing.assert_close(got_logits[request_id], want_logits[request_id], atol=ATOL,
+                                   rtol=0)
+    assert [s for s, _ in outputs[0]] == [s for s, _ in outputs[1]]
+    assert graphed.runner.chunk_graphs.steps >= 1 and eager.runner.chunk_graphs is None
