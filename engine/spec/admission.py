@@ -37,6 +37,18 @@ first positions pay it (a host-bound step: SmolLM2-sized or smaller models), the
 cannot open the gate; DSpark's production variant (§5.2) then helps: a capacity K from an
 earlier step's confidences (`capacity`, an unconstrained search, lossless since those cannot
 depend on this step's drafts) admits the K candidates ranked first, and the walk goes on.
+And where even sure first drafts could not open the gate (one row at a time on the H100: a
+verify step of SmolLM2 costs 2.0-2.4x a plain one, so no first draft alone pays it), a drafter
+whose confidences are functions of the context alone (`context_confidences`: the n-gram
+drafter's counters are keyed by match length, position and past outcomes, never by a draft)
+enters at the capacity over this step's own confidences: no confidence there depends on a
+draft, so no draft can decide its own admission, and Appendix A holds. Without it varlen at
+batch 1 verified only through an earlier step's capacity or a peek, and skipped the drafter on
+23-54 % of the steps where fixed length drafted (H100, grounded prompts). Where sure first
+drafts could open the gate (the CPU, where one row's verify step costs ~1.35x a plain one) the
+gate decides as above: there the capacity over this step's confidences as every step's entry
+(tried in s51) admitted middling drafts that the gate refused and measured slower (grounded b1
+1.79x against 2.00x).
 
 Fixed: every request verifies min(its drafts, num_speculative_tokens) (the scheduler then caps
 them by the token budget and the request's max_tokens).
@@ -118,7 +130,8 @@ def capacity(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int
 def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[[int], float],
                  *, base_committed: float | None = None, max_drafts: int | None = None,
                  min_drafts: int = 0, min_gain: float = 0.0,
-                 ranked: list[tuple[float, int, int]] | None = None) -> list[int]:
+                 ranked: list[tuple[float, int, int]] | None = None,
+                 context_confidences: bool = False) -> list[int]:
     """The gate, then Algorithm 1's walk (module docstring): how many drafts each request
     verifies.
 
@@ -134,6 +147,9 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
         min_gain: the gate opens only when the best entry's Theta beats the plain step's by
             this fraction (a margin for the error of the step-time estimates).
         ranked: `ranked_candidates(confidences)`, when the caller has it.
+        context_confidences: no confidence depends on any draft (the drafter's
+            `context_confidences`): where even sure first drafts could not open the gate,
+            the entry is `capacity` over `confidences`.
     Returns:
         l_r per request, 0 <= l_r <= k_r: verify the first l_r drafts.
     """
@@ -144,6 +160,13 @@ def admit_varlen(confidences: Sequence[Sequence[float]], step_seconds: Callable[
                                     max_drafts=max_drafts)
     if entry == 0 or entry_theta <= (1.0 + min_gain) * committed / step_seconds(0):
         entry = 0
+    if entry == 0 and context_confidences and not best_entry(
+            [1.0] * sum(1 for f in firsts if f > 0.0), step_seconds, base_committed=committed,
+            max_drafts=max_drafts)[1] > (1.0 + min_gain) * committed / step_seconds(0):
+        # even sure first drafts could not open the gate: the entry is the capacity over
+        # this step's confidences, which read no draft (module docstring)
+        entry = capacity(confidences, step_seconds, base_committed=committed,
+                         max_drafts=max_drafts, min_gain=min_gain)
     entry = max(entry, min_drafts)
     if entry == 0:
         return lengths

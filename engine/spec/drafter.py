@@ -45,7 +45,13 @@ class DraftProposal:
 
 
 class Drafter(Protocol):
-    """One drafter per engine; only the step loop calls it."""
+    """One drafter per engine; only the step loop calls it.
+
+    context_confidences: True when every confidence is a function of the context alone (of no
+        draft, not even earlier ones): the admission may then search over a step's
+        confidences freely (engine/spec/admission.py). Drafters without the attribute are
+        taken as False.
+    """
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, DraftProposal]:
         """Drafts for each request (requests without a draft may be left out)."""

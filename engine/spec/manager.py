@@ -88,6 +88,9 @@ PLAIN_MEASUREMENTS = 3      # async plain steps measured at a batch size before 
 PLAIN_SAMPLE_EVERY = 8
 # fruitless looks (exploration steps) per batch bucket whose median prices and charges one
 COST_WINDOW = 5
+# a request's hunts (looks after one that admitted nothing) whose net value decides whether
+# the next hunt needs a budget (`SpecDecoder.hunts_pay`)
+HUNT_WINDOW = 8
 # why a step did not call the drafter (`SpecDecoder.skip_reasons`): nothing running decodes (a
 # prefill-only step); its batch's overlapped plain
 # step not measured PLAIN_MEASUREMENTS times yet; even sure first drafts would not pay and no
@@ -182,6 +185,7 @@ class SpecDecoder:
         self.drafter = drafter
         self.step_rate = step_rate if config.spec_varlen else None
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.context_confidences = getattr(drafter, "context_confidences", False)
         self.stats = SpecDecodeStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
         # set by the engine when steps without drafts run asynchronously (varlen n-gram on
@@ -217,6 +221,12 @@ class SpecDecoder:
         # the peek account of its batch bucket, False: the exploration one; None: not
         # hunting): a verify step it finds pays that account back
         self._hunt: bool | None = None
+        # request id -> its share of the net seconds of its last HUNT_WINDOW hunts; the
+        # requests the drafter was asked about; the decode rows of the last look
+        # (`hunts_pay`)
+        self._hunt_values: dict[str, deque[float]] = {}
+        self._looked: set[str] = set()
+        self._look_rows: list[str] = []
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
         self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
         self._misses: dict[str, int] = {}           # request id -> rejected-at-once in a row
@@ -259,7 +269,7 @@ class SpecDecoder:
                 base_tokens) < PLAIN_MEASUREMENTS:
             self._skip_reason = "measuring_plain"   # what an overlapped plain step costs here
             return False
-        if self._may_verify(num_rows, base_tokens):
+        if self._may_verify([r.request_id for r in scheduler.running], base_tokens):
             return True
         if self._can_pay[1] and self._peek_due(base_tokens):
             self._peeked = self._peek(scheduler, base_tokens)
@@ -335,14 +345,16 @@ class SpecDecoder:
         self._account(base_tokens).peek += time.perf_counter() - start
         return pays
 
-    def _may_verify(self, num_rows: int, base_tokens: int) -> bool:
-        """Whether to call the drafter for `num_rows` decode rows: drafting can pay (sure first
-        drafts would open the gate) and the last look found drafts worth verifying or looking
-        costs no overlap (plain steps block too) or a peek said it would pay, or a look or an
-        exploration step (a first draft for each row, the most the gate's exploration
-        verifies) fits the exploration budget."""
+    def _may_verify(self, rows: list[str], base_tokens: int) -> bool:
+        """Whether to call the drafter for the decode rows `rows` (request ids): drafting can
+        pay (sure first drafts would open the gate) and the last look found drafts worth
+        verifying or looking costs no overlap (plain steps block too) or a peek said it would
+        pay or the rows' hunts pay (`hunts_pay`), or a look or an exploration step (a first
+        draft for each row, the most the gate's exploration verifies) fits the exploration
+        budget."""
         if self._peeked:
             return True
+        num_rows = len(rows)
         step_seconds = self.step_rate.step_seconds(base_tokens)
         max_drafts = max(self.max_num_batched_tokens - base_tokens, 0)
         min_gain = self._min_gain(base_tokens)
@@ -354,6 +366,7 @@ class SpecDecoder:
                 min_gain=min_gain)
         if self._can_pay[1]:
             return (self._looks_pay is not False or not self.async_plain_steps
+                    or self.hunts_pay(rows)
                     or self._explore_due(self.look_cost(base_tokens), base_tokens))
         most = min(num_rows, max_drafts)
         return most > 0 and self._explore_due(step_seconds(most) - step_seconds(0),
@@ -403,7 +416,7 @@ class SpecDecoder:
         if not ids:
             return self._hand_over(scheduler, ids, {}, skipped=False)
         base_tokens = len(ids) + prefill_tokens_next(scheduler)
-        if self.step_rate is not None and not self._may_verify(len(ids), base_tokens):
+        if self.step_rate is not None and not self._may_verify(ids, base_tokens):
             self.skip_reasons[self._no_draft_reason()] += 1
             return self._hand_over(scheduler, ids, {}, skipped=True)
         views = [draft_view(r, gamma) for r in decoding
@@ -412,6 +425,8 @@ class SpecDecoder:
         start = time.perf_counter()
         proposals = self.drafter.propose(views) if views else {}
         drafter_seconds = time.perf_counter() - start
+        self._looked.update(ids)
+        self._look_rows = ids
         drafts = [proposals[i].token_ids if i in proposals else [] for i in ids]
         confidences = [proposals[i].confidences if i in proposals else [] for i in ids]
         if self.step_rate is not None:
@@ -425,7 +440,8 @@ class SpecDecoder:
             # the gate already priced, with fresher confidences)
             ranked = ranked_candidates(confidences)
             lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
-                                   min_gain=min_gain, ranked=ranked)
+                                   min_gain=min_gain, ranked=ranked,
+                                   context_confidences=self.context_confidences)
             earlier = [self._last_confidences.get(i, []) for i in ids]
             if sum(lengths) < min(sum(len(c) for c in earlier), max_drafts):
                 # the capacity could admit more than the gate and the walk did
@@ -433,8 +449,9 @@ class SpecDecoder:
                                    min_gain=min_gain)
                 if carried > max(sum(lengths), sum(1 for c in earlier if c)):
                     lengths = admit_varlen(confidences, step_seconds, max_drafts=max_drafts,
-                                           min_drafts=carried,
-                                           min_gain=min_gain, ranked=ranked)
+                                           min_drafts=carried, min_gain=min_gain,
+                                           ranked=ranked,
+                                           context_confidences=self.context_confidences)
             self._last_confidences = {i: c for i, c in zip(ids, confidences) if c}
             self._looks_pay = any(lengths)
             lengths = self._explore(confidences, lengths, step_seconds, max_drafts,
@@ -539,7 +556,10 @@ class SpecDecoder:
                 if self._hunt is not None and self._explore_baseline is None:
                     # the hunt found drafts the admission chose: what the plain steps
                     # committing its tokens would have taken, less its own time, repays it
-                    account.repay(self._hunt, step_seconds * (realized - 1.0))
+                    saving = step_seconds * (realized - 1.0)
+                    account.repay(self._hunt, saving)
+                    self._hunt_value(list(scored), saving)
+            self.realized_gain.tick(base_tokens)
             if num_drafts or measures_plain and self._plain_due(base_tokens):
                 self.step_rate.observe(base_tokens, num_drafts, step_seconds)
             account.elapsed += step_seconds
@@ -559,6 +579,8 @@ class SpecDecoder:
                                       else drafter_seconds)
                 # what a peek's wrong call cost is peeking's, not exploration's
                 account.charge(peeked, cost)
+                if self._hunt is not None:
+                    self._hunt_value(self._look_rows, -cost)
         self._explore_baseline = self._look = self._prediction = self._hunt = None
 
     def look_cost(self, base_tokens: int) -> float:
@@ -573,6 +595,28 @@ class SpecDecoder:
         (an 11.7 ms one spent batch 1's exploration account for the rest of a run)."""
         costs = self._look_costs.get(batch_bucket(base_tokens))
         return median(costs) if costs else 0.0
+
+    def hunts_pay(self, rows: list[str]) -> bool:
+        """A hunt may look without a budget: one of the running requests `rows` was never
+        looked at (its first look), or its last HUNT_WINDOW hunts saved more than they cost,
+        net (a verify step a hunt found: its realized saving, shared by the requests with
+        drafts; a fruitless one: its look cost, shared by the decode rows). Where drafts pass
+        after a miss (grounded prompts at batch 1, where a fruitless look costs a fraction
+        of a plain step and a verify step saves several) the hunt goes on; where they do not,
+        hunts wait for the exploration and peek budgets. Kept per request, not per batch
+        size: on the emulated H100 the last requests of free chat at batch 16, hunting at
+        batch 1, left batch 1 a loss that kept the next grounded prompts from looking."""
+        for request_id in rows:
+            values = self._hunt_values.get(request_id)
+            if request_id not in self._looked or values and sum(values) > 0.0:
+                return True
+        return False
+
+    def _hunt_value(self, request_ids: list[str], seconds: float) -> None:
+        """A hunt's net seconds, shared equally by `request_ids`."""
+        for request_id in request_ids:
+            self._hunt_values.setdefault(request_id, deque(maxlen=HUNT_WINDOW)).append(
+                seconds / len(request_ids))
 
     def plain_period(self, base_tokens: int) -> float | None:
         """Seconds of an overlapped plain step of `base_tokens` as measured (varlen, where
@@ -609,4 +653,6 @@ class SpecDecoder:
             self.drafter.forget(request_id)
             self._misses.pop(request_id, None)
             self._resume_step.pop(request_id, None)
+            self._hunt_values.pop(request_id, None)
+            self._looked.discard(request_id)
 

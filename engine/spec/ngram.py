@@ -111,6 +111,8 @@ class NgramDrafter:
 
     # a request's previous verification: none yet, every verified draft accepted, one rejected
     NEW, HIT, MISS = 0, 1, 2
+    # confidences keyed by match length, position and past outcomes: none reads a draft
+    context_confidences = True
 
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 4,
                  prior: tuple[float, float] = (1.0, 1.0), prior_strength: float = 2.0,

@@ -118,6 +118,25 @@ def test_a_capacity_from_earlier_confidences_carries_past_a_jump_no_first_draft_
     assert capacity([[0.2] * 5] * 16, seconds) == 0
 
 
+def test_context_confidences_enter_at_their_own_capacity_where_no_first_draft_can():
+    """One row on the H100: a verify step costs 2.35x a plain one, so not even a sure first
+    draft pays it ((1 + 1) / 2.35 < 1) and the gate alone never opens. A drafter whose
+    confidences read no draft (n-gram) enters at the capacity over this step's confidences:
+    five drafts of 0.95 (5.1 tokens in 2.4x the time) are admitted; drafts that do not pay
+    (0.3 each) are not. Where sure first drafts could open the gate (a jump of 30 %), the gate
+    decides as without the flag."""
+    seconds = linear_seconds(0.01, jump=1.3)
+    assert best_entry([1.0], seconds, base_committed=1.0)[1] < 1.0 / seconds(0)
+    sure = [[0.95] * 5]
+    assert admit_varlen(sure, seconds) == [0]
+    assert admit_varlen(sure, seconds, context_confidences=True) == [5]
+    assert admit_varlen([[0.3] * 5], seconds, context_confidences=True) == [0]
+    gate_opens = linear_seconds(0.01, jump=0.3)
+    for confidences in ([[0.2, 0.99, 0.99]], [[0.9] * 5] * 16, [[0.5, 0.05]]):
+        assert (admit_varlen(confidences, gate_opens, context_confidences=True)
+                == admit_varlen(confidences, gate_opens))
+
+
 def test_appendix_a_admission_of_a_draft_never_depends_on_later_confidences():
     """Appendix A's shape: one draft alone does not pay but two do (step seconds 1, 1/0.6,
     1/0.6). With a draft-dependent (Markov-feature) confidence, c_2 is a function of draft 1;
