@@ -559,7 +559,6 @@ class SpecDecoder:
                     saving = step_seconds * (realized - 1.0)
                     account.repay(self._hunt, saving)
                     self._hunt_value(list(scored), saving)
-            self.realized_gain.tick(base_tokens)
             if num_drafts or measures_plain and self._plain_due(base_tokens):
                 self.step_rate.observe(base_tokens, num_drafts, step_seconds)
             account.elapsed += step_seconds

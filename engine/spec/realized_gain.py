@@ -29,14 +29,6 @@ the configured `spec_min_gain`).
 - Time is a median: on a shared box steps stalled by another process (the 2-core CPU box, a
   test suite beside the benchmark: a run of 21 s where the others took 0.8-1.9) left a
   decayed mean at 1.71 for batch 1, and its gate shut for the rest of the process.
-A window ages out: after `expiry_steps` steps of its batch bucket without a scored step (its
-gate closed by the margin, or no drafts offered) it is cleared, so that the bucket's next verify
-steps are judged again on its current traffic; when a window cleared while it raised the margin
-and the steps that refill it raise it again, that bucket's horizon doubles, up to
-`max_expiry_steps`. Without it a window of 5 steps kept its margin for as long as the margin kept
-it from being re-scored: on the emulated H100 (benchmarks/emulated_device.py), the last requests
-of free chat at batch 16 left batch 1 a margin of 86 %, and the next grounded prompts at batch 1,
-drafts of 0.8-0.99 each, verified nothing for whole runs (0-1 verify steps of ~200).
 The margin is a function of past steps only, so admission stays independent of the drafts it
 admits (DSpark Appendix A). Exploration steps (engine/spec/manager.py, within their own budget)
 are scored too: they test the same prices and confidences, and they are what scores a bucket
@@ -57,27 +49,14 @@ class RealizedGain:
     """Args:
         window: scored steps per batch bucket whose median is its shortfall.
         min_steps: scored steps of a bucket before its shortfall moves the gate.
-        expiry_steps: steps of a bucket (`tick`) without a scored one after which its window
-            is cleared.
-        max_expiry_steps: the longest such horizon (doubling from expiry_steps).
     """
 
-    def __init__(self, window: int = 5, min_steps: int = 3, expiry_steps: int = 64,
-                 max_expiry_steps: int = 1024):
+    def __init__(self, window: int = 5, min_steps: int = 3):
         if window < 1 or not 1 <= min_steps <= window:
             raise ValueError(f"window={window} must be >= 1 and min_steps={min_steps} in "
                              "[1, window]")
-        if not 1 <= expiry_steps <= max_expiry_steps:
-            raise ValueError(f"expiry_steps={expiry_steps} must be >= 1 and <= "
-                             f"max_expiry_steps={max_expiry_steps}")
         self.window = window
         self.min_steps = min_steps
-        self.expiry_steps, self.max_expiry_steps = expiry_steps, max_expiry_steps
-        # bucket -> steps since its last scored one; its current horizon; whether its window
-        # was cleared while raising the margin (and has not lowered it since)
-        self._unscored: Counter[int] = Counter()
-        self._expiry: dict[int, int] = {}
-        self._expired_high: set[int] = set()
         # bucket -> its last `window` scored steps: (expected committed tokens, committed
         # tokens, log(measured / priced relative cost))
         self._steps_scored: dict[int, deque[tuple[float, int, float]]] = {}
@@ -95,30 +74,6 @@ class RealizedGain:
         self._steps_scored.setdefault(bucket, deque(maxlen=self.window)).append(
             (expected, committed, math.log(measured_cost / priced_cost)))
         self._steps[bucket] += 1
-        self._unscored[bucket] = 0
-        steps = self._steps_scored[bucket]
-        if len(steps) >= self.min_steps:
-            if _shortfall(steps) <= 0.0:      # predictions hold: the base horizon again
-                self._expiry.pop(bucket, None)
-                self._expired_high.discard(bucket)
-            elif bucket in self._expired_high:   # raised again after a clearing: wait longer
-                self._expiry[bucket] = min(2 * self._expiry.get(bucket, self.expiry_steps),
-                                           self.max_expiry_steps)
-                self._expired_high.discard(bucket)
-
-    def tick(self, base_tokens: int) -> None:
-        """A step of `base_tokens` (B0) tokens was taken (scored or not): a window not scored
-        for its bucket's horizon is cleared."""
-        bucket = batch_bucket(base_tokens)
-        steps = self._steps_scored.get(bucket)
-        if not steps:
-            return
-        self._unscored[bucket] += 1
-        if self._unscored[bucket] >= self._expiry.get(bucket, self.expiry_steps):
-            if len(steps) >= self.min_steps and _shortfall(steps) > 0.0:
-                self._expired_high.add(bucket)
-            steps.clear()
-            self._unscored[bucket] = 0
 
     def shortfall(self, base_tokens: int) -> float:
         """log(expected / committed tokens, summed) + median log(measured / priced cost) of
@@ -132,8 +87,7 @@ class RealizedGain:
 
     def as_dict(self) -> dict[int, dict[str, float]]:
         """{batch bucket: {"shortfall": its shortfall over the steps held, "steps": n}}."""
-        return {bucket: {"shortfall": round(_shortfall(steps), 4) if steps else 0.0,
-                         "steps": self._steps[bucket]}
+        return {bucket: {"shortfall": round(_shortfall(steps), 4), "steps": self._steps[bucket]}
                 for bucket, steps in sorted(self._steps_scored.items())}
 
 

@@ -622,39 +622,6 @@ def test_the_shortfall_sums_tokens_and_takes_the_median_of_costs():
         RealizedGain(window=2, min_steps=3)
 
 
-def test_a_window_not_scored_for_its_horizon_is_cleared_and_the_horizon_doubles():
-    """Batch 1's window says its steps committed half the tokens expected (free chat's last
-    rows): the gate's margin is 2.1x. After `expiry_steps` steps of batch 1 without a scored
-    one (the margin kept it shut) the window is cleared and the margin is the configured one
-    again. Refilled with the same shortfall, the next clearing waits twice as long; steps that
-    meet their prediction bring the horizon back."""
-    gain = RealizedGain(window=5, min_steps=3, expiry_steps=4, max_expiry_steps=8)
-    for _ in range(3):
-        gain.observe(1, 4.0, 2, 1.5, 1.5)
-    assert gain.min_gain(1, 0.05) == pytest.approx(1.05 * 2.0 - 1.0)
-    for _ in range(3):
-        gain.tick(1)
-        gain.tick(16)                      # another bucket's steps age nothing here
-    assert gain.shortfall(1) == pytest.approx(math.log(2.0))
-    gain.tick(1)
-    assert gain.shortfall(1) == 0.0 and gain.min_gain(1, 0.05) == pytest.approx(0.05)
-    for _ in range(3):                     # the same shortfall again: 8 steps this time
-        gain.observe(1, 4.0, 2, 1.5, 1.5)
-    for _ in range(7):
-        gain.tick(1)
-    assert gain.shortfall(1) > 0.0
-    gain.tick(1)
-    assert gain.shortfall(1) == 0.0
-    for _ in range(3):                     # predictions hold: back to 4 steps
-        gain.observe(1, 4.0, 4, 1.5, 1.5)
-    assert gain.shortfall(1) == 0.0
-    for _ in range(4):
-        gain.tick(1)
-    assert gain.as_dict()[1]["steps"] == 9 and not gain._steps_scored[1]
-    with pytest.raises(ValueError, match="expiry_steps"):
-        RealizedGain(expiry_steps=16, max_expiry_steps=8)
-
-
 def test_hunts_are_judged_per_request():
     """Looks after one that admitted nothing (hunts) look without a budget while they pay for
     the request: a request never looked at may always have its first look; a request whose
