@@ -198,7 +198,8 @@ class ModelRunner:
                     max_num_seqs, max_model_len, verify_query_len, budget, with_drafts=True)
         if limit > 1:
             self.chunk_graphs = self._capture_rows_graphs(
-                max_num_seqs, max_model_len, limit, min(budget, CHUNK_GRAPH_TOKENS),
+                max_num_seqs, max_model_len, limit,
+                min(max_num_batched_tokens or CHUNK_GRAPH_TOKENS, CHUNK_GRAPH_TOKENS),
                 with_drafts=False)
 
     def _graph_row_limit(self) -> int:
