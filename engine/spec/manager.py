@@ -26,7 +26,10 @@ the verify step's realized saving (the plain-step time its committed tokens woul
 less its own time) comes off the debt of the account that paid for the hunt, down to none. Where
 drafts pass (grounded prompts at batch 1 on the H100: ~4.5 tokens a verify step of 1-1.6 ms
 against 0.95 ms plain steps, several plain steps saved where a fruitless look costs less than
-one) the hunt goes on; where they do not (chat at batch 16), the debt stays.
+one) the hunt goes on; where they do not (chat at batch 16), the debt stays. And a hunt for
+requests whose own looks have paid needs no budget (`hunts_pay`, kept per request: a request's
+first look is free, then its hunts' net saving decides), so that one kind of traffic's losses
+at a batch size do not stop another's looks there.
 And a request whose last `MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their
 first draft is not proposed for 1, 2, 4, ... up to `spec_max_backoff_steps` steps (then
 proposed again; varlen only: fixed length verifies every request, the baseline it is).
