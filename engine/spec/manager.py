@@ -167,11 +167,17 @@ class BudgetAccount:
             self.explore = max(self.explore - max(seconds, 0.0), 0.0)
 
 
-def _recent_median(costs: dict[int, deque[float]], base_tokens: int, cost: float) -> float:
-    """`cost` added to the last COST_WINDOW of `base_tokens`' batch bucket; their median."""
-    window = costs.setdefault(batch_bucket(base_tokens), deque(maxlen=COST_WINDOW))
+def _recent_median(costs: dict[int, deque[float]], base_tokens: int, cost: float,
+                   medians: dict[int, float] | None = None) -> float:
+    """`cost` added to the last COST_WINDOW of `base_tokens`' batch bucket; their median
+    (also kept in `medians`, by bucket, when given)."""
+    bucket = batch_bucket(base_tokens)
+    window = costs.setdefault(bucket, deque(maxlen=COST_WINDOW))
     window.append(cost)
-    return median(window)
+    middle = median(window)
+    if medians is not None:
+        medians[bucket] = middle
+    return middle
 
 
 class SpecDecoder:
@@ -219,6 +225,7 @@ class SpecDecoder:
         # batch bucket -> what its last COST_WINDOW fruitless looks cost, as measured; and
         # what its last COST_WINDOW exploration steps cost over the admission's choice
         self._look_costs: dict[int, deque[float]] = {}
+        self._look_cost_medians: dict[int, float] = {}   # `look_cost`, read every step
         self._explore_costs: dict[int, deque[float]] = {}
         # which account paid for this step's look when the last look admitted nothing (True:
         # the peek account of its batch bucket, False: the exploration one; None: not
@@ -229,6 +236,7 @@ class SpecDecoder:
         # (`hunts_pay`)
         self._hunt_values: dict[str, deque[float]] = {}
         self._looked: set[str] = set()
+        self._hunts_paying: set[str] = set()   # ... whose hunts' net saving is positive
         self._look_rows: list[str] = []
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
         self._last_confidences: dict[str, list[float]] = {}   # of the last proposal
@@ -578,7 +586,7 @@ class SpecDecoder:
                 # drafter's time included): it costs that over the plain step as measured
                 cost = _recent_median(self._look_costs, base_tokens,
                                       max(step_seconds - plain, 0.0) if self.async_plain_steps
-                                      else drafter_seconds)
+                                      else drafter_seconds, self._look_cost_medians)
                 # what a peek's wrong call cost is peeking's, not exploration's
                 account.charge(peeked, cost)
                 if self._hunt is not None:
@@ -595,8 +603,7 @@ class SpecDecoder:
         prompts then skipped the drafter for want of budget on most steps of a run).
         Exploration steps are charged the same way
         (an 11.7 ms one spent batch 1's exploration account for the rest of a run)."""
-        costs = self._look_costs.get(batch_bucket(base_tokens))
-        return median(costs) if costs else 0.0
+        return self._look_cost_medians.get(batch_bucket(base_tokens), 0.0)
 
     def hunts_pay(self, rows: list[str]) -> bool:
         """A hunt may look without a budget: one of the running requests `rows` was never
@@ -608,17 +615,17 @@ class SpecDecoder:
         hunts wait for the exploration and peek budgets. Kept per request, not per batch
         size: on the emulated H100 the last requests of free chat at batch 16, hunting at
         batch 1, left batch 1 a loss that kept the next grounded prompts from looking."""
-        for request_id in rows:
-            values = self._hunt_values.get(request_id)
-            if request_id not in self._looked or values and sum(values) > 0.0:
-                return True
-        return False
+        return not self._looked.issuperset(rows) or not self._hunts_paying.isdisjoint(rows)
 
     def _hunt_value(self, request_ids: list[str], seconds: float) -> None:
         """A hunt's net seconds, shared equally by `request_ids`."""
         for request_id in request_ids:
-            self._hunt_values.setdefault(request_id, deque(maxlen=HUNT_WINDOW)).append(
-                seconds / len(request_ids))
+            values = self._hunt_values.setdefault(request_id, deque(maxlen=HUNT_WINDOW))
+            values.append(seconds / len(request_ids))
+            if sum(values) > 0.0:
+                self._hunts_paying.add(request_id)
+            else:
+                self._hunts_paying.discard(request_id)
 
     def plain_period(self, base_tokens: int) -> float | None:
         """Seconds of an overlapped plain step of `base_tokens` as measured (varlen, where
@@ -657,4 +664,5 @@ class SpecDecoder:
             self._resume_step.pop(request_id, None)
             self._hunt_values.pop(request_id, None)
             self._looked.discard(request_id)
+            self._hunts_paying.discard(request_id)
 

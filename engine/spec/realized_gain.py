@@ -61,6 +61,8 @@ class RealizedGain:
         # tokens, log(measured / priced relative cost))
         self._steps_scored: dict[int, deque[tuple[float, int, float]]] = {}
         self._steps: Counter[int] = Counter()     # bucket -> steps scored
+        # bucket -> its shortfall, as of its last scored step (the gate reads it every step)
+        self._shortfalls: dict[int, float] = {}
 
     def observe(self, base_tokens: int, expected: float, committed: int,
                 priced_cost: float, measured_cost: float) -> None:
@@ -71,15 +73,15 @@ class RealizedGain:
         if min(expected, committed, priced_cost, measured_cost) <= 0.0:
             return
         bucket = batch_bucket(base_tokens)
-        self._steps_scored.setdefault(bucket, deque(maxlen=self.window)).append(
-            (expected, committed, math.log(measured_cost / priced_cost)))
+        steps = self._steps_scored.setdefault(bucket, deque(maxlen=self.window))
+        steps.append((expected, committed, math.log(measured_cost / priced_cost)))
         self._steps[bucket] += 1
+        self._shortfalls[bucket] = _shortfall(steps) if len(steps) >= self.min_steps else 0.0
 
     def shortfall(self, base_tokens: int) -> float:
         """log(expected / committed tokens, summed) + median log(measured / priced cost) of
         B0's bucket's last `window` scored steps (0.0 before `min_steps`)."""
-        steps = self._steps_scored.get(batch_bucket(base_tokens), ())
-        return _shortfall(steps) if len(steps) >= self.min_steps else 0.0
+        return self._shortfalls.get(batch_bucket(base_tokens), 0.0)
 
     def min_gain(self, base_tokens: int, configured: float) -> float:
         """The gate's margin for B0's batch: (1 + configured) * exp(max(shortfall, 0)) - 1."""
