@@ -167,17 +167,11 @@ class BudgetAccount:
             self.explore = max(self.explore - max(seconds, 0.0), 0.0)
 
 
-def _recent_median(costs: dict[int, deque[float]], base_tokens: int, cost: float,
-                   medians: dict[int, float] | None = None) -> float:
-    """`cost` added to the last COST_WINDOW of `base_tokens`' batch bucket; their median
-    (also kept in `medians`, by bucket, when given)."""
-    bucket = batch_bucket(base_tokens)
-    window = costs.setdefault(bucket, deque(maxlen=COST_WINDOW))
+def _recent_median(costs: dict[int, deque[float]], base_tokens: int, cost: float) -> float:
+    """`cost` added to the last COST_WINDOW of `base_tokens`' batch bucket; their median."""
+    window = costs.setdefault(batch_bucket(base_tokens), deque(maxlen=COST_WINDOW))
     window.append(cost)
-    middle = median(window)
-    if medians is not None:
-        medians[bucket] = middle
-    return middle
+    return median(window)
 
 
 class SpecDecoder:
@@ -586,7 +580,8 @@ class SpecDecoder:
                 # drafter's time included): it costs that over the plain step as measured
                 cost = _recent_median(self._look_costs, base_tokens,
                                       max(step_seconds - plain, 0.0) if self.async_plain_steps
-                                      else drafter_seconds, self._look_cost_medians)
+                                      else drafter_seconds)
+                self._look_cost_medians[batch_bucket(base_tokens)] = cost
                 # what a peek's wrong call cost is peeking's, not exploration's
                 account.charge(peeked, cost)
                 if self._hunt is not None:
