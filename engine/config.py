@@ -234,10 +234,11 @@ class SpeculativeConfig:
         all such steps cost so far, plus this one's predicted extra, stays below it. It re-measures
         verify costs the admission would otherwise never try again (a profile or a step slowed
         by another process). Where plain steps overlap the host (CUDA), the same fraction
-        bounds, on an account of its own, the host time of peeks (non-blocking looks from the
-        tokens known while a step is in flight, engine/spec/manager.py). Both accounts are
-        kept per batch bucket, and a look that finds drafts that pass repays the account
-        that paid for the looks before it. 0: never explore or peek.
+        bounds, together with exploration, the host time of peeks (non-blocking looks from
+        the tokens known while a step is in flight, engine/spec/manager.py), kept on an
+        account of its own. Both accounts are kept per batch bucket, and a look that finds
+        drafts that pass repays the account that paid for the looks before it. 0: never
+        explore or peek.
     spec_max_backoff_steps: varlen: the longest a request whose drafts keep being rejected at
         the first position goes unproposed (waits of 1, 2, 4, ... steps up to this; 0: no
         back-off).

@@ -17,9 +17,10 @@ every verify step are timed by their whole loop iteration (EngineCore), as an ov
 step is by its period. When sure drafts would pay but the last look admitted nothing, the
 drafter is first asked without blocking, from the tokens known while a step is in flight (a
 peek: one token behind, its first draft guessing the token in flight); a look follows only
-when that proposal would pay. Peeks, and the looks they asked for that admitted nothing, share
-a budget of their own (`spec_explore_fraction` of the elapsed step time); a look not asked for
-by a peek waits for the exploration budget below, priced (and charged) at the median of what
+when that proposal would pay. Peeks, and the looks they asked for that admitted nothing, are
+charged to an account of their own, within one allowance with exploration's
+(`spec_explore_fraction` of the elapsed step time, `BudgetAccount`); a look not asked for by a
+peek waits for that allowance too, priced (and charged) at the median of what
 the last few fruitless looks at its batch size cost (`look_cost`). A hunt (the
 looks after one that admitted nothing) that finds drafts worth verifying pays its account back:
 the verify step's realized saving (the plain-step time its committed tokens would have taken,
@@ -141,8 +142,10 @@ def prefill_tokens_next(scheduler: Scheduler) -> int:
 class BudgetAccount:
     """One batch bucket's exploration and peek accounts (seconds): the step time observed
     there, and what exploration steps and fruitless looks (`explore`) and peeks and the looks
-    they asked for (`peek`) cost there. Each may spend `spec_explore_fraction` of `elapsed`:
-    kept per batch bucket (engine/spec/step_rate.batch_bucket), so that traffic where looking
+    they asked for (`peek`) cost there. Together they may spend `spec_explore_fraction` of
+    `elapsed` (each its own share read twice that: free chat at batch 16 on the H100 spent
+    4-6 ms of looks and 4-5 ms of peeks a 495 ms run, and ran at 0.98x of speculation off);
+    kept apart so that a hunt's saving repays the one that paid for it. Kept per batch bucket (engine/spec/step_rate.batch_bucket), so that traffic where looking
     pays (grounded prompts at batch 1: their hunts repay what they cost) does not lend its
     allowance to traffic where it does not (chat at batch 16), nor the other way round (H100,
     SmolLM2, one account for all: chat at batch 16 spent 23-45 peeks a 130-step run on the
@@ -153,8 +156,9 @@ class BudgetAccount:
     peek: float = 0.0
     largest: float = 0.0   # the largest single charge
 
-    def fits(self, spent: float, fraction: float) -> bool:
-        return fraction > 0.0 and spent <= fraction * self.elapsed
+    def fits(self, extra: float, fraction: float) -> bool:
+        """Both accounts plus `extra` seconds stay within `fraction` of the elapsed time."""
+        return fraction > 0.0 and self.explore + self.peek + extra <= fraction * self.elapsed
 
     def charge(self, peek: bool, seconds: float) -> None:
         """A fruitless look's or an exploration step's cost, to the peek account if a peek
@@ -314,12 +318,11 @@ class SpecDecoder:
         return account
 
     def _peek_due(self, base_tokens: int) -> bool:
-        """Peeking fits its budget at a batch of `base_tokens`: `spec_explore_fraction` of
-        the elapsed step time of its batch bucket, an account of its own (the peeks' host
-        time, and what the looks they asked for cost when those admitted nothing)."""
-        account = self._account(base_tokens)
-        return self.async_plain_steps and account.fits(account.peek,
-                                                       self.config.spec_explore_fraction)
+        """Peeking fits the budget of its batch bucket at a batch of `base_tokens`
+        (`BudgetAccount.fits`; its peek account holds the peeks' host time, and what the
+        looks they asked for cost when those admitted nothing)."""
+        return self.async_plain_steps and self._account(base_tokens).fits(
+            0.0, self.config.spec_explore_fraction)
 
     def _peek(self, scheduler: Scheduler, base_tokens: int) -> bool:
         """A non-blocking look, while the step in flight still holds each request's newest
@@ -392,11 +395,11 @@ class SpecDecoder:
 
     def _explore_due(self, extra_seconds: float, base_tokens: int) -> bool:
         """An exploration step predicted to cost `extra_seconds` more than the admission's
-        choice fits the budget of its batch bucket (`SpeculativeConfig.
-        spec_explore_fraction` of the step time observed there)."""
-        account = self._account(base_tokens)
-        return account.fits(account.explore + max(extra_seconds, 0.0),
-                            self.config.spec_explore_fraction)
+        choice fits the budget of its batch bucket (`BudgetAccount.fits`: with what looks,
+        explorations and peeks cost there, `SpeculativeConfig.spec_explore_fraction` of
+        the step time observed there)."""
+        return self._account(base_tokens).fits(max(extra_seconds, 0.0),
+                                               self.config.spec_explore_fraction)
 
     def skip_step(self, scheduler: Scheduler) -> None:
         """The next step carries no drafts (`may_draft` said so): counted as a step that did

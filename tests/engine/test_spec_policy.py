@@ -472,6 +472,8 @@ def test_a_peek_from_the_known_tokens_decides_whether_a_blocking_look_pays(monke
     for _ in range(4):   # a look that admits nothing, its blocking cost over the budget
         assert scored_drafts(run(spec, scheduler, measures_plain=False)[1]) == 0
     assert len(drafter.asked) == 1 and spec.explore_seconds > 0.01 * spec.elapsed_seconds
+    spec._account(1).elapsed = 1.5 * spec.explore_seconds / 0.01   # room for a peek, not a look
+    assert spec._peek_due(1) and not spec._explore_due(spec.look_cost(1), 1)
     looks, observed = len(drafter.asked), list(drafter.observed)
     out = scheduler.schedule()                              # a plain step left in flight
     request = scheduler.requests["r0"]
@@ -545,16 +547,18 @@ def test_one_stalled_look_neither_prices_nor_charges_the_looks_after_it(monkeypa
 
 def test_each_batch_bucket_spends_only_the_allowance_its_own_steps_earned():
     """Grounded prompts at batch 1 ran 1 s of steps (10 ms to explore and peek with at 1 %);
-    chat at batch 16 ran 50 ms and spent 0.6 ms peeking: its next peek and exploration wait
-    for its own steps, whatever batch 1 left unspent."""
+    chat at batch 16 ran 50 ms (0.5 ms) and spent 0.3 ms peeking: its explorations and peeks
+    share what is left, then wait for its own steps, whatever batch 1 left unspent."""
     spec = spec_decoder(CountingDrafter([1], [0.5]), measured_table(), spec_explore_fraction=0.01)
     spec.async_plain_steps = True
     grounded, chat = spec._account(1), spec._account(16)
     grounded.elapsed = 1.0
-    chat.elapsed, chat.peek = 0.050, 0.0006
+    chat.elapsed, chat.peek = 0.050, 0.0003
     assert spec._peek_due(1) and spec._explore_due(0.005, 1)
-    assert not spec._peek_due(16) and not spec._explore_due(0.001, 16)
-    assert spec._explore_due(0.0005, 12)                    # batch 12: bucket 16, unspent
+    assert spec._peek_due(16) and spec._explore_due(0.0001, 12)   # batch 12: bucket 16
+    assert not spec._explore_due(0.0003, 16)                # 0.6 ms with the peeks'
+    chat.peek = 0.0006
+    assert not spec._peek_due(16) and not spec._explore_due(0.0, 16)
     assert spec.elapsed_seconds == pytest.approx(1.05) and spec.peek_seconds == 0.0006
 
 
