@@ -624,19 +624,21 @@ class SpecDecoder:
         return not self._hunts_paying.isdisjoint(rows)
 
     def _fresh(self, running: list[Request], rows: list[str]) -> bool:
-        """One of the running requests (ids `rows`) was never looked at and has fewer than
-        FRESH_PEEKS output tokens: it may peek without a budget. A request found past them
-        joins `_unfresh` (as a look does), so that a batch of old requests costs one set
-        test a step."""
+        """One of the running requests (ids `rows`) decodes (its first token sampled or in
+        flight), was never looked at and has fewer than FRESH_PEEKS output tokens: it may
+        peek without a budget (a request still prefilling has nothing to peek at). A
+        request found past them joins `_unfresh` (as a look does), so that a batch of old
+        requests costs one set test a step."""
         if self._unfresh.issuperset(rows):
             return False
         fresh = False
         for request in running:
             if request.request_id in self._unfresh:
                 continue
-            if request.num_output_tokens >= FRESH_PEEKS:
+            num_output = request.num_output_tokens
+            if num_output >= FRESH_PEEKS:
                 self._unfresh.add(request.request_id)
-            else:
+            elif num_output + request.num_output_placeholders > 0:
                 fresh = True
         return fresh
 

@@ -675,6 +675,10 @@ def test_a_new_request_peeks_without_a_budget_then_looks_when_the_peek_pays(monk
     new_outputs = FRESH_PEEKS - 1                           # the prefill sampled the first
     assert peeks == [*range(1, new_outputs + 1)] + [new_outputs] * 3
     assert spec.skip_reasons["peek_declined"] == new_outputs
+    prefilling = make_request("long", 6, max_tokens=200, first_token=1)
+    assert not spec._fresh([prefilling], ["long"])          # nothing sampled or in flight
+    prefilling.num_output_placeholders = 1                  # its last chunk in flight
+    assert spec._fresh([prefilling], ["long"])
     drafter.conf = [0.95] * 6                               # a new request whose drafts pay
     scheduler.add_request(make_request("grounded", 6, max_tokens=200, first_token=50))
     run(spec, scheduler)
