@@ -220,7 +220,8 @@ def test_exploration_stays_within_its_share_of_the_step_time(monkeypatch):
     priced them at 1.2x: the first step verifies every draft (the admission's own choice) and
     re-measures the extra of 32 drafts, which shuts the gate. The one exploration step that
     follows (the surest first draft, when 1 % of the elapsed time covers its predicted cost)
-    costs its time minus the plain step's, and nothing else fits the budget in 150 steps. When
+    costs its time over the plain step's divided by the gate's margin (1.05: it committed no
+    more than a plain step), and nothing else fits the budget in 150 steps. When
     a request is preempted (the KV blocks run out) the batch drops to 15 rows, a new batch
     bucket of the verify extra whose start-up values no step re-measured yet: with two
     observations so far (fewer than SCALE_OBSERVATIONS) they read unscaled, the admission
@@ -237,7 +238,7 @@ def test_exploration_stays_within_its_share_of_the_step_time(monkeypatch):
     assert [(i, n) for i, n in enumerate(verified) if n] == [(0, 32), (19, 1), (59, 30)]
     assert spec.num_explored_steps == 1
     assert spec.explore_seconds <= 0.01 * spec.elapsed_seconds
-    assert spec.explore_seconds == pytest.approx(0.120 - 0.0502)
+    assert spec.explore_seconds == pytest.approx(0.120 - 0.0502 / 1.05)
 
 
 def test_a_stalled_exploration_step_is_charged_the_median_of_its_bucket():
@@ -300,6 +301,29 @@ def test_a_start_up_profile_spoiled_by_load_does_not_stop_batch_one():
     assert table.as_milliseconds()["extra"][1][5] == pytest.approx(
         (45 + 6.1 + 13 + 8 * 5.2) / 11, rel=1e-3)
     assert table.seconds(1, 5) == pytest.approx(0.0149 + 0.013)
+
+
+def test_an_exploration_of_a_shut_gate_is_free_only_above_the_gate_s_margin(monkeypatch):
+    """A profile that overstates verify costs shuts the gate at batch 16 (as above). Each
+    exploration verifies a sure first draft for every row and all pass: 32 tokens in 98 ms,
+    where plain steps would take 100.4 ms, a gain of 2.4 %, under the gate's 5 % margin.
+    Charged against the plain steps alone such steps cost nothing and ran every step after the
+    first (drafting through a shut gate at no gain that the gate would accept); charged what
+    they fall short of the margin (2.4 ms each), they stay within their share of the time."""
+    monkeypatch.setattr("deepinfer.engine.spec.manager.time.perf_counter", lambda: 0.0)
+    scheduler = decoding_scheduler(16)
+    drafter = CountingDrafter([1, 2, 3], [0.9, 0.9, 0.9])
+    spec = spec_decoder(drafter, measured_table(COSTLY, load_smoothing=0.0),
+                        spec_explore_fraction=0.01)
+    spec._account(16).elapsed = 10.6   # room for the first one (106 ms predicted)
+    run(spec, scheduler)
+    verified = [scored_drafts(run(spec, scheduler, accept=3, verify_seconds=0.098)[1])
+                for _ in range(40)]
+    assert verified[0] == 16 and set(verified) == {0, 16}
+    assert 8 <= verified.count(16) <= 12                    # one step in 3-5, not every one
+    charge = 0.098 - 2 * 0.0502 / 1.05
+    assert spec.explore_seconds == pytest.approx(charge * verified.count(16))
+    assert spec.explore_seconds <= 0.01 * spec._account(16).elapsed + charge
 
 
 def test_a_bucket_whose_confidence_fell_too_low_still_gets_verified_now_and_then(monkeypatch):
