@@ -28,11 +28,9 @@ less its own time) comes off the debt of the account that paid for the hunt, dow
 drafts pass (grounded prompts at batch 1 on the H100: ~4.5 tokens a verify step of 1-1.6 ms
 against 0.95 ms plain steps, several plain steps saved where a fruitless look costs less than
 one) the hunt goes on; where they do not (chat at batch 16), the debt stays. And a hunt for
-requests whose own looks have paid needs no budget (`hunts_pay`, kept per request: its hunts'
-net saving decides), so that one kind of traffic's losses at a batch size do not stop another's
-looks there. A new request, never looked at, peeks without a budget on its first FRESH_PEEKS
-steps (`_fresh`): a blocking first look for every new request cost free chat at batch 16 on
-the H100 four looks of ~1.6 ms a run (1 % of its time), where a peek costs host time only.
+requests whose own looks have paid needs no budget (`hunts_pay`, kept per request: a request's
+first look is free, then its hunts' net saving decides), so that one kind of traffic's losses
+at a batch size do not stop another's looks there.
 And a request whose last `MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their
 first draft is not proposed for 1, 2, 4, ... up to `spec_max_backoff_steps` steps (then
 proposed again; varlen only: fixed length verifies every request, the baseline it is).
@@ -54,8 +52,8 @@ where it realized a gain the gate would have admitted. Either may then go on. Ch
 the plain steps alone, free chat at batch 16 on a 2-core Xeon explored on 51-98 of its 128
 steps a run (each accepting ~1.5 drafts: about what it cost, while a closed batch saves less
 than a plain step's time per token), through a gate its realized gains kept shut, and read
-0.92-0.98x of speculation off. On a fast device a blocking step costs several overlapped plain steps:
-probes at a fixed interval (every 8 steps without drafts) held chat at batch 16 on the H200 at
+0.92-0.98x of speculation off. On a fast device a blocking step costs several overlapped plain
+steps: probes at a fixed interval (every 8 steps without drafts) held chat at batch 16 on the H200 at
 0.85x of speculation off.
 
 What the admission predicted is checked against what happened (varlen): each verify step's
@@ -103,8 +101,6 @@ COST_WINDOW = 5
 # a request's hunts (looks after one that admitted nothing) whose net value decides whether
 # the next hunt needs a budget (`SpecDecoder.hunts_pay`)
 HUNT_WINDOW = 8
-# a request never looked at peeks without a budget on its first this many steps (`_fresh`)
-FRESH_PEEKS = 4
 # why a step did not call the drafter (`SpecDecoder.skip_reasons`): nothing running decodes (a
 # prefill-only step); its batch's overlapped plain
 # step not measured PLAIN_MEASUREMENTS times yet; even sure first drafts would not pay and no
@@ -241,11 +237,11 @@ class SpecDecoder:
         # the peek account of its batch bucket, False: the exploration one; None: not
         # hunting): a verify step it finds pays that account back
         self._hunt: bool | None = None
-        # request id -> its share of the net seconds of its last HUNT_WINDOW hunts
-        # (`hunts_pay`); the requests looked at or past their fresh peeks (`_fresh`); the
-        # decode rows of the last look
+        # request id -> its share of the net seconds of its last HUNT_WINDOW hunts; the
+        # requests the drafter was asked about; the decode rows of the last look
+        # (`hunts_pay`)
         self._hunt_values: dict[str, deque[float]] = {}
-        self._unfresh: set[str] = set()
+        self._looked: set[str] = set()
         self._hunts_paying: set[str] = set()   # ... whose hunts' net saving is positive
         self._look_rows: list[str] = []
         self._proposed: dict[str, list[int]] = {}   # request id -> drafts handed over
@@ -290,11 +286,9 @@ class SpecDecoder:
                 base_tokens) < PLAIN_MEASUREMENTS:
             self._skip_reason = "measuring_plain"   # what an overlapped plain step costs here
             return False
-        rows = [r.request_id for r in scheduler.running]
-        if self._may_verify(rows, base_tokens):
+        if self._may_verify([r.request_id for r in scheduler.running], base_tokens):
             return True
-        if self._can_pay[1] and self.async_plain_steps and (
-                self._fresh(scheduler.running, rows) or self._peek_due(base_tokens)):
+        if self._can_pay[1] and self._peek_due(base_tokens):
             self._peeked = self._peek(scheduler, base_tokens)
             self._skip_reason = "peek_declined"
         else:
@@ -447,7 +441,7 @@ class SpecDecoder:
         start = time.perf_counter()
         proposals = self.drafter.propose(views) if views else {}
         drafter_seconds = time.perf_counter() - start
-        self._unfresh.update(ids)
+        self._looked.update(ids)
         self._look_rows = ids
         drafts = [proposals[i].token_ids if i in proposals else [] for i in ids]
         confidences = [proposals[i].confidences if i in proposals else [] for i in ids]
@@ -623,8 +617,9 @@ class SpecDecoder:
         return self._look_cost_medians.get(batch_bucket(base_tokens), 0.0)
 
     def hunts_pay(self, rows: list[str]) -> bool:
-        """A hunt may look without a budget: the last HUNT_WINDOW hunts of one of the
-        running requests `rows` saved more than they cost, net (a verify step a hunt found:
+        """A hunt may look without a budget: one of the running requests `rows` was never
+        looked at (its first look), or its last HUNT_WINDOW hunts saved more than they cost,
+        net (a verify step a hunt found:
         its realized saving, shared by the requests with drafts; a fruitless one: its look
         cost, shared by the decode rows). Where drafts pass
         after a miss (grounded prompts at batch 1, where a fruitless look costs a fraction
@@ -632,26 +627,7 @@ class SpecDecoder:
         hunts wait for the exploration and peek budgets. Kept per request, not per batch
         size: on the emulated H100 the last requests of free chat at batch 16, hunting at
         batch 1, left batch 1 a loss that kept the next grounded prompts from looking."""
-        return not self._hunts_paying.isdisjoint(rows)
-
-    def _fresh(self, running: list[Request], rows: list[str]) -> bool:
-        """One of the running requests (ids `rows`) decodes (its first token sampled or in
-        flight), was never looked at and has fewer than FRESH_PEEKS output tokens: it may
-        peek without a budget (a request still prefilling has nothing to peek at). A
-        request found past them joins `_unfresh` (as a look does), so that a batch of old
-        requests costs one set test a step."""
-        if self._unfresh.issuperset(rows):
-            return False
-        fresh = False
-        for request in running:
-            if request.request_id in self._unfresh:
-                continue
-            num_output = request.num_output_tokens
-            if num_output >= FRESH_PEEKS:
-                self._unfresh.add(request.request_id)
-            elif num_output + request.num_output_placeholders > 0:
-                fresh = True
-        return fresh
+        return not self._looked.issuperset(rows) or not self._hunts_paying.isdisjoint(rows)
 
     def _hunt_value(self, request_ids: list[str], seconds: float) -> None:
         """A hunt's net seconds, shared equally by `request_ids`."""
@@ -699,6 +675,6 @@ class SpecDecoder:
             self._misses.pop(request_id, None)
             self._resume_step.pop(request_id, None)
             self._hunt_values.pop(request_id, None)
-            self._unfresh.discard(request_id)
+            self._looked.discard(request_id)
             self._hunts_paying.discard(request_id)
 

@@ -10,7 +10,6 @@ fastest of 5, 2026-12-04): one decode row 14.9 ms, with 1 / 2 / 4 / 8 drafts 20.
 kernel): 5 ms at batch 1, 12 ms at batch 16.
 """
 
-import dataclasses
 import math
 
 import pytest
@@ -20,8 +19,7 @@ from deepinfer.engine.config import SpeculativeConfig
 from deepinfer.engine.outputs import ModelRunnerOutput
 from deepinfer.engine.spec.admission import admit_varlen, drafting_can_pay, survival
 from deepinfer.engine.spec.drafter import DraftProposal
-from deepinfer.engine.spec.manager import (COST_WINDOW, FRESH_PEEKS, SKIP_REASONS, SpecDecoder,
-                                           _recent_median)
+from deepinfer.engine.spec.manager import COST_WINDOW, SKIP_REASONS, SpecDecoder, _recent_median
 from deepinfer.engine.spec.realized_gain import RealizedGain
 from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket
 
@@ -654,64 +652,22 @@ def test_the_shortfall_sums_tokens_and_takes_the_median_of_costs():
 
 def test_hunts_are_judged_per_request():
     """Looks after one that admitted nothing (hunts) look without a budget while they pay for
-    the request: a request whose hunts lost (fruitless looks) waits for the budgets; another
-    request's losses do not count against one whose hunts paid."""
+    the request: a request never looked at may always have its first look; a request whose
+    hunts lost (fruitless looks) waits for the budgets; another request's losses do not
+    count against a new one."""
     spec = spec_decoder(CountingDrafter([1, 2], [0.9, 0.9]), measured_table(),
                         spec_explore_fraction=0.0)
-    assert not spec.hunts_pay(["chat"])             # no hunt yet: budgets decide
+    assert spec.hunts_pay(["chat"])                 # never looked at
+    spec._looked.add("chat")
+    assert not spec.hunts_pay(["chat"])             # looked at, no hunt yet: budgets decide
     spec._hunt_value(["chat"], -0.5 * MS)
-    assert not spec.hunts_pay(["chat"])
+    assert not spec.hunts_pay(["chat"]) and spec.hunts_pay(["chat", "grounded"])
+    spec._looked.add("grounded")
     spec._hunt_value(["grounded"], -0.5 * MS)
     spec._hunt_value(["grounded"], 3.0 * MS)        # a verify step it found
     assert spec.hunts_pay(["grounded"]) and spec.hunts_pay(["chat", "grounded"])
     spec.forget(["grounded"])
-    assert not spec.hunts_pay(["grounded"])         # a new request of the same id
-
-
-def test_a_new_request_peeks_without_a_budget_then_looks_when_the_peek_pays(monkeypatch):
-    """The last look admitted nothing and no budget is left (free chat at batch 16 on the
-    GPU): a new request is not given a blocking look (at batch 16 one costs ~1.6 ms, four a
-    run, 1 % of chat's time on the H100) but a peek on each of its first FRESH_PEEKS steps,
-    which asks for a look only when its drafts would pay. Requests past them, or looked at,
-    peek only on the peek budget."""
-    drafter = CountingDrafter([1, 2, 3, 4, 5, 6], [0.01] * 6)
-    scheduler, spec = overlapped_batch_one(monkeypatch, drafter)
-    spec.config = dataclasses.replace(spec.config, spec_explore_fraction=0.0)   # no budget
-    run(spec, scheduler, seconds=0.0249, measures_plain=False)   # a look: the first step's
-    assert len(drafter.asked) == 1 and spec._looks_pay is False
-    scheduler.add_request(make_request("new", 6, max_tokens=200, first_token=99))
-    run(spec, scheduler)                                    # its prefill, beside r0's step
-    for _ in range(3):   # overlapped plain steps of two rows, as measured
-        spec.step_rate.observe(2, 0, 0.0149)
-    peeks = []
-    for _ in range(FRESH_PEEKS + 2):
-        out = scheduler.schedule()                          # a plain step left in flight
-        for request in scheduler.running:
-            request.num_output_placeholders += 1
-        assert not spec.may_draft(scheduler)                # peeks: 0.01 pays nothing
-        spec.skip_step(scheduler)
-        peeks.append(spec.num_peeks)
-        for request in scheduler.running:
-            request.num_output_placeholders -= 1
-        scheduler.update_from_output(out, ModelRunnerOutput(
-            list(out.num_scheduled_tokens), [[7]] * len(out.num_scheduled_tokens),
-            [None] * len(out.num_scheduled_tokens)))
-    new_outputs = FRESH_PEEKS - 1                           # the prefill sampled the first
-    assert peeks == [*range(1, new_outputs + 1)] + [new_outputs] * 3
-    assert spec.skip_reasons["peek_declined"] == new_outputs
-    prefilling = make_request("long", 6, max_tokens=200, first_token=1)
-    assert not spec._fresh([prefilling], ["long"])          # nothing sampled or in flight
-    prefilling.num_output_placeholders = 1                  # its last chunk in flight
-    assert spec._fresh([prefilling], ["long"])
-    drafter.conf = [0.95] * 6                               # a new request whose drafts pay
-    scheduler.add_request(make_request("grounded", 6, max_tokens=200, first_token=50))
-    run(spec, scheduler)
-    for _ in range(3):
-        spec.step_rate.observe(3, 0, 0.0149)
-    scheduler.schedule()
-    for request in scheduler.running:
-        request.num_output_placeholders += 1
-    assert spec.may_draft(scheduler) and spec.num_fruitful_peeks == 1
+    assert spec.hunts_pay(["grounded"])             # a new request of the same id
 
 
 def test_calibrated_confidences_on_all_or_nothing_acceptance_raise_no_margin():
