@@ -18,7 +18,12 @@ committed tokens / committed tokens) x (measured relative cost / priced relative
 The shortfall of a batch bucket over its last `window` scored steps is log(sum of expected /
 sum of committed) plus the median of log(measured / priced relative cost); once `min_steps`
 were scored, the gate asks for `exp(max(shortfall, 0))` times its usual margin (never less than
-the configured `spec_min_gain`).
+the configured `spec_min_gain`), at most `MAX_RAISE` times it: a bucket's first few verify
+steps can fall short for reasons that pass (a process's first replays of its verify graphs),
+and a margin no prediction clears stops the steps that would score it again (H100, grounded
+prompts at batch 1: four warm-up steps read a shortfall of log 1.68, the margin rose to 77 %,
+and the bucket verified nothing more in two processes: 0.98x of speculation off where it reads
+2.5x; the H100's free chat at batch 16 below needed a raise of ~1.3x).
 - Tokens are summed: a step's accepted count is one draw of what the confidences predict in
   expectation, and on grounded text that draw is bimodal (all drafts or nearly none); a median
   of per-step gain ratios then read calibrated confidences as a shortfall (60 % of steps
@@ -43,6 +48,8 @@ import math
 from collections import Counter, deque
 
 from deepinfer.engine.spec.step_rate import batch_bucket, median
+
+MAX_RAISE = 1.5   # the most the shortfall multiplies the gate's margin (1 + spec_min_gain) by
 
 
 class RealizedGain:
@@ -84,8 +91,10 @@ class RealizedGain:
         return self._shortfalls.get(batch_bucket(base_tokens), 0.0)
 
     def min_gain(self, base_tokens: int, configured: float) -> float:
-        """The gate's margin for B0's batch: (1 + configured) * exp(max(shortfall, 0)) - 1."""
-        return (1.0 + configured) * math.exp(max(self.shortfall(base_tokens), 0.0)) - 1.0
+        """The gate's margin for B0's batch: (1 + configured) * min(exp(max(shortfall, 0)),
+        MAX_RAISE) - 1."""
+        raise_ = min(math.exp(max(self.shortfall(base_tokens), 0.0)), MAX_RAISE)
+        return (1.0 + configured) * raise_ - 1.0
 
     def as_dict(self) -> dict[int, dict[str, float]]:
         """{batch bucket: {"shortfall": its shortfall over the steps held, "steps": n}}."""
