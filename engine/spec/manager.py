@@ -28,9 +28,14 @@ less its own time) comes off the debt of the account that paid for the hunt, dow
 drafts pass (grounded prompts at batch 1 on the H100: ~4.5 tokens a verify step of 1-1.6 ms
 against 0.95 ms plain steps, several plain steps saved where a fruitless look costs less than
 one) the hunt goes on; where they do not (chat at batch 16), the debt stays. And a hunt for
-requests whose own looks have paid needs no budget (`hunts_pay`, kept per request: a request's
-first look is free, then its hunts' net saving decides), so that one kind of traffic's losses
-at a batch size do not stop another's looks there.
+requests whose own looks have paid needs no budget (`hunts_pay`, kept per request: its hunts'
+net saving decides), so that one kind of traffic's losses at a batch size do not stop another's
+looks there. A request never looked at peeks without a budget on its first FRESH_PEEKS steps
+and then at its 4th, 8th, 16th, ... output token (`_fresh`), until a peek asks for a look: a
+blocking first look for every new request cost free chat at batch 16 on the H100 four looks of
+~2 ms a run (1.5 % of its time), where a peek costs host time only; and peeks on the first
+steps alone missed grounded requests whose output starts with words of its own (grounded b1
+fell to 2.21x in one process of four).
 And a request whose last `MISSES_BEFORE_BACKOFF` verified proposals were all rejected at their
 first draft is not proposed for 1, 2, 4, ... up to `spec_max_backoff_steps` steps (then
 proposed again; varlen only: fixed length verifies every request, the baseline it is).
@@ -101,6 +106,9 @@ COST_WINDOW = 5
 # a request's hunts (looks after one that admitted nothing) whose net value decides whether
 # the next hunt needs a budget (`SpecDecoder.hunts_pay`)
 HUNT_WINDOW = 8
+# a request never looked at peeks without a budget on this many first steps, then at each
+# power-of-two output length (`SpecDecoder._fresh`)
+FRESH_PEEKS = 4
 # why a step did not call the drafter (`SpecDecoder.skip_reasons`): nothing running decodes (a
 # prefill-only step); its batch's overlapped plain
 # step not measured PLAIN_MEASUREMENTS times yet; even sure first drafts would not pay and no
@@ -237,9 +245,9 @@ class SpecDecoder:
         # the peek account of its batch bucket, False: the exploration one; None: not
         # hunting): a verify step it finds pays that account back
         self._hunt: bool | None = None
-        # request id -> its share of the net seconds of its last HUNT_WINDOW hunts; the
-        # requests the drafter was asked about; the decode rows of the last look
-        # (`hunts_pay`)
+        # request id -> its share of the net seconds of its last HUNT_WINDOW hunts
+        # (`hunts_pay`); the requests the drafter was asked about (`_fresh`); the decode
+        # rows of the last look
         self._hunt_values: dict[str, deque[float]] = {}
         self._looked: set[str] = set()
         self._hunts_paying: set[str] = set()   # ... whose hunts' net saving is positive
@@ -286,9 +294,11 @@ class SpecDecoder:
                 base_tokens) < PLAIN_MEASUREMENTS:
             self._skip_reason = "measuring_plain"   # what an overlapped plain step costs here
             return False
-        if self._may_verify([r.request_id for r in scheduler.running], base_tokens):
+        rows = [r.request_id for r in scheduler.running]
+        if self._may_verify(rows, base_tokens):
             return True
-        if self._can_pay[1] and self._peek_due(base_tokens):
+        if self._can_pay[1] and self.async_plain_steps and (
+                self._fresh(scheduler.running, rows) or self._peek_due(base_tokens)):
             self._peeked = self._peek(scheduler, base_tokens)
             self._skip_reason = "peek_declined"
         else:
@@ -617,9 +627,8 @@ class SpecDecoder:
         return self._look_cost_medians.get(batch_bucket(base_tokens), 0.0)
 
     def hunts_pay(self, rows: list[str]) -> bool:
-        """A hunt may look without a budget: one of the running requests `rows` was never
-        looked at (its first look), or its last HUNT_WINDOW hunts saved more than they cost,
-        net (a verify step a hunt found:
+        """A hunt may look without a budget: the last HUNT_WINDOW hunts of one of the
+        running requests `rows` saved more than they cost, net (a verify step a hunt found:
         its realized saving, shared by the requests with drafts; a fruitless one: its look
         cost, shared by the decode rows). Where drafts pass
         after a miss (grounded prompts at batch 1, where a fruitless look costs a fraction
@@ -627,7 +636,21 @@ class SpecDecoder:
         hunts wait for the exploration and peek budgets. Kept per request, not per batch
         size: on the emulated H100 the last requests of free chat at batch 16, hunting at
         batch 1, left batch 1 a loss that kept the next grounded prompts from looking."""
-        return not self._looked.issuperset(rows) or not self._hunts_paying.isdisjoint(rows)
+        return not self._hunts_paying.isdisjoint(rows)
+
+    def _fresh(self, running: list[Request], rows: list[str]) -> bool:
+        """One of the running requests (ids `rows`) that decodes (its first token sampled or
+        in flight) was never looked at, and its output length is below FRESH_PEEKS or a power
+        of two: it may peek without a budget (module docstring)."""
+        if self._looked.issuperset(rows):
+            return False
+        for request in running:
+            num_output = request.num_output_tokens
+            if (request.request_id not in self._looked
+                    and num_output + request.num_output_placeholders > 0
+                    and (num_output < FRESH_PEEKS or num_output & (num_output - 1) == 0)):
+                return True
+        return False
 
     def _hunt_value(self, request_ids: list[str], seconds: float) -> None:
         """A hunt's net seconds, shared equally by `request_ids`."""

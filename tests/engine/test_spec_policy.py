@@ -10,6 +10,7 @@ fastest of 5, 2026-12-04): one decode row 14.9 ms, with 1 / 2 / 4 / 8 drafts 20.
 kernel): 5 ms at batch 1, 12 ms at batch 16.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -19,7 +20,8 @@ from deepinfer.engine.config import SpeculativeConfig
 from deepinfer.engine.outputs import ModelRunnerOutput
 from deepinfer.engine.spec.admission import admit_varlen, drafting_can_pay, survival
 from deepinfer.engine.spec.drafter import DraftProposal
-from deepinfer.engine.spec.manager import COST_WINDOW, SKIP_REASONS, SpecDecoder, _recent_median
+from deepinfer.engine.spec.manager import (COST_WINDOW, FRESH_PEEKS, SKIP_REASONS, SpecDecoder,
+                                           _recent_median)
 from deepinfer.engine.spec.realized_gain import MAX_RAISE, RealizedGain
 from deepinfer.engine.spec.step_rate import StepRateTable, batch_bucket
 
@@ -654,22 +656,62 @@ def test_the_shortfall_sums_tokens_and_takes_the_median_of_costs():
 
 def test_hunts_are_judged_per_request():
     """Looks after one that admitted nothing (hunts) look without a budget while they pay for
-    the request: a request never looked at may always have its first look; a request whose
-    hunts lost (fruitless looks) waits for the budgets; another request's losses do not
-    count against a new one."""
+    the request: a request whose hunts lost (fruitless looks) waits for the budgets; another
+    request's losses do not count against one whose hunts paid."""
     spec = spec_decoder(CountingDrafter([1, 2], [0.9, 0.9]), measured_table(),
                         spec_explore_fraction=0.0)
-    assert spec.hunts_pay(["chat"])                 # never looked at
-    spec._looked.add("chat")
-    assert not spec.hunts_pay(["chat"])             # looked at, no hunt yet: budgets decide
+    assert not spec.hunts_pay(["chat"])             # no hunt yet: budgets decide
     spec._hunt_value(["chat"], -0.5 * MS)
-    assert not spec.hunts_pay(["chat"]) and spec.hunts_pay(["chat", "grounded"])
-    spec._looked.add("grounded")
+    assert not spec.hunts_pay(["chat"])
     spec._hunt_value(["grounded"], -0.5 * MS)
     spec._hunt_value(["grounded"], 3.0 * MS)        # a verify step it found
     assert spec.hunts_pay(["grounded"]) and spec.hunts_pay(["chat", "grounded"])
     spec.forget(["grounded"])
-    assert spec.hunts_pay(["grounded"])             # a new request of the same id
+    assert not spec.hunts_pay(["grounded"])         # a new request of the same id
+
+
+def test_a_new_request_peeks_without_a_budget_then_looks_when_a_peek_pays(monkeypatch):
+    """The last look admitted nothing and no budget is left (free chat at batch 16 on the
+    GPU): a new request is not given a blocking look (at batch 16 one costs ~2 ms, four a run)
+    but peeks on its first FRESH_PEEKS steps and then at power-of-two output lengths, until
+    one asks for a look (a grounded request whose output starts with words of its own). A
+    request still prefilling has nothing to peek at."""
+    drafter = CountingDrafter([1, 2, 3, 4, 5, 6], [0.01] * 6)
+    scheduler, spec = overlapped_batch_one(monkeypatch, drafter)
+    spec.config = dataclasses.replace(spec.config, spec_explore_fraction=0.0)   # no budget
+    run(spec, scheduler, seconds=0.0249, measures_plain=False)   # the first step's look
+    assert len(drafter.asked) == 1 and spec._looks_pay is False
+    scheduler.add_request(make_request("new", 6, max_tokens=200, first_token=99))
+    run(spec, scheduler)                                    # its prefill, beside r0's step
+    for _ in range(3):   # overlapped plain steps of two rows, as measured
+        spec.step_rate.observe(2, 0, 0.0149)
+    peeked = []
+    for _ in range(17):
+        out = scheduler.schedule()                          # a plain step left in flight
+        for request in scheduler.running:
+            request.num_output_placeholders += 1
+        peeks = spec.num_peeks
+        assert not spec.may_draft(scheduler)                # 0.01 pays nothing
+        spec.skip_step(scheduler)
+        if spec.num_peeks > peeks:
+            peeked.append(scheduler.requests["new"].num_output_tokens)
+        for request in scheduler.running:
+            request.num_output_placeholders -= 1
+        scheduler.update_from_output(out, ModelRunnerOutput(
+            list(out.num_scheduled_tokens), [[7]] * len(out.num_scheduled_tokens),
+            [None] * len(out.num_scheduled_tokens)))
+    assert peeked == [*range(1, FRESH_PEEKS), 4, 8, 16]     # the prefill sampled the first
+    prefilling = make_request("long", 6, max_tokens=200, first_token=1)
+    assert not spec._fresh([prefilling], ["long"])          # nothing sampled or in flight
+    prefilling.num_output_placeholders = 1                  # its last chunk in flight
+    assert spec._fresh([prefilling], ["long"])
+    drafter.conf = [0.95] * 6                               # now its drafts would pay
+    while scheduler.requests["new"].num_output_tokens < 32:
+        run(spec, scheduler)
+    scheduler.schedule()
+    for request in scheduler.running:
+        request.num_output_placeholders += 1
+    assert spec.may_draft(scheduler) and spec.num_fruitful_peeks == 1
 
 
 def test_calibrated_confidences_on_all_or_nothing_acceptance_raise_no_margin():
