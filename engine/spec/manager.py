@@ -58,8 +58,8 @@ the plain steps alone, free chat at batch 16 on a 2-core Xeon explored on 51-98 
 steps a run (each accepting ~1.5 drafts: about what it cost, while a closed batch saves less
 than a plain step's time per token), through a gate its realized gains kept shut, and read
 0.92-0.98x of speculation off. On a fast device a blocking step costs several overlapped plain
-steps: probes at a fixed interval (every 8 steps without drafts) held chat at batch 16 on the H200 at
-0.85x of speculation off.
+steps: probes at a fixed interval (every 8 steps without drafts) held chat at batch 16 on the
+H200 at 0.85x of speculation off.
 
 What the admission predicted is checked against what happened (varlen): each verify step's
 realized throughput gain over the plain step (an exploration's too) is compared with the gain
@@ -154,8 +154,9 @@ class BudgetAccount:
     there, and what exploration steps and fruitless looks (`explore`) and peeks and the looks
     they asked for (`peek`) cost there. Together they may spend `spec_explore_fraction` of
     `elapsed` (each its own share read twice that: free chat at batch 16 on the H100 spent
-    4-6 ms of looks and 4-5 ms of peeks a 495 ms run, and ran at 0.98x of speculation off);
-    kept apart so that a hunt's saving repays the one that paid for it. Kept per batch bucket (engine/spec/step_rate.batch_bucket), so that traffic where looking
+    8-15 ms of looks and peeks a 495 ms run, and ran at 0.97-0.99x of speculation off); kept
+    apart so that a hunt's saving repays the one that paid for it. Kept per batch bucket
+    (engine/spec/step_rate.batch_bucket), so that traffic where looking
     pays (grounded prompts at batch 1: their hunts repay what they cost) does not lend its
     allowance to traffic where it does not (chat at batch 16), nor the other way round (H100,
     SmolLM2, one account for all: chat at batch 16 spent 23-45 peeks a 130-step run on the

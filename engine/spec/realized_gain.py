@@ -23,7 +23,7 @@ steps can fall short for reasons that pass (a process's first replays of its ver
 and a margin no prediction clears stops the steps that would score it again (H100, grounded
 prompts at batch 1: four warm-up steps read a shortfall of log 1.68, the margin rose to 77 %,
 and the bucket verified nothing more in two processes: 0.98x of speculation off where it reads
-2.5x; the H100's free chat at batch 16 below needed a raise of ~1.3x).
+2.5x; the H100's free chat at batch 16 above needed a raise of ~1.3x).
 - Tokens are summed: a step's accepted count is one draw of what the confidences predict in
   expectation, and on grounded text that draw is bimodal (all drafts or nearly none); a median
   of per-step gain ratios then read calibrated confidences as a shortfall (60 % of steps
