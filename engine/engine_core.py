@@ -225,8 +225,12 @@ class EngineCore:
         else:
             from deepinfer.engine.spec.draft_model import DraftModelDrafter
             runner = self.executor.runner
-            draft_dir = loader.resolve_model_dir(config.speculative_model,
-                                                 self.config.model.cache_dir)
+            try:
+                draft_dir = loader.resolve_model_dir(config.speculative_model,
+                                                     self.config.model.cache_dir)
+            except (FileNotFoundError, ValueError) as error:   # say which model is wrong
+                raise type(error)(f"speculative_model={config.speculative_model!r}: "
+                                  f"{error}") from error
             drafter = DraftModelDrafter(
                 loader.load_model(draft_dir, runner.kv_caches[0].dtype, runner.device),
                 runner, config.num_speculative_tokens, self.config.scheduler.max_num_seqs)

@@ -50,3 +50,10 @@ def test_draft_model_outputs_equal_plain_decoding(tiny_llama_dir, tmp_path, smol
     stats = same.engine_core.spec.stats
     assert stats.num_draft_tokens > 20
     assert stats.num_accepted_tokens == stats.num_draft_tokens   # every greedy draft passes
+
+
+def test_a_missing_draft_model_is_named_in_the_error(tiny_llama_dir, tmp_path):
+    """A speculative model path that does not exist fails at start-up naming
+    speculative_model, not the target."""
+    with pytest.raises(FileNotFoundError, match="speculative_model=.*nonexistent"):
+        make_llm(tiny_llama_dir, tmp_path / "nonexistent")
