@@ -602,17 +602,28 @@ def _coerce(current_type: str, raw: str):
     return raw
 
 
+# KernelConfig (kernels/settings.py) reads no environment: its user-facing fields get their
+# `DEEPINFER_*` variable and `deepinfer serve` flag here, as `_field` metadata would.
+_KERNEL_SURFACES: dict[str, dict] = {
+    "batch_invariant": {"env": "DEEPINFER_BATCH_INVARIANT", "flag": "batch_invariant",
+                        "flag_in_gib": False},
+}
+
+
 def _section_fields():
-    """(section name, dataclasses.Field) of every field of EngineConfig's sections."""
+    """(section name, dataclasses.Field, its surfaces {"env", "flag", "flag_in_gib"}) of every
+    field of EngineConfig's sections."""
     for section in dataclasses.fields(EngineConfig):
         for f in dataclasses.fields(section.default_factory):
-            yield section.name, f
+            surfaces = (_KERNEL_SURFACES.get(f.name, {}) if section.name == "kernel"
+                        else f.metadata)
+            yield section.name, f, surfaces
 
 
 # Environment variable -> (section, field): from the fields' `_field(env=...)`
-ENV_VARS: dict[str, tuple[str, str]] = {f.metadata["env"]: (section, f.name)
-                                        for section, f in _section_fields()
-                                        if f.metadata.get("env")}
+ENV_VARS: dict[str, tuple[str, str]] = {surfaces["env"]: (section, f.name)
+                                        for section, f, surfaces in _section_fields()
+                                        if surfaces.get("env")}
 
 
 def _gib_to_bytes(gib: float) -> int:
@@ -622,9 +633,9 @@ def _gib_to_bytes(gib: float) -> int:
 def engine_flags() -> dict[str, tuple[str, str, Callable]]:
     """`deepinfer serve` flag dest -> (section, field, converter of the parsed value): from the
     fields' `_field(flag=...)`; a flag in GiB converts to the field's bytes."""
-    return {f.metadata["flag"]: (section, f.name, _gib_to_bytes if f.metadata["flag_in_gib"]
-                                 else _identity)
-            for section, f in _section_fields() if f.metadata.get("flag")}
+    return {surfaces["flag"]: (section, f.name, _gib_to_bytes if surfaces["flag_in_gib"]
+                               else _identity)
+            for section, f, surfaces in _section_fields() if surfaces.get("flag")}
 
 
 def _identity(value):
@@ -655,7 +666,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict]:
     environ = os.environ if environ is None else environ
     sections: dict[str, dict] = {}
     types: dict[str, dict[str, str]] = {}
-    for section, f in _section_fields():
+    for section, f, _ in _section_fields():
         types.setdefault(section, {})[f.name] = str(f.type)
     for var, (section, name) in ENV_VARS.items():
         if var in environ and environ[var] != "":

@@ -22,6 +22,7 @@ import torch
 
 from deepinfer.engine import loader
 from deepinfer.engine.async_step import needs_sync_steps
+from deepinfer.engine.batch_invariant import check_batch_invariant
 from deepinfer.engine.config import EngineConfig, ModelConfig
 from deepinfer.engine.dp_executor import build_executor
 from deepinfer.engine.dp_scheduler import DPScheduler
@@ -31,6 +32,7 @@ from deepinfer.engine.fault_isolation import FaultIsolation
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
 from deepinfer.engine.mm_processor import adopt_chat_template, load_mm_processor
+from deepinfer.engine.models import get_model_class
 from deepinfer.engine.output_processor import OutputProcessor, TokenOutputProcessor
 from deepinfer.engine.outputs import (EngineCoreOutput, ModelRunnerOutput, RequestOutput,
                                       SchedulerOutput, SchedulerStats)
@@ -59,6 +61,7 @@ def resolve_device_dtype(config: ModelConfig) -> tuple[torch.device, torch.dtype
 
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 
 def served_model_name(config: ModelConfig) -> str:
@@ -102,6 +105,7 @@ class EngineCore:
         # a vision-language model's processor (images -> pixel values, placeholder expansion)
         self.mm_processor = load_mm_processor(self.model_dir, hf_config, config.multimodal)
         adopt_chat_template(self.tokenizer, self.mm_processor)
+        check_batch_invariant(config.kernel, device, get_model_class(hf_config))
         hf_config = hf_config.get_text_config()
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

@@ -4,7 +4,9 @@ One torch extension module holds every CPU kernel, so a machine pays one ~60 s c
 first use, and never again whatever the launch:
 - `q4_1_linear`, `q8_0_linear`: `csrc/quantized_linear_avx2.cpp` (kernels/quantized_linear.py),
   whose few-row nest runs `csrc/quantized_linear_avx512.cpp` on CPUs with AVX-512F (chosen at
-  run time; those functions alone are compiled for AVX-512, so the module runs on AVX2 CPUs).
+  run time; those functions alone are compiled for AVX-512, so the module runs on AVX2 CPUs);
+  with `row_invariant` (batch-invariant mode) a row's summation order does not depend on M.
+- `f32_linear`: `csrc/f32_linear_avx2.cpp`, the batch-invariant float32 linear (kernels/linear.py).
 - `rms_norm`: `csrc/rms_norm_avx2.cpp` (used by kernels/rms_norm.py).
 - `paged_decode_attention`: `csrc/paged_attention_cpu.cpp` (used by kernels/paged_attention_cpu.py).
 Bindings and tensor checks: `csrc/quantized_linear_bindings.cpp`.
@@ -38,8 +40,8 @@ from typing import Iterator, Sequence
 
 _CSRC_DIR = Path(__file__).parent / "csrc"
 _NAME = "deepinfer_cpu_ops"
-_SOURCES = ("quantized_linear_avx2.cpp", "quantized_linear_avx512.cpp", "rms_norm_avx2.cpp",
-            "paged_attention_cpu.cpp", "quantized_linear_bindings.cpp")
+_SOURCES = ("quantized_linear_avx2.cpp", "quantized_linear_avx512.cpp", "f32_linear_avx2.cpp",
+            "rms_norm_avx2.cpp", "paged_attention_cpu.cpp", "quantized_linear_bindings.cpp")
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _DONE = "complete"   # written into a build directory once its module has loaded
@@ -174,3 +176,18 @@ def cpu_extension() -> ModuleType | None:
         logger.warning("building deepinfer's C++ CPU kernels failed (%s); falling back to the "
                        "~4x slower torch ops (quantized linear uses float32 weights).", error)
         return None
+
+
+def batch_invariant_summary() -> str:
+    """What the batch-invariant mode (`KernelConfig.batch_invariant`) runs on this CPU, for the
+    start-up log: the invariant forms are slower than the default kernels where said."""
+    ext = cpu_extension()
+    if ext is None:
+        return ("the C++ extension is unavailable: every linear row is its own F.linear call "
+                "and attention runs the float32 reference token by token (much slower)")
+    quantized = ("the AVX-512 few-row nest in tiles of 8 rows (as fast as the default at decode)"
+                 if ext.avx512_available() else
+                 "one FMA chain per row (no AVX-512 here: slower than the default at 1-4 rows)")
+    return (f"float32 linears run a fixed-order kernel; Q4_1 / Q8_0 linears {quantized}, "
+            "prefill included; attention runs the per-token C++ kernel for every token, "
+            "prefill chunks included (slower prefill than the default SDPA)")

@@ -20,6 +20,13 @@ input rows,
 `linear` then runs the AVX2 block-quantized kernel (`kernels/quantized_linear.py`), which reads
 4-6x fewer bytes per token and gives the same values up to float32 summation order. Larger
 inputs (prefill chunks) are compute-bound and stay on the float32 GEMM.
+
+Batch-invariant mode (`KernelConfig.batch_invariant`) on CPU: every row's bits must not depend
+on the rows beside it or on their number, and MKL / oneDNN choose kernels and blockings by M.
+A weight with a quantized form then always runs the quantized kernel with `row_invariant`
+(whatever M, prefill included), any other float32 weight our own fixed-order float32 kernel
+(`csrc/f32_linear_avx2.cpp`, no packed copy used); without the C++ extension, or for other
+dtypes, each row is its own `F.linear` call (same shape every call: slow, invariant).
 """
 
 from __future__ import annotations
@@ -104,6 +111,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [..., out_features], x's dtype.
     """
+    if settings.batch_invariant and x.device.type == "cpu":
+        return _row_invariant_cpu(x, weight, bias, quantized)
     config = skinny_config(x, weight, settings)
     if config is not None:
         from deepinfer.kernels import linear_triton
@@ -119,6 +128,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         with preferring(library):
             return F.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _row_invariant_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       quantized: QuantizedWeight | None) -> torch.Tensor:
+    """`linear` on CPU in batch-invariant mode (module docstring)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if cpu_kernel_available() and x.dtype == torch.float32:
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        if quantized is not None:
+            y = quantized_linear(x2d, quantized, backend="cpu_avx2", row_invariant=True)
+        else:
+            from deepinfer.kernels.cpu_extension import cpu_extension
+
+            y = cpu_extension().f32_linear(x2d, weight.contiguous())
+        if bias is not None:
+            y.add_(bias)
+    else:
+        y = torch.cat([F.linear(row, weight, bias) for row in x2d.split(1)]) if len(x2d) else (
+            F.linear(x2d, weight, bias))
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear_row_argmax(x: torch.Tensor, weight: torch.Tensor, *, settings: KernelConfig = DEFAULT

@@ -13,6 +13,12 @@ Attention from a fused q|k|v projection, with rotary (one kernel for a decode ba
 `backend="auto"` picks per device in `_auto_backend`: "cpu" on CPU where the C++ extension builds
 (kernels/cpu_extension.py), "triton" on CUDA where Triton is installed, else "torch".
 
+Batch-invariant mode (`batch_invariant=True`, from `KernelConfig.batch_invariant`): every query
+token's result must not depend on the batch, on chunked-prefill boundaries or on prefix-cache
+hits. On CPU every token then runs the C++ per-token kernel ("cpu": a fixed two-pass order over
+its own context, prefill chunks included), or the float32 reference where the extension does
+not build. CUDA backends have no invariant form yet (ValueError).
+
 KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`; index 0 = K,
 1 = V; slot = block_id * block_size + offset.
 """
@@ -69,7 +75,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float, backend: str = "auto") -> torch.Tensor:
+                    scale: float, backend: str = "auto", *,
+                    batch_invariant: bool = False) -> torch.Tensor:
     """Causal attention for a varlen batch mixing prefill chunks and decode tokens (GQA ok).
 
     Query token j of sequence i sits at position seq_lens[i] - query_len_i + j and attends to
@@ -82,8 +89,22 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
             block_tables [num_seqs, max_num_blocks_per_seq] int32, and their host-side copies.
         scale: softmax scale, usually head_dim ** -0.5.
         backend: "auto", "reference", "torch", "cpu" or "triton".
+        batch_invariant: each token's bits independent of the rest of the batch (module
+            docstring); on CPU only.
 
     Returns:
         [num_tokens, num_q_heads, head_dim], query's dtype.
+
+    Raises:
+        ValueError: batch_invariant on a CUDA backend.
     """
+    if batch_invariant:
+        name = resolve_backend(backend, query.device)
+        if name == "cpu":
+            return _BACKENDS.load("cpu").paged_attention(query, kv_cache, metadata, scale,
+                                                         every_row=True)
+        if query.device.type != "cpu":
+            raise ValueError("batch-invariant paged attention runs on CPU only; drop "
+                             "batch_invariant (DEEPINFER_BATCH_INVARIANT) on this device.")
+        return _BACKENDS.load("reference").paged_attention(query, kv_cache, metadata, scale)
     return _BACKENDS.get(backend, query.device).paged_attention(query, kv_cache, metadata, scale)

@@ -18,7 +18,10 @@ Backends of `quantized_linear`, imported lazily on first use:
   kernels/cpu_extension.py builds on first call (cached in the torch extensions dir); needs an
   x86 CPU with AVX2, FMA and F16C. Inputs of up to 8 rows (decode, speculative verify rows) run
   its AVX-512 form (`quantized_linear_avx512.cpp`) where the CPU has AVX-512F: same exact
-  weights, float32 accumulation, another summation order.
+  weights, float32 accumulation, another summation order. With `row_invariant` (the
+  batch-invariant mode) a row's summation order does not depend on the number of rows: the
+  AVX-512 nest in tiles of 8 rows where the CPU has it, else one FMA chain per row in both
+  AVX2 nests (slower at 1-4 rows than their default 2-4 chains).
 `backend="auto"` picks "cpu_avx2" when it is available and "reference" otherwise.
 """
 
@@ -189,19 +192,22 @@ def cpu_kernel_available() -> bool:
     return _cpu_extension() is not None
 
 
-def _cpu_avx2_linear(x: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
+def _cpu_avx2_linear(x: torch.Tensor, qweight: QuantizedWeight, row_invariant: bool
+                     ) -> torch.Tensor:
     ext = _cpu_extension()
     if ext is None:
         raise RuntimeError("quantized linear backend 'cpu_avx2' is unavailable here (see the "
                            "logged warning); use backend='reference' or 'auto'.")
     x = x.contiguous() if x.stride(-1) != 1 else x
     if qweight.format == "q4_1":
-        return ext.q4_1_linear(x, qweight.codes, qweight.scales, qweight.mins)
-    return ext.q8_0_linear(x, qweight.codes, qweight.scales)
+        return ext.q4_1_linear(x, qweight.codes, qweight.scales, qweight.mins,
+                               row_invariant=row_invariant)
+    return ext.q8_0_linear(x, qweight.codes, qweight.scales, row_invariant=row_invariant)
 
 
 def quantized_linear(x: torch.Tensor, qweight: QuantizedWeight,
-                     bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                     bias: torch.Tensor | None = None, backend: str = "auto", *,
+                     row_invariant: bool = False) -> torch.Tensor:
     """`x @ W.T + bias` with W the exact float32 values `qweight` encodes.
 
     Args:
@@ -209,6 +215,8 @@ def quantized_linear(x: torch.Tensor, qweight: QuantizedWeight,
         qweight: QuantizedWeight of shape [N, K].
         bias: [N] float32 or None (added after, in float32).
         backend: "auto", "reference" or "cpu_avx2".
+        row_invariant: "cpu_avx2" only: each row's bits independent of the other rows and of
+            their number (batch-invariant mode).
     Returns:
         [..., N] float32. Tolerance vs reference: float32 summation order only.
     """
@@ -224,7 +232,7 @@ def quantized_linear(x: torch.Tensor, qweight: QuantizedWeight,
 
         y = reference(x2d, qweight, bias)
     else:
-        y = _cpu_avx2_linear(x2d, qweight)
+        y = _cpu_avx2_linear(x2d, qweight, row_invariant)
         if bias is not None:
             y.add_(bias)
     return y.reshape(*lead_shape, qweight.shape[0])

@@ -111,7 +111,8 @@ def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
         [num_tokens, num_q_heads, head_dim], qkv's dtype.
     """
     name = resolve_backend(backend, qkv.device)
-    if name == "triton" and metadata.is_decode_only and settings.fused_rotary_decode:
+    if (name == "triton" and metadata.is_decode_only and settings.fused_rotary_decode
+            and not settings.batch_invariant):
         from deepinfer.kernels.rotary_decode_triton import rotary_decode_attention
 
         return rotary_decode_attention(qkv, num_q_heads, cos, signed_sin, kv_cache, metadata,
@@ -119,4 +120,5 @@ def rotary_paged_attention(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
     query = apply_rotary_write_kv(qkv, num_q_heads, num_kv_heads, cos, signed_sin, kv_cache,
                                   metadata.slot_mapping,
                                   backend="triton" if name == "triton" else "auto")
-    return paged_attention(query, kv_cache, metadata, scale, backend=name)
+    return paged_attention(query, kv_cache, metadata, scale, backend=name,
+                           batch_invariant=settings.batch_invariant)

@@ -124,8 +124,11 @@ class KernelConfig:
     moe_deep_gemm_min_rows: from this many mean rows per expert (default 128: prefill) a bf16
         MoE call on backend "auto" runs DeepGEMM's grouped GEMM where `deep_gemm` is installed
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
-    batch_invariant: reserved for the batch-invariant mode (a row's result independent of the
-        batch around it); no behaviour yet. Default False.
+    batch_invariant: the batch-invariant mode (`DEEPINFER_BATCH_INVARIANT`, `--batch-invariant`,
+        `LLM(batch_invariant=True)`): every row's result is the same bits whatever else is
+        batched. On CPU every linear runs a fixed-order kernel (`kernels/linear.py`) and every
+        token's attention the per-token C++ kernel (`kernels/paged_attention.py`); other
+        devices are refused at start-up (engine/batch_invariant.py). Default False.
     mla_decode_block_h: rows (heads x query tokens of a row) per program of the Triton MLA
         decode kernel (`kernels/mla_decode_triton.py`), a power of two >= 16; default 64
         (capped at the head count: V2-Lite's 16 heads run 16 rows; V3's 128 two programs).

@@ -107,6 +107,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     `encode_image(pixel_values, pixel_mask)` is `vision.forward`.
     """
 
+    supports_batch_invariant = False   # its vision encoder batches images
+
     is_multimodal = True
 
     def __init__(self, hf_config, dtype: torch.dtype) -> None:

@@ -77,6 +77,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     """The paged Llama text model plus `vision` (a `LlavaVisionEncoder`); see
     `Idefics3ForConditionalGeneration` for the multimodal surface."""
 
+    supports_batch_invariant = False   # its vision encoder batches images
+
     is_multimodal = True
 
     def __init__(self, hf_config, dtype: torch.dtype) -> None:

@@ -33,6 +33,13 @@
 // (before: 4-row fused tiles up to M = 4, the panel nest from M = 5; the panel nest is
 // unchanged, its M = 32 difference is the box's noise: 46.4 vs 44.8 ms in a second interleaved
 // run.) M >= 9 keeps the panel nest: fused tiles of 8 + 1 rows would dequantize twice.
+//
+// Batch-invariant mode (`row_invariant`, KernelConfig.batch_invariant): a row's result must not
+// depend on M or on the rows beside it. The fused nest's accumulator count depends on M, so
+// there every tile keeps one accumulator per row: then a row's sum is the same chain of FMAs
+// over K in steps of 8, then `hsum8`, in the fused nest and in the panel microkernel alike.
+// On CPUs with AVX-512F the AVX-512 nest (whose row order never depends on its tile) runs
+// every x row instead, in tiles of up to kAvx512MaxRows.
 
 #include <immintrin.h>
 
@@ -88,9 +95,10 @@ constexpr int accumulators_per_row(int rows) { return rows == 1 ? 4 : (rows <= 4
 // y[r, n] = sum_k x[r, k] * W[n, k] for r < MR: each 8-weight slice of output row n is
 // dequantized once into a register and used for all MR x rows. xp is x packed by pack_rows
 // ([K/8][MR][8]), so every x load of a block is at a fixed offset from one pointer.
-template <int MR, class W>
+// kOneChain: one accumulator per row whatever MR (the batch-invariant order).
+template <int MR, bool kOneChain, class W>
 inline void tile_dot(const W& weight, int64_t n, const float* xp, float* y, int64_t ldy) {
-  constexpr int NACC = accumulators_per_row(MR);
+  constexpr int NACC = kOneChain ? 1 : accumulators_per_row(MR);
   __m256 acc[MR][NACC];
   for (int r = 0; r < MR; ++r)
     for (int a = 0; a < NACC; ++a) acc[r][a] = _mm256_setzero_ps();
@@ -134,15 +142,15 @@ inline void pack_rows(const float* x, int64_t num_rows, int64_t ldx, int64_t K, 
       _mm256_storeu_ps(dst, _mm256_loadu_ps(x + r * ldx + k));
 }
 
-template <int MR, class W>
+template <int MR, bool kOneChain, class W>
 void tile_rows(const W& weight, const float* xp, float* y, int64_t n_begin, int64_t n_end,
                int64_t ldy) {
-  for (int64_t n = n_begin; n < n_end; ++n) tile_dot<MR>(weight, n, xp, y, ldy);
+  for (int64_t n = n_begin; n < n_end; ++n) tile_dot<MR, kOneChain>(weight, n, xp, y, ldy);
 }
 
 // x rows [0, num_rows <= kFusedMaxRows) against output rows [n_begin, n_end) in one tile: every
 // weight is read from memory and dequantized (in a register) exactly once.
-template <class W>
+template <bool kOneChain, class W>
 void rows_fused(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
                 int64_t n_begin, int64_t n_end, int64_t ldy) {
   const int64_t K = weight.num_blocks * kBlock;
@@ -151,13 +159,13 @@ void rows_fused(const W& weight, const float* x, int64_t num_rows, int64_t ldx, 
   float* xp = aligned64(packed.data());  // no x load splits a cache line
   pack_rows(x, num_rows, ldx, K, xp);
   switch (num_rows) {
-    case 1: tile_rows<1>(weight, xp, y, n_begin, n_end, ldy); break;
-    case 2: tile_rows<2>(weight, xp, y, n_begin, n_end, ldy); break;
-    case 3: tile_rows<3>(weight, xp, y, n_begin, n_end, ldy); break;
-    case 4: tile_rows<4>(weight, xp, y, n_begin, n_end, ldy); break;
-    case 5: tile_rows<5>(weight, xp, y, n_begin, n_end, ldy); break;
-    case 6: tile_rows<6>(weight, xp, y, n_begin, n_end, ldy); break;
-    default: tile_rows<7>(weight, xp, y, n_begin, n_end, ldy);
+    case 1: tile_rows<1, kOneChain>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 2: tile_rows<2, kOneChain>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 3: tile_rows<3, kOneChain>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 4: tile_rows<4, kOneChain>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 5: tile_rows<5, kOneChain>(weight, xp, y, n_begin, n_end, ldy); break;
+    case 6: tile_rows<6, kOneChain>(weight, xp, y, n_begin, n_end, ldy); break;
+    default: tile_rows<7, kOneChain>(weight, xp, y, n_begin, n_end, ldy);
   }
 }
 
@@ -249,9 +257,11 @@ void rows_panel(const W& weight, const float* x, int64_t num_rows, int64_t ldx, 
 
 template <class W>
 void rows(const W& weight, const float* x, int64_t num_rows, int64_t ldx, float* y,
-          int64_t n_begin, int64_t n_end, int64_t ldy) {
-  if (num_rows <= kFusedMaxRows) {
-    rows_fused(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
+          int64_t n_begin, int64_t n_end, int64_t ldy, bool row_invariant) {
+  if (num_rows <= kFusedMaxRows && row_invariant) {
+    rows_fused<true>(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
+  } else if (num_rows <= kFusedMaxRows) {
+    rows_fused<false>(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
   } else {
     rows_panel(weight, x, num_rows, ldx, y, n_begin, n_end, ldy);
   }
@@ -274,26 +284,29 @@ void q8_0_linear_rows_avx512(const float* x, int64_t num_rows, int64_t ldx, cons
 void q4_1_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const uint8_t* codes,
                       const uint16_t* scales, const uint16_t* mins, int64_t in_features,
                       float* y, int64_t n_begin, int64_t n_end, int64_t num_out,
-                      bool allow_avx512) {
-  if (allow_avx512 && num_rows <= kAvx512MaxRows && avx512_available()) {
-    q4_1_linear_rows_avx512(x, num_rows, ldx, codes, scales, mins, in_features, y, n_begin,
-                            n_end, num_out);
+                      bool allow_avx512, bool row_invariant) {
+  if (allow_avx512 && (num_rows <= kAvx512MaxRows || row_invariant) && avx512_available()) {
+    for (int64_t m0 = 0; m0 < num_rows; m0 += kAvx512MaxRows)
+      q4_1_linear_rows_avx512(x + m0 * ldx, std::min(kAvx512MaxRows, num_rows - m0), ldx, codes,
+                              scales, mins, in_features, y + m0 * num_out, n_begin, n_end,
+                              num_out);
     return;
   }
   const Q41Weight weight{codes, scales, mins, in_features / kBlock};
-  rows(weight, x, num_rows, ldx, y, n_begin, n_end, num_out);
+  rows(weight, x, num_rows, ldx, y, n_begin, n_end, num_out, row_invariant);
 }
 
 void q8_0_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
                       const uint16_t* scales, int64_t in_features, float* y, int64_t n_begin,
-                      int64_t n_end, int64_t num_out, bool allow_avx512) {
-  if (allow_avx512 && num_rows <= kAvx512MaxRows && avx512_available()) {
-    q8_0_linear_rows_avx512(x, num_rows, ldx, codes, scales, in_features, y, n_begin, n_end,
-                            num_out);
+                      int64_t n_end, int64_t num_out, bool allow_avx512, bool row_invariant) {
+  if (allow_avx512 && (num_rows <= kAvx512MaxRows || row_invariant) && avx512_available()) {
+    for (int64_t m0 = 0; m0 < num_rows; m0 += kAvx512MaxRows)
+      q8_0_linear_rows_avx512(x + m0 * ldx, std::min(kAvx512MaxRows, num_rows - m0), ldx, codes,
+                              scales, in_features, y + m0 * num_out, n_begin, n_end, num_out);
     return;
   }
   const Q80Weight weight{codes, scales, nullptr, in_features / kBlock};
-  rows(weight, x, num_rows, ldx, y, n_begin, n_end, num_out);
+  rows(weight, x, num_rows, ldx, y, n_begin, n_end, num_out, row_invariant);
 }
 
 }  // namespace deepinfer

@@ -1,7 +1,8 @@
 // Python bindings of deepinfer's CPU extension (one module, one build): tensor checks, output
 // allocation and the split of work over torch's intra-op threads. Kernels:
-// quantized_linear_avx2.cpp (block-quantized linear), rms_norm_avx2.cpp (fused residual add +
-// RMSNorm) and paged_attention_cpu.cpp (paged decode attention).
+// quantized_linear_avx2.cpp (block-quantized linear), f32_linear_avx2.cpp (batch-invariant
+// float32 linear), rms_norm_avx2.cpp (fused residual add + RMSNorm) and paged_attention_cpu.cpp
+// (paged decode attention).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -14,11 +15,15 @@ namespace deepinfer {  // defined in quantized_linear_avx2.cpp
 void q4_1_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const uint8_t* codes,
                       const uint16_t* scales, const uint16_t* mins, int64_t in_features,
                       float* y, int64_t n_begin, int64_t n_end, int64_t num_out,
-                      bool allow_avx512);
+                      bool allow_avx512, bool row_invariant);
 void q8_0_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const int8_t* codes,
                       const uint16_t* scales, int64_t in_features, float* y, int64_t n_begin,
-                      int64_t n_end, int64_t num_out, bool allow_avx512);
+                      int64_t n_end, int64_t num_out, bool allow_avx512, bool row_invariant);
 bool avx512_available();
+
+// defined in f32_linear_avx2.cpp
+void f32_linear_rows(const float* x, int64_t num_rows, int64_t ldx, const float* w, int64_t K,
+                     float* y, int64_t n_begin, int64_t n_end, int64_t ldy);
 
 // defined in rms_norm_avx2.cpp
 void rms_norm_rows(float* x, int64_t ldx, const float* residual, int64_t ldr,
@@ -65,7 +70,7 @@ void parallel_rows(int64_t num_out, int64_t num_rows, int64_t in_features, const
 // x [M, K] float32, codes [N, K/2] uint8, scales and mins [N, K/32] float16 -> y [M, N].
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes,
                           const torch::Tensor& scales, const torch::Tensor& mins,
-                          bool allow_avx512) {
+                          bool allow_avx512, bool row_invariant) {
   const int64_t num_out = codes.size(0), num_blocks = scales.size(1);
   const int64_t in_features = num_blocks * kBlock, num_rows = x.size(0);
   check_x(x, in_features);
@@ -80,14 +85,16 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes,
   parallel_rows(num_out, num_rows, in_features, [&](int64_t begin, int64_t end) {
     deepinfer::q4_1_linear_rows(x.data_ptr<float>(), num_rows, x.stride(0),
                                 codes.data_ptr<uint8_t>(), s, m, in_features,
-                                y.data_ptr<float>(), begin, end, num_out, allow_avx512);
+                                y.data_ptr<float>(), begin, end, num_out, allow_avx512,
+                                row_invariant);
   });
   return y;
 }
 
 // x [M, K] float32, codes [N, K] int8, scales [N, K/32] float16 -> y [M, N].
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& scales, bool allow_avx512) {
+                          const torch::Tensor& scales, bool allow_avx512,
+                          bool row_invariant) {
   const int64_t num_out = codes.size(0), num_blocks = scales.size(1);
   const int64_t in_features = num_blocks * kBlock, num_rows = x.size(0);
   check_x(x, in_features);
@@ -100,7 +107,24 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes,
   parallel_rows(num_out, num_rows, in_features, [&](int64_t begin, int64_t end) {
     deepinfer::q8_0_linear_rows(x.data_ptr<float>(), num_rows, x.stride(0),
                                 codes.data_ptr<int8_t>(), s, in_features, y.data_ptr<float>(),
-                                begin, end, num_out, allow_avx512);
+                                begin, end, num_out, allow_avx512, row_invariant);
+  });
+  return y;
+}
+
+// x [M, K] float32, weight [N, K] contiguous float32 -> y [M, N], each row in the fixed order
+// of f32_linear_avx2.cpp (batch-invariant).
+torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
+              "weight must be a contiguous float32 CPU [N, K] tensor, got ", weight.sizes());
+  const int64_t num_out = weight.size(0), in_features = weight.size(1), num_rows = x.size(0);
+  check_x(x, in_features);
+  auto y = torch::empty({num_rows, num_out}, x.options());
+  parallel_rows(num_out, num_rows, in_features, [&](int64_t begin, int64_t end) {
+    deepinfer::f32_linear_rows(x.data_ptr<float>(), num_rows, x.stride(0),
+                               weight.data_ptr<float>(), in_features, y.data_ptr<float>(), begin,
+                               end, num_out);
   });
   return y;
 }
@@ -250,10 +274,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "y[M, N] = x[M, K] @ W.T, W in Q4_1 (float32 x and y)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::kw_only(),
-        py::arg("allow_avx512") = true);
+        py::arg("allow_avx512") = true, py::arg("row_invariant") = false);
   m.def("q8_0_linear", &q8_0_linear, "y[M, N] = x[M, K] @ W.T, W in Q8_0 (float32 x and y)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::kw_only(),
-        py::arg("allow_avx512") = true);
+        py::arg("allow_avx512") = true, py::arg("row_invariant") = false);
+  m.def("f32_linear", &f32_linear,
+        "y[M, N] = x[M, K] @ W.T in float32, each row in an order that does not depend on M",
+        py::arg("x"), py::arg("weight"));
   m.def("avx512_available", &deepinfer::avx512_available,
         "True if this CPU runs the AVX-512 few-row quantized-linear nest");
   m.def("rms_norm", &rms_norm, "normed[T, H] of x (x := x + residual first when given)",

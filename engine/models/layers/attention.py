@@ -50,7 +50,8 @@ class PagedAttention(nn.Module):
         """`forward` for a step whose K/V are already in kv_cache (written by a fused kernel,
         e.g. `kernels.rotary.apply_rotary_write_kv`). query: [num_tokens, num_heads, head_dim]
         -> [num_tokens, num_heads * head_dim]."""
-        out = paged_attention(query, kv_cache, attn_metadata, self.scale, backend=self.backend)
+        out = paged_attention(query, kv_cache, attn_metadata, self.scale, backend=self.backend,
+                              batch_invariant=self.kernel_config.batch_invariant)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 
     def rotary_attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

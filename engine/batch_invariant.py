@@ -1,0 +1,37 @@
+"""Start-up checks of the batch-invariant mode (`KernelConfig.batch_invariant`).
+
+In that mode a request's tokens and logprobs are the same bits whatever else is batched, however
+its prompt was chunked, whether its prefix came from the prefix cache or the KV store, after a
+preemption, and with speculative decoding on or off: every kernel computes a row from that
+row's data alone in a fixed order (kernels/linear.py, kernels/paged_attention.py; README
+"Deterministic serving"). The sampler already keys its noise per (seed, position). What the
+kernels cannot keep yet is refused here, before the model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deepinfer.kernels.cpu_extension import batch_invariant_summary
+from deepinfer.kernels.settings import KernelConfig
+
+logger = logging.getLogger(__name__)
+def check_batch_invariant(kernel: KernelConfig, device: torch.device, model_class: type) -> None:
+    """Refuse `kernel.batch_invariant` where it is not kept, and log what the mode runs.
+
+    Raises:
+        ValueError: on a device other than the CPU, or for a model class that does not declare
+            `supports_batch_invariant` (DeepSeek's MoE / MLA kernels, vision encoders).
+    """
+    if not kernel.batch_invariant:
+        return
+    how = "drop --batch-invariant (DEEPINFER_BATCH_INVARIANT=0)"
+    if device.type != "cpu":
+        raise ValueError(f"batch_invariant runs on CPU only in this release (device {device}); "
+                         f"{how} or serve with --device cpu.")
+    if not getattr(model_class, "supports_batch_invariant", False):
+        raise ValueError(f"batch_invariant is not supported for {model_class.__name__} yet "
+                         "(Llama-family text models are: Llama, Qwen2, SmolLM2); " + how + ".")
+    logger.info("batch-invariant mode: %s", batch_invariant_summary())
