@@ -130,16 +130,18 @@ def test_each_field_s_variable_and_flag_are_declared_once_on_the_field():
     assert ENV_VARS["DEEPINFER_KV_STORE_TIMEOUT_S"] == ("kv_transfer", "timeout_s")
     assert ENV_VARS["DEEPINFER_ENGINE_PROCESS"] == ("frontend", "engine_process")
     assert ENV_VARS["DEEPINFER_API_SERVER_COUNT"] == ("frontend", "api_server_count")
+    assert ENV_VARS["DEEPINFER_BATCH_INVARIANT"] == ("kernel", "batch_invariant")
     # 23 + 8 of MultiModalConfig + 17 of ParallelConfig + 2 of FrontendConfig + 4 of
-    # SpeculativeConfig
-    assert len(ENV_VARS) == 54
+    # SpeculativeConfig + 1 of KernelConfig
+    assert len(ENV_VARS) == 55
     flags = engine_flags()
     assert flags["num_kv_blocks"][:2] == ("cache", "num_blocks")
     assert flags["kv_cache_memory_gb"][2](1.5) == 3 << 29           # GiB -> bytes
     assert flags["max_num_seqs"][2](8) == 8
+    assert flags["batch_invariant"][:2] == ("kernel", "batch_invariant")
     # 20 + 7 of MultiModalConfig + 12 of ParallelConfig + 2 of FrontendConfig + 4 of
-    # SpeculativeConfig
-    assert "cache_dir" not in flags and len(flags) == 45
+    # SpeculativeConfig + 1 of KernelConfig
+    assert "cache_dir" not in flags and len(flags) == 46
     assert "tokenizer" not in {f for f in ModelConfig.__dataclass_fields__}
 
 

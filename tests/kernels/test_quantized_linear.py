@@ -187,7 +187,8 @@ def test_linear_dispatches_small_inputs_to_quantized_kernel(monkeypatch):
     qweight = quantize_linear_weight(weight)
     calls = []
     real = ql._cpu_avx2_linear
-    monkeypatch.setattr(ql, "_cpu_avx2_linear", lambda x, q: calls.append(x.shape) or real(x, q))
+    monkeypatch.setattr(ql, "_cpu_avx2_linear",
+                        lambda x, q, invariant: calls.append(x.shape) or real(x, q, invariant))
     for num_rows in (1, DEFAULT.quantized_max_rows, DEFAULT.quantized_max_rows + 1):
         x = torch.randn(num_rows, 64)
         torch.testing.assert_close(linear(x, weight, None, None, qweight), x @ weight.T,
