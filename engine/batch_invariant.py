@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from deepinfer.kernels.backends import triton_available
 from deepinfer.kernels.cpu_extension import batch_invariant_summary
 from deepinfer.kernels.settings import KernelConfig
 
@@ -22,16 +23,25 @@ def check_batch_invariant(kernel: KernelConfig, device: torch.device, model_clas
     """Refuse `kernel.batch_invariant` where it is not kept, and log what the mode runs.
 
     Raises:
-        ValueError: on a device other than the CPU, or for a model class that does not declare
-            `supports_batch_invariant` (DeepSeek's MoE / MLA kernels, vision encoders).
+        ValueError: for a model class that does not declare `supports_batch_invariant`
+            (DeepSeek's MoE / MLA kernels, vision encoders), or on CUDA without Triton.
     """
     if not kernel.batch_invariant:
         return
     how = "drop --batch-invariant (DEEPINFER_BATCH_INVARIANT=0)"
-    if device.type != "cpu":
-        raise ValueError(f"batch_invariant runs on CPU only in this release (device {device}); "
-                         f"{how} or serve with --device cpu.")
     if not getattr(model_class, "supports_batch_invariant", False):
         raise ValueError(f"batch_invariant is not supported for {model_class.__name__} yet "
                          "(Llama-family text models are: Llama, Qwen2, SmolLM2); " + how + ".")
-    logger.info("batch-invariant mode: %s", batch_invariant_summary())
+    if device.type == "cuda":
+        if not triton_available():
+            raise ValueError("batch_invariant on CUDA needs Triton (its invariant GEMM and "
+                             f"attention kernels); install triton or {how}.")
+        summary = ("linears run the Triton GEMM at one tile config per weight shape (64-row "
+                   "tiles, one K split; no cuBLAS, no fused norm / residual epilogues); "
+                   "attention runs one program per token and kv head over its whole context, "
+                   "prefill included (no split-K; slower prefill)")
+    elif device.type == "cpu":
+        summary = batch_invariant_summary()
+    else:
+        raise ValueError(f"batch_invariant runs on CPU and CUDA, not on {device.type}; {how}.")
+    logger.info("batch-invariant mode: %s", summary)

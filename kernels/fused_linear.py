@@ -101,8 +101,10 @@ def fused_config(fusion: str, x: torch.Tensor, weight: torch.Tensor,
     unfused ops): `settings.fused_linears`, CUDA bf16/fp16 2-D x of at most
     `settings.skinny_max_rows` rows with unit stride on the last dim, a contiguous weight of
     x's dtype, and a (fusion, row bucket, shape) that the device's sweep found faster fused (a
-    shape without an entry runs unfused). `fusion`: "norm", "norm_gated" or "residual"."""
-    if not (settings.fused_linears and x.is_cuda and x.dim() == 2
+    shape without an entry runs unfused); never in the batch-invariant mode (its configs are
+    chosen by row bucket). `fusion`: "norm", "norm_gated" or "residual"."""
+    if not (settings.fused_linears and not settings.batch_invariant and x.is_cuda
+            and x.dim() == 2
             and 0 < x.shape[0] <= settings.skinny_max_rows
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.is_contiguous() and triton_available()):

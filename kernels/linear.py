@@ -26,7 +26,10 @@ on the rows beside it or on their number, and MKL / oneDNN choose kernels and bl
 A weight with a quantized form then always runs the quantized kernel with `row_invariant`
 (whatever M, prefill included), any other float32 weight our own fixed-order float32 kernel
 (`csrc/f32_linear_avx2.cpp`, no packed copy used); without the C++ extension, or for other
-dtypes, each row is its own `F.linear` call (same shape every call: slow, invariant).
+dtypes, each row is its own `F.linear` call (same shape every call: slow, invariant). On CUDA
+every call runs the Triton GEMM at one config per weight shape (`linear_triton.
+invariant_config`: 64-row tiles whatever M, one K split), never cuBLAS or the tuned skinny
+configs, whose choices depend on M.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def skinny_config(x: torch.Tensor, weight: torch.Tensor,
     dim, a contiguous weight of x's dtype, and a shape the device's sweep found faster than
     cuBLAS."""
     if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= settings.skinny_max_rows
+            and not settings.batch_invariant
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.is_contiguous() and triton_available()):
         return None
@@ -111,7 +115,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [..., out_features], x's dtype.
     """
-    if settings.batch_invariant and x.device.type == "cpu":
+    if settings.batch_invariant:
+        if x.is_cuda:
+            return _row_invariant_cuda(x, weight, bias, settings)
         return _row_invariant_cpu(x, weight, bias, quantized)
     config = skinny_config(x, weight, settings)
     if config is not None:
@@ -128,6 +134,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         with preferring(library):
             return F.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _row_invariant_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        settings: KernelConfig) -> torch.Tensor:
+    """`linear` on CUDA in batch-invariant mode: the Triton GEMM at a config fixed by the
+    weight's shape (`linear_triton.invariant_config`; no Gluon, no split-K).
+
+    Raises:
+        ValueError: Triton is missing, or x / weight are not a CUDA float pair it takes.
+    """
+    if not (triton_available() and weight.dtype == x.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        raise ValueError(f"batch-invariant linear on CUDA needs Triton and a bf16 / fp16 / "
+                         f"float32 weight of x's dtype; got {weight.dtype} x {x.dtype}")
+    from dataclasses import replace
+
+    from deepinfer.kernels import linear_triton
+
+    x2d = x.reshape(-1, x.shape[-1])
+    y = linear_triton.linear(x2d, weight, bias, config=linear_triton.invariant_config(weight),
+                             settings=replace(settings, gluon_block_m=frozenset()))
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _row_invariant_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

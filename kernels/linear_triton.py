@@ -254,6 +254,19 @@ def block_m(num_rows: int) -> int:
     return 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
 
 
+def invariant_config(weight: torch.Tensor) -> dict:
+    """The launch config of the batch-invariant mode (`KernelConfig.batch_invariant`): a
+    function of the weight's shape only, never of M, and one K split, so each output element
+    is one program's float32 sum over K in BLOCK_K steps, in order, whatever the rows beside
+    it: 64-row tiles for every M (decode pads its rows; prefill-sized M tiles), BLOCK_N from
+    the output features so that a decode step still has ~100+ programs on an 8B model's
+    linears."""
+    out_features = weight.shape[0]
+    block_n = 128 if out_features >= 16384 else 64 if out_features >= 8192 else 32
+    return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": False,
+            "num_warps": 4, "num_stages": 4}
+
+
 def skinny_table(entries) -> dict[tuple[int, int, int], dict]:
     """{(block_m, out_features, in_features): launch config} of the `skinny_linear` config-file
     entries where the sweep found this kernel faster than cuBLAS."""
@@ -383,8 +396,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             I gate rows, then the I up rows).
         bias: [out_features] or None (None when gated).
         config: launch parameters BLOCK_N, BLOCK_K, num_warps, num_stages and optionally
-            SPLIT_K (default 1) and SWAP_AB (default False: compute the transposed tile
-            W x^T, the weight tile as the MMA's A operand) (`tuned_config`).
+            SPLIT_K (default 1), SWAP_AB (default False: compute the transposed tile
+            W x^T, the weight tile as the MMA's A operand) (`tuned_config`) and BLOCK_M
+            (default `block_m(M)`; fixed by the batch-invariant mode, `invariant_config`).
         norm_eps: if given, compute `(x / rms(x)) @ weight.T`, rms(x) = sqrt(mean(x^2) + eps)
             over each row of x (RMSNorm with a unit weight: fold the norm weight into `weight`
             first). The rows' sums of squares come from a pre-pass over x (unrolled wide
@@ -440,7 +454,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError("norm_eps and gated need SPLIT_K=1 (each program must see all of K)")
     ss_ptr, ss_parts = _sum_squares_arg(num_rows, out_features, config, norm_eps, residual,
                                         sum_squares, sum_squares_out)
-    rows_per_program = block_m(num_rows)
+    config = dict(config)
+    rows_per_program = config.pop("BLOCK_M", None) or block_m(num_rows)
     gluon = (rows_per_program in settings.gluon_block_m and (norm_eps is None or ss_parts)
              and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight))
     block_k = config["BLOCK_K"]

@@ -17,7 +17,7 @@ Batch-invariant mode (`batch_invariant=True`, from `KernelConfig.batch_invariant
 token's result must not depend on the batch, on chunked-prefill boundaries or on prefix-cache
 hits. On CPU every token then runs the C++ per-token kernel ("cpu": a fixed two-pass order over
 its own context, prefill chunks included), or the float32 reference where the extension does
-not build. CUDA backends have no invariant form yet (ValueError).
+not build; on CUDA the Triton per-token kernel ("triton": `_token_kernel`, no split-K).
 
 KV cache layout (one layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`; index 0 = K,
 1 = V; slot = block_id * block_size + offset.
@@ -90,21 +90,25 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         scale: softmax scale, usually head_dim ** -0.5.
         backend: "auto", "reference", "torch", "cpu" or "triton".
         batch_invariant: each token's bits independent of the rest of the batch (module
-            docstring); on CPU only.
+            docstring).
 
     Returns:
         [num_tokens, num_q_heads, head_dim], query's dtype.
 
     Raises:
-        ValueError: batch_invariant on a CUDA backend.
+        ValueError: batch_invariant on CUDA without Triton.
     """
     if batch_invariant:
         name = resolve_backend(backend, query.device)
         if name == "cpu":
             return _BACKENDS.load("cpu").paged_attention(query, kv_cache, metadata, scale,
-                                                         every_row=True)
+                                                         every_token=True)
+        if name == "triton":
+            return _BACKENDS.load("triton").paged_attention(query, kv_cache, metadata, scale,
+                                                            every_token=True)
         if query.device.type != "cpu":
-            raise ValueError("batch-invariant paged attention runs on CPU only; drop "
-                             "batch_invariant (DEEPINFER_BATCH_INVARIANT) on this device.")
+            raise ValueError(f"batch-invariant paged attention has no form on backend {name!r} "
+                             "(CUDA needs Triton); drop batch_invariant "
+                             "(DEEPINFER_BATCH_INVARIANT) on this device.")
         return _BACKENDS.load("reference").paged_attention(query, kv_cache, metadata, scale)
     return _BACKENDS.get(backend, query.device).paged_attention(query, kv_cache, metadata, scale)

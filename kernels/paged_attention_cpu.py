@@ -41,8 +41,8 @@ def kernel_available() -> bool:
 
 
 def _decode_kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor,
-                           metadata: AttentionMetadata, every_row: bool) -> bool:
-    short_rows = every_row or metadata.is_decode_only or (
+                           metadata: AttentionMetadata, every_token: bool) -> bool:
+    short_rows = every_token or metadata.is_decode_only or (
         metadata.has_draft_rows and metadata.max_query_len <= VERIFY_MAX_QUERY_LEN)
     return (short_rows and query.device.type == "cpu"
             and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
@@ -50,13 +50,13 @@ def _decode_kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float, *, every_row: bool = False) -> torch.Tensor:
+                    scale: float, *, every_token: bool = False) -> torch.Tensor:
     """`kernels.paged_attention.paged_attention`'s contract (shapes there); CPU float32 batches
     of decode and verify rows run the C++ kernel (float32 summation order vs the reference:
-    atol 1e-5), the rest the torch backend. every_row: every batch of CPU float32 runs the C++
+    atol 1e-5), the rest the torch backend. every_token: every batch of CPU float32 runs the C++
     kernel token by token, prefill chunks included (the batch-invariant mode: a token's bits
     then depend on its own context only)."""
-    if _decode_kernel_applies(query, kv_cache, metadata, every_row):
+    if _decode_kernel_applies(query, kv_cache, metadata, every_token):
         ext = _extension()
         if ext is None:
             raise RuntimeError("paged attention backend 'cpu' is unavailable here (see the logged "

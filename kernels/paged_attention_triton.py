@@ -24,6 +24,13 @@ Three kernels, each reading the paged cache in place through the block tables (n
   sequence i sits at position seq_len_i - query_len_i + j. Mixed batches (prefill chunks and
   decode tokens) run here in one launch.
 
+- `_token_kernel`: the batch-invariant form (`paged_attention(..., every_token=True)`,
+  `KernelConfig.batch_invariant`): program (token, kv head) attends the group's query heads of
+  one new token to its whole context [0, position], BLOCK_N positions at a time in order, with
+  no split, so a token's bits depend on its own query and context only: the same as a decode
+  token, inside a prefill chunk of any length, or in a verify row, whatever else is batched.
+  Prefill is slower than `_prefill_kernel` (each token re-reads its context; L2 absorbs most).
+
 Numerics: scores, softmax and accumulation in float32; P is cast to the cache dtype before the
 P @ V product (as FlashAttention does). float32 inputs use IEEE dot products (no tf32), so the
 float32 path matches the torch reference to ~1e-5.
@@ -379,8 +386,60 @@ def check_cache(kv_cache: torch.Tensor) -> None:
                          "head_dim]); the Triton kernels address it by slot.")
 
 
+@triton.jit
+def _token_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                  out_ptr, scale, num_seqs, q_stride_t, q_stride_h, bt_stride, out_stride_t,
+                  out_stride_h, v_offset, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    ends = tl.load(query_start_loc_ptr + 1 + tl.arange(0, BLOCK_S),
+                   mask=tl.arange(0, BLOCK_S) < num_seqs, other=2147483647)
+    seq = tl.sum((ends <= token).to(tl.int32), 0)           # the sequence holding this token
+    if seq >= num_seqs:   # past the last sequence's tokens (a CUDA graph's padding)
+        return
+    query_end = tl.load(query_start_loc_ptr + seq + 1)
+    context = tl.load(seq_lens_ptr + seq) - (query_end - 1 - token)   # positions it sees
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    d_ok = d < HEAD_DIM
+    mask = (g < GROUP)[:, None] & d_ok[None, :]
+    row = token.to(tl.int64)
+    q = tl.load(q_ptr + row * q_stride_t + heads[:, None] * q_stride_h + d[None, :], mask=mask,
+                other=0.0)                                             # [G, D]
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    m, l, acc = attend_context(q, cache_ptr, table, 0, context, kv_head, d, d_ok, scale,
+                                v_offset, context, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                PRECISION, CAUSAL=False)
+    out = acc / tl.maximum(l, 1e-30)[:, None]
+    tl.store(out_ptr + row * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _every_token(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+    """`_token_kernel` over every new token of the batch (the batch-invariant form)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    block_tables = metadata.block_tables
+    _token_kernel[(num_tokens, num_kv_heads)](
+        query, kv_cache, block_tables, metadata.seq_lens, metadata.query_start_loc, out, scale,
+        metadata.num_seqs, query.stride(0), query.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), kv_cache[0].numel(), NUM_KV_HEADS=num_kv_heads,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_S=triton.next_power_of_2(max(metadata.num_seqs, 1)),
+        PRECISION=precision(query), num_warps=DECODE_LAUNCH[0], num_stages=DECODE_LAUNCH[1])
+    return out
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, every_token: bool = False) -> torch.Tensor:
     """`kernels.paged_attention.paged_attention`'s contract (shapes there).
 
     Decode-only batches run the split-K decode kernel; batches of rows of at most
@@ -401,6 +460,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     query = _unit_last_stride(query)
     if query.shape[0] == 0:
         return torch.empty_like(query)
+    if every_token:
+        return _every_token(query, kv_cache, metadata, scale)
     if metadata.is_decode_only:
         return _split_k(query, kv_cache, metadata, scale, 1)
     block_q = rows_block_q(metadata, query.shape[1], kv_cache.shape[3])

@@ -71,10 +71,11 @@ def mixed_batch(size: int) -> list:
     return requests
 
 
-def targets_of(requests, results) -> list[tuple]:
-    ids = {id(t) for t in TARGETS}
+def targets_of(requests, results, targets=TARGETS) -> list[tuple]:
+    """The results of `targets` (the same objects) among `requests`, in targets' order."""
+    ids = {id(t) for t in targets}
     by_target = {id(r): s for r, s in zip(requests, results) if id(r) in ids}
-    return [by_target[id(t)] for t in TARGETS]
+    return [by_target[id(t)] for t in targets]
 
 
 def test_alone_equals_inside_a_batch_of_64_mixed_requests(tiny_llama_dir, alone):
@@ -163,15 +164,20 @@ def test_kv_store_load_from_redis_equals_cold(tiny_llama_dir, alone, redis_serve
     assert [signature(o) for o in outputs] == alone
 
 
-def test_refused_where_it_is_not_kept():
+def test_refused_where_it_is_not_kept(monkeypatch):
     on = KernelConfig(batch_invariant=True)
     check_batch_invariant(on, torch.device("cpu"), LlamaForCausalLM)      # no error
     check_batch_invariant(KernelConfig(), torch.device("cuda"), DeepseekV3ForCausalLM)
-    with pytest.raises(ValueError, match="CPU only"):
-        check_batch_invariant(on, torch.device("cuda"), LlamaForCausalLM)
     for model_class in (DeepseekV3ForCausalLM, LlavaForConditionalGeneration):
         with pytest.raises(ValueError, match=f"not supported for {model_class.__name__}"):
             check_batch_invariant(on, torch.device("cpu"), model_class)
+    with pytest.raises(ValueError, match="CPU and CUDA, not on mps"):
+        check_batch_invariant(on, torch.device("mps"), LlamaForCausalLM)
+    import deepinfer.engine.batch_invariant as module
+
+    monkeypatch.setattr(module, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="needs Triton"):
+        check_batch_invariant(on, torch.device("cuda"), LlamaForCausalLM)
 
 
 def test_the_mode_is_off_by_default_and_set_by_its_variable(monkeypatch):

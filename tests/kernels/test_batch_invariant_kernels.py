@@ -14,10 +14,8 @@ from deepinfer.kernels.paged_attention import paged_attention
 from deepinfer.kernels.quantized_linear import cpu_kernel_available, quantized_linear
 from deepinfer.kernels.settings import KernelConfig
 
-pytestmark = pytest.mark.skipif(not cpu_kernel_available(),
+CPU_ONLY = pytest.mark.skipif(not cpu_kernel_available(),
                                 reason="the C++ CPU extension does not build here")
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGMLQuantizationType  # noqa: E402
 
 INVARIANT = KernelConfig(batch_invariant=True)
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 70)
@@ -38,13 +36,18 @@ def assert_row_invariant(f, x: torch.Tensor) -> torch.Tensor:
     return alone
 
 
-def weight_of(qtype, shape, seed=0) -> torch.Tensor:
-    """Float32 values of a random weight after llama.cpp's quantize + dequantize."""
+def weight_of(qtype: str, shape, seed=0) -> torch.Tensor:
+    """Float32 values of a random weight after llama.cpp's quantize + dequantize ("Q4_1",
+    "Q8_0")."""
+    gguf = pytest.importorskip("gguf")
+    qtype = getattr(gguf.GGMLQuantizationType, qtype)
+    gguf_quants = gguf.quants
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.05
     blocks = gguf_quants.quantize(weight.numpy(), qtype)
     return torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(blocks, qtype)))
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("shape", [(96, 576), (37, 100), (64, 64), (5, 8)])
 def test_float32_linear_rows_do_not_depend_on_the_batch(shape):
     n, k = shape
@@ -56,7 +59,8 @@ def test_float32_linear_rows_do_not_depend_on_the_batch(shape):
     torch.testing.assert_close(out, x @ weight.T + bias, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+@CPU_ONLY
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512-if-present", "avx2"])
 def test_quantized_linear_rows_do_not_depend_on_the_batch(qtype, avx512):
     weight = weight_of(qtype, (96, 576))
@@ -107,6 +111,7 @@ def attend(query, cache, tables, rows, query_lens, seq_lens):
     return paged_attention(query, cache, metadata, 0.125, batch_invariant=True)
 
 
+@CPU_ONLY
 def test_attention_tokens_do_not_depend_on_chunking_or_the_batch():
     """A 40-token sequence's outputs as one prefill chunk equal those of any chunk split, of
     decode steps one token at a time, and of the same chunks batched with another sequence;
@@ -133,3 +138,49 @@ def test_attention_tokens_do_not_depend_on_chunking_or_the_batch():
         query_lens_cpu=[40], seq_lens_cpu=[40])
     torch.testing.assert_close(full, reference(query, cache, metadata, 0.125), atol=1e-5,
                                rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_linear_rows_do_not_depend_on_the_batch(dtype):
+    """The Triton GEMM at its invariant config: rows of 1..300 (decode to prefill sizes)."""
+    for n, k in ((4096, 1024), (24576, 512), (200, 100)):
+        weight = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+        x = torch.randn(300, k, device="cuda", dtype=dtype)
+        def f(rows):
+            return linear(rows, weight, None, settings=INVARIANT)
+        alone = torch.cat([f(x[i:i + 1]) for i in range(0, 300, 37)])
+        for m in (1, 2, 17, 64, 65, 129, 300):
+            assert torch.equal(f(x[:m])[::37], alone[:len(range(0, m, 37))])
+        torch.testing.assert_close(f(x).float(), x.float() @ weight.float().T, atol=2e-2,
+                                   rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_attention_tokens_do_not_depend_on_chunking_or_the_batch():
+    cache, tables = paged_context([300, 40], block_size=16, num_kv_heads=2, head_dim=128)
+    cache, tables = cache.cuda().bfloat16(), tables.cuda()
+    query = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16)
+
+    def attend_cuda(q, rows, query_lens, seq_lens):
+        starts = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+            block_tables=tables[rows], slot_mapping=torch.full(
+                (sum(query_lens),), -1, dtype=torch.int64, device="cuda"),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+        return paged_attention(q, cache, metadata, 0.088, batch_invariant=True)
+
+    full = attend_cuda(query, [0], [300], [300])
+    assert torch.equal(attend_cuda(query[250:], [0], [50], [300]), full[250:])
+    assert torch.equal(attend_cuda(query[299:], [0], [1], [300]), full[299:])
+    other = torch.randn(7, 8, 128, device="cuda", dtype=torch.bfloat16)
+    both = attend_cuda(torch.cat([other, query[100:]]), [1, 0], [7, 200], [40, 300])
+    assert torch.equal(both[7:], full[100:])
+    # padding tokens past the last sequence (a CUDA graph's) are skipped, not attended
+    padded = attend_cuda(torch.cat([query[290:], other[:3]]), [0], [10], [300])
+    assert torch.equal(padded[:10], full[290:])
