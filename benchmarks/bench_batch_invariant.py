@@ -36,6 +36,8 @@ def make_llm(args, batch_invariant: bool) -> LLM:
                   batch_invariant=batch_invariant)
     if args.model:
         fields["model"] = args.model
+    if args.device.startswith("cuda"):   # two engines share the GPU
+        fields["kv_cache_memory_bytes"] = 2 << 30
     return LLM(config=EngineConfig().with_fields(**fields))
 
 

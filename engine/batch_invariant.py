@@ -14,13 +14,15 @@ import logging
 
 import torch
 
+from deepinfer.engine.models import get_model_class
 from deepinfer.kernels.backends import triton_available
 from deepinfer.kernels.cpu_extension import batch_invariant_summary
 from deepinfer.kernels.settings import KernelConfig
 
 logger = logging.getLogger(__name__)
-def check_batch_invariant(kernel: KernelConfig, device: torch.device, model_class: type) -> None:
+def check_batch_invariant(kernel: KernelConfig, device: torch.device, hf_config) -> None:
     """Refuse `kernel.batch_invariant` where it is not kept, and log what the mode runs.
+    `hf_config`: the model's HF config (its `architectures` name the model class).
 
     Raises:
         ValueError: for a model class that does not declare `supports_batch_invariant`
@@ -29,6 +31,7 @@ def check_batch_invariant(kernel: KernelConfig, device: torch.device, model_clas
     if not kernel.batch_invariant:
         return
     how = "drop --batch-invariant (DEEPINFER_BATCH_INVARIANT=0)"
+    model_class = get_model_class(hf_config)
     if not getattr(model_class, "supports_batch_invariant", False):
         raise ValueError(f"batch_invariant is not supported for {model_class.__name__} yet "
                          "(Llama-family text models are: Llama, Qwen2, SmolLM2); " + how + ".")

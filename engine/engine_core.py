@@ -32,7 +32,6 @@ from deepinfer.engine.fault_isolation import FaultIsolation
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_transfer import KVTransfer, NoKVTransfer, model_fingerprint
 from deepinfer.engine.mm_processor import adopt_chat_template, load_mm_processor
-from deepinfer.engine.models import get_model_class
 from deepinfer.engine.output_processor import OutputProcessor, TokenOutputProcessor
 from deepinfer.engine.outputs import (EngineCoreOutput, ModelRunnerOutput, RequestOutput,
                                       SchedulerOutput, SchedulerStats)
@@ -105,7 +104,7 @@ class EngineCore:
         # a vision-language model's processor (images -> pixel values, placeholder expansion)
         self.mm_processor = load_mm_processor(self.model_dir, hf_config, config.multimodal)
         adopt_chat_template(self.tokenizer, self.mm_processor)
-        check_batch_invariant(config.kernel, device, get_model_class(hf_config))
+        check_batch_invariant(config.kernel, device, hf_config)
         hf_config = hf_config.get_text_config()
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

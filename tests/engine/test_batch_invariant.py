@@ -164,20 +164,27 @@ def test_kv_store_load_from_redis_equals_cold(tiny_llama_dir, alone, redis_serve
     assert [signature(o) for o in outputs] == alone
 
 
+def config_of(model_class: type):
+    """An HF config naming `model_class` as its architecture."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig(architectures=[model_class.__name__])
+
+
 def test_refused_where_it_is_not_kept(monkeypatch):
     on = KernelConfig(batch_invariant=True)
-    check_batch_invariant(on, torch.device("cpu"), LlamaForCausalLM)      # no error
-    check_batch_invariant(KernelConfig(), torch.device("cuda"), DeepseekV3ForCausalLM)
+    check_batch_invariant(on, torch.device("cpu"), config_of(LlamaForCausalLM))      # no error
+    check_batch_invariant(KernelConfig(), torch.device("cuda"), config_of(DeepseekV3ForCausalLM))
     for model_class in (DeepseekV3ForCausalLM, LlavaForConditionalGeneration):
         with pytest.raises(ValueError, match=f"not supported for {model_class.__name__}"):
-            check_batch_invariant(on, torch.device("cpu"), model_class)
+            check_batch_invariant(on, torch.device("cpu"), config_of(model_class))
     with pytest.raises(ValueError, match="CPU and CUDA, not on mps"):
-        check_batch_invariant(on, torch.device("mps"), LlamaForCausalLM)
+        check_batch_invariant(on, torch.device("mps"), config_of(LlamaForCausalLM))
     import deepinfer.engine.batch_invariant as module
 
     monkeypatch.setattr(module, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="needs Triton"):
-        check_batch_invariant(on, torch.device("cuda"), LlamaForCausalLM)
+        check_batch_invariant(on, torch.device("cuda"), config_of(LlamaForCausalLM))
 
 
 def test_the_mode_is_off_by_default_and_set_by_its_variable(monkeypatch):
