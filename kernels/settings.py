@@ -126,9 +126,11 @@ class KernelConfig:
         (`kernels/moe_deep_gemm.py`); never below, where its 128-row alignment wastes work.
     batch_invariant: the batch-invariant mode (`DEEPINFER_BATCH_INVARIANT`, `--batch-invariant`,
         `LLM(batch_invariant=True)`): every row's result is the same bits whatever else is
-        batched. On CPU every linear runs a fixed-order kernel (`kernels/linear.py`) and every
-        token's attention the per-token C++ kernel (`kernels/paged_attention.py`); other
-        devices are refused at start-up (engine/batch_invariant.py). Default False.
+        batched: every linear runs a fixed-order kernel (`kernels/linear.py`; on CUDA the
+        Triton GEMM at one config per weight shape, the fused linears off) and every token's
+        attention one program over its own context (`kernels/paged_attention.py`); models
+        without invariant kernels are refused at start-up (engine/batch_invariant.py).
+        Default False.
     mla_decode_block_h: rows (heads x query tokens of a row) per program of the Triton MLA
         decode kernel (`kernels/mla_decode_triton.py`), a power of two >= 16; default 64
         (capped at the head count: V2-Lite's 16 heads run 16 rows; V3's 128 two programs).
