@@ -20,6 +20,8 @@ from deepinfer.kernels.cpu_extension import batch_invariant_summary
 from deepinfer.kernels.settings import KernelConfig
 
 logger = logging.getLogger(__name__)
+
+
 def check_batch_invariant(kernel: KernelConfig, device: torch.device, hf_config) -> None:
     """Refuse `kernel.batch_invariant` where it is not kept, and log what the mode runs.
     `hf_config`: the model's HF config (its `architectures` name the model class).

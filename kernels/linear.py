@@ -148,13 +148,11 @@ def _row_invariant_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         raise ValueError(f"batch-invariant linear on CUDA needs Triton and a bf16 / fp16 / "
                          f"float32 weight of x's dtype; got {weight.dtype} x {x.dtype}")
-    from dataclasses import replace
-
     from deepinfer.kernels import linear_triton
 
     x2d = x.reshape(-1, x.shape[-1])
     y = linear_triton.linear(x2d, weight, bias, config=linear_triton.invariant_config(weight),
-                             settings=replace(settings, gluon_block_m=frozenset()))
+                             settings=settings)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 

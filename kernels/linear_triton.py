@@ -398,7 +398,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         config: launch parameters BLOCK_N, BLOCK_K, num_warps, num_stages and optionally
             SPLIT_K (default 1), SWAP_AB (default False: compute the transposed tile
             W x^T, the weight tile as the MMA's A operand) (`tuned_config`) and BLOCK_M
-            (default `block_m(M)`; fixed by the batch-invariant mode, `invariant_config`).
+            (default `block_m(M)`; fixed by the batch-invariant mode, `invariant_config`,
+            which then never runs the Gluon kernel).
         norm_eps: if given, compute `(x / rms(x)) @ weight.T`, rms(x) = sqrt(mean(x^2) + eps)
             over each row of x (RMSNorm with a unit weight: fold the norm weight into `weight`
             first). The rows' sums of squares come from a pre-pass over x (unrolled wide
@@ -455,8 +456,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ss_ptr, ss_parts = _sum_squares_arg(num_rows, out_features, config, norm_eps, residual,
                                         sum_squares, sum_squares_out)
     config = dict(config)
-    rows_per_program = config.pop("BLOCK_M", None) or block_m(num_rows)
-    gluon = (rows_per_program in settings.gluon_block_m and (norm_eps is None or ss_parts)
+    fixed_block_m = config.pop("BLOCK_M", None)
+    rows_per_program = fixed_block_m or block_m(num_rows)
+    gluon = (fixed_block_m is None and rows_per_program in settings.gluon_block_m and (norm_eps is None or ss_parts)
              and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight))
     block_k = config["BLOCK_K"]
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
