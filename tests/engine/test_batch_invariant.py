@@ -55,19 +55,20 @@ def alone(tiny_llama_dir):
     return [run(llm, [target])[0] for target in TARGETS]
 
 
-def mixed_batch(size: int) -> list:
-    """`size` requests of mixed lengths and sampling, the targets spread among them."""
+def mixed_batch(size: int, targets=TARGETS, token_ids=(200, 20000), max_prompt=90) -> list:
+    """`size` requests of mixed lengths (up to `max_prompt` random ids in the range
+    `token_ids`) and sampling, the `targets` spread among them."""
     generator = torch.Generator().manual_seed(0)
     requests = []
-    for i in range(size - len(TARGETS)):
-        length = int(torch.randint(1, 90, (1,), generator=generator))
-        prompt = torch.randint(200, 20000, (length,), generator=generator).tolist()
+    for i in range(size - len(targets)):
+        length = int(torch.randint(1, max_prompt, (1,), generator=generator))
+        prompt = torch.randint(*token_ids, (length,), generator=generator).tolist()
         params = SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7, seed=i,
                                 max_tokens=int(torch.randint(4, 30, (1,), generator=generator)),
                                 ignore_eos=True, logprobs=2 if i % 2 else None)
         requests.append((prompt, params))
-    for j, target in enumerate(TARGETS):
-        requests.insert(j * (size // len(TARGETS)) + 3, target)
+    for j, target in enumerate(targets):
+        requests.insert(j * (size // len(targets)) + 3, target)
     return requests
 
 

@@ -13,6 +13,7 @@ import torch
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.llm import LLM
 from deepinfer.engine.sampling_params import SamplingParams
+from test_batch_invariant import mixed_batch as shared_mixed_batch
 from test_batch_invariant import signature, targets_of
 from test_gpu_engine import write_random_llama_dir
 
@@ -60,18 +61,7 @@ def run(llm: LLM, requests) -> list[tuple]:
 
 
 def mixed_batch(size: int) -> list:
-    generator = torch.Generator().manual_seed(0)
-    requests = []
-    for i in range(size - len(TARGETS)):
-        length = int(torch.randint(1, 200, (1,), generator=generator))
-        prompt = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
-        params = SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7, seed=i,
-                                max_tokens=int(torch.randint(4, 30, (1,), generator=generator)),
-                                ignore_eos=True, logprobs=2 if i % 2 else None)
-        requests.append((prompt, params))
-    for j, target in enumerate(TARGETS):
-        requests.insert(j * (size // len(TARGETS)) + 3, target)
-    return requests
+    return shared_mixed_batch(size, TARGETS, token_ids=(3, VOCAB), max_prompt=200)
 
 
 @pytest.fixture(scope="module")
