@@ -27,16 +27,19 @@ def check_batch_invariant(kernel: KernelConfig, device: torch.device, hf_config)
     `hf_config`: the model's HF config (its `architectures` name the model class).
 
     Raises:
-        ValueError: for a model class that does not declare `supports_batch_invariant`
-            (DeepSeek's MoE / MLA kernels, vision encoders), or on CUDA without Triton.
+        ValueError: a device not in the model class's `batch_invariant_devices` (DeepSeek
+            models: CUDA only; vision-language models: none), or CUDA without Triton.
     """
     if not kernel.batch_invariant:
         return
     how = "drop --batch-invariant (DEEPINFER_BATCH_INVARIANT=0)"
     model_class = get_model_class(hf_config)
-    if not getattr(model_class, "supports_batch_invariant", False):
-        raise ValueError(f"batch_invariant is not supported for {model_class.__name__} yet "
-                         "(Llama-family text models are: Llama, Qwen2, SmolLM2); " + how + ".")
+    devices = getattr(model_class, "batch_invariant_devices", ())
+    if device.type not in devices:
+        where = f"on {' and '.join(d.upper() for d in devices)} only" if devices else "anywhere"
+        raise ValueError(f"batch_invariant is not supported for {model_class.__name__} on "
+                         f"{device.type} yet ({model_class.__name__}: {where}; Llama, Qwen2 and "
+                         f"SmolLM2: on CPU and CUDA); {how}.")
     if device.type == "cuda":
         if not triton_available():
             raise ValueError("batch_invariant on CUDA needs Triton (its invariant GEMM and "
@@ -44,9 +47,9 @@ def check_batch_invariant(kernel: KernelConfig, device: torch.device, hf_config)
         summary = ("linears run the Triton GEMM at one tile config per weight shape (64-row "
                    "tiles, one K split; no cuBLAS, no fused norm / residual epilogues); "
                    "attention runs one program per token and kv head over its whole context, "
-                   "prefill included (no split-K; slower prefill)")
-    elif device.type == "cpu":
-        summary = batch_invariant_summary()
+                   "prefill included (no split-K; slower prefill); MLA: each token a decode "
+                   "row of its own at 2 fixed splits; MoE: one tile, the router's GEMM "
+                   "fixed-order")
     else:
-        raise ValueError(f"batch_invariant runs on CPU and CUDA, not on {device.type}; {how}.")
+        summary = batch_invariant_summary()
     logger.info("batch-invariant mode: %s", summary)

@@ -120,8 +120,12 @@ def rotate_write_and_attend(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
     """MLA from the projections' outputs: `rotate_and_write_latent` (query's rope dims
     rotated in place, this step's latents stored at `metadata.slot_mapping`), then
     `mla_attention`; the "triton" backend folds the first into the W_UK absorption kernel of
-    small decode batches (`KernelConfig.mla_rotate_in_absorb`).
+    small decode batches (`KernelConfig.mla_rotate_in_absorb`). With
+    `settings.batch_invariant`, every token runs the Triton absorbed decode path as a row of
+    its own (`mla_attention_triton.every_token`).
 
+    Raises:
+        ValueError: batch_invariant off CUDA / without Triton.
     Args:
         query: [num_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim], unit last stride.
         kv_a, norm_weight, eps, cos, signed_sin, kv_cache: as `rotate_and_write_latent`.
@@ -130,6 +134,13 @@ def rotate_write_and_attend(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
         [num_tokens, num_heads, v_head_dim], query's dtype.
     """
     name = _BACKENDS.resolve(backend, query.device)
+    if settings.batch_invariant:
+        if query.device.type != "cuda" or name not in ("triton", "flash_mla"):
+            raise ValueError("batch-invariant MLA runs on CUDA with Triton only; drop "
+                             "batch_invariant (DEEPINFER_BATCH_INVARIANT) for this model here.")
+        return _BACKENDS.load("triton").every_token(
+            query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache, metadata, w_uk, w_uv,
+            scale, settings=settings)
     if name == "triton":
         return _BACKENDS.load(name).rotate_write_and_attend(
             query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache, metadata, w_uk, w_uv,

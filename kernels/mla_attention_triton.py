@@ -346,3 +346,52 @@ def rotate_write_and_attend(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
                             metadata.slot_mapping, settings=settings)
     return mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale, settings=settings)
 
+
+
+# tokens per batch-invariant attention call: bounds its split partials (tokens x heads x 2 x
+# kv_lora_rank float32: 134 MB at DeepSeek-V3's 128 heads)
+EVERY_TOKEN_CHUNK = 256
+
+
+def every_token(query: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                scale: float, settings: KernelConfig = DEFAULT) -> torch.Tensor:
+    """`rotate_write_and_attend` in the batch-invariant form (`KernelConfig.batch_invariant`):
+    each new token is a decode row of its own over its own context (the sequence's block table
+    row, its position + 1 positions), so its bits do not depend on the batch, on prefill
+    chunking or on prefix hits: W_UK absorbed by `absorb_query` (16-token tiles whatever the
+    count), the absorbed decode kernel at 2 fixed splits (a token's split boundaries depend on
+    its context length only) with W_UV applied in the split reduce. Graph-safe (the per-token
+    metadata is built on the device). Shapes: `rotate_write_and_attend`'s."""
+    rotate_and_write_latent(query, kv_a, norm_weight, eps, cos, signed_sin, kv_cache,
+                            metadata.slot_mapping, settings=settings)
+    num_tokens, num_heads = query.shape[:2]
+    nope = query.shape[2] - cos.shape[-1]
+    q_nope, q_pe = query[..., :nope], query[..., nope:]
+    out = query.new_empty(num_tokens, num_heads, w_uv.shape[1])
+    if num_tokens == 0:
+        return out
+    tokens = torch.arange(num_tokens, device=query.device, dtype=torch.int32)
+    ends = metadata.query_start_loc[1:]
+    seq = torch.searchsorted(ends, tokens, right=True).clamp_(max=metadata.num_seqs - 1)
+    # positions each token sees; tokens past the last row (graph padding) read one position
+    context = (metadata.seq_lens[seq] - (ends[seq] - 1 - tokens)).clamp_(min=1).to(torch.int32)
+    tables = metadata.block_tables.index_select(0, seq)
+    w_uk = w_uk if w_uk.stride(2) == 1 else w_uk.contiguous()
+    w_uv = w_uv if w_uv.stride(2) == 1 else w_uv.contiguous()
+    for start in range(0, num_tokens, EVERY_TOKEN_CHUNK):
+        rows = slice(start, min(num_tokens, start + EVERY_TOKEN_CHUNK))
+        count = rows.stop - rows.start
+        per_token = AttentionMetadata(
+            query_start_loc=torch.arange(count + 1, device=query.device, dtype=torch.int32),
+            seq_lens=context[rows], block_tables=tables[rows],
+            slot_mapping=metadata.slot_mapping[rows], max_query_len=1,
+            max_seq_len=metadata.max_seq_len, query_lens_cpu=[1] * count,
+            seq_lens_cpu=[metadata.max_seq_len] * count)
+        q_latent = absorb_query(q_nope[rows], w_uk, settings)                # [H, n, L]
+        out[rows] = latent_attention(q_latent.transpose(0, 1), q_pe[rows], kv_cache, per_token,
+                                     scale, max_q_len=1, block_q=1,
+                                     block_rows=settings.mla_decode_block_h, splits=2,
+                                     heads_major=True, w_uv=w_uv, settings=settings)
+    return out

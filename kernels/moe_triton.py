@@ -417,8 +417,13 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError("w13 and w2 must be row-major in their last dim")
     fp8 = w13_scale is not None
     num_pairs = num_tokens * top_k
-    pair_tiles = num_tokens <= settings.moe_pair_tiles_max_tokens
-    tile = settings.moe_pair_tile if pair_tiles else pick_tile(num_pairs, num_experts, settings)
+    pair_tiles = (num_tokens <= settings.moe_pair_tiles_max_tokens
+                  and not settings.batch_invariant)
+    if settings.batch_invariant:   # one tile whatever the rows: a pair's sums never change
+        tile = settings.moe_invariant_tile
+    else:
+        tile = settings.moe_pair_tile if pair_tiles else pick_tile(num_pairs, num_experts,
+                                                                   settings)
     if fp8:
         if inter % 128 or hidden_size % 128 or w2_scale is None:
             raise ValueError("FP8 experts need intermediate and hidden sizes that are multiples "

@@ -105,6 +105,9 @@ class KernelConfig:
         increasing max_rows; default `MOE_TILES`.
     moe_pair_tile: the tile of the pair-tiles path (`moe_pair_tiles_max_tokens`; its max_rows
         is not read); default `MOE_PAIR_TILE`.
+    moe_invariant_tile: the one tile of the Triton fused MoE in the batch-invariant mode
+        (`batch_invariant`: no tile choice by rows per expert, no pair tiles; its max_rows is
+        not read); default `MOE_TILES[1]`'s 16-row tile.
     moe_align_one_program_max_pairs: up to this many (token, k) pairs (default 256) the Triton
         MoE aligns pairs to experts in one program (`moe_triton.align`); above, an atomic rank
         kernel and a parallel layout kernel.
@@ -127,10 +130,11 @@ class KernelConfig:
     batch_invariant: the batch-invariant mode (`DEEPINFER_BATCH_INVARIANT`, `--batch-invariant`,
         `LLM(batch_invariant=True)`): every row's result is the same bits whatever else is
         batched: every linear runs a fixed-order kernel (`kernels/linear.py`; on CUDA the
-        Triton GEMM at one config per weight shape, the fused linears off) and every token's
-        attention one program over its own context (`kernels/paged_attention.py`); models
-        without invariant kernels are refused at start-up (engine/batch_invariant.py).
-        Default False.
+        Triton GEMM at one config per weight shape, the fused linears off), every token's
+        attention one program over its own context (`kernels/paged_attention.py`; MLA:
+        `kernels/mla_attention.py`), the fused MoE one tile (`moe_invariant_tile`) and the
+        router the fixed-order float32 GEMM; models without invariant kernels on that device
+        are refused at start-up (engine/batch_invariant.py). Default False.
     mla_decode_block_h: rows (heads x query tokens of a row) per program of the Triton MLA
         decode kernel (`kernels/mla_decode_triton.py`), a power of two >= 16; default 64
         (capped at the head count: V2-Lite's 16 heads run 16 rows; V3's 128 two programs).
@@ -184,6 +188,7 @@ class KernelConfig:
     quantized_max_rows: int = 64
     moe_tiles: tuple[MoETile, ...] = MOE_TILES
     moe_pair_tile: MoETile = MOE_PAIR_TILE
+    moe_invariant_tile: MoETile = MOE_TILES[1]
     moe_align_one_program_max_pairs: int = 256
     moe_pair_tiles_max_tokens: int = 1
     moe_fused_router_max_rows: int = 1
@@ -226,10 +231,12 @@ class KernelConfig:
                f"{self.norm_by_dot_rows} must be >= 1.")
         object.__setattr__(self, "moe_tiles", tuple(
             t if isinstance(t, MoETile) else MoETile(**t) for t in self.moe_tiles))
-        if not isinstance(self.moe_pair_tile, MoETile):
-            object.__setattr__(self, "moe_pair_tile", MoETile(**self.moe_pair_tile))
+        for name in ("moe_pair_tile", "moe_invariant_tile"):
+            if not isinstance(getattr(self, name), MoETile):
+                object.__setattr__(self, name, MoETile(**getattr(self, name)))
         for name, tiles in (("moe_tiles", self.moe_tiles),
-                            ("moe_pair_tile", (self.moe_pair_tile,))):
+                            ("moe_pair_tile", (self.moe_pair_tile,)),
+                            ("moe_invariant_tile", (self.moe_invariant_tile,))):
             _check(name, bool(tiles) and all(
                 t.block_m >= 16 and t.block_k >= 16 and t.block_n >= 16 and t.down_block_n >= 16
                 and t.group_m >= 0 for t in tiles),

@@ -259,6 +259,8 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
 
     # decode reads nothing back to the host on CUDA (MoE: routing and the Triton experts on the
     # device; MLA: the torch decode path's graph-safe write and masks), so graphs capture it
+    # the MLA and MoE kernels' batch-invariant forms are Triton's (engine/batch_invariant.py)
+    batch_invariant_devices = ("cuda",)
     supports_cuda_graphs = True
     # `layers.set_kernel_config` (engine/loader.py, before the weights load): fp8_block_gemm
     # decides whether FP8 checkpoints keep their linears in FP8

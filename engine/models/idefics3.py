@@ -107,7 +107,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     `encode_image(pixel_values, pixel_mask)` is `vision.forward`.
     """
 
-    supports_batch_invariant = False   # its vision encoder batches images
+    batch_invariant_devices = ()   # its vision encoder batches images
 
     is_multimodal = True
 

@@ -107,10 +107,10 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 class LlamaForCausalLM(CausalLMLogits, nn.Module):
     """Llama decoder + LM head. Attributes the runner sizes the KV cache with: num_layers,
-    num_kv_heads, head_dim, dtype (and `kv_cache_shape`). `supports_batch_invariant`: every op
-    of its forward has a batch-invariant form on CPU (engine/batch_invariant.py)."""
+    num_kv_heads, head_dim, dtype (and `kv_cache_shape`). `batch_invariant_devices`: where every
+    op of its forward has a batch-invariant form (engine/batch_invariant.py)."""
 
-    supports_batch_invariant = True
+    batch_invariant_devices = ("cpu", "cuda")
 
     def __init__(self, hf_config, dtype: torch.dtype) -> None:
         super().__init__()

@@ -77,7 +77,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     """The paged Llama text model plus `vision` (a `LlavaVisionEncoder`); see
     `Idefics3ForConditionalGeneration` for the multimodal surface."""
 
-    supports_batch_invariant = False   # its vision encoder batches images
+    batch_invariant_devices = ()   # its vision encoder batches images
 
     is_multimodal = True
 

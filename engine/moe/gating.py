@@ -124,7 +124,8 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: Routin
 
     Up to `settings.moe_fused_router_max_rows` tokens on CUDA with Triton, one launch
     (`kernels.moe_routing_triton.route_hidden`: logits summed in 256-wide chunks, not
-    cuBLAS's order); otherwise the float32 GEMM, then `select_experts`.
+    cuBLAS's order); otherwise the float32 GEMM (in the batch-invariant mode the fixed-order
+    one of `kernels.linear`), then `select_experts`.
 
     Args:
         hidden: [num_tokens, hidden_size], model dtype.
@@ -134,7 +135,7 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: Routin
         (topk_weights [num_tokens, top_k] float32, physical ids [num_tokens, top_k] int64).
     """
     if (hidden.is_cuda and 0 < hidden.shape[0] <= settings.moe_fused_router_max_rows
-            and triton_available()):
+            and triton_available() and not settings.batch_invariant):
         from deepinfer.kernels.moe_routing_triton import route_hidden as fused
 
         return fused(hidden, gate_weight, top_k=config.top_k,
@@ -144,7 +145,12 @@ def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, config: Routin
                      routed_scaling_factor=config.routed_scaling_factor,
                      e_score_correction_bias=e_score_correction_bias,
                      logical_to_physical=logical_to_physical, settings=settings)
-    router_logits = hidden.float() @ gate_weight.float().T  # [T, num_experts] float32
+    if settings.batch_invariant:   # a fixed-order float32 GEMM (kernels/linear.py)
+        from deepinfer.kernels.linear import linear
+
+        router_logits = linear(hidden.float(), gate_weight.float(), settings=settings)
+    else:
+        router_logits = hidden.float() @ gate_weight.float().T  # [T, num_experts] float32
     return select_experts(router_logits, config, e_score_correction_bias,
                           logical_to_physical=logical_to_physical, settings=settings)
 

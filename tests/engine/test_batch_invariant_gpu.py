@@ -1,8 +1,9 @@
-"""Batch-invariant mode on CUDA, whole engine, random bf16 Llama with CUDA graphs: a request's
-token ids and logprob floats are the same bits alone (no prefix caching, one prefill chunk),
-inside a batch of 64 mixed requests (decode graphs padded to their captured sizes), under
-chunked prefill, after a prefix-cache hit, after preemption, and with speculative decoding on
-(varlen and fixed length). Greedy and seeded requests. (The CPU twin: test_batch_invariant.py.)
+"""Batch-invariant mode on CUDA, whole engine, random bf16 Llama and tiny DeepSeek-V2 / V3 (MLA,
+MoE) with CUDA graphs: a request's token ids and logprob floats are the same bits alone (no
+prefix caching, one prefill chunk), inside a batch of 64 mixed requests (decode graphs padded to
+their captured sizes), under chunked prefill, after a prefix-cache hit, after preemption, and
+with speculative decoding on (varlen and fixed length). Greedy and seeded requests. (The CPU
+twin: test_batch_invariant.py.)
 """
 
 import gc
@@ -13,6 +14,7 @@ import torch
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.llm import LLM
 from deepinfer.engine.sampling_params import SamplingParams
+from deepseek_configs import randomize_router_bias, tiny_deepseek_config
 from test_batch_invariant import mixed_batch as shared_mixed_batch
 from test_batch_invariant import signature, targets_of
 from test_gpu_engine import write_random_llama_dir
@@ -32,15 +34,24 @@ TARGETS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig
+@pytest.fixture(scope="module", params=["llama", "v2_lite_greedy", "v3_qlora_noaux_tc_yarn"])
+def model_dir(request, tmp_path_factory):
+    """A random Llama, or a tiny DeepSeek-V2 / V3 (MLA, MoE; V3: q_lora, noaux_tc, YaRN)."""
+    path = tmp_path_factory.mktemp(f"gpu-invariant-{request.param}")
+    if request.param == "llama":
+        from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=1024, initializer_range=0.1,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    return write_random_llama_dir(tmp_path_factory.mktemp("gpu-invariant-llama"), config)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                             num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                             max_position_embeddings=1024, initializer_range=0.1,
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        return write_random_llama_dir(path, config)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(request.param,
+                                                                  vocab_size=VOCAB))
+    randomize_router_bias(model.eval())
+    return write_random_llama_dir(path, model.config, model=model)
 
 
 def make_llm(model_dir, **fields) -> LLM:

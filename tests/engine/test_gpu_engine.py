@@ -21,8 +21,9 @@ MAX_NEW_TOKENS = 24
 PROMPT_LENGTHS = (5, 37, 64, 18, 90)  # 5 sequences: decode pads to the captured size 8
 
 
-def write_random_llama_dir(path, config, seed: int = 0):
-    """Save a random-weight HF Llama with a word-level tokenizer ("t0".."t{V-1}") at `path`."""
+def write_random_llama_dir(path, config, seed: int = 0, model=None):
+    """Save a random-weight HF Llama (or the given HF `model`, of `config`) with a word-level
+    tokenizer ("t0".."t{V-1}") at `path`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -31,7 +32,7 @@ def write_random_llama_dir(path, config, seed: int = 0):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="t1", eos_token="t2")
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    (model if model is not None else LlamaForCausalLM(config).eval()).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
