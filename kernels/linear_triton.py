@@ -260,8 +260,12 @@ def invariant_config(weight: torch.Tensor) -> dict:
     is one program's float32 sum over K in BLOCK_K steps, in order, whatever the rows beside
     it: 64-row tiles for every M (decode pads its rows; prefill-sized M tiles), BLOCK_N from
     the output features so that a decode step still has ~100+ programs on an 8B model's
-    linears."""
+    linears; float32 weights (IEEE dots, no tensor cores) 16 x 16 or 16 x 32 tiles."""
     out_features = weight.shape[0]
+    if weight.dtype == torch.float32:   # IEEE dots on the CUDA cores (a MoE router's logits):
+        # 16-row tiles, or a decode step pays 64 rows of FMAs for one
+        return {"BLOCK_M": 16, "BLOCK_N": 16 if out_features <= 4096 else 32, "BLOCK_K": 64,
+                "SPLIT_K": 1, "SWAP_AB": False, "num_warps": 4, "num_stages": 3}
     block_n = 128 if out_features >= 16384 else 64 if out_features >= 8192 else 32
     return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": False,
             "num_warps": 4, "num_stages": 4}
