@@ -22,13 +22,15 @@ from deepinfer.kernels.settings import KernelConfig
 logger = logging.getLogger(__name__)
 
 
-def check_batch_invariant(kernel: KernelConfig, device: torch.device, hf_config) -> None:
+def check_batch_invariant(kernel: KernelConfig, device: torch.device, dtype: torch.dtype,
+                          hf_config) -> None:
     """Refuse `kernel.batch_invariant` where it is not kept, and log what the mode runs.
-    `hf_config`: the model's HF config (its `architectures` name the model class).
+    `dtype`: the model's; `hf_config`: its HF config (`architectures` name the model class).
 
     Raises:
         ValueError: a device not in the model class's `batch_invariant_devices` (DeepSeek
-            models: CUDA only; vision-language models: none), or CUDA without Triton.
+            models: CUDA only; vision-language models: none), CUDA without Triton, or the CPU
+            in a dtype other than float32 (its invariant kernels are float32).
     """
     if not kernel.batch_invariant:
         return
@@ -51,5 +53,9 @@ def check_batch_invariant(kernel: KernelConfig, device: torch.device, hf_config)
                    "row of its own at 2 fixed splits; MoE: one tile, the router's GEMM "
                    "fixed-order")
     else:
+        if dtype != torch.float32:
+            raise ValueError(f"batch_invariant on CPU runs float32 only (its fixed-order "
+                             f"kernels are float32), not {str(dtype).removeprefix('torch.')}; "
+                             f"serve with --dtype float32 (the CPU default) or {how}.")
         summary = batch_invariant_summary()
     logger.info("batch-invariant mode: %s", summary)

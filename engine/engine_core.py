@@ -104,7 +104,7 @@ class EngineCore:
         # a vision-language model's processor (images -> pixel values, placeholder expansion)
         self.mm_processor = load_mm_processor(self.model_dir, hf_config, config.multimodal)
         adopt_chat_template(self.tokenizer, self.mm_processor)
-        check_batch_invariant(config.kernel, device, hf_config)
+        check_batch_invariant(config.kernel, device, dtype, hf_config)
         hf_config = hf_config.get_text_config()
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

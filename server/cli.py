@@ -78,8 +78,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "--engine-process on and refuses --no-engine-process (default 1)")
     serve.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=keep,
                        help="batch-invariant inference: a request's tokens and logprobs do not "
-                            "depend on what else is batched (Llama-family models; slower; "
-                            "README 'Deterministic serving'; default off)")
+                            "depend on what else is batched (Llama-family models; DeepSeek on "
+                            "CUDA; slower; README 'Deterministic serving'; default off)")
     serve.add_argument("--max-waiting-requests", type=int, default=keep,
                        help="queued requests before new ones get HTTP 429 (default 256)")
     serve.add_argument("--data-parallel-size", type=int, default=keep, metavar="N",

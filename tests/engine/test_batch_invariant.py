@@ -16,6 +16,7 @@ from deepinfer.engine.models.llava import LlavaForConditionalGeneration
 from deepinfer.engine.sampling_params import SamplingParams
 
 BLOCK = 4
+F32 = torch.float32
 # the requests whose outputs are compared: (prompt ids, sampling params)
 TARGETS = [
     (list(range(100, 137)), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
@@ -173,20 +174,23 @@ def config_of(model_class: type):
 
 
 def test_refused_where_it_is_not_kept(monkeypatch):
-    on = KernelConfig(batch_invariant=True)
-    check_batch_invariant(on, torch.device("cpu"), config_of(LlamaForCausalLM))  # no error
-    check_batch_invariant(KernelConfig(), torch.device("cpu"), config_of(DeepseekV3ForCausalLM))
+    on, cpu, cuda = KernelConfig(batch_invariant=True), torch.device("cpu"), torch.device("cuda")
+    llama, v3 = config_of(LlamaForCausalLM), config_of(DeepseekV3ForCausalLM)
+    check_batch_invariant(on, cpu, F32, llama)                       # no error
+    check_batch_invariant(KernelConfig(), cpu, F32, v3)              # the mode off: no check
+    with pytest.raises(ValueError, match="CPU runs float32 only .* not bfloat16"):
+        check_batch_invariant(on, cpu, torch.bfloat16, llama)
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM on cpu yet .*CUDA only"):
-        check_batch_invariant(on, torch.device("cpu"), config_of(DeepseekV3ForCausalLM))
+        check_batch_invariant(on, cpu, F32, v3)
     with pytest.raises(ValueError, match="LlavaForConditionalGeneration on cpu yet"):
-        check_batch_invariant(on, torch.device("cpu"), config_of(LlavaForConditionalGeneration))
+        check_batch_invariant(on, cpu, F32, config_of(LlavaForConditionalGeneration))
     with pytest.raises(ValueError, match="LlamaForCausalLM on mps yet"):
-        check_batch_invariant(on, torch.device("mps"), config_of(LlamaForCausalLM))
+        check_batch_invariant(on, torch.device("mps"), F32, llama)
     import deepinfer.engine.batch_invariant as module
 
     monkeypatch.setattr(module, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="needs Triton"):
-        check_batch_invariant(on, torch.device("cuda"), config_of(LlamaForCausalLM))
+        check_batch_invariant(on, cuda, F32, llama)
 
 
 def test_the_mode_is_off_by_default_and_set_by_its_variable(monkeypatch):
