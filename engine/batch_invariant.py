@@ -29,8 +29,9 @@ def check_batch_invariant(kernel: KernelConfig, device: torch.device, dtype: tor
 
     Raises:
         ValueError: a device not in the model class's `batch_invariant_devices` (DeepSeek
-            models: CUDA only; vision-language models: none), CUDA without Triton, or the CPU
-            in a dtype other than float32 (its invariant kernels are float32).
+            models: CUDA only; vision-language models: none), CUDA without Triton, the CPU
+            in a dtype other than float32 (its invariant kernels are float32), or
+            `kernel.fp8_block_gemm` on.
     """
     if not kernel.batch_invariant:
         return
@@ -38,10 +39,14 @@ def check_batch_invariant(kernel: KernelConfig, device: torch.device, dtype: tor
     model_class = get_model_class(hf_config)
     devices = getattr(model_class, "batch_invariant_devices", ())
     if device.type not in devices:
-        where = f"on {' and '.join(d.upper() for d in devices)} only" if devices else "anywhere"
+        where = f"on {' and '.join(d.upper() for d in devices)} only" if devices else "on no device"
         raise ValueError(f"batch_invariant is not supported for {model_class.__name__} on "
                          f"{device.type} yet ({model_class.__name__}: {where}; Llama, Qwen2 and "
                          f"SmolLM2: on CPU and CUDA); {how}.")
+    if kernel.fp8_block_gemm:
+        raise ValueError("batch_invariant has no FP8 block-scaled GEMM form (its row tile follows "
+                         "the row count); drop fp8_block_gemm (FP8 checkpoints then dequantize "
+                         f"at load) or {how}.")
     if device.type == "cuda":
         if not triton_available():
             raise ValueError("batch_invariant on CUDA needs Triton (its invariant GEMM and "

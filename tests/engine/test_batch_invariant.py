@@ -186,6 +186,9 @@ def test_refused_where_it_is_not_kept(monkeypatch):
         check_batch_invariant(on, cpu, F32, config_of(LlavaForConditionalGeneration))
     with pytest.raises(ValueError, match="LlamaForCausalLM on mps yet"):
         check_batch_invariant(on, torch.device("mps"), F32, llama)
+    with pytest.raises(ValueError, match="no FP8 block-scaled GEMM form"):
+        check_batch_invariant(KernelConfig(batch_invariant=True, fp8_block_gemm=True), cuda, F32,
+                              v3)
     import deepinfer.engine.batch_invariant as module
 
     monkeypatch.setattr(module, "triton_available", lambda: False)
