@@ -267,7 +267,8 @@ def invariant_config(weight: torch.Tensor) -> dict:
         return {"BLOCK_M": 16, "BLOCK_N": 16 if out_features <= 4096 else 32, "BLOCK_K": 64,
                 "SPLIT_K": 1, "SWAP_AB": False, "num_warps": 4, "num_stages": 3}
     block_n = 128 if out_features >= 16384 else 64 if out_features >= 8192 else 32
-    return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": False,
+    # 128-wide K steps: at one row a program is bound by the weight bytes it has in flight
+    return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 128, "SPLIT_K": 1, "SWAP_AB": False,
             "num_warps": 4, "num_stages": 4}
 
 
