@@ -14,6 +14,9 @@ distinct outputs one prompt gets under varying load, and what the mode costs.
    (time of 1 + T new tokens) - (time of 1 new token) over B x T tokens.
 
 Usage: python benchmarks/bench_batch_invariant.py [--model PATH] [--device cuda] [--json OUT]
+The cost at Llama-3-8B's and DeepSeek-V2-Lite's shapes (random weights built on the GPU):
+`gpu_decode.py --variants-only --variants baseline,batch_invariant=1` and
+`gpu_deepseek.py --skip-hf --variants batch_invariant=1`, each an A/B in one process.
 """
 
 from __future__ import annotations
