@@ -62,7 +62,6 @@ def resolve_device_dtype(config: ModelConfig) -> tuple[torch.device, torch.dtype
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-
 def served_model_name(config: ModelConfig) -> str:
     """The name clients use: --served-model-name, else the model path's name (no .gguf)."""
     if config.served_model_name:

@@ -1,8 +1,9 @@
 """Batch-invariant mode (`KernelConfig.batch_invariant`) on the CPU, whole engine, tiny random
 Llama: a request's token ids and logprob floats (its own and the top-5 alternatives') are the
 same bits alone, inside a batch of 64 mixed requests, under chunked prefill, after a prefix-cache
-hit, after a KV-store load from Redis, after preemption, and with speculative decoding on
-(varlen and fixed length) or off. Greedy and seeded requests alike."""
+hit, after a KV-store load from Redis, after preemption, and (SmolLM2, whose n-gram drafts pass:
+the tiny model's rarely do) with speculative decoding on (varlen and fixed length) or off.
+Greedy and seeded requests alike."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from deepinfer.engine.batch_invariant import check_batch_invariant
 from deepinfer.engine.config import EngineConfig, KernelConfig
 from deepinfer.engine.llm import LLM
 from deepinfer.engine.models.deepseek import DeepseekV3ForCausalLM
+from deepinfer.engine.models.layers.linear import Linear
 from deepinfer.engine.models.llama import LlamaForCausalLM
 from deepinfer.engine.models.llava import LlavaForConditionalGeneration
 from deepinfer.engine.sampling_params import SamplingParams
@@ -82,9 +84,13 @@ def targets_of(requests, results, targets=TARGETS) -> list[tuple]:
 
 def test_alone_equals_inside_a_batch_of_64_mixed_requests(tiny_llama_dir, alone):
     requests = mixed_batch(64)
-    results = run(make_llm(tiny_llama_dir), requests)
-    assert targets_of(requests, results) == alone
+    llm = make_llm(tiny_llama_dir)
+    assert targets_of(requests, run(llm, requests)) == alone
     assert all(len(ids) == 20 for ids, _ in alone)
+    # the mode's linears never read a oneDNN copy, so none is kept
+    model = llm.engine_core.executor.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is None for m in linears)
 
 
 def test_chunked_prefill_equals_one_chunk(tiny_llama_dir, alone):
@@ -108,14 +114,6 @@ def test_preemption_and_recompute_equal_uninterrupted(tiny_llama_dir, alone):
     results = run(llm, requests)
     assert llm.engine_core.scheduler.num_preemptions > 0
     assert targets_of(requests, results) == alone
-
-
-@pytest.mark.parametrize("spec_varlen", [True, False], ids=["varlen", "fixed"])
-def test_speculative_decoding_equals_plain(tiny_llama_dir, alone, spec_varlen):
-    llm = make_llm(tiny_llama_dir, speculative_method="ngram", num_speculative_tokens=4,
-                   spec_varlen=spec_varlen, enable_prefix_caching=False)
-    requests = mixed_batch(8)
-    assert targets_of(requests, run(llm, requests)) == alone
 
 
 GROUNDED = ["Copy the list. apple, banana, cherry, date, elderberry, fig, grape, kiwi, lemon, "

@@ -40,8 +40,11 @@ class Linear(nn.Module):
         self.fp8_block_size: tuple[int, int] | None = None
 
     def pack(self) -> None:
-        """Refresh the packed and quantized copies of the weight (a no-op off CPU float32)."""
-        self.packed_weight = pack_linear_weight(self.weight)
+        """Refresh the packed and quantized copies of the weight (a no-op off CPU float32). In
+        the batch-invariant mode (`kernel_config`, set before the weights load) no oneDNN copy
+        is made: the mode's linears never read it."""
+        self.packed_weight = (None if self.kernel_config.batch_invariant
+                              else pack_linear_weight(self.weight))
         self.quantized_weight = quantize_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
