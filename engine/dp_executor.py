@@ -405,6 +405,7 @@ class Worker:
         logical expert its placement names (loads the checkpoint again: tests)."""
         from deepinfer.engine import loader
         from deepinfer.engine.moe.expert_parallel import decoder_moes
+        from deepinfer.kernels.moe import dequantize_blocks
 
         if self.ep is None:
             return True
@@ -413,9 +414,12 @@ class Worker:
         mine = slice(self.args.rank * per, (self.args.rank + 1) * per)
         for moe, reference in zip(self.ep.moes, decoder_moes(full)):
             experts = moe.expert_parallel.phys2log[mine]
-            if not (torch.equal(moe.w13.data.cpu(), reference.w13.data[experts])
-                    and torch.equal(moe.w2.data.cpu(), reference.w2.data[experts])):
-                return False
+            for name in ("w13", "w2"):   # FP8 experts: compared as the CPU model dequantized them
+                held, scale = getattr(moe, name).data.cpu(), getattr(moe, f"{name}_scale")
+                if scale is not None:
+                    held = dequantize_blocks(held, scale.cpu(), reference.w13.dtype)
+                if not torch.equal(held, getattr(reference, name).data[experts]):
+                    return False
         return True
 
 

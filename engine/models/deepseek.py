@@ -6,9 +6,10 @@
   `engine.moe.gating` (greedy / group_limited_greedy / noaux_tc, softmax or sigmoid scores).
 - Multi-Token Prediction (V3 §2.2): the checkpoint's layer `num_hidden_layers + k` is MTP module
   k; `mtp_forward` gives draft logits for the token after next.
-- FP8 block-scaled checkpoints (V3 §3.3): on devices with the FP8 GEMM the attention / dense
-  MLP / shared-expert linears stay FP8 with their scales; everything else (and every weight on
-  CPU) is dequantized at load (`engine.models.fp8`).
+- FP8 block-scaled checkpoints (V3 §3.3): on devices with the FP8 GEMM the routed experts stay
+  FP8 with their 128 x 128 scales (the grouped FP8 GEMMs of `kernels.moe_triton`), and with
+  `KernelConfig.fp8_block_gemm` the attention / dense MLP / shared-expert linears too;
+  everything else (and every weight on CPU) is dequantized at load (`engine.models.fp8`).
 - Decode fusions (`kernels.fused_linear`, as Llama's; CUDA bf16 / fp16 with plain q and kv_a
   weights): each layer's input RMSNorm weight is folded into the merged q + kv_a GEMM, which
   applies the norm; o_proj and the MLPs' down projections (on MoE layers the shared experts')
@@ -27,7 +28,9 @@ import torch
 from torch import nn
 
 from deepinfer.engine.kv_cache.spec import MLAAttentionSpec
-from deepinfer.engine.models.fp8 import Fp8LinearStaging, dequantize_fp8_weights, fp8_block_size
+from deepinfer.engine.models.fp8 import (WEIGHT_SCALE_SUFFIX, Fp8LinearStaging,
+                                         dequantize_fp8_weights, fp8_block_size,
+                                         fp8_expert_block)
 from deepinfer.engine.models.layers.decoder import PreNormDecoderLayer
 from deepinfer.engine.models.layers.linear import Linear
 from deepinfer.engine.models.layers.lm_head import CausalLMLogits
@@ -72,10 +75,12 @@ class DeepseekMoEBlock(nn.Module):
 
     kernel_config: KernelConfig = DEFAULT
 
-    def __init__(self, hf_config, routing: RoutingConfig, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config, routing: RoutingConfig, dtype: torch.dtype, *,
+                 expert_fp8_block: int | None = None) -> None:
         super().__init__()
         c = hf_config
-        self.moe = MoE(c.hidden_size, c.moe_intermediate_size, routing, dtype)
+        self.moe = MoE(c.hidden_size, c.moe_intermediate_size, routing, dtype,
+                       fp8_block=expert_fp8_block)
         num_shared = getattr(c, "n_shared_experts", None) or 0
         self.shared_experts = (GatedMLP(c.hidden_size, c.moe_intermediate_size * num_shared,
                                         bias=False, dtype=dtype) if num_shared else None)
@@ -87,8 +92,11 @@ class DeepseekMoEBlock(nn.Module):
                 self.moe.e_score_correction_bias.data, None)
         for expert in range(self.moe.routing.num_experts):
             for projection in ("gate_proj", "up_proj", "down_proj"):
-                targets[f"{prefix}experts.{expert}.{projection}.weight"] = (
-                    self.moe.expert_weight(expert, projection), None)
+                name = f"{prefix}experts.{expert}.{projection}"
+                targets[f"{name}.weight"] = (self.moe.expert_weight(expert, projection), None)
+                if self.moe.w13_scale is not None:   # FP8 experts: codes and scales as stored
+                    targets[f"{name}{WEIGHT_SCALE_SUFFIX}"] = (
+                        self.moe.expert_scale(expert, projection), None)
         if self.shared_experts is not None:
             targets.update(_gated_mlp_targets(self.shared_experts, f"{prefix}shared_experts."))
         return targets
@@ -156,7 +164,8 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
     kernel_config: KernelConfig = DEFAULT
 
     def __init__(self, hf_config, layer_idx: int, routing: RoutingConfig | None,
-                 dtype: torch.dtype, *, interleaved_rope: bool) -> None:
+                 dtype: torch.dtype, *, interleaved_rope: bool,
+                 expert_fp8_block: int | None = None) -> None:
         super().__init__()
         c = hf_config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -165,7 +174,8 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         freq = getattr(c, "moe_layer_freq", None) or 1
         is_moe = (routing is not None and layer_idx >= (c.first_k_dense_replace or 0)
                   and layer_idx % freq == 0)
-        self.mlp = (DeepseekMoEBlock(c, routing, dtype) if is_moe else
+        self.mlp = (DeepseekMoEBlock(c, routing, dtype, expert_fp8_block=expert_fp8_block)
+                    if is_moe else
                     GatedMLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype))
 
     def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
@@ -207,14 +217,16 @@ class DeepseekMTPLayer(nn.Module):
     report); checkpoints carry duplicate copies under this layer, which are skipped."""
 
     def __init__(self, hf_config, layer_idx: int, routing: RoutingConfig | None,
-                 dtype: torch.dtype, *, interleaved_rope: bool) -> None:
+                 dtype: torch.dtype, *, interleaved_rope: bool,
+                 expert_fp8_block: int | None = None) -> None:
         super().__init__()
         c = hf_config
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, bias=False, dtype=dtype)
         self.block = DeepseekDecoderLayer(c, layer_idx, routing, dtype,
-                                          interleaved_rope=interleaved_rope)
+                                          interleaved_rope=interleaved_rope,
+                                          expert_fp8_block=expert_fp8_block)
         self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
 
     def checkpoint_targets(self, prefix: str) -> Targets:
@@ -270,7 +282,18 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
     default_topk_method = "greedy"
     interleaved_rope_default = True
 
-    def __init__(self, hf_config, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config, dtype: torch.dtype, *, fp8_experts: bool | None = None
+                 ) -> None:
+        """`fp8_experts`: keep an FP8 block-scaled checkpoint's routed experts in FP8 (codes
+        and scales as stored, half the bytes of bf16); None (default) does where
+        `engine.models.fp8.fp8_expert_block` allows it on the device the model is built on
+        (the `torch.device` context of `loader.load_model`). Other weights follow
+        `kernel_config.fp8_block_gemm` (`load_weights`).
+
+        Raises:
+            ValueError: an unsupported activation or MLP bias; `fp8_experts=True` for a
+                checkpoint whose experts cannot stay FP8.
+        """
         super().__init__()
         c = hf_config
         if getattr(c, "hidden_act", "silu") != "silu":
@@ -282,13 +305,15 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         self.vocab_size, self.num_hidden_layers = c.vocab_size, c.num_hidden_layers
         interleaved = bool(getattr(c, "rope_interleave", self.interleaved_rope_default))
         routing = _routing_config(c, self.default_scoring_func, self.default_topk_method)
+        expert_block = fp8_expert_block(c, torch.get_default_device(), fp8_experts)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _freeze=True,
                                          _weight=torch.empty(c.vocab_size, c.hidden_size,
                                                              dtype=dtype))
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.max_position_embeddings,
                                           rope_parameters(c))
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(c, i, routing, dtype, interleaved_rope=interleaved)
+            DeepseekDecoderLayer(c, i, routing, dtype, interleaved_rope=interleaved,
+                                 expert_fp8_block=expert_block)
             for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
@@ -298,7 +323,8 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         num_mtp = getattr(c, "num_nextn_predict_layers", None) or 0
         self.mtp = nn.ModuleList(  # dropped at load if the checkpoint carries no MTP weights
             DeepseekMTPLayer(c, c.num_hidden_layers + k, routing, dtype,
-                             interleaved_rope=interleaved) for k in range(num_mtp))
+                             interleaved_rope=interleaved, expert_fp8_block=expert_block)
+            for k in range(num_mtp))
 
     @property
     def num_mtp_layers(self) -> int:
@@ -399,18 +425,23 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
         """Fill the parameters from HF checkpoint tensors, drop the MTP modules if the
         checkpoint has none, then prepare the linears and MLA's W_UK / W_UV.
 
-        FP8 block-scaled tensors are dequantized to the model dtype; with `keep_fp8` (default:
+        FP8 block-scaled tensors are dequantized to the model dtype, except the routed
+        experts of a model built with FP8 experts (`fp8_experts`), whose codes and
+        `weight_scale_inv` tiles are copied as stored; with `keep_fp8` (default:
         `kernel_config.fp8_block_gemm` where `kernels.fp8.fp8_supported` says the device runs
         the FP8 GEMM) the linears that can stay FP8 get their codes and scales back afterwards
         (`Fp8LinearStaging`).
 
         Raises:
-            ValueError: an unknown name, a shape mismatch, or a tensor left unfilled.
+            ValueError: an unknown name, a shape mismatch, an FP8 expert stored unquantized,
+                or a tensor left unfilled.
         """
         block_size = fp8_block_size(self.config)
         targets = self.checkpoint_targets()
         staging = None
         if block_size is not None:
+            kept_codes = {name[:-len(".weight")] for name, (target, _) in targets.items()
+                          if target.dtype == torch.float8_e4m3fn}
             if keep_fp8 is None:
                 keep_fp8 = (self.kernel_config.fp8_block_gemm
                             and fp8_supported(self.embed_tokens.weight.device))
@@ -419,7 +450,7 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
                                             if isinstance(m, MLAAttention)]
                 staging = Fp8LinearStaging(self, targets, block_size, exclude)
             weights = dequantize_fp8_weights(weights, block_size, self.dtype,
-                                             staging.stage if staging else None)
+                                             staging.stage if staging else None, kept_codes)
         filled: set[str] = set()
         for name, tensor in weights:
             if self._is_skipped(name):
@@ -431,6 +462,11 @@ class DeepseekForCausalLM(CausalLMLogits, nn.Module):
             if target.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
                                  f"the model expects {tuple(target.shape)} (config mismatch?).")
+            if target.dtype == torch.float8_e4m3fn and tensor.dtype != target.dtype:
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but the model "
+                                 "keeps its routed experts in FP8 and needs float8_e4m3fn codes "
+                                 "with their weight_scale_inv; build it with fp8_experts=False "
+                                 "to load a partly quantized checkpoint.")
             target.copy_(transform(tensor) if transform else tensor)
             filled.add(name)
         first_mtp = f"model.layers.{self.num_hidden_layers}."

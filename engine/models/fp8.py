@@ -4,30 +4,34 @@ config.json: `"quantization_config": {"quant_method": "fp8", "weight_block_size"
 ...}`; each quantized linear has `<name>.weight` (float8_e4m3fn) and `<name>.weight_scale_inv`
 (float32, one per block).
 
-Every FP8 weight is dequantized to the compute dtype as it streams in
-(`dequantize_fp8_weights`), which is all a CPU model uses. On a device that runs the FP8 GEMM
-(`kernels.fp8.fp8_supported`), `Fp8LinearStaging` also keeps the codes and scales of the
-`Linear` modules whose checkpoint parts line up with the scale tiles, and once loading ends
-swaps them in: those linears then hold float8_e4m3fn weights plus `weight_scale_inv` (half the
-bytes of bf16) and run `kernels.fp8.fp8_block_linear`. The rest (the MLA up-projection
-kv_b_proj, whose W_UK / W_UV the attention kernels read in the compute dtype; misaligned fused
-rows; the experts, which are not `Linear`s) stay dequantized.
+On a device that runs the FP8 GEMMs (`kernels.fp8.fp8_supported`) the routed experts, most of
+a DeepSeek-V3's bytes, stay FP8: the model is built with float8_e4m3fn expert tensors and
+float32 scale tiles (`fp8_expert_block`, `layers.moe.MoE(fp8_block=128)`), so no bf16 copy of
+them is ever allocated, and their codes and `weight_scale_inv` tiles load as stored
+(`dequantize_fp8_weights(kept_codes=...)`); the grouped FP8 GEMMs of `kernels.moe_triton` run
+them. Every other FP8 weight is dequantized to the compute dtype as it streams in, which is all
+a CPU model does. With `KernelConfig.fp8_block_gemm`, `Fp8LinearStaging` also keeps the codes
+and scales of the `Linear` modules whose checkpoint parts line up with the scale tiles, and
+once loading ends swaps them in: those linears then hold float8_e4m3fn weights plus
+`weight_scale_inv` and run `kernels.fp8.fp8_block_linear`. The MLA up-projection kv_b_proj
+(whose W_UK / W_UV the attention kernels read in the compute dtype) and misaligned fused rows
+stay dequantized.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from deepinfer.engine.models.layers.linear import Linear
-from deepinfer.kernels.fp8 import dequantize_block_fp8
+from deepinfer.kernels.fp8 import dequantize_block_fp8, fp8_supported
 
 # checkpoint base name, FP8 codes, scales: called for each pair before its dequantized weight
 PairHook = Callable[[str, torch.Tensor, torch.Tensor], None]
 
-_SCALE_SUFFIX = ".weight_scale_inv"
+WEIGHT_SCALE_SUFFIX = ".weight_scale_inv"
 
 
 def fp8_block_size(hf_config) -> tuple[int, int] | None:
@@ -51,13 +55,43 @@ def fp8_block_size(hf_config) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
+def fp8_expert_block(hf_config, device: torch.device,
+                     requested: bool | None = None) -> int | None:
+    """The scale block (128) in which a model keeps its routed experts FP8, or None for
+    experts in the compute dtype.
+
+    FP8 experts need a block-scaled checkpoint with 128 x 128 blocks (DeepSeek-V3's), hidden
+    and moe_intermediate sizes that are multiples of 128 (the grouped FP8 GEMMs take one scale
+    per K step) and, unless `requested` is True, a device that runs them
+    (`kernels.fp8.fp8_supported`: CUDA with Triton, compute capability >= 8.9). `requested`
+    False: never; True: wherever the checkpoint allows it (CPU included, where the forward
+    dequantizes each call: tests).
+
+    Raises:
+        ValueError: `requested` True for a checkpoint whose experts cannot stay FP8.
+    """
+    if requested is False:
+        return None
+    block = fp8_block_size(hf_config)
+    dims = (hf_config.hidden_size, getattr(hf_config, "moe_intermediate_size", 0) or 0)
+    fits = block == (128, 128) and all(d and d % 128 == 0 for d in dims)
+    if requested and not fits:
+        raise ValueError(f"fp8_experts=True needs an FP8 checkpoint with 128 x 128 scale blocks "
+                         f"and hidden / moe_intermediate sizes that are multiples of 128; this "
+                         f"one has weight_block_size {block} and sizes {dims}.")
+    return 128 if fits and (requested or fp8_supported(torch.device(device))) else None
+
+
 def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]],
                            block_size: tuple[int, int], dtype: torch.dtype,
-                           on_pair: PairHook | None = None
+                           on_pair: PairHook | None = None,
+                           kept_codes: Collection[str] = ()
                            ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass tensors through, pairing each FP8 `X.weight` with its `X.weight_scale_inv` and
     yielding `X.weight` dequantized to `dtype` (the two may come in either order);
-    `on_pair(X, codes, scale_inv)` sees each pair first (`Fp8LinearStaging.stage`).
+    `on_pair(X, codes, scale_inv)` sees each pair first (`Fp8LinearStaging.stage`). The bases
+    X in `kept_codes` (FP8 experts) pass through as stored: `X.weight` (codes) and
+    `X.weight_scale_inv`.
 
     Raises:
         ValueError: an FP8 weight without its scale, or a scale without its weight.
@@ -65,8 +99,10 @@ def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]],
     pending_weights: dict[str, torch.Tensor] = {}
     pending_scales: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        if name.endswith(_SCALE_SUFFIX):
-            base = name[: -len(_SCALE_SUFFIX)]
+        if name.removesuffix(WEIGHT_SCALE_SUFFIX).removesuffix(".weight") in kept_codes:
+            yield name, tensor
+        elif name.endswith(WEIGHT_SCALE_SUFFIX):
+            base = name[: -len(WEIGHT_SCALE_SUFFIX)]
             if base in pending_weights:
                 codes = pending_weights.pop(base)
                 if on_pair is not None:
@@ -87,7 +123,7 @@ def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]],
             yield name, tensor
     if pending_weights or pending_scales:
         lonely = sorted(f"{n}.weight" for n in pending_weights) + sorted(
-            f"{n}{_SCALE_SUFFIX}" for n in pending_scales)
+            f"{n}{WEIGHT_SCALE_SUFFIX}" for n in pending_scales)
         raise ValueError(f"FP8 checkpoint tensors without their pair: {lonely[:4]}; each "
                          "float8 weight needs a weight_scale_inv (and vice versa).")
 

@@ -189,7 +189,7 @@ class ExpertParallelMoE:
 
     def idle(self, moe) -> None:
         """Take part in this layer's collectives with no tokens (an idle attention-DP rank)."""
-        hidden = torch.empty(0, moe.gate_weight.shape[1], dtype=moe.w13.dtype,
+        hidden = torch.empty(0, moe.gate_weight.shape[1], dtype=moe.dtype,
                              device=moe.w13.device)
         self.forward(moe, hidden)
 

@@ -64,3 +64,43 @@ def randomize_router_bias(hf_model, seed: int = 0) -> None:
         for name, param in hf_model.named_parameters():
             if name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+
+
+def write_fp8_dirs(source, fp8_dir, dequantized_dir, block=(128, 128), dtype=None,
+                   quantized=None) -> None:
+    """From the HF checkpoint directory `source` (one model.safetensors), write a DeepSeek-V3
+    style FP8 checkpoint to `fp8_dir` (the `quantized(name, tensor)` weights, default: every
+    projection inside the layers, as float8_e4m3fn + weight_scale_inv per `block` tile) and
+    the same weights dequantized (to `dtype`, default each tensor's own) to
+    `dequantized_dir`; config and any tokenizer files are copied to both."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
+
+    source = Path(source)
+    quantized = quantized or (lambda name, tensor: name.startswith("model.layers.")
+                              and name.endswith("_proj.weight") and tensor.dim() == 2)
+    fp8, dequantized = {}, {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        fp8[name] = dequantized[name] = tensor
+        if quantized(name, tensor):
+            codes, scale_inv = quantize_block_fp8(tensor.float(), block)
+            fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"] = codes, scale_inv
+            dequantized[name] = dequantize_block_fp8(codes, scale_inv, block,
+                                                     dtype or tensor.dtype)
+    config = json.loads((source / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": list(block)}
+    for path, weights, extra in ((fp8_dir, fp8, {"quantization_config": quant}),
+                                 (dequantized_dir, dequantized, {})):
+        path = Path(path)
+        path.mkdir(parents=True)
+        for file in source.iterdir():
+            if file.name not in ("model.safetensors", "config.json") and file.is_file():
+                shutil.copy(file, path / file.name)
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps({**config, **extra}))

@@ -14,7 +14,7 @@ import torch
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.llm import LLM
 from deepinfer.engine.sampling_params import SamplingParams
-from deepseek_configs import randomize_router_bias, tiny_deepseek_config
+from deepseek_configs import randomize_router_bias, tiny_deepseek_config, write_fp8_dirs
 from test_batch_invariant import mixed_batch as shared_mixed_batch
 from test_batch_invariant import signature, targets_of
 from test_gpu_engine import write_random_llama_dir
@@ -34,9 +34,12 @@ TARGETS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "v2_lite_greedy", "v3_qlora_noaux_tc_yarn"])
+@pytest.fixture(scope="module", params=["llama", "v2_lite_greedy", "v3_qlora_noaux_tc_yarn",
+                                        "v3_fp8_experts"])
 def model_dir(request, tmp_path_factory):
-    """A random Llama, or a tiny DeepSeek-V2 / V3 (MLA, MoE; V3: q_lora, noaux_tc, YaRN)."""
+    """A random Llama, or a tiny DeepSeek-V2 / V3 (MLA, MoE; V3: q_lora, noaux_tc, YaRN);
+    v3_fp8_experts: that V3 at hidden / expert sizes of 128 as an FP8 checkpoint, whose
+    routed experts stay FP8 (the grouped FP8 GEMMs at the invariant tile)."""
     path = tmp_path_factory.mktemp(f"gpu-invariant-{request.param}")
     if request.param == "llama":
         from transformers import LlamaConfig
@@ -48,10 +51,17 @@ def model_dir(request, tmp_path_factory):
         return write_random_llama_dir(path, config)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(request.param,
-                                                                  vocab_size=VOCAB))
+    if request.param != "v3_fp8_experts":
+        model = AutoModelForCausalLM.from_config(tiny_deepseek_config(request.param,
+                                                                      vocab_size=VOCAB))
+        randomize_router_bias(model.eval())
+        return write_random_llama_dir(path, model.config, model=model)
+    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(
+        "v3_qlora_noaux_tc_yarn", vocab_size=VOCAB, hidden_size=128, moe_intermediate_size=128))
     randomize_router_bias(model.eval())
-    return write_random_llama_dir(path, model.config, model=model)
+    write_random_llama_dir(path / "bf16", model.config, model=model)
+    write_fp8_dirs(path / "bf16", path / "fp8", path / "dequantized")
+    return path / "fp8"
 
 
 def make_llm(model_dir, **fields) -> LLM:
@@ -78,6 +88,10 @@ def mixed_batch(size: int) -> list:
 @pytest.fixture(scope="module")
 def alone(model_dir):
     llm = make_llm(model_dir, enable_prefix_caching=False)
+    if model_dir.name == "fp8":   # the experts this variant exists for stayed FP8
+        moes = [m for m in llm.engine_core.executor.runner.model.modules()
+                if type(m).__name__ == "MoE"]
+        assert moes and all(m.w13.dtype == torch.float8_e4m3fn for m in moes)
     outputs = [llm.generate([p], [s])[0] for p, s in TARGETS]
     del llm
     gc.collect()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from deepseek_configs import randomize_router_bias, tiny_deepseek_config
+from deepseek_configs import randomize_router_bias, tiny_deepseek_config, write_fp8_dirs
 from safetensors.torch import load_file, save_file
 from test_llama_parity import PagedDriver, generate_greedy, hf_greedy, load_hf_reference
 
@@ -18,41 +18,31 @@ from deepinfer.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
-def _is_quantized(name: str, tensor: torch.Tensor) -> bool:
-    """The linears DeepSeek-V3 ships in FP8: every projection inside the layers (attention,
-    dense MLP, experts, shared experts); not embeddings, norms, router or LM head."""
-    return (name.startswith("model.layers.") and name.endswith("_proj.weight")
-            and tensor.dim() == 2)
-
-
 @pytest.fixture(scope="module", params=[(128, 128), (32, 16)], ids=["block128", "block32x16"])
 def fp8_dirs(request, tmp_path_factory):
     """(original dir, FP8 dir, dequantized-reference dir) of one tiny V3 model."""
+    block = request.param
+    return _write_fp8_dirs(tmp_path_factory.mktemp(f"fp8-{block[0]}x{block[1]}"),
+                           tiny_deepseek_config("v3_qlora_noaux_tc_yarn"), block)
+
+
+@pytest.fixture(scope="module")
+def fp8_expert_dirs(tmp_path_factory):
+    """The same for a tiny V3 whose experts can stay FP8: hidden and moe_intermediate sizes of
+    128, 128 x 128 blocks."""
+    config = tiny_deepseek_config("v3_qlora_noaux_tc_yarn", hidden_size=128,
+                                  moe_intermediate_size=128)
+    return _write_fp8_dirs(tmp_path_factory.mktemp("fp8-experts"), config, (128, 128))
+
+
+def _write_fp8_dirs(root, hf_config, block):
     from transformers import AutoModelForCausalLM
 
-    block = request.param
-    root = tmp_path_factory.mktemp(f"fp8-{block[0]}x{block[1]}")
     torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(tiny_deepseek_config("v3_qlora_noaux_tc_yarn"))
+    hf_model = AutoModelForCausalLM.from_config(hf_config)
     randomize_router_bias(hf_model)
     hf_model.save_pretrained(root / "original")
-    tensors = load_file(root / "original" / "model.safetensors")
-    fp8, dequantized = {}, {}
-    for name, tensor in tensors.items():
-        fp8[name] = dequantized[name] = tensor
-        if _is_quantized(name, tensor):
-            weight, scale_inv = quantize_block_fp8(tensor, block)
-            fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"] = weight, scale_inv
-            dequantized[name] = dequantize_block_fp8(weight, scale_inv, block, torch.float32)
-    config = json.loads((root / "original" / "config.json").read_text())
-    for name, weights, quant in (("fp8", fp8, {"quant_method": "fp8", "fmt": "e4m3",
-                                               "activation_scheme": "dynamic",
-                                               "weight_block_size": list(block)}),
-                                 ("dequantized", dequantized, None)):
-        (root / name).mkdir()
-        save_file(weights, root / name / "model.safetensors", metadata={"format": "pt"})
-        (root / name / "config.json").write_text(json.dumps(
-            {**config, "quantization_config": quant} if quant else config))
+    write_fp8_dirs(root / "original", root / "fp8", root / "dequantized", block)
     return root / "original", root / "fp8", root / "dequantized"
 
 
@@ -155,3 +145,82 @@ def test_fp8_linears_kept_in_fp8_generate_like_the_dequantized_model(fp8_dirs):
     assert tokens == ref_tokens
     for seq in range(len(prompts)):
         torch.testing.assert_close(logits[seq], ref_logits[seq], atol=1e-5, rtol=1e-5)
+
+
+def _fp8_expert_model(model_dir):
+    """The model of `model_dir` built with FP8 experts on CPU (what a Hopper GPU gets by
+    default), weights loaded."""
+    from deepinfer.engine.loader import iter_safetensors, load_hf_config
+    from deepinfer.engine.models import get_model_class
+
+    config = load_hf_config(model_dir)
+    model = get_model_class(config)(config, torch.float32, fp8_experts=True)
+    model.load_weights(iter_safetensors(model_dir))
+    return model.eval()
+
+
+def test_fp8_experts_keep_the_checkpoint_codes_and_scales(fp8_expert_dirs):
+    """Built with FP8 experts, every routed expert holds the stored
+    float8 codes and weight_scale_inv tiles, half the bytes of the bf16 experts; the rest of
+    the model equals the dequantized reference, and the experts dequantize to it exactly."""
+    from deepinfer.kernels.moe import dequantize_blocks
+
+    _, fp8_dir, reference_dir = fp8_expert_dirs
+    ours = _fp8_expert_model(fp8_dir)
+    reference = load_model(reference_dir, torch.float32, "cpu")
+    stored = load_file(fp8_dir / "model.safetensors")
+    moes = [m for m in ours.modules() if type(m).__name__ == "MoE"]
+    assert len(moes) == 2   # layers 1 and 2 (HF saves no MTP layer)
+    layer = ours.layers[1].mlp.moe
+    assert layer.w13.dtype == layer.w2.dtype == torch.float8_e4m3fn
+    assert layer.w13.element_size() == 1 and layer.w13_scale.shape == (8, 2, 1)
+    prefix = "model.layers.1.mlp.experts.5."
+    codes = layer.w13.data[5].view(torch.uint8)
+    assert torch.equal(codes[:128], stored[prefix + "gate_proj.weight"].view(torch.uint8))
+    assert torch.equal(codes[128:], stored[prefix + "up_proj.weight"].view(torch.uint8))
+    assert torch.equal(layer.w2_scale[5], stored[prefix + "down_proj.weight_scale_inv"])
+    expected = reference.state_dict()
+    for name, tensor in ours.state_dict().items():
+        if name.endswith((".w13", ".w2")):
+            moe = ours.get_submodule(name.rsplit(".", 1)[0])
+            scale = getattr(moe, name.rsplit(".", 1)[1] + "_scale")
+            tensor = dequantize_blocks(tensor, scale, torch.float32)
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_fp8_experts_generate_what_the_dequantized_model_generates(fp8_expert_dirs):
+    """On CPU the FP8 experts dequantize in the forward to the weights the reference
+    dequantized at load: the same greedy tokens and bitwise equal logits."""
+    _, fp8_dir, reference_dir = fp8_expert_dirs
+    prompts = [[5, 9, 200, 31, 7, 64, 3], list(range(100, 121))]
+    tokens, logits = generate_greedy(PagedDriver(_fp8_expert_model(fp8_dir), num_blocks=64,
+                                                 block_size=4), prompts)
+    reference = load_model(reference_dir, torch.float32, "cpu")
+    ref_tokens, ref_logits = generate_greedy(PagedDriver(reference, num_blocks=64,
+                                                         block_size=4), prompts)
+    assert tokens == ref_tokens
+    for seq in range(len(prompts)):
+        assert torch.equal(logits[seq], ref_logits[seq])
+
+
+def test_fp8_experts_need_a_checkpoint_that_allows_them(fp8_dirs, fp8_expert_dirs, tmp_path):
+    """fp8_experts=True on 32-wide experts or 32 x 16 blocks is refused; on CPU the default
+    keeps them dequantized; a checkpoint with one expert stored unquantized is refused with a
+    message naming it."""
+    from deepinfer.engine.loader import iter_safetensors, load_hf_config
+    from deepinfer.engine.models import get_model_class
+
+    config = load_hf_config(fp8_dirs[1])
+    with pytest.raises(ValueError, match="multiples of 128"):
+        get_model_class(config)(config, torch.float32, fp8_experts=True)
+    assert load_model(fp8_expert_dirs[1], torch.float32, "cpu").layers[1].mlp.moe.w13.dtype \
+        == torch.float32
+    stored = load_file(fp8_expert_dirs[1] / "model.safetensors")
+    name = "model.layers.2.mlp.experts.3.down_proj.weight"
+    stored[name] = dequantize_block_fp8(stored[name], stored.pop(name + "_scale_inv"),
+                                        (128, 128), torch.float32)
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = load_hf_config(fp8_expert_dirs[1])
+    model = get_model_class(config)(config, torch.float32, fp8_experts=True)
+    with pytest.raises(ValueError, match="experts.3.down_proj.weight' is torch.float32"):
+        model.load_weights(iter_safetensors(tmp_path))

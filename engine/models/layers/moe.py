@@ -26,6 +26,10 @@ class MoE(nn.Module):
             ([experts.e.gate_proj.weight] rows then [experts.e.up_proj.weight] rows).
         w2: [num_physical_experts, hidden_size, moe_intermediate_size]
             ([experts.e.down_proj.weight]).
+        With `fp8_block` (an FP8 block-scaled checkpoint kept in FP8), w13 / w2 are
+        float8_e4m3fn and `w13_scale` / `w2_scale` hold their float32 block scales
+        ([E, 2I / block, H / block] and [E, H / block, I / block]; the checkpoint's
+        [experts.e.*_proj.weight_scale_inv] tiles, see `expert_scale`).
     Buffers:
         logical_to_physical: [num_experts] int64, identity for now.
 
@@ -36,24 +40,37 @@ class MoE(nn.Module):
     kernel_config: KernelConfig = DEFAULT  # set by `layers.set_kernel_config`
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, routing: RoutingConfig,
-                 dtype: torch.dtype, *, backend: str = "auto") -> None:
+                 dtype: torch.dtype, *, backend: str = "auto",
+                 fp8_block: int | None = None) -> None:
         super().__init__()
         num_experts = routing.num_experts
         self.routing, self.backend = routing, backend
+        self.dtype = dtype   # the compute dtype (the experts' storage may be FP8)
         self.intermediate_size = moe_intermediate_size
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size,
                                                     dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
             if routing.topk_method == "noaux_tc" else None)
+        storage = torch.float8_e4m3fn if fp8_block else dtype
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size,
-                                            dtype=dtype), requires_grad=False)
+                                            dtype=storage), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size,
-                                           dtype=dtype), requires_grad=False)
+                                           dtype=storage), requires_grad=False)
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
-        # FP8 experts (`quantize_experts_fp8`): [E, rows / 128, cols / 128] float32 block scales
+        # FP8 experts (`fp8_block`, `quantize_experts_fp8`): [E, rows / block, cols / block]
+        # float32 block scales
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
+        if fp8_block:
+            if moe_intermediate_size % fp8_block or hidden_size % fp8_block:
+                raise ValueError(f"FP8 experts need hidden_size ({hidden_size}) and "
+                                 f"moe_intermediate_size ({moe_intermediate_size}) that are "
+                                 f"multiples of the {fp8_block}-wide scale blocks.")
+            self.w13_scale = torch.empty(num_experts, 2 * moe_intermediate_size // fp8_block,
+                                         hidden_size // fp8_block, dtype=torch.float32)
+            self.w2_scale = torch.empty(num_experts, hidden_size // fp8_block,
+                                        moe_intermediate_size // fp8_block, dtype=torch.float32)
         # engine/moe/expert_parallel.py: this layer's slice of the experts over the EP ranks,
         # its replicas and load counter (None: all experts here, no EP)
         self.expert_parallel = None
@@ -95,6 +112,26 @@ class MoE(nn.Module):
             return self.w13.data[physical, size:]
         if projection == "down_proj":
             return self.w2.data[physical]
+        raise ValueError(f"unknown expert projection {projection!r}")
+
+    def expert_scale(self, logical_expert: int, projection: str) -> torch.Tensor:
+        """FP8 experts: the block-scale slice an HF `weight_scale_inv` loads into
+        ([I / block, H / block] for gate_proj / up_proj, [H / block, I / block] for
+        down_proj, float32).
+
+        Raises:
+            ValueError: the experts are not FP8, or an unknown projection.
+        """
+        if self.w13_scale is None:
+            raise ValueError("this MoE holds its experts in the compute dtype, not FP8")
+        physical = int(self.logical_to_physical[logical_expert])
+        rows = self.w13_scale.shape[1] // 2
+        if projection == "gate_proj":
+            return self.w13_scale[physical, :rows]
+        if projection == "up_proj":
+            return self.w13_scale[physical, rows:]
+        if projection == "down_proj":
+            return self.w2_scale[physical]
         raise ValueError(f"unknown expert projection {projection!r}")
 
     def forward(self, hidden: torch.Tensor, shared_output: torch.Tensor | None = None,
