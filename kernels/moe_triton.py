@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.fp8_gemm_triton import quantize_activation
 from deepinfer.kernels.settings import DEFAULT, KernelConfig, MoETile
 
 MAX_EXPERTS = 1024   # the alignment holds one count per expert in registers
@@ -143,6 +144,17 @@ def _quantize_rows(a):
 
 
 @triton.jit
+def _fp8_a_block(a, scale_ptrs, row_ok, A_FP8: tl.constexpr):
+    """One 128-wide K block of the activations as (e4m3 codes, float32 row scales): `a` as
+    loaded, with A_FP8 already the codes and their scales at `scale_ptrs` ([BLOCK_M] pointers,
+    masked by row_ok), else quantized here (`_quantize_rows`)."""
+    if A_FP8:
+        return a, tl.load(scale_ptrs, mask=row_ok, other=0.0)
+    else:
+        return _quantize_rows(a)
+
+
+@triton.jit
 def _fp8_block_dot(a8, a_scale, w, w_scale, acc):
     """acc + (a . w) for one 128-wide K block: the e4m3 x e4m3 dot in fp32, times the row
     scales and the weight block's scale `w_scale`."""
@@ -174,14 +186,17 @@ def _tile_pairs(sorted_ptr, offs_m, pid_m, num_pairs, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs,
-                    num_blocks, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                    stride_om, TOP_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+                    num_pairs, num_blocks, N, K, stride_xm, stride_xsm, stride_we, stride_wn,
+                    stride_se, stride_sn, stride_om, TOP_K: tl.constexpr,
+                    PRECISION: tl.constexpr, FP8: tl.constexpr, A_FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, SWAP_AB: tl.constexpr,
                     PDL: tl.constexpr):
     """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots.
-    FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128).
+    FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128); the
+    activations are quantized per row and K block in the loop, or with A_FP8 arrive quantized
+    (x e4m3, xs [tokens, K / 128] float32 scales: `_load_a_block`).
     PAIR_TILES: row tile b holds pair b alone, block_expert_ptr is the pairs' expert ids.
     SWAP_AB (bf16 / fp32 only): the accumulators are [BLOCK_N, BLOCK_M] = w . x^T, the weight
     tile the MMA's M side (a few rows: BLOCK_N >= 64 fills Hopper's 64-row MMA, BLOCK_M does not)."""
@@ -217,7 +232,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
         g = tl.load(g_ptrs, mask=w_mask, other=0.0)
         u = tl.load(u_ptrs, mask=w_mask, other=0.0)
         if FP8:   # the activations quantized once for both dots
-            a8, a_scale = _quantize_rows(a)
+            a8, a_scale = _fp8_a_block(a, xs_ptr + token * stride_xsm + k, row_ok, A_FP8)
             s_row = s_ptr + expert.to(tl.int64) * stride_se + k
             acc_g = _fp8_block_dot(a8, a_scale, g,
                                    tl.load(s_row + (pid_n * BLOCK_N // 128) * stride_sn), acc_g)
@@ -244,14 +259,16 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
 
 
 @triton.jit
-def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
-                 num_pairs, num_blocks, N, K, stride_am, stride_we, stride_wn, stride_se,
-                 stride_sn, stride_ym, PRECISION: tl.constexpr, FP8: tl.constexpr,
+def _down_kernel(a_ptr, as_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr,
+                 block_expert_ptr, num_pairs, num_blocks, N, K, stride_am, stride_asm,
+                 stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                 PRECISION: tl.constexpr, FP8: tl.constexpr, A_FP8: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, SWAP_AB: tl.constexpr,
                  PDL: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
-    for the tile's real slots (PAIR_TILES, SWAP_AB: as `_gate_up_kernel`)."""
+    for the tile's real slots (PAIR_TILES, SWAP_AB, FP8, A_FP8 (as [slots, K / 128] scales):
+    as `_gate_up_kernel`)."""
     pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -276,7 +293,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr, block_expe
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         if FP8:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            a8, a_scale = _quantize_rows(a)
+            a8, a_scale = _fp8_a_block(a, as_ptr + offs_m.to(tl.int64) * stride_asm + k,
+                                       offs_m >= 0, A_FP8)
             acc = _fp8_block_dot(a8, a_scale, w, tl.load(s_ptr + expert.to(tl.int64) * stride_se
                                                           + k + (pid_n * BLOCK_N // 128)
                                                           * stride_sn), acc)
@@ -444,23 +462,30 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     options = pdl.launch_options(hidden.device, settings)
     act = torch.empty(num_blocks * tile.block_m, inter, dtype=hidden.dtype, device=hidden.device)
     s13 = w13_scale if fp8 else w13
+    # FP8 from moe_fp8_quantize_once_pairs pairs: each GEMM's activations quantized once, not
+    # in every column tile's K loop
+    a_fp8 = fp8 and num_pairs >= settings.moe_fp8_quantize_once_pairs
+    x, xs = quantize_activation(hidden) if a_fp8 else (hidden, hidden)
     grid = (num_blocks * triton.cdiv(inter, tile.block_n),)
-    _gate_up_kernel[grid](hidden, w13, s13, act, sorted_pairs, block_expert, num_pairs,
-                          num_blocks, inter, hidden_size, hidden.stride(0), w13.stride(0),
-                          w13.stride(1), s13.stride(0) if fp8 else 0,
+    _gate_up_kernel[grid](x, xs, w13, s13, act, sorted_pairs, block_expert, num_pairs,
+                          num_blocks, inter, hidden_size, x.stride(0), xs.stride(0),
+                          w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0,
                           s13.stride(1) if fp8 else 0, act.stride(0), TOP_K=top_k,
-                          PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
+                          PRECISION=precision, FP8=fp8, A_FP8=a_fp8, BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                           PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, PDL=bool(options),
                           num_warps=tile.num_warps, num_stages=tile.num_stages, **options)
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     s2 = w2_scale if fp8 else w2
+    act, act_scales = quantize_activation(act) if a_fp8 else (act, act)
     grid = (num_blocks * triton.cdiv(hidden_size, tile.down_block_n),)
-    _down_kernel[grid](act, w2, s2, y, weights, sorted_pairs, block_expert, num_pairs,
-                       num_blocks, hidden_size, inter, act.stride(0), w2.stride(0),
-                       w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-                       y.stride(0), PRECISION=precision, FP8=fp8, BLOCK_M=tile.block_m,
+    _down_kernel[grid](act, act_scales, w2, s2, y, weights, sorted_pairs, block_expert,
+                       num_pairs, num_blocks, hidden_size, inter, act.stride(0),
+                       act_scales.stride(0), w2.stride(0), w2.stride(1),
+                       s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+                       y.stride(0), PRECISION=precision, FP8=fp8, A_FP8=a_fp8,
+                       BLOCK_M=tile.block_m,
                        BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                        PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, PDL=bool(options),
                        num_warps=tile.num_warps, num_stages=tile.num_stages, **options)

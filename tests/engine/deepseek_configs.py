@@ -70,7 +70,8 @@ def write_fp8_dirs(source, fp8_dir, dequantized_dir, block=(128, 128), dtype=Non
                    quantized=None) -> None:
     """From the HF checkpoint directory `source` (one model.safetensors), write a DeepSeek-V3
     style FP8 checkpoint to `fp8_dir` (the `quantized(name, tensor)` weights, default: every
-    projection inside the layers, as float8_e4m3fn + weight_scale_inv per `block` tile) and
+    projection inside the layers, kv_a_proj_with_mqa included, as float8_e4m3fn +
+    weight_scale_inv per `block` tile) and
     the same weights dequantized (to `dtype`, default each tensor's own) to
     `dequantized_dir`; config and any tokenizer files are copied to both."""
     import json
@@ -83,7 +84,8 @@ def write_fp8_dirs(source, fp8_dir, dequantized_dir, block=(128, 128), dtype=Non
 
     source = Path(source)
     quantized = quantized or (lambda name, tensor: name.startswith("model.layers.")
-                              and name.endswith("_proj.weight") and tensor.dim() == 2)
+                              and "_proj" in name and name.endswith(".weight")
+                              and tensor.dim() == 2)
     fp8, dequantized = {}, {}
     for name, tensor in load_file(source / "model.safetensors").items():
         fp8[name] = dequantized[name] = tensor

@@ -409,3 +409,25 @@ def test_fp8_experts_follow_the_recipe(num_tokens):
     got = moe_experts(hidden.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE),
                       backend="triton", w13_scale=s13, w2_scale=s2)
     assert relative_error(got, recipe) <= 2e-3
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40, 700])
+def test_fp8_activations_quantized_once_equal_the_in_loop_quantization(num_tokens):
+    """`moe_fp8_quantize_once_pairs`: quantizing each GEMM's activations once
+    (`quantize_activation`) gives the codes and scales the K loops compute themselves, so the
+    same output (float32 and bf16 hidden; 700 tokens reach the 128-row prefill tile; the
+    float32 sums run in the same order, so at most a float32 / bf16 rounding flip)."""
+    if DEVICE != "cuda":
+        pytest.skip("the interpreter's e4m3 rounding differs from the hardware's")
+    w13, s13, w2, s2 = _fp8_experts(4, 128, 256)
+    gen = torch.Generator().manual_seed(12)
+    weights, ids = torch.rand(num_tokens, 4, generator=gen).topk(2, dim=-1)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(num_tokens, 256, generator=gen).to(DEVICE, dtype)
+        args = (hidden, w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+        in_loop = moe_experts(*args, backend="triton", w13_scale=s13, w2_scale=s2,
+                              settings=KernelConfig(moe_fp8_quantize_once_pairs=1 << 30))
+        once = moe_experts(*args, backend="triton", w13_scale=s13, w2_scale=s2,
+                           settings=KernelConfig(moe_fp8_quantize_once_pairs=1))
+        tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(once, in_loop, rtol=tolerance, atol=1e-6)
