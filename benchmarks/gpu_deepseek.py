@@ -39,10 +39,14 @@ heads x L^2 / 2 per layer).
 9. with `--variants A,B`: after the decode runs, the committed `KernelConfig` and each variant
    (`gpu_decode.variant_fields`, e.g. `mla_absorb_triton_max_tokens=0`) decode at --batches,
    alternating, `--variant-rounds` times in the same engine (graphs recaptured; JSON
-   `variants`): the A/B behind a kernel decision.
+   `variants`): the A/B behind a kernel decision; `--fp8-variants A,B` the same on the FP8
+   engine at --fp8-batches (`variants_fp8_experts`); `--prefill-variants A,B` each variant's
+   prefill timed beside the committed one's, same engine, alternating (bf16, and FP8 with
+   --fp8-experts; `prefill*.variants`).
 
 Run: python3 benchmarks/gpu_deepseek.py [--layers 27] [--json PATH] [--skip-hf] [--moe-sweep]
     [--batches 1,8,64,256] [--fp8-batches 1,8,64,256] [--hf-batches 1,8] [--variants A,B]
+    [--fp8-variants A,B] [--prefill-variants A,B]
 (the batch lists pick the decode runs; fewer make a shorter device call)
 """
 
@@ -307,10 +311,12 @@ def hf_throughput(hf_model, vocab: int, batches=HF_BATCHES) -> dict:
 
 
 def fp8_decode(model, model_dir, costs, ceilings, distinct, context, results,
-               batches=DECODE_BATCHES) -> list:
+               batches=DECODE_BATCHES, variants: list[str] = (), rounds: int = 2) -> list:
     """The routed experts quantized to FP8 (`MoE.quantize_experts_fp8`: e4m3, 128x128 block
     scales; the rest stays bf16), a fresh engine (graphs hold the old weights), decode at
-    `batches` against the roofline with the experts' bytes halved (+ their scales)."""
+    `batches` against the roofline with the experts' bytes halved (+ their scales); then
+    `variants` against the committed config at `batches` (`variant_rounds`,
+    results["variants_fp8_experts"])."""
     for moe in moe_modules(model):
         moe.quantize_experts_fp8()
     _free()
@@ -327,6 +333,9 @@ def fp8_decode(model, model_dir, costs, ceilings, distinct, context, results,
         results[f"decode_fp8_experts_b{batch}"] = run
         rows.append((f"decode b={batch} FP8 experts", run["tok_s"], run["roofline_tok_s"], None))
         print(f"decode b={batch} FP8 experts: {run}", flush=True)
+    if variants:
+        results["variants_fp8_experts"] = variant_rounds(core, model.vocab_size, variants,
+                                                         batches, rounds)
     return rows
 
 
@@ -364,20 +373,42 @@ def engine_prefill(core, vocab: int, num_prompts: int) -> float:
     return num_prompts * PREFILL_TOKENS / (time.perf_counter() - start)
 
 
-def prefill_run(model_dir: Path, model, vocab: int, costs, ceilings) -> dict:
+def prefill_run(model_dir: Path, model, vocab: int, costs, ceilings,
+                variants: list[str] = ()) -> dict:
     """Prefill tok/s of PREFILL_PROMPTS prompts of PREFILL_TOKENS in a fresh eager engine,
     timed PREFILL_RUNS times after a warm-up prefill of the same prompts (the median
-    reported, every run listed), against the prefill roofline."""
+    reported, every run listed), against the prefill roofline. `variants` (`gpu_decode.
+    variant_fields` labels): each also timed PREFILL_RUNS times in the same engine, runs
+    alternating with the committed config's ("variants": {label: {"tok_s": median,
+    "runs_tok_s"}}, "committed" included)."""
+    from gpu_decode import kernel_settings, variant_fields
+
     _free()   # the decode engine before it
     core = build_engine(model_dir, model, max_model_len=PREFILL_TOKENS + 64, enforce_eager=True)
-    engine_prefill(core, vocab, PREFILL_PROMPTS)   # warm-up: the exact timed shapes compile
-    runs = [engine_prefill(core, vocab, PREFILL_PROMPTS) for _ in range(PREFILL_RUNS)]
-    tok_s = statistics.median(runs)
+    labels = ["committed", *variants]
+    runs: dict[str, list[float]] = {label: [] for label in labels}
+    for label in labels:   # warm-up: the exact timed shapes compile
+        with kernel_settings(core, variant_fields(label) if variants and label != "committed"
+                             else {}, recapture=False):
+            engine_prefill(core, vocab, PREFILL_PROMPTS)
+    for _ in range(PREFILL_RUNS):
+        for label in labels:
+            with kernel_settings(core, variant_fields(label) if label != "committed" else {},
+                                 recapture=False):
+                runs[label].append(engine_prefill(core, vocab, PREFILL_PROMPTS))
     core = None
     _free()
     roof = prefill_roofline(costs, ceilings, PREFILL_TOKENS)
-    return {"tok_s": tok_s, "roofline_tok_s": roof, "fraction": tok_s / roof,
-            "prompts": PREFILL_PROMPTS, "runs_tok_s": [round(r, 1) for r in runs]}
+    tok_s = statistics.median(runs["committed"])
+    result = {"tok_s": tok_s, "roofline_tok_s": roof, "fraction": tok_s / roof,
+              "prompts": PREFILL_PROMPTS,
+              "runs_tok_s": [round(r, 1) for r in runs["committed"]]}
+    if variants:
+        result["variants"] = {label: {"tok_s": statistics.median(r),
+                                      "runs_tok_s": [round(x, 1) for x in r]}
+                              for label, r in runs.items()}
+        print(f"prefill variants: {json.dumps(result['variants'])}", flush=True)
+    return result
 
 
 def variant_rounds(core, vocab: int, labels: list[str], batches, rounds: int) -> dict:
@@ -425,6 +456,13 @@ def main() -> int:
                              "a name or FIELD=VALUE, joined by '+') decoded at --batches against "
                              "the committed config after the decode runs, same process")
     parser.add_argument("--variant-rounds", type=int, default=2)
+    parser.add_argument("--fp8-variants", default="",
+                        help="with --fp8-experts: KernelConfig variants (as --variants) decoded "
+                             "at --fp8-batches against the committed config, FP8 engine")
+    parser.add_argument("--prefill-variants", default="",
+                        help="comma-separated KernelConfig variants (as --variants) whose prefill "
+                             "is timed beside the committed config's, same engine, alternating "
+                             "(bf16 prefill, and FP8 with --fp8-experts)")
     args = parser.parse_args()
     from transformers import DeepseekV2Config
 
@@ -478,16 +516,19 @@ def main() -> int:
         save()
     core = None
     _free()
-    results["prefill"] = run = prefill_run(model_dir, ours, vocab, costs, ceilings)
+    prefill_variants = [v for v in args.prefill_variants.split(",") if v]
+    results["prefill"] = run = prefill_run(model_dir, ours, vocab, costs, ceilings,
+                                           prefill_variants)
     rows.append((f"prefill {PREFILL_TOKENS}, bf16 experts", run["tok_s"], run["roofline_tok_s"],
                  None))
     save()
     if args.fp8_experts:
         rows += fp8_decode(ours, model_dir, costs, ceilings, distinct, context, results,
-                           args.fp8_batches)
+                           args.fp8_batches, [v for v in args.fp8_variants.split(",") if v],
+                           args.variant_rounds)
         save()
         results["prefill_fp8_experts"] = run = prefill_run(model_dir, ours, vocab, costs,
-                                                           ceilings)
+                                                           ceilings, prefill_variants)
         rows.append((f"prefill {PREFILL_TOKENS}, FP8 experts", run["tok_s"],
                      run["roofline_tok_s"], None))
         save()
