@@ -84,7 +84,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """
     name = _BACKENDS.resolve(backend, hidden.device)
     if (backend == "auto" and name == "triton" and hidden.dtype == torch.bfloat16
-            and not settings.batch_invariant
+            and not settings.batch_invariant and w13_scale is None   # its GEMM is bf16
             and topk_ids.numel() >= settings.moe_deep_gemm_min_rows * w13.shape[0]
             and _BACKENDS.load("deep_gemm").available()):
         name = "deep_gemm"

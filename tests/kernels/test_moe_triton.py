@@ -346,6 +346,11 @@ def test_auto_picks_deep_gemm_only_for_many_rows_per_expert(fake_deep_gemm):
     assert fake_deep_gemm.calls == 0
     moe_experts(*make_moe(40, 8, 2, dtype=torch.bfloat16), settings=settings)  # 10 rows/expert
     assert fake_deep_gemm.calls == 2
+    w13, s13, w2, s2 = _fp8_experts(8, 128, 256)   # FP8 experts keep the Triton FP8 GEMMs
+    weights, ids = torch.rand(40, 8, device=DEVICE).topk(2, dim=-1)
+    moe_experts(torch.randn(40, 256, device=DEVICE, dtype=torch.bfloat16), w13, w2, weights,
+                ids, settings=settings, w13_scale=s13, w2_scale=s2)
+    assert fake_deep_gemm.calls == 2
 
 
 def _fp8_experts(num_experts, inter, hidden, seed=9):
