@@ -112,10 +112,11 @@ class KernelConfig:
         MoE aligns pairs to experts in one program (`moe_triton.align`); above, an atomic rank
         kernel and a parallel layout kernel.
     moe_fp8_quantize_once_pairs: FP8 experts, from this many (token, k) pairs on (default
-        4096, prefill-sized calls): each expert GEMM's activations are quantized to e4m3 once
+        512): each expert GEMM's activations are quantized to e4m3 once
         (`fp8_gemm_triton.quantize_activation`: per token for gate_up, per slot for down),
-        not by every column tile inside its K loop (decode: no extra launches). Same codes and
-        scales either way.
+        not by every column tile inside its K loop; below, no extra launches. Same codes and
+        scales either way. (H100, V2-Lite: prefill 57.3k -> 85.3k tok/s, decode b=256 (1,536
+        pairs) +12%, b=64 (384 pairs) -2.4% if applied.)
     moe_pair_tiles_max_tokens: up to this many tokens (default 1) the Triton MoE skips the
         alignment: each (token, k) pair is its own row tile of the expert GEMMs (one launch
         less; at one token no expert is read twice, at more an expert picked by several tokens
@@ -195,7 +196,7 @@ class KernelConfig:
     moe_pair_tile: MoETile = MOE_PAIR_TILE
     moe_invariant_tile: MoETile = MOE_TILES[1]
     moe_align_one_program_max_pairs: int = 256
-    moe_fp8_quantize_once_pairs: int = 4096
+    moe_fp8_quantize_once_pairs: int = 512
     moe_pair_tiles_max_tokens: int = 1
     moe_fused_router_max_rows: int = 1
     moe_shared_stream_max_rows: int = 16
