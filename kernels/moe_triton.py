@@ -463,8 +463,9 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = torch.empty(num_blocks * tile.block_m, inter, dtype=hidden.dtype, device=hidden.device)
     s13 = w13_scale if fp8 else w13
     # FP8 from moe_fp8_quantize_once_pairs pairs: each GEMM's activations quantized once, not
-    # in every column tile's K loop
-    a_fp8 = fp8 and num_pairs >= settings.moe_fp8_quantize_once_pairs
+    # in every column tile's K loop (batch-invariant mode: one path at every size)
+    a_fp8 = (fp8 and not settings.batch_invariant
+             and num_pairs >= settings.moe_fp8_quantize_once_pairs)
     x, xs = quantize_activation(hidden) if a_fp8 else (hidden, hidden)
     grid = (num_blocks * triton.cdiv(inter, tile.block_n),)
     _gate_up_kernel[grid](x, xs, w13, s13, act, sorted_pairs, block_expert, num_pairs,
