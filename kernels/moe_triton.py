@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.backends import arrival_counters
 from deepinfer.kernels.fp8_gemm_triton import quantize_activation
 from deepinfer.kernels.settings import DEFAULT, KernelConfig, MoETile
 
@@ -261,20 +260,15 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expe
 
 @triton.jit
 def _down_kernel(a_ptr, as_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr,
-                 block_expert_ptr, add_ptr, out_ptr, counter_ptr, num_pairs, num_blocks, N, K,
-                 stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                 stride_add, PRECISION: tl.constexpr, FP8: tl.constexpr, A_FP8: tl.constexpr,
+                 block_expert_ptr, num_pairs, num_blocks, N, K, stride_am, stride_asm,
+                 stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                 PRECISION: tl.constexpr, FP8: tl.constexpr, A_FP8: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, SWAP_AB: tl.constexpr,
-                 COMBINE: tl.constexpr, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
                  PDL: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
     for the tile's real slots (PAIR_TILES, SWAP_AB, FP8, A_FP8 (as [slots, K / 128] scales):
-    as `_gate_up_kernel`).
-    COMBINE (PAIR_TILES only): each program then counts itself in on its column tile's
-    arrival counter; the last of the num_pairs programs of a column tile writes that tile of
-    every token's output as `_combine_kernel` does (the same float32 sums in the same order),
-    so the combine needs no launch of its own."""
+    as `_gate_up_kernel`)."""
     pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -322,15 +316,6 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr,
         y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, (acc * weight[:, None]).to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
-    if COMBINE:
-        tl.debug_barrier()   # every thread's rows are written before the arrival is counted
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_pairs - 1:   # the last pair of this column tile: every token's sum
-            tl.debug_barrier()
-            for token in range(num_pairs // TOP_K):
-                _combine_tile(y_ptr, add_ptr, out_ptr, token, offs_n, n_ok, N, stride_add,
-                              TOP_K, HAS_ADD, ".cg")
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
 
 
 @triton.jit
@@ -340,21 +325,13 @@ def _combine_kernel(y_ptr, add_ptr, out_ptr, N, stride_add, TOP_K: tl.constexpr,
     pdl.wait_and_release(PDL, True)
     token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _combine_tile(y_ptr, add_ptr, out_ptr, token, offs_n, offs_n < N, N, stride_add, TOP_K,
-                  HAS_ADD, "")
-
-
-@triton.jit
-def _combine_tile(y_ptr, add_ptr, out_ptr, token, offs_n, n_ok, N, stride_add,
-                  TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, CACHE: tl.constexpr):
-    """out[token, offs_n] = add (HAS_ADD) + sum over k in order of y[token * TOP_K + k],
-    float32, rounded once; y rows are N wide. CACHE: the y loads' cache modifier."""
-    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_ADD:
         acc += tl.load(add_ptr + token * stride_add + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     for k in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + k) * N + offs_n, mask=n_ok, other=0.0,
-                       cache_modifier=CACHE).to(tl.float32)
+        acc += tl.load(y_ptr + (token * TOP_K + k) * N + offs_n, mask=n_ok,
+                       other=0.0).to(tl.float32)
     tl.store(out_ptr + token * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -435,20 +412,18 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Same contract as `kernels.reference.moe.moe_experts` (CUDA tensors, or any device under
     TRITON_INTERPRET=1), plus `shared_output` ([num_tokens, hidden_size] or None) added in the
-    combine; four kernel launches at decode (alignment in one program), two up to
+    combine; four kernel launches at decode (alignment in one program), three up to
     `settings.moe_pair_tiles_max_tokens` tokens (no alignment: each (token, k) pair is its own
-    row tile, which at one token, whose k experts are distinct, reads no expert twice; the
-    combine inside the down GEMM, `moe_combine_in_down`), no host sync.
+    row tile, which at one token, whose k experts are distinct, reads no expert twice), no host
+    sync.
     `shared_ready`: an event recorded after the kernels writing shared_output on another
     stream; the current stream waits for it just before the combine (so the shared experts
-    run concurrently with the alignment and the expert GEMMs), or with the combine inside the
-    down GEMM just before that GEMM.
+    run concurrently with the alignment and the expert GEMMs).
 
     FP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [E, 2I / 128, H / 128] and w2_scale
     [E, H / 128, I / 128] float32 128x128 block scales (DeepSeek-V3's `weight_scale_inv`);
-    I and H multiples of 128. Activations are quantized per row and 128-channel block
-    (DeepGEMM's recipe; inside the GEMMs, or once from `moe_fp8_quantize_once_pairs`),
-    accumulation in float32.
+    I and H multiples of 128. Activations are quantized per row and 128-channel block inside
+    the GEMMs (DeepGEMM's recipe), accumulation in float32.
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, inter2, hidden_size = w13.shape
@@ -505,33 +480,25 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1).float().contiguous()
     s2 = w2_scale if fp8 else w2
     act, act_scales = quantize_activation(act) if a_fp8 else (act, act)
+    grid = (num_blocks * triton.cdiv(hidden_size, tile.down_block_n),)
+    _down_kernel[grid](act, act_scales, w2, s2, y, weights, sorted_pairs, block_expert,
+                       num_pairs, num_blocks, hidden_size, inter, act.stride(0),
+                       act_scales.stride(0), w2.stride(0), w2.stride(1),
+                       s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+                       y.stride(0), PRECISION=precision, FP8=fp8, A_FP8=a_fp8,
+                       BLOCK_M=tile.block_m,
+                       BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                       PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, PDL=bool(options),
+                       num_warps=tile.num_warps, num_stages=tile.num_stages, **options)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    down_tiles = triton.cdiv(hidden_size, tile.down_block_n)
-    # the pair tiles' combine: in the down GEMM, on counters nothing else uses meanwhile
-    # (the router's is the last; split-K GEMMs count from the first)
-    combine = pair_tiles and settings.moe_combine_in_down
-    counters = (arrival_counters(hidden.device)[-1 - down_tiles:-1] if combine else out)
-    wait_for_shared = shared_ready is not None
-    if combine and wait_for_shared:   # the combine reads shared_output
+    block_n = min(1024, triton.next_power_of_2(hidden_size))
+    if shared_ready is not None:
         torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
     if shared_output is not None and shared_output.stride(-1) != 1:
         shared_output = shared_output.contiguous()
     add = shared_output if shared_output is not None else out
-    _down_kernel[(num_blocks * down_tiles,)](
-        act, act_scales, w2, s2, y, weights, sorted_pairs, block_expert, add, out, counters,
-        num_pairs, num_blocks, hidden_size, inter, act.stride(0), act_scales.stride(0),
-        w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-        y.stride(0), add.stride(0), PRECISION=precision, FP8=fp8, A_FP8=a_fp8,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, COMBINE=combine,
-        TOP_K=top_k, HAS_ADD=shared_output is not None, PDL=bool(options),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **options)
-    if not combine:
-        if wait_for_shared:
-            torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
-        block_n = min(1024, triton.next_power_of_2(hidden_size))
-        _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-            y, add, out, hidden_size, add.stride(0), TOP_K=top_k,
-            HAS_ADD=shared_output is not None, BLOCK_N=block_n, PDL=bool(options),
-            num_warps=4, **options)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        y, add, out, hidden_size, add.stride(0), TOP_K=top_k,
+        HAS_ADD=shared_output is not None, BLOCK_N=block_n, PDL=bool(options), num_warps=4,
+        **options)
     return out

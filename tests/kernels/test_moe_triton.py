@@ -67,23 +67,6 @@ def test_pair_tiles_without_alignment_match_reference(num_tokens, num_experts, t
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_tokens,top_k", [(1, 6), (5, 3)])
-def test_combine_in_the_down_gemm_equals_the_combine_kernel(num_tokens, top_k, dtype):
-    """`moe_combine_in_down`: the pair tiles' down GEMM sums every token's rows (plus the
-    shared experts' output) in its last program per column tile: bitwise the combine kernel's
-    result, twice in a row (the arrival counters reset), with and without the shared add."""
-    x, w13, w2, weights, ids = make_moe(num_tokens, 16, top_k, dtype=dtype, seed=31)
-    shared = torch.randn(num_tokens, x.shape[1], generator=torch.Generator().manual_seed(32))
-    for shared_output in (None, shared.to(DEVICE, dtype)):
-        results = [moe_experts(x, w13, w2, weights, ids, backend="triton",
-                               shared_output=shared_output,
-                               settings=KernelConfig(moe_pair_tiles_max_tokens=8,
-                                                     moe_combine_in_down=fused))
-                   for fused in (False, True, True)]
-        assert torch.equal(results[1], results[0]) and torch.equal(results[2], results[0])
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,pair_tiles_max_tokens", [(1, 1), (1, 0), (9, 0), (70, 0)])
 def test_swapped_operands_match_reference(num_tokens, pair_tiles_max_tokens, dtype):
     """`MoETile.swap_ab` (weight tile on the MMA's M side, accumulators transposed): pair tiles
