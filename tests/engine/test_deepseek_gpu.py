@@ -77,7 +77,7 @@ def _hf_greedy(model_dir, prompts, dtype):
     return tokens
 
 
-def _engine_greedy(model_dir, prompts, *, dtype, enforce_eager):
+def _engine_greedy(model_dir, prompts, *, dtype, enforce_eager, one_at_a_time=False):
     from deepinfer.engine.config import EngineConfig
     from deepinfer.engine.llm import LLM
     from deepinfer.engine.sampling_params import SamplingParams
@@ -92,7 +92,8 @@ def _engine_greedy(model_dir, prompts, *, dtype, enforce_eager):
     runner = llm.engine_core.executor.runner
     assert (runner.cuda_graphs is None) == enforce_eager
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
+    batches = [[prompt] for prompt in prompts] if one_at_a_time else [prompts]
+    outputs = [out for batch in batches for out in llm.generate(batch, params)]
     del llm, runner
     gc.collect()
     return [out.token_ids for out in outputs]
@@ -112,6 +113,14 @@ def hf_float32_tokens(model_dir):
 def test_greedy_tokens_match_hf_float32(model_dir, hf_float32_tokens, enforce_eager):
     assert _engine_greedy(model_dir, _prompts(), dtype="float32",
                           enforce_eager=enforce_eager) == hf_float32_tokens
+
+
+def test_one_sequence_at_a_time_matches_hf_float32(model_dir, hf_float32_tokens):
+    """Decode at batch 1, CUDA graphs: the one-token MoE path (pair tiles, the shared experts
+    folded into the expert GEMMs as pseudo-experts: `moe_fold_shared_max_tokens`) gives HF's
+    float32 tokens for each prompt alone."""
+    assert _engine_greedy(model_dir, _prompts(), dtype="float32", enforce_eager=False,
+                          one_at_a_time=True) == hf_float32_tokens
 
 
 def test_bfloat16_tracks_hf_on_most_prompts(model_dir):

@@ -63,18 +63,26 @@ class Linear(nn.Module):
         the GEMM's epilogue where the fused kernel runs (pending None or AddedRows, residual
         overwritten), else (`forward(x)`, residual). FP8 weights and CPU packed / quantized
         copies always take `forward` (the fused kernel reads a plain weight of x's dtype)."""
-        if (self.weight_scale_inv is not None or self.packed_weight is not None
-                or self.quantized_weight is not None):
+        if self.plain_weight is None:
             return self.forward(x), residual
         return linear_add(x, self.weight, self.bias, residual, settings=self.kernel_config)
 
     def forward_row_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(`forward(x)`, each row's first maximal column [num_tokens] int64 where the GEMM's
         epilogue took it (`kernels.linear.linear_row_argmax`), else None)."""
-        if (self.bias is not None or self.packed_weight is not None
-                or self.quantized_weight is not None or self.weight_scale_inv is not None):
+        if self.bias is not None or self.plain_weight is None:
             return self.forward(x), None
         return linear_row_argmax(x, self.weight, settings=self.kernel_config)
+
+    @property
+    def plain_weight(self) -> torch.Tensor | None:
+        """`weight` ([out_features, in_features], the compute dtype) where it is all this
+        layer computes from, so a fused kernel may read it: None for FP8 codes and where a CPU
+        packed or quantized copy runs."""
+        if (self.weight_scale_inv is not None or self.packed_weight is not None
+                or self.quantized_weight is not None):
+            return None
+        return self.weight
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
