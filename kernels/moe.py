@@ -19,7 +19,6 @@ before calling), so replicated or re-placed experts (EPLB) need no change here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deepinfer.kernels.backends import Backends, triton_available
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
@@ -57,11 +56,8 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 w13_scale: torch.Tensor | None = None,
                 w2_scale: torch.Tensor | None = None,
                 shared_output: torch.Tensor | None = None,
-                shared_ready: torch.cuda.Event | None = None,
-                shared_w13: torch.Tensor | None = None,
-                shared_w2: torch.Tensor | None = None) -> torch.Tensor:
-    """Each token's routing-weighted sum of its top-k SwiGLU experts (plus `shared_output`, or
-    plus the shared experts' SwiGLU MLP of `shared_w13` / `shared_w2`).
+                shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
+    """Each token's routing-weighted sum of its top-k SwiGLU experts (plus `shared_output`).
 
     Args:
         hidden: [num_tokens, hidden_size].
@@ -83,10 +79,6 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             shared_output after its kernels: the current stream waits for it just before
             shared_output is read (the Triton backend: before its combine kernel), so the
             shared experts may run on another stream concurrently with the routed ones.
-        shared_w13, shared_w2: [2 Is, hidden_size] (gate rows then up rows) and
-            [hidden_size, Is], hidden's dtype, or None: the shared experts, added as
-            `silu(x Wg^T) * (x Wu^T) W2^T`; the Triton backend runs them inside its expert
-            GEMMs (one-token decode: `moe_triton.moe_experts`), the others in torch.
     Returns:
         [num_tokens, hidden_size], hidden's dtype (sums accumulated in float32).
     """
@@ -100,12 +92,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return _BACKENDS.load(name).moe_experts(hidden, w13, w2, topk_weights, topk_ids,
                                                 w13_scale=w13_scale, w2_scale=w2_scale,
                                                 shared_output=shared_output,
-                                                shared_ready=shared_ready,
-                                                shared_w13=shared_w13, shared_w2=shared_w2,
-                                                settings=settings)
-    if shared_w13 is not None:
-        gate, up = F.linear(hidden, shared_w13).chunk(2, dim=-1)
-        shared_output = F.linear(F.silu(gate) * up, shared_w2)
+                                                shared_ready=shared_ready, settings=settings)
     if w13_scale is not None:
         w13 = dequantize_blocks(w13, w13_scale, hidden.dtype)
         w2 = dequantize_blocks(w2, w2_scale, hidden.dtype)

@@ -186,24 +186,9 @@ def _tile_pairs(sorted_ptr, offs_m, pid_m, num_pairs, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _pair_expert(ids_ptr, pid_m, num_experts, TOP_K: tl.constexpr, SHARED: tl.constexpr):
-    """PAIR_TILES: the expert of pair pid_m. With SHARED > 0 each token's last SHARED of its
-    TOP_K pairs are the shared experts' pseudo-experts num_experts + 0 .. SHARED - 1, and its
-    routed ids are the [tokens, TOP_K - SHARED] rows at ids_ptr."""
-    if SHARED == 0:
-        expert = tl.load(ids_ptr + pid_m)
-    else:
-        token, j = pid_m // TOP_K, pid_m % TOP_K
-        routed = tl.load(ids_ptr + token * (TOP_K - SHARED) + tl.minimum(j, TOP_K - SHARED - 1))
-        expert = tl.where(j < TOP_K - SHARED, routed, num_experts + j - (TOP_K - SHARED))
-    return expert
-
-
-@triton.jit
-def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sw_ptr, s_ptr, out_ptr, sorted_ptr,
-                    block_expert_ptr, num_pairs, num_blocks, num_experts, shared_up_rows, N, K,
-                    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn,
-                    stride_om, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+                    num_pairs, num_blocks, N, K, stride_xm, stride_xsm, stride_we, stride_wn,
+                    stride_se, stride_sn, stride_om, TOP_K: tl.constexpr,
                     PRECISION: tl.constexpr, FP8: tl.constexpr, A_FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, SWAP_AB: tl.constexpr,
@@ -212,15 +197,12 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sw_ptr, s_ptr, out_ptr, sorted_ptr,
     FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128); the
     activations are quantized per row and K block in the loop, or with A_FP8 arrive quantized
     (x e4m3, xs [tokens, K / 128] float32 scales: `_load_a_block`).
-    PAIR_TILES: row tile b holds pair b alone, block_expert_ptr is the pairs' expert ids; with
-    SHARED > 0 the routed ids, each token's pairs followed by SHARED pseudo-experts: N-row
-    slices j of the shared experts' gate / up weight at sw_ptr (gate rows j * N.., up rows
-    shared_up_rows + j * N.., `_pair_expert`). TOP_K: pairs per token.
+    PAIR_TILES: row tile b holds pair b alone, block_expert_ptr is the pairs' expert ids.
     SWAP_AB (bf16 / fp32 only): the accumulators are [BLOCK_N, BLOCK_M] = w . x^T, the weight
     tile the MMA's M side (a few rows: BLOCK_N >= 64 fills Hopper's 64-row MMA, BLOCK_M does not)."""
     pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
-    expert = _pair_expert(block_expert_ptr, pid_m, num_experts, TOP_K, SHARED)
+    expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -232,18 +214,13 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sw_ptr, s_ptr, out_ptr, sorted_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    up_rows = N
-    if SHARED > 0:
-        if expert >= num_experts:   # a shared pseudo-expert: N-row slices of its weight
-            w_base = sw_ptr + (expert - num_experts).to(tl.int64) * N * stride_wn
-            up_rows = shared_up_rows
     if SWAP_AB:   # [BLOCK_N, BLOCK_K] weight tiles, accumulators [BLOCK_N, BLOCK_M]
         g_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:         # [BLOCK_K, BLOCK_N] weight tiles, accumulators [BLOCK_M, BLOCK_N]
         g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u_ptrs = g_ptrs + up_rows * stride_wn
+    u_ptrs = g_ptrs + N * stride_wn
     acc_u = tl.zeros_like(acc_g)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
@@ -282,21 +259,19 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sw_ptr, s_ptr, out_ptr, sorted_ptr,
 
 
 @triton.jit
-def _down_kernel(a_ptr, as_ptr, w_ptr, sw_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr,
-                 block_expert_ptr, num_pairs, num_blocks, num_experts, N, K, stride_am,
-                 stride_asm, stride_we, stride_wn, stride_swn, stride_se, stride_sn, stride_ym,
-                 TOP_K: tl.constexpr, SHARED: tl.constexpr,
+def _down_kernel(a_ptr, as_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, sorted_ptr,
+                 block_expert_ptr, num_pairs, num_blocks, N, K, stride_am, stride_asm,
+                 stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                  PRECISION: tl.constexpr, FP8: tl.constexpr, A_FP8: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, PAIR_TILES: tl.constexpr, SWAP_AB: tl.constexpr,
                  PDL: tl.constexpr):
     """y[pair, n] = weight[pair] * (a[slot] . w[e, n]) (fp32 product, stored in y's dtype),
-    for the tile's real slots (PAIR_TILES, SWAP_AB, FP8, A_FP8 (as [slots, K / 128] scales),
-    SHARED, TOP_K: as `_gate_up_kernel`; a shared pseudo-expert j reads K columns j * K.. of
-    the shared down weight at sw_ptr, rows stride_swn apart, with routing weight 1)."""
+    for the tile's real slots (PAIR_TILES, SWAP_AB, FP8, A_FP8 (as [slots, K / 128] scales):
+    as `_gate_up_kernel`)."""
     pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
-    expert = _pair_expert(block_expert_ptr, pid_m, num_experts, TOP_K, SHARED)
+    expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -307,16 +282,11 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, sw_ptr, s_ptr, y_ptr, weights_ptr, sorted
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    row_stride = stride_wn
-    if SHARED > 0:
-        if expert >= num_experts:
-            w_base = sw_ptr + (expert - num_experts).to(tl.int64) * K
-            row_stride = stride_swn
     if SWAP_AB:
-        w_ptrs = w_base + offs_n[:, None] * row_stride + offs_k[None, :]   # [BLOCK_N, BLOCK_K]
+        w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]   # [BLOCK_N, BLOCK_K]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
-        w_ptrs = w_base + offs_n[None, :] * row_stride + offs_k[:, None]   # [BLOCK_K, BLOCK_N]
+        w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None]   # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
@@ -337,13 +307,7 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, sw_ptr, s_ptr, y_ptr, weights_ptr, sorted
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     pdl.launch_dependents(PDL)
-    if SHARED > 0:   # the routed pairs' weights are [tokens, TOP_K - SHARED]; shared: 1
-        j = pair % TOP_K
-        weight = tl.load(weights_ptr + pair // TOP_K * (TOP_K - SHARED)
-                         + tl.minimum(j, TOP_K - SHARED - 1), mask=row_ok, other=0.0)
-        weight = tl.where(j < TOP_K - SHARED, weight, 1.0)
-    else:
-        weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     if SWAP_AB:
         y_ptrs = y_ptr + pair[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         tl.store(y_ptrs, (acc * weight[None, :]).to(y_ptr.dtype.element_ty),
@@ -445,7 +409,6 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                 shared_output: torch.Tensor | None = None,
                 shared_ready: torch.cuda.Event | None = None,
-                shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
                 settings: KernelConfig = DEFAULT) -> torch.Tensor:
     """Same contract as `kernels.reference.moe.moe_experts` (CUDA tensors, or any device under
     TRITON_INTERPRET=1), plus `shared_output` ([num_tokens, hidden_size] or None) added in the
@@ -456,11 +419,6 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     `shared_ready`: an event recorded after the kernels writing shared_output on another
     stream; the current stream waits for it just before the combine (so the shared experts
     run concurrently with the alignment and the expert GEMMs).
-    `shared_w13` [2 Is, hidden_size] (gate rows then up rows), `shared_w2` [hidden_size, Is]
-    (pair tiles only, experts in hidden's dtype, Is a multiple of the experts' I, no
-    shared_output): the shared experts' SwiGLU MLP runs inside the expert GEMMs as Is / I
-    pseudo-experts per token with routing weight 1 (slices of I of its intermediate), so it
-    needs no launches or stream of its own; the combine sums its parts with the routed rows.
 
     FP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [E, 2I / 128, H / 128] and w2_scale
     [E, H / 128, I / 128] float32 128x128 block scales (DeepSeek-V3's `weight_scale_inv`);
@@ -476,20 +434,9 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 must be row-major in their last dim")
     fp8 = w13_scale is not None
+    num_pairs = num_tokens * top_k
     pair_tiles = (num_tokens <= settings.moe_pair_tiles_max_tokens
                   and not settings.batch_invariant)
-    shared = 0   # shared pseudo-experts per token
-    if shared_w13 is not None:
-        shared = shared_w13.shape[0] // inter2
-        if not (pair_tiles and not fp8 and shared_output is None and shared_w2 is not None
-                and shared_w13.dtype == w13.dtype and shared * inter2 == shared_w13.shape[0]
-                and shared_w13.is_contiguous() and shared_w2.is_contiguous()):
-            raise ValueError("shared_w13 / shared_w2 fold the shared experts into the "
-                             "pair-tiles path only: contiguous weights in the experts' dtype, "
-                             "an intermediate size a multiple of the experts', no "
-                             "shared_output")
-    pairs_per_token = top_k + shared
-    num_pairs = num_tokens * pairs_per_token
     if settings.batch_invariant:   # one tile whatever the rows: a pair's sums never change
         tile = settings.moe_invariant_tile
     else:
@@ -521,12 +468,11 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
              and num_pairs >= settings.moe_fp8_quantize_once_pairs)
     x, xs = quantize_activation(hidden) if a_fp8 else (hidden, hidden)
     grid = (num_blocks * triton.cdiv(inter, tile.block_n),)
-    _gate_up_kernel[grid](x, xs, w13, shared_w13 if shared else w13, s13, act, sorted_pairs,
-                          block_expert, num_pairs, num_blocks, num_experts, shared * inter,
-                          inter, hidden_size, x.stride(0), xs.stride(0),
+    _gate_up_kernel[grid](x, xs, w13, s13, act, sorted_pairs, block_expert, num_pairs,
+                          num_blocks, inter, hidden_size, x.stride(0), xs.stride(0),
                           w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0,
-                          s13.stride(1) if fp8 else 0, act.stride(0), TOP_K=pairs_per_token,
-                          SHARED=shared, PRECISION=precision, FP8=fp8, A_FP8=a_fp8, BLOCK_M=tile.block_m,
+                          s13.stride(1) if fp8 else 0, act.stride(0), TOP_K=top_k,
+                          PRECISION=precision, FP8=fp8, A_FP8=a_fp8, BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                           PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, PDL=bool(options),
                           num_warps=tile.num_warps, num_stages=tile.num_stages, **options)
@@ -535,13 +481,11 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     s2 = w2_scale if fp8 else w2
     act, act_scales = quantize_activation(act) if a_fp8 else (act, act)
     grid = (num_blocks * triton.cdiv(hidden_size, tile.down_block_n),)
-    _down_kernel[grid](act, act_scales, w2, shared_w2 if shared else w2, s2, y, weights,
-                       sorted_pairs, block_expert, num_pairs, num_blocks, num_experts,
-                       hidden_size, inter, act.stride(0), act_scales.stride(0), w2.stride(0),
-                       w2.stride(1), shared_w2.stride(0) if shared else 0,
+    _down_kernel[grid](act, act_scales, w2, s2, y, weights, sorted_pairs, block_expert,
+                       num_pairs, num_blocks, hidden_size, inter, act.stride(0),
+                       act_scales.stride(0), w2.stride(0), w2.stride(1),
                        s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-                       y.stride(0), TOP_K=pairs_per_token, SHARED=shared,
-                       PRECISION=precision, FP8=fp8, A_FP8=a_fp8,
+                       y.stride(0), PRECISION=precision, FP8=fp8, A_FP8=a_fp8,
                        BLOCK_M=tile.block_m,
                        BLOCK_N=tile.down_block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                        PAIR_TILES=pair_tiles, SWAP_AB=tile.swap_ab, PDL=bool(options),
@@ -554,7 +498,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         shared_output = shared_output.contiguous()
     add = shared_output if shared_output is not None else out
     _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        y, add, out, hidden_size, add.stride(0), TOP_K=pairs_per_token,
+        y, add, out, hidden_size, add.stride(0), TOP_K=top_k,
         HAS_ADD=shared_output is not None, BLOCK_N=block_n, PDL=bool(options), num_warps=4,
         **options)
     return out

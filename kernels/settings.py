@@ -117,11 +117,6 @@ class KernelConfig:
         not by every column tile inside its K loop; below (and in the batch-invariant mode),
         no extra launches. Same codes and scales either way. (H100, V2-Lite: prefill 57.3k -> 85.3k tok/s, decode b=256 (1,536
         pairs) +12%, b=64 (384 pairs) -2.4% if applied.)
-    moe_fold_shared_max_tokens: up to this many tokens (default 1; at most
-        moe_pair_tiles_max_tokens) a CUDA DeepSeek MoE layer runs its shared experts inside
-        the routed experts' pair-tile GEMMs, as pseudo-experts of routing weight 1
-        (`kernels.moe_triton.moe_experts` shared_w13 / shared_w2), instead of on the second
-        stream: no launches, event or stream of their own on the decode chain. 0: never.
     moe_pair_tiles_max_tokens: up to this many tokens (default 1) the Triton MoE skips the
         alignment: each (token, k) pair is its own row tile of the expert GEMMs (one launch
         less; at one token no expert is read twice, at more an expert picked by several tokens
@@ -203,7 +198,6 @@ class KernelConfig:
     moe_align_one_program_max_pairs: int = 256
     moe_fp8_quantize_once_pairs: int = 512
     moe_pair_tiles_max_tokens: int = 1
-    moe_fold_shared_max_tokens: int = 1
     moe_fused_router_max_rows: int = 1
     moe_shared_stream_max_rows: int = 16
     moe_deep_gemm_min_rows: int = 128

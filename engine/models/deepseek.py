@@ -43,7 +43,6 @@ from deepinfer.engine.moe.gating import RoutingConfig
 from deepinfer.kernels.attention_metadata import AttentionMetadata
 from deepinfer.kernels.fp8 import fp8_supported
 from deepinfer.kernels.fused_linear import AddedRows, add_norm_linear
-from deepinfer.kernels.moe import resolve_backend
 from deepinfer.kernels.settings import DEFAULT, KernelConfig
 
 
@@ -70,9 +69,7 @@ class DeepseekMoEBlock(nn.Module):
     a second stream, concurrently with the router, the alignment and the routed expert GEMMs
     (SGLang's dual-stream MoE): at decode each of these kernels is a few microseconds of
     launch and ramp on a few SMs, so the two chains overlap instead of adding up. The combine
-    waits for them (an event, captured into CUDA graphs as a dependency). Up to
-    `moe_fold_shared_max_tokens` tokens (one) they run inside the routed experts' GEMMs
-    instead, as pseudo-experts (`_shared_folded`).
+    waits for them (an event, captured into CUDA graphs as a dependency).
     `kernel_config`: set by `layers.set_kernel_config`.
     """
 
@@ -108,29 +105,7 @@ class DeepseekMoEBlock(nn.Module):
         """hidden: [T, hidden_size] -> [T, hidden_size]."""
         if self.shared_experts is None:
             return self.moe(hidden)
-        if self._shared_folded(hidden):
-            return self.moe(hidden, shared_weights=self._shared_weights())
         return self._routed_plus(hidden, self.shared_experts)
-
-    def _shared_folded(self, hidden: torch.Tensor) -> bool:
-        """Whether the shared experts run inside the routed expert GEMMs as pseudo-experts
-        (`KernelConfig.moe_fold_shared_max_tokens`): CUDA, the Triton pair-tiles path, experts
-        and shared weights plain in one dtype, the shared intermediate a multiple of the
-        experts', all experts on this device."""
-        s, moe, mlp = self.kernel_config, self.moe, self.shared_experts
-        up, down = mlp.gate_up_proj, mlp.down_proj
-        return (hidden.is_cuda and not s.batch_invariant
-                and hidden.shape[0] <= min(s.moe_fold_shared_max_tokens,
-                                           s.moe_pair_tiles_max_tokens)
-                and moe.w13_scale is None and moe.expert_parallel is None
-                and resolve_backend(moe.backend, hidden.device) == "triton"
-                and up.plain_weight is not None and down.plain_weight is not None
-                and up.bias is None and down.bias is None
-                and up.weight.dtype == moe.w13.dtype
-                and mlp.intermediate_size % moe.intermediate_size == 0)
-
-    def _shared_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.shared_experts.gate_up_proj.weight, self.shared_experts.down_proj.weight
 
     def forward_add(self, hidden: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -149,8 +124,6 @@ class DeepseekMoEBlock(nn.Module):
         """
         if self.shared_experts is None:
             return self.moe(hidden), residual
-        if self._shared_folded(hidden):
-            return self.moe(hidden, shared_weights=self._shared_weights()), residual
         pending = None
 
         def shared_into_stream(x: torch.Tensor) -> torch.Tensor:

@@ -116,9 +116,9 @@ def test_greedy_tokens_match_hf_float32(model_dir, hf_float32_tokens, enforce_ea
 
 
 def test_one_sequence_at_a_time_matches_hf_float32(model_dir, hf_float32_tokens):
-    """Decode at batch 1, CUDA graphs: the one-token MoE path (pair tiles, the shared experts
-    folded into the expert GEMMs as pseudo-experts: `moe_fold_shared_max_tokens`) gives HF's
-    float32 tokens for each prompt alone."""
+    """Decode at batch 1, CUDA graphs: the one-token paths (the fused router, MoE pair tiles,
+    the shared experts on the second stream) give HF's float32 tokens for each prompt
+    alone."""
     assert _engine_greedy(model_dir, _prompts(), dtype="float32", enforce_eager=False,
                           one_at_a_time=True) == hf_float32_tokens
 

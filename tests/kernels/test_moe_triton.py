@@ -67,34 +67,6 @@ def test_pair_tiles_without_alignment_match_reference(num_tokens, num_experts, t
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_tokens,shared", [(1, 2), (1, 1), (5, 2)])
-def test_shared_experts_folded_into_the_pair_tiles_match_reference(num_tokens, shared, dtype):
-    """`shared_w13` / `shared_w2` on the pair-tiles path: the shared experts' MLP (intermediate
-    `shared` x the experts') as that many pseudo-experts per token inside the expert GEMMs:
-    the reference MoE plus the torch shared MLP, same tolerances as `check`. Off the pair
-    tiles (and with FP8 experts) the fold is refused."""
-    x, w13, w2, weights, ids = make_moe(num_tokens, 8, 3, dtype=dtype, seed=41)
-    gen = torch.Generator().manual_seed(42)
-    inter = w13.shape[1] // 2
-    sw13 = torch.randn(2 * shared * inter, x.shape[1], generator=gen) * 0.2
-    sw2 = torch.randn(x.shape[1], shared * inter, generator=gen) * 0.2
-    settings = KernelConfig(moe_pair_tiles_max_tokens=8)
-    got = moe_experts(x, w13, w2, weights, ids, backend="triton", settings=settings,
-                      shared_w13=sw13.to(DEVICE, dtype), shared_w2=sw2.to(DEVICE, dtype))
-    ref_args = [a.float().cpu() if a.is_floating_point() else a.cpu()
-                for a in (x, w13, w2, weights, ids)]
-    expected = moe_experts(*ref_args, backend="reference", shared_w13=sw13, shared_w2=sw2)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
-    else:
-        assert relative_error(got, expected) <= 1e-2
-    with pytest.raises(ValueError, match="pair-tiles path only"):
-        moe_experts(x, w13, w2, weights, ids, backend="triton",
-                    settings=KernelConfig(moe_pair_tiles_max_tokens=0),
-                    shared_w13=sw13.to(DEVICE, dtype), shared_w2=sw2.to(DEVICE, dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,pair_tiles_max_tokens", [(1, 1), (1, 0), (9, 0), (70, 0)])
 def test_swapped_operands_match_reference(num_tokens, pair_tiles_max_tokens, dtype):
     """`MoETile.swap_ab` (weight tile on the MMA's M side, accumulators transposed): pair tiles

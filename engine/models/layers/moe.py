@@ -135,19 +135,13 @@ class MoE(nn.Module):
         raise ValueError(f"unknown expert projection {projection!r}")
 
     def forward(self, hidden: torch.Tensor, shared_output: torch.Tensor | None = None,
-                shared_ready: torch.cuda.Event | None = None,
-                shared_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> routed experts' weighted sum (plus
         `shared_output`, [num_tokens, hidden_size] or None: added by the experts' combine
         kernel on the Triton backend), same shape/dtype. `shared_ready`: None, or the event
-        after which shared_output (written on another CUDA stream) may be read.
-        `shared_weights`: None, or the shared experts' (gate_up [2 Is, hidden_size], down
-        [hidden_size, Is]) weights, run with the routed experts (`kernels.moe.moe_experts`
-        shared_w13 / shared_w2; no expert parallelism)."""
+        after which shared_output (written on another CUDA stream) may be read
+        (`kernels.moe.moe_experts`)."""
         if self.expert_parallel is not None:
-            if shared_weights is not None:
-                raise ValueError("shared_weights need the experts on this device (no EP)")
             out = self.expert_parallel.forward(self, hidden)
             if shared_ready is not None:
                 torch.cuda.current_stream(hidden.device).wait_event(shared_ready)
@@ -155,12 +149,10 @@ class MoE(nn.Module):
         topk_weights, physical_ids = route_hidden(  # [T, top_k] each
             hidden, self.gate_weight, self.routing, self.e_score_correction_bias,
             logical_to_physical=self.logical_to_physical, settings=self.kernel_config)
-        shared_w13, shared_w2 = shared_weights or (None, None)
         return moe_experts(hidden, self.w13, self.w2, topk_weights, physical_ids,
                            backend=self.backend, settings=self.kernel_config,
                            w13_scale=self.w13_scale, w2_scale=self.w2_scale,
-                           shared_output=shared_output, shared_ready=shared_ready,
-                           shared_w13=shared_w13, shared_w2=shared_w2)
+                           shared_output=shared_output, shared_ready=shared_ready)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.routing.num_experts}, top_k={self.routing.top_k}, "
