@@ -196,7 +196,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expe
     """out[slot, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the tile's slots.
     FP8: w is e4m3 with s [E, 2N / 128, K / 128] float32 block scales (BLOCK_K = 128); the
     activations are quantized per row and K block in the loop, or with A_FP8 arrive quantized
-    (x e4m3, xs [tokens, K / 128] float32 scales: `_load_a_block`).
+    (x e4m3, xs [tokens, K / 128] float32 scales: `_fp8_a_block`).
     PAIR_TILES: row tile b holds pair b alone, block_expert_ptr is the pairs' expert ids.
     SWAP_AB (bf16 / fp32 only): the accumulators are [BLOCK_N, BLOCK_M] = w . x^T, the weight
     tile the MMA's M side (a few rows: BLOCK_N >= 64 fills Hopper's 64-row MMA, BLOCK_M does not)."""
@@ -422,8 +422,10 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     FP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [E, 2I / 128, H / 128] and w2_scale
     [E, H / 128, I / 128] float32 128x128 block scales (DeepSeek-V3's `weight_scale_inv`);
-    I and H multiples of 128. Activations are quantized per row and 128-channel block inside
-    the GEMMs (DeepGEMM's recipe), accumulation in float32.
+    I and H multiples of 128. Activations are quantized per row and 128-channel block
+    (DeepGEMM's recipe): inside the GEMMs' K loops, or from
+    `settings.moe_fp8_quantize_once_pairs` pairs once before each GEMM; accumulation in
+    float32.
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, inter2, hidden_size = w13.shape

@@ -115,8 +115,8 @@ class KernelConfig:
         512): each expert GEMM's activations are quantized to e4m3 once
         (`fp8_gemm_triton.quantize_activation`: per token for gate_up, per slot for down),
         not by every column tile inside its K loop; below (and in the batch-invariant mode),
-        no extra launches. Same codes and scales either way. (H100, V2-Lite: prefill 57.3k -> 85.3k tok/s, decode b=256 (1,536
-        pairs) +12%, b=64 (384 pairs) -2.4% if applied.)
+        no extra launches. Same codes and scales either way. (H100, V2-Lite: prefill 57.3k
+        -> 85.3k tok/s, decode b=256 (1,536 pairs) +12%, b=64 (384 pairs) -2.4% if applied.)
     moe_pair_tiles_max_tokens: up to this many tokens (default 1) the Triton MoE skips the
         alignment: each (token, k) pair is its own row tile of the expert GEMMs (one launch
         less; at one token no expert is read twice, at more an expert picked by several tokens
