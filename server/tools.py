@@ -86,7 +86,12 @@ def _check_tools(tools: list[Any]) -> None:
                            "only function tools are supported.", param=where,
                            code="invalid_value")
         function = tool.get("function")
-        if not isinstance(function, dict) or not _NAME.match(str(function.get("name", ""))):
+        if not isinstance(function, dict):
+            raise APIError(f"{where}.function must be an object with at least a \"name\", got "
+                           f"{spelled(function)}; send {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ...}}}}.", param=f"{where}.function",
+                           code="invalid_type")
+        if not _NAME.match(str(function.get("name", ""))):
             raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'.",
                            param=f"{where}.function.name", code="invalid_value")
         for field, (kind, expected) in _FUNCTION_FIELD_TYPES.items():

@@ -108,6 +108,8 @@ def test_completions_take_structured_fields():
     ({"tools": [{"type": "retrieval"}]}, "tools[0]", "only function tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
      "tools[0].function.name", "letters, digits"),
+    # found by the s55 new-user trial: a missing "function" was blamed on its name
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "must be an object with at least"),
     # found by black-box testing: a non-object "function" in tool_choice was a 500
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
      "tool_choice", 'must be "none", "auto", "required" or'),
