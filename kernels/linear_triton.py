@@ -463,8 +463,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = dict(config)
     fixed_block_m = config.pop("BLOCK_M", None)
     rows_per_program = fixed_block_m or block_m(num_rows)
-    gluon = (fixed_block_m is None and rows_per_program in settings.gluon_block_m and (norm_eps is None or ss_parts)
-             and config["BLOCK_N"] % 64 == 0 and _gluon_takes(x, weight))
+    gluon = (fixed_block_m is None and rows_per_program in settings.gluon_block_m
+             and (norm_eps is None or ss_parts) and config["BLOCK_N"] % 64 == 0
+             and _gluon_takes(x, weight))
     block_k = config["BLOCK_K"]
     # K per split, a multiple of BLOCK_K; trailing splits may get no tiles (they add zeros)
     k_per_split = triton.cdiv(in_features, split_k * block_k) * block_k

@@ -347,7 +347,6 @@ def rotate_write_and_attend(query: torch.Tensor, kv_a: torch.Tensor, norm_weight
     return mla_attention(q_nope, q_pe, kv_cache, metadata, w_uk, w_uv, scale, settings=settings)
 
 
-
 # tokens per batch-invariant attention call: bounds its split partials (tokens x heads x 2 x
 # kv_lora_rank float32: 134 MB at DeepSeek-V3's 128 heads)
 EVERY_TOKEN_CHUNK = 256

@@ -104,15 +104,7 @@ class MoE(nn.Module):
             logical_expert: the checkpoint's expert number.
             projection: "gate_proj" | "up_proj" ([I, hidden]) or "down_proj" ([hidden, I]).
         """
-        physical = int(self.logical_to_physical[logical_expert])
-        size = self.intermediate_size
-        if projection == "gate_proj":
-            return self.w13.data[physical, :size]
-        if projection == "up_proj":
-            return self.w13.data[physical, size:]
-        if projection == "down_proj":
-            return self.w2.data[physical]
-        raise ValueError(f"unknown expert projection {projection!r}")
+        return self._expert_slice(self.w13.data, self.w2.data, logical_expert, projection)
 
     def expert_scale(self, logical_expert: int, projection: str) -> torch.Tensor:
         """FP8 experts: the block-scale slice an HF `weight_scale_inv` loads into
@@ -124,14 +116,20 @@ class MoE(nn.Module):
         """
         if self.w13_scale is None:
             raise ValueError("this MoE holds its experts in the compute dtype, not FP8")
+        return self._expert_slice(self.w13_scale, self.w2_scale, logical_expert, projection)
+
+    def _expert_slice(self, w13: torch.Tensor, w2: torch.Tensor, logical_expert: int,
+                      projection: str) -> torch.Tensor:
+        """`projection`'s part of the physical slot of `logical_expert` in the per-slot
+        tensors w13 (gate rows, then as many up rows) and w2."""
         physical = int(self.logical_to_physical[logical_expert])
-        rows = self.w13_scale.shape[1] // 2
+        half = w13.shape[1] // 2
         if projection == "gate_proj":
-            return self.w13_scale[physical, :rows]
+            return w13[physical, :half]
         if projection == "up_proj":
-            return self.w13_scale[physical, rows:]
+            return w13[physical, half:]
         if projection == "down_proj":
-            return self.w2_scale[physical]
+            return w2[physical]
         raise ValueError(f"unknown expert projection {projection!r}")
 
     def forward(self, hidden: torch.Tensor, shared_output: torch.Tensor | None = None,
